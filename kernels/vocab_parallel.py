@@ -1,0 +1,97 @@
+"""Vocab-parallel cross-entropy on DTensor logits, as Megatron does it: the logits are never gathered.
+
+Logits are [N, V] on a mesh whose dims place them Shard(0) (tokens), Shard(1) (vocab) or Replicate.
+Over the vocab-sharding mesh dims we all-reduce the row max, then the row sum of exp together with the
+target logit (taken on the rank whose vocab range holds the target); over the token-sharding dims we
+all-reduce the loss sum and the count of non-ignored tokens. The backward (softmax minus one-hot, over
+the local vocab slice) needs no communication.
+"""
+import torch
+import torch.distributed._functional_collectives as funcol
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+
+def _all_reduce(t: torch.Tensor, op: str, groups) -> torch.Tensor:
+    for group in groups:
+        t = funcol.wait_tensor(funcol.all_reduce(t, op, group))
+    return t
+
+
+class _VocabParallelCE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, targets, vocab_start, ignore_index, vocab_groups, token_groups):
+        x = logits.float()
+        v_local = x.shape[1]
+        row_max = _all_reduce(x.max(dim=1).values, "max", vocab_groups)
+        sum_exp = torch.exp(x - row_max[:, None]).sum(dim=1)
+
+        valid = targets != ignore_index
+        local_t = targets - vocab_start
+        mine = valid & (local_t >= 0) & (local_t < v_local)
+        picked = x.gather(1, local_t.clamp(0, v_local - 1)[:, None]).squeeze(1)
+        target_logit = torch.where(mine, picked, torch.zeros_like(picked))
+        sum_exp, target_logit = _all_reduce(torch.stack([sum_exp, target_logit]), "sum", vocab_groups)
+
+        per_token = torch.where(valid, torch.log(sum_exp) + row_max - target_logit, torch.zeros_like(sum_exp))
+        loss_sum, count = _all_reduce(torch.stack([per_token.sum(), valid.sum().float()]), "sum", token_groups)
+
+        ctx.save_for_backward(logits, row_max, sum_exp, local_t, mine, valid, count)
+        return loss_sum / count
+
+    @staticmethod
+    def backward(ctx, grad):
+        logits, row_max, sum_exp, local_t, mine, valid, count = ctx.saved_tensors
+        g = torch.exp(logits.float() - row_max[:, None]) / sum_exp[:, None]
+        rows = torch.nonzero(mine).squeeze(1)
+        g[rows, local_t[rows]] -= 1.0
+        g *= (valid.float() * (grad / count))[:, None]
+        return g.to(logits.dtype), None, None, None, None, None
+
+
+def _placement_dims(logits: DTensor):
+    vocab_dims, token_dims = [], []
+    for mesh_dim, p in enumerate(logits.placements):
+        if isinstance(p, Replicate):
+            continue
+        if type(p) is Shard and p.dim % 2 == 1:
+            vocab_dims.append(mesh_dim)
+        elif type(p) is Shard and p.dim % 2 == 0:
+            token_dims.append(mesh_dim)
+        else:
+            raise ValueError(
+                f"vocab-parallel cross-entropy takes logits placed Shard(0), Shard(1) or Replicate on each mesh "
+                f"dim; got {p} on mesh dim {mesh_dim} ({logits.placements}). Redistribute Partial logits first.")
+    return vocab_dims, token_dims
+
+
+def _local_targets(targets, logits: DTensor, token_dims) -> torch.Tensor:
+    mesh = logits.device_mesh
+    want = [Shard(0) if d in token_dims else Replicate() for d in range(mesh.ndim)]
+    if not isinstance(targets, DTensor):
+        # a plain tensor is taken to be the global targets, identical on every rank
+        targets = DTensor.from_local(targets, mesh, [Replicate()] * mesh.ndim, run_check=False)
+    if targets.device_mesh != mesh:
+        raise ValueError("targets and logits must live on the same device mesh")
+    if any(p.is_partial() for p in targets.placements):
+        raise ValueError(f"targets must not be Partial, got {targets.placements}")
+    if list(targets.placements) != want:
+        targets = targets.redistribute(mesh, want)  # [N] integers: cheap, and usually only a local slice
+    return targets.to_local()
+
+
+def vocab_parallel_cross_entropy(logits: DTensor, targets, ignore_index: int = -100) -> DTensor:
+    """Mean cross-entropy over non-ignored tokens of [N, V] DTensor logits; a 0-dim all-Replicate DTensor."""
+    if logits.ndim != 2:
+        raise ValueError(f"logits must be [N, V], got shape {tuple(logits.shape)}")
+    if any(p.is_partial() for p in logits.placements):
+        raise ValueError(f"vocab-parallel cross-entropy cannot take Partial logits ({logits.placements}); "
+                         "reduce them first, e.g. logits.redistribute(mesh, [Shard(1)])")
+    vocab_dims, token_dims = _placement_dims(logits)
+    mesh = logits.device_mesh
+    local_targets = _local_targets(targets, logits, token_dims)
+    _, offset = compute_local_shape_and_global_offset(logits.shape, mesh, logits.placements)
+    loss = _VocabParallelCE.apply(
+        logits.to_local(), local_targets, offset[1], ignore_index,
+        [mesh.get_group(d) for d in vocab_dims], [mesh.get_group(d) for d in token_dims])
+    return DTensor.from_local(loss, mesh, [Replicate()] * mesh.ndim, run_check=False)

@@ -1,0 +1,47 @@
+"""Run a function on N CPU processes joined by a gloo process group, with a hard timeout.
+
+`run_distributed(fn, world_size, *args)` spawns the workers; each calls `fn(rank, world_size, *args)` after
+`init_process_group`. A worker's exception is re-raised in the test; a hang is killed and fails the test.
+`fn` must be defined at module level so the spawned processes can import it.
+"""
+import datetime
+import os
+import socket
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, fn, world_size: int, port: int, args, timeout_s: float):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)  # N processes share a few cores
+    dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    try:
+        fn(rank, world_size, *args)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def run_distributed(fn, world_size: int, *args, timeout_s: float = 120.0):
+    ctx = mp.start_processes(_worker, args=(fn, world_size, free_port(), args, timeout_s),
+                             nprocs=world_size, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not ctx.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{fn.__name__} on {world_size} processes did not finish in {timeout_s:.0f}s")
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
