@@ -9,7 +9,6 @@ the local vocab slice) needs no communication.
 import torch
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 
 def _all_reduce(t: torch.Tensor, op: str, groups) -> torch.Tensor:
@@ -43,8 +42,8 @@ class _VocabParallelCE(torch.autograd.Function):
     def backward(ctx, grad):
         logits, row_max, sum_exp, local_t, mine, valid, count = ctx.saved_tensors
         g = torch.exp(logits.float() - row_max[:, None]) / sum_exp[:, None]
-        rows = torch.nonzero(mine).squeeze(1)
-        g[rows, local_t[rows]] -= 1.0
+        # minus one-hot on the rank that holds the target (no data-dependent shapes: runs on fake tensors)
+        g.scatter_add_(1, local_t.clamp(0, g.shape[1] - 1)[:, None], -mine.to(g.dtype)[:, None])
         g *= (valid.float() * (grad / count))[:, None]
         return g.to(logits.dtype), None, None, None, None, None
 
@@ -90,8 +89,13 @@ def vocab_parallel_cross_entropy(logits: DTensor, targets, ignore_index: int = -
     vocab_dims, token_dims = _placement_dims(logits)
     mesh = logits.device_mesh
     local_targets = _local_targets(targets, logits, token_dims)
-    _, offset = compute_local_shape_and_global_offset(logits.shape, mesh, logits.placements)
+    # vocab_dims shard dim 1 in mesh-dim order, so this rank's slice starts at its flattened coordinate
+    coords = mesh.get_coordinate()
+    shard = 0
+    for d in vocab_dims:
+        shard = shard * mesh.size(d) + coords[d]
+    v_local = logits.to_local().shape[1]
     loss = _VocabParallelCE.apply(
-        logits.to_local(), local_targets, offset[1], ignore_index,
+        logits.to_local(), local_targets, shard * v_local, ignore_index,
         [mesh.get_group(d) for d in vocab_dims], [mesh.get_group(d) for d in token_dims])
     return DTensor.from_local(loss, mesh, [Replicate()] * mesh.ndim, run_check=False)

@@ -1,0 +1,14 @@
+"""spmd: write the model once on the global view, name its axes, pick a mesh, and get DP, FSDP, TP and SP.
+
+    mesh = spmd.make_mesh({"fsdp": 2, "tp": 2})
+    rules = spmd.Rules.default(sequence_parallel=True)
+    spmd.parallelize(model, mesh, rules)
+    plan = spmd.explain(model, rules, {"fsdp": 8, "tp": 8}, batch_shape=(8, 4096))
+"""
+from .annotate import P, annotate, annotate_by_name
+from .constrain import constrain
+from .explain import explain
+from .mesh import MESH_AXES, make_mesh, mesh_sizes, parse_spec
+from .parallelize import no_sync, parallelize
+from .plan import Plan
+from .rules import Rules

@@ -1,0 +1,95 @@
+"""Named device meshes: `make_mesh({"fsdp": 4, "tp": 2})` and the spec strings users type (`fsdp=4,tp=2,sp`).
+
+Mesh dims are laid out in a fixed order, pipeline outermost and tensor parallel innermost, so the ranks of
+a tensor-parallel group are neighbours (one node, fastest links) whatever order the user wrote.
+"""
+import os
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+MESH_AXES = ("pp", "dp", "fsdp", "tp")  # outermost first
+SPEC_FLAGS = ("sp",)
+
+
+def parse_spec(spec: str) -> tuple[dict[str, int], set[str]]:
+    """`"fsdp=2,tp=2,sp"` -> ({"fsdp": 2, "tp": 2}, {"sp"}). Raises ValueError on anything malformed."""
+    sizes: dict[str, int] = {}
+    flags: set[str] = set()
+    for part in (p.strip() for p in spec.replace("+", ",").split(",")):
+        if not part:
+            continue
+        if "=" not in part:
+            if part not in SPEC_FLAGS:
+                raise ValueError(f"unknown flag {part!r} in spec {spec!r}; flags are {SPEC_FLAGS}, axes are written axis=size")
+            flags.add(part)
+            continue
+        name, _, value = part.partition("=")
+        name = name.strip()
+        if name in sizes:
+            raise ValueError(f"mesh axis {name!r} appears twice in spec {spec!r}; give each axis once")
+        try:
+            sizes[name] = int(value)
+        except ValueError:
+            raise ValueError(f"mesh axis size must be an integer, got {part!r} in spec {spec!r}") from None
+    check_sizes(sizes)
+    return sizes, flags
+
+
+def check_sizes(sizes) -> None:
+    if not isinstance(sizes, dict):
+        raise TypeError(f"mesh sizes must be a dict like {{'fsdp': 4, 'tp': 2}}, got {type(sizes).__name__}")
+    for name, size in sizes.items():
+        if name not in MESH_AXES:
+            raise ValueError(f"unknown mesh axis {name!r}; allowed axes are {MESH_AXES}")
+        if not isinstance(size, int) or size < 1:
+            raise ValueError(f"mesh axis {name!r} must have a positive integer size, got {size!r}")
+
+
+def _world_from_env() -> int | None:
+    return int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None
+
+
+def init_distributed(device_type: str) -> None:
+    """Starts the default process group from torchrun's environment, or a one-process group when alone."""
+    if dist.is_initialized():
+        return
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    if "RANK" in os.environ and "MASTER_ADDR" in os.environ:
+        if device_type == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(backend)
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+
+
+def make_mesh(sizes, device_type: str | None = None) -> DeviceMesh:
+    """A DeviceMesh whose dims carry the given axis names; their product must equal the world size."""
+    if isinstance(sizes, str):
+        sizes, _ = parse_spec(sizes)
+    check_sizes(sizes)
+    if not sizes:
+        raise ValueError("a mesh needs at least one axis, e.g. {'dp': 1}")
+    product = 1
+    for size in sizes.values():
+        product *= size
+    world = dist.get_world_size() if dist.is_initialized() else (_world_from_env() or 1)
+    if product != world:
+        raise ValueError(
+            f"mesh {format_sizes(sizes)} has {product} devices but the world size is {world}; "
+            f"make the product of the axis sizes equal the number of processes")
+    device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
+    init_distributed(device_type)
+    names = tuple(a for a in MESH_AXES if a in sizes)
+    return init_device_mesh(device_type, tuple(sizes[a] for a in names), mesh_dim_names=names)
+
+
+def mesh_sizes(mesh: DeviceMesh) -> dict[str, int]:
+    """Every known axis with its size; axes absent from the mesh count as size 1."""
+    present = dict(zip(mesh.mesh_dim_names, mesh.mesh.shape))
+    return {a: int(present.get(a, 1)) for a in MESH_AXES}
+
+
+def format_sizes(sizes: dict[str, int]) -> str:
+    return ",".join(f"{k}={v}" for k, v in sizes.items())

@@ -1,0 +1,83 @@
+"""The plan `explain` returns: every collective of one training step, the pass's decisions, memory per rank."""
+import json
+import re
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from .propagate import Decision
+from .record import Collective
+
+
+@dataclass
+class Plan:
+    mesh: dict
+    batch_shape: tuple
+    dtype: str
+    collectives: list = field(default_factory=list)   # list[Collective]
+    decisions: list = field(default_factory=list)     # list[Decision]
+    memory: dict = field(default_factory=dict)        # bytes per rank
+
+    def totals(self, by=("phase", "kind", "axes")) -> dict:
+        """Sum of bytes per rank grouped by record fields, e.g. totals(("kind",))."""
+        out = defaultdict(int)
+        for c in self.collectives:
+            out[tuple(getattr(c, f) for f in by)] += c.bytes
+        return dict(out)
+
+    def comm_bytes(self, phase: str | None = None) -> int:
+        return sum(c.bytes for c in self.collectives if phase is None or c.phase == phase)
+
+    def to_dict(self) -> dict:
+        return {"mesh": self.mesh, "batch_shape": list(self.batch_shape), "dtype": self.dtype,
+                "collectives": [c.to_dict() for c in self.collectives],
+                "decisions": [d.to_dict() for d in self.decisions], "memory": self.memory,
+                "comm_bytes_per_step": self.comm_bytes()}
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Plan":
+        return cls(mesh=d["mesh"], batch_shape=tuple(d["batch_shape"]), dtype=d["dtype"],
+                   collectives=[Collective(**{**c, "axes": tuple(c["axes"]), "shape": tuple(c["shape"])})
+                                for c in d["collectives"]],
+                   decisions=[Decision(**x) for x in d["decisions"]], memory=d["memory"])
+
+    def table(self) -> str:
+        """One row per (phase, module pattern, why, kind, axes): repeated layers fold into `layers.*`."""
+        rows = defaultdict(lambda: [0, 0])
+        for c in self.collectives:
+            module = _fold(c.module) or "(model)"
+            why = _fold(c.reason) or f"{c.origin}: {c.op.split('.')[-2] if '.' in c.op else c.op}"
+            key = (c.phase, module, why, c.kind, "+".join(c.axes), c.bytes)
+            rows[key][0] += 1
+            rows[key][1] += c.bytes
+        mesh = ",".join(f"{k}={v}" for k, v in self.mesh.items() if v > 1) or "1 device"
+        lines = [f"plan for mesh {mesh}, batch {tuple(self.batch_shape)}, {self.dtype}; bytes are per rank per step",
+                 f"{'phase':<9} {'module':<32} {'collective':<14} {'axes':<9} {'count':>5} "
+                 f"{'bytes each':>14} {'bytes total':>14}  why"]
+        order = {"forward": 0, "backward": 1, "optimizer": 2}
+        for key in sorted(rows, key=lambda k: (order.get(k[0], 3), k[1], k[3])):
+            phase, module, why, kind, axes, each = key
+            count, total = rows[key]
+            lines.append(f"{phase:<9} {module:<32} {kind:<14} {axes:<9} {count:>5} {each:>14,} {total:>14,}  {why}")
+        lines.append("")
+        for (ph,), total in sorted(self.totals(("phase",)).items(), key=lambda kv: order.get(kv[0][0], 3)):
+            lines.append(f"total {ph:<9} {total:>16,} B")
+        lines.append(f"total step      {self.comm_bytes():>16,} B")
+        if self.decisions:
+            lines.append("")
+            lines.append("layout decisions (per rank, bytes of each alternative):")
+            lines.extend(sorted({"  " + _fold(d.describe()) for d in self.decisions}))
+        if self.memory:
+            lines.append("")
+            lines.append("memory per rank: " + ", ".join(f"{k} {v / 2**20:,.1f} MiB" for k, v in self.memory.items()))
+        return "\n".join(lines)
+
+    def __str__(self):
+        return self.table()
+
+
+def _fold(text: str) -> str:
+    """layers.3.attention -> layers.*.attention, so repeated blocks share a row."""
+    return re.sub(r"\.\d+(?=\.|:|$|\s)", ".*", text)

@@ -1,0 +1,178 @@
+"""Recording every collective a step issues: what, where, over which mesh axes, how many bytes, which phase.
+
+A dispatch mode sees each collective on local tensors after DTensor has lowered it. The code that issues
+it says why through `reason(...)`: the pass's planned redistributions carry their reason; a collective
+that DTensor inserts on its own inside an op is tagged `implicit` (a layout the pass failed to plan).
+
+Bytes are per rank on the wire for ring algorithms, the convention of the reference formulas:
+all_gather and reduce_scatter move S*(n-1)/n for a full tensor of S bytes; all_reduce moves 2*S*(n-1)/n.
+"""
+import contextlib
+import contextvars
+import sys
+from dataclasses import dataclass, asdict
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
+_funcol = torch.ops._c10d_functional
+_c10d = torch.ops.c10d
+
+# op packet -> (kind, index of the group-name argument)
+_FUNCOL = {
+    _funcol.all_gather_into_tensor: ("all_gather", 2),
+    _funcol.reduce_scatter_tensor: ("reduce_scatter", 3),
+    _funcol.all_reduce: ("all_reduce", 2),
+    _funcol.all_to_all_single: ("all_to_all", 3),
+    _funcol.broadcast: ("broadcast", 2),
+}
+_C10D = {
+    _c10d.allreduce_: "all_reduce", _c10d._allgather_base_: "all_gather", _c10d.allgather_: "all_gather",
+    _c10d._reduce_scatter_base_: "reduce_scatter", _c10d.reduce_scatter_: "reduce_scatter",
+    _c10d.alltoall_base_: "all_to_all", _c10d.broadcast_: "broadcast", _c10d.send: "send", _c10d.recv_: "recv",
+}
+
+_context = contextvars.ContextVar("spmd_comm_context", default=None)  # (module, reason, origin)
+_phase = contextvars.ContextVar("spmd_phase", default="forward")
+_module_stack: list[str] = []
+
+
+@dataclass
+class Collective:
+    module: str
+    op: str        # what issued it: the planned move, or the torch op
+    kind: str      # all_gather | reduce_scatter | all_reduce | all_to_all | broadcast | send | recv
+    axes: tuple    # mesh axes of the process group
+    bytes: int     # per rank, on the wire (see module docstring)
+    phase: str     # forward | backward | optimizer
+    reason: str = ""
+    origin: str = "planned"  # planned | op | implicit
+    dtype: str = ""
+    shape: tuple = ()
+
+    def to_dict(self):
+        return asdict(self)
+
+
+@contextlib.contextmanager
+def reason(module: str, why: str, origin: str = "planned"):
+    token = _context.set((module, why, origin))
+    try:
+        yield
+    finally:
+        _context.reset(token)
+
+
+@contextlib.contextmanager
+def phase(name: str):
+    token = _phase.set(name)
+    try:
+        yield
+    finally:
+        _phase.reset(token)
+
+
+def push_module(name: str):
+    _module_stack.append(name)
+
+
+def pop_module():
+    if _module_stack:
+        _module_stack.pop()
+
+
+def current_module() -> str:
+    return _module_stack[-1] if _module_stack else ""
+
+
+def wire_bytes(kind: str, full_bytes: int, n: int) -> int:
+    if n <= 1:
+        return 0
+    if kind == "all_reduce":
+        return 2 * full_bytes * (n - 1) // n
+    if kind in ("all_gather", "reduce_scatter", "all_to_all", "broadcast"):
+        return full_bytes * (n - 1) // n
+    return full_bytes
+
+
+class CollectiveRecorder(TorchDispatchMode):
+    """Records collectives into `self.records`. `group_axes` maps process-group names to mesh axes."""
+
+    def __init__(self, mesh=None):
+        super().__init__()
+        self.records: list[Collective] = []
+        self.group_axes: dict[str, tuple] = {}
+        if mesh is not None:
+            for name in mesh.mesh_dim_names:
+                self.group_axes[mesh.get_group(name).group_name] = (name,)
+
+    def _axes(self, group_name) -> tuple:
+        return self.group_axes.get(group_name, (str(group_name),))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented
+        out = func(*args, **kwargs)
+        packet = getattr(func, "_overloadpacket", None)
+        if packet in _FUNCOL:
+            kind, gi = _FUNCOL[packet]
+            group_name = args[gi] if len(args) > gi else kwargs.get("group_name")
+            n = dist.get_world_size(dist.distributed_c10d._resolve_process_group(group_name))
+            t = args[0]
+            full = t.numel() * t.element_size() * (n if kind == "all_gather" else 1)
+            self._add(kind, self._axes(group_name), wire_bytes(kind, full, n), str(func), t)
+        elif packet in _C10D:
+            kind = _C10D[packet]
+            tensors = args[0] if isinstance(args[0], (list, tuple)) else [args[0]]
+            t = tensors[0] if not isinstance(tensors[0], (list, tuple)) else tensors[0][0]
+            pg = next((a for a in args if isinstance(a, dist.ProcessGroup)), None)
+            n = pg.size() if pg is not None else 1
+            full = t.numel() * t.element_size()
+            self._add(kind, (pg.group_name,) if pg is not None else (), wire_bytes(kind, full, n), str(func), t)
+        return out
+
+    def _add(self, kind, axes, nbytes, op, t):
+        ctx = _context.get()
+        backward = torch._C._current_autograd_node() is not None
+        ph = "backward" if backward and _phase.get() == "forward" else _phase.get()
+        if ctx is None:
+            module, why, origin = current_module(), f"issued by {_caller()}", "op"
+        else:
+            module, why, origin = ctx
+        self.records.append(Collective(module=module, op=op, kind=kind, axes=tuple(axes), bytes=int(nbytes),
+                                       phase=ph, reason=why, origin=origin, dtype=str(t.dtype).replace("torch.", ""),
+                                       shape=tuple(t.shape)))
+
+
+def _caller() -> str:
+    """The innermost function outside torch that issued a collective, e.g. `kernels.vocab_parallel.forward`."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        module = frame.f_globals.get("__name__", "")
+        if not (module.startswith("torch") or module == __name__):
+            return f"{module}.{frame.f_code.co_name}"
+        frame = frame.f_back
+    return "torch"
+
+
+def _patch_implicit_redistribution():
+    """Tags the redistributions DTensor performs inside an op's dispatch, so a plan can show them."""
+    from torch.distributed.tensor import _dispatch
+    original = getattr(_dispatch, "redistribute_local_tensor", None)
+    if original is None or getattr(original, "_spmd_tagged", False):
+        return
+
+    def tagged(local_tensor, current_spec, target_spec, *args, **kwargs):
+        module = current_module()
+        with reason(module, f"DTensor op redistributed {current_spec.placements} -> {target_spec.placements}",
+                    origin="implicit"):
+            return original(local_tensor, current_spec, target_spec, *args, **kwargs)
+
+    tagged._spmd_tagged = True
+    _dispatch.redistribute_local_tensor = tagged
+
+
+_patch_implicit_redistribution()

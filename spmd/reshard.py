@@ -1,0 +1,80 @@
+"""ZeRO-3's reshard-after-forward: a gathered parameter is not kept alive for backward.
+
+While a module runs forward, tensors autograd saves that alias a gathered parameter are replaced by a
+small handle; backward regathers the parameter from its shard when it needs it. Modules under activation
+checkpointing skip this: recomputation regathers anyway.
+"""
+import contextlib
+
+import torch
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
+from torch.distributed.tensor import DTensor
+
+from . import record
+
+CHECKPOINTED_ATTR = "_spmd_checkpointed"
+_observers: list[dict] = []
+
+
+def storage_key(t: DTensor) -> int:
+    return t._local_tensor.untyped_storage()._cdata
+
+
+class _Regather:
+    __slots__ = ("param", "compute", "dtype", "module", "local_view", "spec")
+
+    def __init__(self, param, compute, dtype, module, t: DTensor):
+        self.param, self.compute, self.dtype, self.module = param, compute, dtype, module
+        local = t._local_tensor
+        self.local_view = (local.size(), local.stride(), local.storage_offset())
+        self.spec = (t.device_mesh, t.placements, t.shape, t.stride())
+
+    def materialize(self) -> DTensor:
+        p = self.param.detach()
+        if self.dtype is not None and p.dtype != self.dtype:
+            p = p.to(self.dtype)
+        with record.reason(self.module, f"regather {self.param._spmd_name} for backward"):
+            full = p.redistribute(p.device_mesh, self.compute)
+        size, stride, offset = self.local_view
+        local = full._local_tensor
+        if isinstance(local, AsyncCollectiveTensor):
+            local = local.wait()
+        local = local.as_strided(size, stride, offset)
+        mesh, placements, shape, gstride = self.spec
+        return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=gstride)
+
+
+def reshard_after_forward(gathered: dict, state, module: str):
+    """saved_tensors_hooks that swap tensors aliasing `gathered` ({storage key: (param, compute)})."""
+
+    def pack(t):
+        if isinstance(t, DTensor):
+            hit = gathered.get(storage_key(t))
+            if hit is not None:
+                return _Regather(hit[0], hit[1], state.param_dtype, module, t)
+        _observe(t)
+        return t
+
+    def unpack(x):
+        return x.materialize() if isinstance(x, _Regather) else x
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+
+def _observe(t):
+    if _observers:
+        local = t._local_tensor if isinstance(t, DTensor) else t
+        storage = local.untyped_storage()
+        for seen in _observers:
+            seen[storage._cdata] = storage.nbytes()
+
+
+@contextlib.contextmanager
+def observe_saved(seen: dict):
+    """Collects {storage: bytes} of every tensor autograd saves (local shards): the activation memory."""
+    _observers.append(seen)
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: (_observe(t), t)[1], lambda t: t):
+            yield seen
+    finally:
+        _observers.remove(seen)

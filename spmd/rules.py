@@ -1,0 +1,101 @@
+"""Rules: the table that maps logical axis names to mesh axes.
+
+Two maps, as Levanter has them. The compute map lays out activations and the parameters in use; the params
+map is the compute map plus storage-only entries (`embed -> fsdp`). FSDP is the difference between the two.
+"""
+import difflib
+
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Placement, Replicate, Shard
+
+from .mesh import MESH_AXES
+
+MeshAxes = tuple[str, ...]
+
+
+def _as_axes(value, where: str) -> MeshAxes:
+    if value is None:
+        return ()
+    axes = (value,) if isinstance(value, str) else tuple(value)
+    for axis in axes:
+        if axis not in MESH_AXES:
+            hint = difflib.get_close_matches(str(axis), MESH_AXES, n=1)
+            fix = f"did you mean {hint[0]!r}?" if hint else f"use one of {MESH_AXES}"
+            raise ValueError(f"{where} names mesh axis {axis!r}, which is not a known axis; {fix}")
+    if len(set(axes)) != len(axes):
+        raise ValueError(f"{where} uses mesh axis {axes} more than once; name each mesh axis once")
+    return axes
+
+
+class Rules:
+    """Logical axis -> mesh axis or axes. `params` entries add storage-only sharding on top of `compute`."""
+
+    def __init__(self, compute: dict, params: dict | None = None):
+        self.compute = {k: _as_axes(v, f"compute rule {k!r}") for k, v in compute.items()}
+        extra = {k: _as_axes(v, f"params rule {k!r}") for k, v in (params or {}).items()}
+        self.params = {**self.compute, **extra}
+
+    @classmethod
+    def default(cls, sequence_parallel: bool = False) -> "Rules":
+        # Order matters for activations: when two dims of one activation claim the same mesh axis, the
+        # earlier rule keeps it (logits under sequence parallelism keep vocab on tp and gather seq).
+        compute = {"batch": ("dp", "fsdp"), "vocab": "tp", "heads": "tp", "kv_heads": "tp", "mlp": "tp"}
+        if sequence_parallel:
+            compute["seq"] = "tp"
+        return cls(compute, params={"embed": "fsdp"})
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return bool(self.compute.get("seq"))
+
+    def __repr__(self):
+        return f"Rules(compute={self.compute}, params={self.params})"
+
+    def mesh_axes(self, logical_axes, which: str, name: str, strict: bool = True) -> list[MeshAxes]:
+        """Mesh axes for each tensor dim. `strict` (parameters) rejects a mesh axis used by two dims;
+        otherwise (activations) the dim whose rule comes first keeps it."""
+        table = self.params if which == "params" else self.compute
+        order = {k: i for i, k in enumerate(table)}
+        result: list[MeshAxes] = [table.get(a, ()) if a is not None else () for a in logical_axes]
+        owner: dict[str, int] = {}
+        for dim in sorted(range(len(result)), key=lambda d: order.get(logical_axes[d], len(order))):
+            kept = []
+            for axis in result[dim]:
+                if axis in owner:
+                    if strict:
+                        raise ValueError(
+                            f"{name}: mesh axis {axis!r} would shard both dim {owner[axis]} "
+                            f"({logical_axes[owner[axis]]!r}) and dim {dim} ({logical_axes[dim]!r}); "
+                            f"a mesh axis can shard one dim of a tensor: change the annotation or the rules")
+                    continue
+                owner[axis] = dim
+                kept.append(axis)
+            result[dim] = tuple(kept)
+        return result
+
+
+def placements_for(mesh: DeviceMesh, dims_axes: list[MeshAxes], shape, name: str) -> list[Placement]:
+    """Per-mesh-dim placements for a tensor whose dim d is sharded over `dims_axes[d]`.
+    Axes absent from the mesh or of size 1 are inactive. Checks divisibility."""
+    names = mesh.mesh_dim_names
+    sizes = dict(zip(names, mesh.mesh.shape))
+    placements: list[Placement] = [Replicate() for _ in names]
+    seen: dict[str, int] = {}
+    for dim, axes in enumerate(dims_axes):
+        factor = 1
+        for axis in axes:
+            if axis in seen:
+                raise ValueError(f"{name}: mesh axis {axis!r} is used for dims {seen[axis]} and {dim}; "
+                                 f"a mesh axis can shard one dim of a tensor")
+            seen[axis] = dim
+            size = int(sizes.get(axis, 1))
+            if size == 1:
+                continue
+            factor *= size
+            placements[names.index(axis)] = Shard(dim)
+        if shape is not None and factor > 1 and shape[dim] % factor:
+            raise ValueError(
+                f"{name} with shape {tuple(shape)}: dim {dim} of size {shape[dim]} does not divide by "
+                f"{'x'.join(a for a in axes if sizes.get(a, 1) > 1)}={factor}; pick a mesh whose "
+                f"{'/'.join(axes)} size divides {shape[dim]}, or change the rule for this axis")
+    return placements
