@@ -71,6 +71,10 @@ class _GatherParam(torch.autograd.Function):
             g = g + p.grad.to(g.dtype)
             p.grad = None
         if tuple(g.placements) != ctx.storage:
+            # slice replicated dims first (free), so the reductions move only this rank's share
+            sliced = tuple(s if c.is_replicate() and s.is_shard() else c for c, s in zip(g.placements, ctx.storage))
+            if sliced != tuple(g.placements):
+                g = g.redistribute(g.device_mesh, sliced)
             with record.reason(ctx.module, f"reduce gradient of {ctx.name} to its storage layout"):
                 g = g.redistribute(g.device_mesh, ctx.storage)
         return g.to(p.dtype), None, None, None, None, None, None
