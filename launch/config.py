@@ -1,0 +1,231 @@
+"""Training configuration: one dataclass, filled from defaults, then a TOML file, then command-line flags.
+
+    cfg = load_config(sys.argv[1:])        # --config FILE.toml and flags like --batch-size 16
+    cfg.validate(world_size)               # every rank, before any collective: ValueError naming problem + fix
+
+TOML files hold the same keys as the dataclass (`batch_size = 16`); flags are the same names with dashes
+(`--batch-size 16`). The defaults are a short CPU run of the tiny model on the Python standard library
+that shows the loss falling in about a minute.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
+from spmd.mesh import MESH_AXES, parse_spec
+
+DTYPES = ("fp32", "bf16", "fp16")
+CONFIG_DIR = Path(__file__).parent / "configs"
+
+
+@dataclass
+class TrainConfig:
+    # model and layout
+    model: str = "tiny"            # LlamaConfig preset: tiny | small | 1b | 8b | 70b
+    mesh: str = ""                 # "fsdp=2,tp=2" (may end in ",sp"); empty: fsdp over every process
+    sp: bool = False               # sequence parallelism (activations sharded over tp along seq)
+    # optimisation
+    steps: int = 300
+    batch_size: int = 16           # global batch, in sequences
+    seq_len: int = 128
+    grad_accum: int = 1            # micro-batches per step (the global batch stays batch_size)
+    lr: float = 3e-3               # peak learning rate
+    warmup: int = 30               # linear warmup steps, then cosine decay to 10% of lr at `steps`
+    weight_decay: float = 0.1
+    max_grad_norm: float = 1.0     # global-norm clipping; 0 disables
+    dtype: str = "fp32"            # fp32 | bf16 | fp16 (compute dtype; master weights stay fp32)
+    ac: str = "none"               # activation checkpointing: none | full | selective:N (every N-th block)
+    # data
+    data: str = "stdlib"           # stdlib | PATH_OR_GLOB of text files | FILE.bin (pre-tokenised)
+    tokenizer: str = "bytes"       # bytes | path/to/tokenizer.json
+    seed: int = 0
+    # checkpoints
+    ckpt_dir: str = ""             # empty: no checkpoints
+    ckpt_every: int = 0            # steps between checkpoints; 0: only at the end (and on SIGTERM/SIGINT)
+    ckpt_keep: int = 3             # newest checkpoints kept; 0 keeps all
+    resume: bool = False           # continue from ckpt_dir/latest when there is one
+    init_from_hf: str = ""         # Hugging Face Llama directory to initialise weights from
+    # metrics
+    metrics: str = ""              # JSONL file, one line per step
+    tensorboard: str = ""          # tensorboard log directory
+    log_every: int = 1             # steps between JSONL/tensorboard records
+    # Later issues add pipeline (pp_schedule, microbatches, virtual_stages) and compile keys here.
+
+    # ------------------------------------------------------------------ derived
+    def mesh_sizes(self, world_size: int) -> dict[str, int]:
+        """Mesh axis sizes; an empty mesh means fsdp over every process."""
+        sizes, _ = self._parse_mesh()
+        return sizes or {"fsdp": world_size}
+
+    def sequence_parallel(self) -> bool:
+        return self.sp or "sp" in self._parse_mesh()[1]
+
+    def dp_size(self, world_size: int) -> int:
+        sizes = self.mesh_sizes(world_size)
+        return sizes.get("dp", 1) * sizes.get("fsdp", 1)
+
+    def micro_batch(self, world_size: int) -> int:
+        """Sequences per rank per micro-batch."""
+        return self.batch_size // (self.dp_size(world_size) * self.grad_accum)
+
+    def ac_every(self) -> int:
+        """0 for no activation checkpointing, 1 for every block, N for every N-th block."""
+        if self.ac == "none":
+            return 0
+        if self.ac == "full":
+            return 1
+        return int(self.ac.split(":", 1)[1])
+
+    def model_config(self):
+        from models.llama import LlamaConfig
+        return LlamaConfig.preset(self.model)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def _parse_mesh(self):
+        try:
+            return parse_spec(self.mesh)
+        except ValueError as e:
+            raise ValueError(f"--mesh {self.mesh!r}: {e}. Example: --mesh fsdp=2,tp=2") from None
+
+    # ------------------------------------------------------------------ checks
+    def validate(self, world_size: int = 1, model_cfg=None) -> "TrainConfig":
+        """Raise ValueError (problem and fix) for anything that would fail later. No collectives."""
+        problems = []
+
+        def need(ok, msg):
+            if not ok:
+                problems.append(msg)
+
+        for name in ("steps", "batch_size", "seq_len", "grad_accum", "log_every"):
+            need(getattr(self, name) >= 1, f"--{_flag(name)} must be >= 1, got {getattr(self, name)}")
+        for name in ("warmup", "ckpt_every", "ckpt_keep", "max_grad_norm", "weight_decay", "seed"):
+            need(getattr(self, name) >= 0, f"--{_flag(name)} must be >= 0, got {getattr(self, name)}")
+        need(self.lr > 0, f"--lr must be positive, got {self.lr}")
+        need(self.dtype in DTYPES, f"--dtype {self.dtype!r} is not one of {'|'.join(DTYPES)}; pick one of them")
+        m = re.fullmatch(r"selective:(\d+)", self.ac)
+        need(self.ac in ("none", "full") or (m and int(m.group(1)) >= 1),
+             f"--ac {self.ac!r} is not valid; use none, full, or selective:N with N >= 1 (checkpoint every N-th block)")
+        need(not self.resume or self.ckpt_dir, "--resume needs --ckpt-dir DIR to resume from")
+        need(not (self.ckpt_every and not self.ckpt_dir), "--ckpt-every needs --ckpt-dir DIR to write to")
+        sizes, flags = self._parse_mesh()
+        sizes = sizes or {"fsdp": world_size}
+        product = 1
+        for s in sizes.values():
+            product *= s
+        need(product == world_size,
+             f"--mesh {_fmt(sizes)} has {product} devices but {world_size} processes were started; make the "
+             f"product of the axis sizes equal the process count (e.g. --nproc-per-node {product})")
+        need(sizes.get("pp", 1) == 1, "pipeline parallelism (pp>1) is not supported by launch.train yet; "
+                                      "drop pp from --mesh")
+        dp = sizes.get("dp", 1) * sizes.get("fsdp", 1)
+        need(self.batch_size % (dp * self.grad_accum) == 0,
+             f"--batch-size {self.batch_size} must divide by the data-parallel size (dp*fsdp = {dp}) times "
+             f"--grad-accum {self.grad_accum} = {dp * self.grad_accum}; use a batch size that is a multiple of "
+             f"{dp * self.grad_accum}, e.g. {max(1, round(self.batch_size / (dp * self.grad_accum))) * dp * self.grad_accum}")
+        tp = sizes.get("tp", 1)
+        if (self.sp or "sp" in flags) and tp > 1:
+            need(self.seq_len % tp == 0, f"--seq-len {self.seq_len} must divide by tp={tp} with sequence "
+                                         f"parallelism; pick a multiple of {tp}")
+        if model_cfg is None and not self.init_from_hf:
+            try:
+                model_cfg = self.model_config()
+            except ValueError as e:
+                problems.append(f"--model: {e}")
+        if model_cfg is not None:
+            need(self.seq_len <= model_cfg.max_seq_len,
+                 f"--seq-len {self.seq_len} exceeds the model's max_seq_len {model_cfg.max_seq_len}; "
+                 f"use --seq-len {model_cfg.max_seq_len} or less")
+        if problems:
+            raise ValueError("invalid training config:\n  - " + "\n  - ".join(problems))
+        return self
+
+
+def _flag(name: str) -> str:
+    return name.replace("_", "-")
+
+
+def _fmt(sizes: dict) -> str:
+    return ",".join(f"{k}={v}" for k, v in sizes.items())
+
+
+def _check_type(name: str, value, default, source: str):
+    """TOML values must have the field's type (ints are accepted for floats)."""
+    kind = type(default)
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if kind is int and isinstance(value, bool) or not isinstance(value, kind):
+        raise ValueError(f"{source}: {name} = {value!r} should be a {kind.__name__} "
+                         f"(like {name} = {default!r})")
+    return value
+
+
+def from_toml(path: str | Path, base: TrainConfig | None = None) -> TrainConfig:
+    """Values from a TOML file on top of `base` (defaults). Unknown keys are an error naming them."""
+    path = Path(path)
+    if not path.is_file() and (CONFIG_DIR / path).is_file():
+        path = CONFIG_DIR / path  # `--config tiny_cpu.toml` finds the shipped examples
+    if not path.is_file():
+        raise ValueError(f"config file {str(path)!r} does not exist; pass a TOML file such as "
+                         f"launch/configs/tiny_cpu.toml")
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"config file {path} is not valid TOML: {e}") from None
+    cfg = dataclasses.replace(base or TrainConfig())
+    known = {f.name: f for f in fields(TrainConfig)}
+    for key, value in data.items():
+        if key not in known:
+            import difflib
+            hint = difflib.get_close_matches(key, known, n=1)
+            raise ValueError(f"config file {path}: unknown key {key!r}"
+                             + (f"; did you mean {hint[0]!r}?" if hint else f"; known keys: {', '.join(known)}"))
+        setattr(cfg, key, _check_type(key, value, known[key].default, f"config file {path}"))
+    return cfg
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="torchrun --standalone --nproc-per-node N -m launch.train",
+        description="Train a Llama with spmd. Defaults < --config TOML < command-line flags.",
+        argument_default=argparse.SUPPRESS)
+    p.add_argument("--config", help="TOML file with the keys below (underscores: batch_size = 16)")
+    helps = {
+        "model": "model preset: tiny|small|1b|8b|70b", "mesh": "mesh spec, e.g. fsdp=2,tp=2 (default: fsdp=N)",
+        "sp": "sequence parallelism", "steps": "optimizer steps", "batch_size": "global batch in sequences",
+        "seq_len": "tokens per sequence", "grad_accum": "micro-batches per step", "lr": "peak learning rate",
+        "warmup": "warmup steps", "dtype": "fp32|bf16|fp16", "ac": "none|full|selective:N",
+        "data": "stdlib | PATH_OR_GLOB | FILE.bin", "tokenizer": "bytes | tokenizer.json",
+        "ckpt_dir": "checkpoint directory", "ckpt_every": "checkpoint every N steps (0: at the end)",
+        "resume": "resume from CKPT_DIR/latest if present", "init_from_hf": "initialise from a HF Llama directory",
+        "metrics": "JSONL metrics file", "tensorboard": "tensorboard log directory", "seed": "data/init seed",
+    }
+    for f in fields(TrainConfig):
+        flag = "--" + _flag(f.name)
+        h = helps.get(f.name, f.name.replace("_", " ")) + f" (default: {f.default!r})"
+        if f.type in ("bool", bool):
+            p.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, help=h)
+        else:
+            typ = {"int": int, "float": float, "str": str}.get(f.type, type(f.default))
+            p.add_argument(flag, dest=f.name, type=typ, metavar=f.name.upper(), help=h)
+    return p
+
+
+def load_config(argv: list[str] | None = None) -> TrainConfig:
+    """Defaults, then --config FILE, then flags. Does not validate (call `validate(world_size)`)."""
+    args = vars(parser().parse_args(argv))
+    cfg = TrainConfig()
+    if "config" in args:
+        cfg = from_toml(args.pop("config"), cfg)
+    for key, value in args.items():
+        setattr(cfg, key, value)
+    return cfg

@@ -1,0 +1,171 @@
+"""Per-step metrics: FLOPs per token, MFU, a rank-0 progress bar, a JSONL file and optional tensorboard.
+
+FLOPs per token = 6 * N_non_embedding + 12 * L * H * Q * T (DESIGN.md: no recompute, no causal discount;
+L layers, H heads, Q head dim, T sequence length). MFU = tokens/s * FLOPs per token / (peak * devices).
+
+Peak FLOP/s per device: a table of dense tensor-core peaks for known GPUs (H100/H200 SXM bf16 989e12,
+A100 312e12, ...; fp32 uses the TF32 figure when `torch.backends.cuda.matmul.allow_tf32` is on, else the
+plain fp32 one). Anywhere else (CPU, unknown GPUs) the peak is the best GEMM FLOP/s measured on this
+machine at this dtype and thread count, measured once and cached in `<cache>/peak_flops.json`
+($SPMD_CACHE_DIR or ~/.cache/spmd). On CPU a "device" is one process with its torch thread count.
+
+JSONL lines carry exactly: step, loss, grad_norm, lr, tokens_per_s, mfu, step_time_s, peak_mem_bytes,
+comm_bytes. `step` counts completed optimizer steps (1 is the first); `comm_bytes` is bytes on the wire
+per rank for the step (spmd.record's ring convention); `peak_mem_bytes` is the CUDA allocator's peak
+during the step, or the process's peak resident memory on CPU.
+"""
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import platform
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+KEYS = ("step", "loss", "grad_norm", "lr", "tokens_per_s", "mfu", "step_time_s", "peak_mem_bytes", "comm_bytes")
+
+# (name fragment, {dtype: dense peak FLOP/s}); the first fragment found in the device name wins
+GPU_PEAKS = [
+    ("H200", {"bf16": 989e12, "fp16": 989e12, "tf32": 494.5e12, "fp32": 67e12}),
+    ("H100 PCIe", {"bf16": 756e12, "fp16": 756e12, "tf32": 378e12, "fp32": 51e12}),
+    ("H100", {"bf16": 989e12, "fp16": 989e12, "tf32": 494.5e12, "fp32": 67e12}),  # SXM
+    ("A100", {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12, "fp32": 19.5e12}),
+    ("L40S", {"bf16": 362e12, "fp16": 362e12, "tf32": 183e12, "fp32": 91.6e12}),
+]
+_TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def flops_per_token(model_cfg, seq_len: int) -> int:
+    L, H, Q = model_cfg.n_layers, model_cfg.n_heads, model_cfg.head_dim
+    return 6 * model_cfg.num_params(non_embedding=True) + 12 * L * H * Q * seq_len
+
+
+def _cache_file() -> Path:
+    return Path(os.environ.get("SPMD_CACHE_DIR") or Path.home() / ".cache" / "spmd") / "peak_flops.json"
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def measure_gemm_flops(dtype: torch.dtype = torch.float32, device: str = "cpu", budget_s: float = 1.0) -> float:
+    """Best FLOP/s of square matmuls (n = 256..2048) on `device`, within about `budget_s` seconds."""
+    best = 0.0
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    sizes = (256, 512, 1024, 2048) if device.startswith("cuda") or dtype == torch.float32 else (256, 512)
+    per_size = budget_s / len(sizes)
+    for n in sizes:
+        a = torch.randn(n, n, device=device).to(dtype)
+        b = torch.randn(n, n, device=device).to(dtype)
+        torch.mm(a, b)
+        sync()
+        t_end = time.perf_counter() + per_size
+        while time.perf_counter() < t_end:
+            t0 = time.perf_counter()
+            torch.mm(a, b)
+            sync()
+            dt = time.perf_counter() - t0
+            best = max(best, 2 * n ** 3 / dt)
+    return best
+
+
+def peak_flops(dtype: str = "fp32", device: str | torch.device = "cpu") -> tuple[float, str]:
+    """(peak FLOP/s per device, where the number came from)."""
+    if dtype not in _TORCH_DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not one of {tuple(_TORCH_DTYPES)}")
+    device = torch.device(device)
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        key = "tf32" if dtype == "fp32" and torch.backends.cuda.matmul.allow_tf32 else dtype
+        for fragment, peaks in GPU_PEAKS:
+            if fragment in name:
+                return peaks[key], f"table: {fragment} {key}"
+    else:
+        name = f"{_cpu_name()} x{torch.get_num_threads()} threads"
+    key = f"{name}|{dtype}|torch {torch.__version__.split('+')[0]}"
+    path = _cache_file()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one process measures while the others wait
+        cache = json.loads(path.read_text()) if path.is_file() else {}
+        if key not in cache:
+            cache[key] = measure_gemm_flops(_TORCH_DTYPES[dtype], str(device))
+            tmp = path.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_text(json.dumps(cache, indent=1, sort_keys=True))
+            os.replace(tmp, path)
+    return float(cache[key]), f"measured GEMM ({key}), cached in {path}"
+
+
+def peak_mem_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)
+
+
+class MetricsLogger:
+    """Rank 0 (`enabled`) shows a tqdm bar and writes JSONL/tensorboard; other ranks only compute."""
+
+    def __init__(self, total_steps: int, tokens_per_step: int, flops_per_token: int, peak: float,
+                 n_devices: int, jsonl: str = "", tensorboard: str = "", log_every: int = 1,
+                 enabled: bool = True, start_step: int = 0):
+        self.tokens_per_step, self.flops_per_token = tokens_per_step, flops_per_token
+        self.peak, self.n_devices, self.log_every, self.enabled = peak, n_devices, log_every, enabled
+        self.jsonl = self.tb = self.bar = None
+        if not enabled:
+            return
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                raise ImportError("--tensorboard needs the tensorboard package: pip install tensorboard "
+                                  "(or drop --tensorboard)") from None
+            self.tb = SummaryWriter(tensorboard)
+        if jsonl:
+            Path(jsonl).parent.mkdir(parents=True, exist_ok=True)
+            self.jsonl = open(jsonl, "a" if start_step else "w")
+        from tqdm import tqdm
+        self.bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True,
+                        mininterval=0.5 if sys.stdout.isatty() else 10.0, file=sys.stdout)
+
+    def record(self, step: int, loss: float, grad_norm: float, lr: float, step_time_s: float,
+               peak_mem_bytes: int, comm_bytes: int) -> dict:
+        tokens_per_s = self.tokens_per_step / step_time_s if step_time_s > 0 else 0.0
+        mfu = tokens_per_s * self.flops_per_token / (self.peak * self.n_devices) if self.peak else 0.0
+        row = dict(step=step, loss=float(loss), grad_norm=float(grad_norm), lr=float(lr),
+                   tokens_per_s=tokens_per_s, mfu=mfu, step_time_s=step_time_s,
+                   peak_mem_bytes=int(peak_mem_bytes), comm_bytes=int(comm_bytes))
+        if not self.enabled:
+            return row
+        self.bar.update(1)
+        self.bar.set_postfix_str(f"loss {row['loss']:.4f}  {tokens_per_s:,.0f} tok/s  MFU {100 * mfu:.1f}%",
+                                 refresh=False)
+        if step % self.log_every == 0:
+            if self.jsonl:
+                self.jsonl.write(json.dumps(row) + "\n")
+                self.jsonl.flush()
+            if self.tb:
+                for k, v in row.items():
+                    if k != "step":
+                        self.tb.add_scalar(f"train/{k}", v, step)
+        return row
+
+    def write(self, message: str) -> None:
+        if self.enabled:
+            (self.bar.write if self.bar else print)(message)
+
+    def close(self) -> None:
+        for thing in (self.bar, self.jsonl, self.tb):
+            if thing is not None:
+                thing.close()
