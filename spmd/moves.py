@@ -71,13 +71,22 @@ class _GatherParam(torch.autograd.Function):
             g = g + p.grad.to(g.dtype)
             p.grad = None
         if tuple(g.placements) != ctx.storage:
-            # slice replicated dims first (free), so the reductions move only this rank's share
-            sliced = tuple(s if c.is_replicate() and s.is_shard() else c for c, s in zip(g.placements, ctx.storage))
-            if sliced != tuple(g.placements):
-                g = g.redistribute(g.device_mesh, sliced)
             with record.reason(ctx.module, f"reduce gradient of {ctx.name} to its storage layout"):
-                g = g.redistribute(g.device_mesh, ctx.storage)
+                g = reduce_to(g, ctx.storage)
         return g.to(p.dtype), None, None, None, None, None, None
+
+
+def reduce_to(g: DTensor, storage) -> DTensor:
+    """Redistributes a gradient to `storage` in the order that moves fewest bytes: slice replicated dims
+    (free), then reduce-scatter partial sums onto sharded dims, then all-reduce what stays replicated
+    (HSDP all-reduces the fsdp shard over dp, not the whole gradient)."""
+    for stage in (lambda c, s: c.is_replicate() and s.is_shard(), lambda c, s: c.is_partial() and s.is_shard()):
+        step = tuple(s if stage(c, s) else c for c, s in zip(g.placements, storage))
+        if step != tuple(g.placements):
+            g = g.redistribute(g.device_mesh, step)
+    if tuple(g.placements) != tuple(storage):
+        g = g.redistribute(g.device_mesh, storage)
+    return g
 
 
 def gather_param(p, placements, dtype, reduce_dtype, state, module: str, name: str) -> DTensor:

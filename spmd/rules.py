@@ -82,12 +82,14 @@ def placements_for(mesh: DeviceMesh, dims_axes: list[MeshAxes], shape, name: str
     placements: list[Placement] = [Replicate() for _ in names]
     seen: dict[str, int] = {}
     for dim, axes in enumerate(dims_axes):
-        factor = 1
         for axis in axes:
             if axis in seen:
                 raise ValueError(f"{name}: mesh axis {axis!r} is used for dims {seen[axis]} and {dim}; "
                                  f"a mesh axis can shard one dim of a tensor")
             seen[axis] = dim
+    for dim, axes in enumerate(dims_axes):
+        factor = 1
+        for axis in axes:
             size = int(sizes.get(axis, 1))
             if size == 1:
                 continue

@@ -1,0 +1,147 @@
+"""Collectives of one step of the tiny model, planned on fake meshes, against the reference formulas.
+
+The formulas are those of shared/DESIGN.md with the ring convention of spmd.record (bytes per rank on
+the wire: all-gather and reduce-scatter S*(n-1)/n, all-reduce 2*S*(n-1)/n). Each test prints the ratio
+measured/expected; the assertions demand exactly 1. The loss's own all-reduces (a few floats, issued by
+the vocab-parallel cross-entropy) are outside the formulas and excluded by origin.
+"""
+import re
+
+import pytest
+import torch
+
+import spmd
+from tests.spmd_cases import BATCH, SEQ, tiny_model
+
+F32 = 4
+
+
+def plan_for(spec, batch=(BATCH, SEQ)):
+    sizes, flags = spmd.parse_spec(spec)
+    return spmd.explain(tiny_model(), spmd.Rules.default(sequence_parallel="sp" in flags), sizes, batch_shape=batch)
+
+
+def planned(plan, kind=None, axes=None, phase=None, why=None, module=None):
+    return [c for c in plan.collectives if c.origin == "planned"
+            and (kind is None or c.kind == kind) and (axes is None or c.axes == (axes,))
+            and (phase is None or c.phase == phase) and (why is None or c.reason.startswith(why))
+            and (module is None or re.fullmatch(module, c.module))]
+
+
+def report(name, measured, expected):
+    print(f"{name}: measured {measured:,} expected {expected:,} ratio {measured / expected:.4f}")
+    assert measured == expected, name
+
+
+def per_block(records, layer=0):
+    return [c for c in records if c.module.startswith(f"layers.{layer}.") or c.module == f"layers.{layer}"]
+
+
+def param_bytes(model, names=None):
+    return sum(p.numel() * F32 for n, p in model.named_parameters() if names is None or names(n))
+
+
+@pytest.mark.parametrize("t", [2, 4])
+def test_tensor_parallel_is_two_all_reduces_forward_and_two_backward_per_block(t):
+    plan = plan_for(f"tp={t}")
+    cfg = tiny_model().cfg
+    S = BATCH * SEQ * cfg.dim * F32
+    fwd = planned(plan, "all_reduce", "tp", "forward")
+    bwd = planned(plan, "all_reduce", "tp", "backward", why="backward of move input")
+    for layer in range(cfg.n_layers):
+        report(f"tp={t} block {layer} forward all-reduces", len(per_block(fwd, layer)), 2)
+        report(f"tp={t} block {layer} backward all-reduces", len(per_block(bwd, layer)), 2)
+        block_bytes = sum(c.bytes for c in per_block(fwd + bwd, layer))
+        report(f"tp={t} block {layer} bytes (Megatron 8bsh(t-1)/t)", block_bytes, 8 * S * (t - 1) // t)
+    # outside the blocks: the vocab-parallel embedding's all-reduce, the output head's backward all-reduce
+    report("tp embedding all-reduce", len([c for c in fwd if c.module == ""]), 1)
+    report("tp output backward all-reduce", len([c for c in bwd if c.module == "output"]), 1)
+    assert not [c for c in plan.collectives if c.origin == "implicit"]
+
+
+def test_sequence_parallel_turns_each_all_reduce_into_all_gather_plus_reduce_scatter():
+    t = 4
+    plan = plan_for(f"tp={t},sp")
+    cfg = tiny_model().cfg
+    S = BATCH * SEQ * cfg.dim * F32
+    for layer in range(cfg.n_layers):
+        block = per_block(planned(plan, axes="tp"), layer)
+        for phase in ("forward", "backward"):
+            for kind in ("all_gather", "reduce_scatter"):
+                got = [c for c in block if c.phase == phase and c.kind == kind]
+                report(f"sp block {layer} {phase} {kind}", len(got), 2)
+                assert all(c.bytes == S * (t - 1) // t for c in got)
+        act_bytes = sum(c.bytes for c in block if c.kind != "all_reduce")
+        report(f"sp block {layer} activation bytes (same as TP)", act_bytes, 8 * S * (t - 1) // t)
+        # sequence-sharded norms see different tokens on each rank: their weight gradients all-reduce
+        norms = [c for c in block if c.kind == "all_reduce"]
+        report(f"sp block {layer} norm-gradient all-reduces", sum(c.bytes for c in norms),
+               2 * (2 * cfg.dim * F32 * (t - 1) // t))
+    assert all(d.choice == "gather activation" for d in plan.decisions)
+    assert not [c for c in plan.collectives if c.origin == "implicit"]
+
+
+def test_fsdp_moves_three_psi():
+    n = 4
+    plan = plan_for(f"fsdp={n}")
+    model = tiny_model()
+    psi = param_bytes(model)
+    embedding = param_bytes(model, lambda name: name == "tok_embeddings.weight")
+    ring = lambda b: b * (n - 1) // n  # noqa: E731
+    report("fsdp forward all-gather", sum(c.bytes for c in planned(plan, "all_gather", "fsdp", "forward")), ring(psi))
+    # backward regathers every weight its backward reads; the embedding's backward needs only indices
+    report("fsdp backward all-gather", sum(c.bytes for c in planned(plan, "all_gather", "fsdp", "backward")),
+           ring(psi - embedding))
+    report("fsdp reduce-scatter", sum(c.bytes for c in planned(plan, "reduce_scatter", "fsdp", "backward")),
+           ring(psi))
+    assert not planned(plan, "all_reduce")
+
+
+def test_data_parallel_moves_two_psi():
+    n = 4
+    plan = plan_for(f"dp={n}")
+    psi = param_bytes(tiny_model())
+    report("dp gradient all-reduce", sum(c.bytes for c in planned(plan, "all_reduce", "dp", "backward")),
+           2 * psi * (n - 1) // n)
+    assert len(planned(plan)) == len(list(tiny_model().parameters()))
+
+
+def test_hsdp_gathers_over_fsdp_and_all_reduces_shards_over_dp():
+    plan = plan_for("dp=2,fsdp=2")
+    model = tiny_model()
+    psi = param_bytes(model)
+    report("hsdp reduce-scatter over fsdp", sum(c.bytes for c in planned(plan, "reduce_scatter", "fsdp")), psi // 2)
+    report("hsdp all-reduce of shards over dp", sum(c.bytes for c in planned(plan, "all_reduce", "dp")),
+           2 * (psi // 2) // 2)
+    report("hsdp forward all-gather over fsdp", sum(c.bytes for c in planned(plan, "all_gather", "fsdp", "forward")),
+           psi // 2)
+
+
+@pytest.mark.parametrize("spec,n", [("fsdp=4", 4), ("dp=4", 1), ("dp=2,fsdp=2", 2)])
+def test_model_state_memory_follows_zero_formulas(spec, n):
+    """fp32 parameters, fp32 gradients, two fp32 Adam states: 16 bytes a parameter, divided by the shards."""
+    plan = plan_for(spec)
+    n_params = sum(p.numel() for p in tiny_model().parameters())
+    report(f"{spec} model states", plan.memory["parameters"] + plan.memory["gradients"] + plan.memory["optimizer"],
+           16 * n_params // n)
+
+
+def test_tensor_parallel_memory_shards_all_but_norms():
+    plan = plan_for("tp=4")
+    model = tiny_model()
+    norms = param_bytes(model, lambda name: "norm" in name)
+    report("tp=4 parameter bytes", plan.memory["parameters"], (param_bytes(model) - norms) // 4 + norms)
+
+
+def test_explain_answers_8b_on_64_ranks_without_processes():
+    from models.llama import Llama, LlamaConfig
+    with torch.device("meta"):
+        model = Llama(LlamaConfig.preset("8b"))
+    plan = spmd.explain(model, spmd.Rules.default(sequence_parallel=True), {"fsdp": 8, "tp": 8},
+                        batch_shape=(8, 4096), dtype="bf16")
+    n_params = LlamaConfig.preset("8b").num_params()
+    # every weight matrix is sharded 64 ways; only the norms stay whole over tp
+    assert plan.memory["parameters"] < 4 * n_params / 64 * 1.01
+    assert {c.axes for c in plan.collectives} == {("fsdp",), ("tp",)}
+    assert "layers.*.attention.wq" in plan.table()
+    assert not [c for c in plan.collectives if c.origin == "implicit"]

@@ -1,0 +1,58 @@
+"""explain() on a fake world lists exactly the collectives a real step issues, and the memory it reports
+is the bytes of the real local shards.
+
+The plan is made in the test process (no process group); the real step runs on four gloo processes
+under torch's CommDebugMode and spmd's recorder. Both lists must agree record for record (module, kind,
+mesh axes, bytes, phase), and CommDebugMode's independent count per collective type must agree too.
+"""
+from collections import Counter
+
+import pytest
+import torch
+from torch.distributed.tensor.debug import CommDebugMode
+
+import spmd
+from spmd.explain import memory_per_rank
+from spmd.record import CollectiveRecorder
+from tests.dist_utils import run_distributed
+from tests.spmd_cases import BATCH, SEQ, global_batch, local_slice, tiny_model
+
+SPECS = ["fsdp=2,tp=2,sp", "dp=2,fsdp=2", "tp=4"]
+_COMM_DEBUG_KIND = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
+                    "all_reduce": "all_reduce", "all_to_all_single": "all_to_all"}
+
+
+def _key(c):
+    return (c.module, c.kind, c.axes, c.bytes, c.phase, c.reason)
+
+
+def _run_step(rank, world, spec, expected, expected_memory):
+    sizes, flags = spmd.parse_spec(spec)
+    mesh = spmd.make_mesh(sizes)
+    model = spmd.parallelize(tiny_model(), mesh, spmd.Rules.default(sequence_parallel="sp" in flags))
+    tokens, targets = global_batch(0)
+    recorder = CollectiveRecorder(mesh)
+    with CommDebugMode() as comm, recorder:
+        model(local_slice(tokens, mesh), local_slice(targets, mesh)).backward()
+    got = Counter(_key(c) for c in recorder.records)
+    assert got == expected, f"{spec}: real run minus plan {got - expected}, plan minus real run {expected - got}"
+    by_kind = Counter()
+    for op, n in comm.get_comm_counts().items():
+        by_kind[_COMM_DEBUG_KIND[op.__name__.split(".")[0]]] += n
+    planned_kinds = Counter()
+    for key, n in expected.items():
+        planned_kinds[key[1]] += n
+    assert by_kind == planned_kinds, f"{spec}: CommDebugMode saw {by_kind}, plan has {planned_kinds}"
+    assert memory_per_rank(model, "adamw") == {**expected_memory, "activations": 0,
+                                               "total": expected_memory["total"] - expected_memory["activations"]}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", SPECS)
+def test_plan_lists_exactly_the_collectives_of_a_real_step(spec):
+    sizes, flags = spmd.parse_spec(spec)
+    plan = spmd.explain(tiny_model(), spmd.Rules.default(sequence_parallel="sp" in flags), sizes,
+                        batch_shape=(BATCH, SEQ))
+    assert not [c for c in plan.collectives if c.origin == "implicit"], "the pass left a layout change to DTensor"
+    expected = Counter(_key(c) for c in plan.collectives)
+    run_distributed(_run_step, 4, spec, expected, plan.memory, timeout_s=240)
