@@ -79,6 +79,18 @@ def _local_targets(targets, logits: DTensor, token_dims) -> torch.Tensor:
     return targets.to_local()
 
 
+def _vocab_start(vocab: int, mesh, vocab_dims) -> int:
+    """First global vocab index of this rank's slice. Shards split like torch.chunk (the last ones may be
+    shorter), mesh dims in order; plain integers, so this also runs under fake tensors."""
+    coords = mesh.get_coordinate()
+    start, size = 0, vocab
+    for d in vocab_dims:
+        chunk = -(-size // mesh.size(d))
+        offset = min(coords[d] * chunk, size)
+        start, size = start + offset, max(0, min(chunk, size - offset))
+    return start
+
+
 def vocab_parallel_cross_entropy(logits: DTensor, targets, ignore_index: int = -100) -> DTensor:
     """Mean cross-entropy over non-ignored tokens of [N, V] DTensor logits; a 0-dim all-Replicate DTensor."""
     if logits.ndim != 2:
@@ -89,13 +101,7 @@ def vocab_parallel_cross_entropy(logits: DTensor, targets, ignore_index: int = -
     vocab_dims, token_dims = _placement_dims(logits)
     mesh = logits.device_mesh
     local_targets = _local_targets(targets, logits, token_dims)
-    # vocab_dims shard dim 1 in mesh-dim order, so this rank's slice starts at its flattened coordinate
-    coords = mesh.get_coordinate()
-    shard = 0
-    for d in vocab_dims:
-        shard = shard * mesh.size(d) + coords[d]
-    v_local = logits.to_local().shape[1]
     loss = _VocabParallelCE.apply(
-        logits.to_local(), local_targets, shard * v_local, ignore_index,
+        logits.to_local(), local_targets, _vocab_start(logits.shape[1], mesh, vocab_dims), ignore_index,
         [mesh.get_group(d) for d in vocab_dims], [mesh.get_group(d) for d in token_dims])
     return DTensor.from_local(loss, mesh, [Replicate()] * mesh.ndim, run_check=False)

@@ -50,6 +50,25 @@ def _check(mesh, logits_pl, targets_pl, n, vocab, dtype=torch.float32, n_all_red
         torch.testing.assert_close(got_grad, want_grad, rtol=0, atol=0)
 
 
+def _check_linear(mesh):
+    """linear_cross_entropy on DTensors: a vocab-sharded output head gives vocab-sharded logits."""
+    gen = torch.Generator().manual_seed(7)
+    hidden, weight = torch.randn(12, 8, generator=gen), torch.randn(45, 8, generator=gen)
+    _, targets = _problem(12, 45)
+    h_ref, w_ref = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    ref = F.cross_entropy(h_ref @ w_ref.t(), targets, ignore_index=IGNORE)
+    ref.backward()
+    h = distribute_tensor(hidden, mesh, [Replicate()], src_data_rank=None).requires_grad_()
+    w = distribute_tensor(weight, mesh, [Shard(0)], src_data_rank=None).requires_grad_()
+    with CommDebugMode() as comm:
+        loss = kernels.linear_cross_entropy(h, w, distribute_tensor(targets, mesh, [Replicate()], src_data_rank=None))
+    assert not any("gather" in str(k) for k in comm.get_comm_counts()), comm.get_comm_counts()
+    loss.backward()
+    torch.testing.assert_close(loss.to_local(), ref.detach(), rtol=1e-6, atol=0)
+    torch.testing.assert_close(w.grad.full_tensor(), w_ref.grad, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(h.grad.full_tensor(), h_ref.grad, rtol=1e-5, atol=1e-7)
+
+
 def _tp2(rank, world):
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
     # vocab 103 splits 52 / 51; forward: max + (sum_exp, target logit); backward: nothing
@@ -57,6 +76,7 @@ def _tp2(rank, world):
     _check(mesh, [Shard(1)], None, n=7, vocab=37)  # plain global targets
     _check(mesh, [Shard(1)], [Replicate()], n=16, vocab=61, dtype=torch.bfloat16)
     _check(mesh, [Shard(0)], [Shard(0)], n=10, vocab=29, n_all_reduce=1)  # data parallel only
+    _check_linear(mesh)
     partial = DTensor.from_local(torch.randn(4, 8), mesh, [Partial()], run_check=False)
     with pytest.raises(ValueError, match="Partial"):
         kernels.cross_entropy(partial, torch.zeros(4, dtype=torch.long))
@@ -68,6 +88,8 @@ def _dp2_tp2(rank, world):
     _check(mesh, [Shard(0), Shard(1)], [Shard(0), Replicate()], n=22, vocab=101, n_all_reduce=3)
     _check(mesh, [Shard(0), Shard(1)], [Replicate(), Replicate()], n=13, vocab=47)  # targets sliced locally
     _check(mesh, [Replicate(), Shard(1)], [Replicate(), Replicate()], n=9, vocab=31, n_all_reduce=2)
+    # vocab over both mesh dims: 43 -> 22 / 21 -> 11, 11 / 11, 10; two all-reduces per vocab dim
+    _check(mesh, [Shard(1), Shard(1)], [Replicate(), Replicate()], n=6, vocab=43, n_all_reduce=4)
 
 
 @pytest.mark.slow
