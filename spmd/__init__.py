@@ -5,10 +5,12 @@
     spmd.parallelize(model, mesh, rules)
     plan = spmd.explain(model, rules, {"fsdp": 8, "tp": 8}, batch_shape=(8, 4096))
 """
+from .activation_checkpoint import apply_activation_checkpointing
 from .annotate import P, annotate, annotate_by_name
 from .constrain import constrain
 from .explain import explain
 from .mesh import MESH_AXES, make_mesh, mesh_sizes, parse_spec
 from .parallelize import no_sync, parallelize
 from .plan import Plan
+from .blocks import find_blocks
 from .rules import Rules

@@ -7,6 +7,8 @@ needs (`propagate.plan_linear`); `constrain` points move activations to the rule
 forward of a module, gathered parameters are dropped and regathered for backward (ZeRO-3), unless the
 module sits under activation checkpointing, which regathers by recomputing.
 """
+import contextlib
+
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -40,6 +42,19 @@ _active: list[SPMDState] = []
 
 def active_state() -> SPMDState | None:
     return _active[-1] if _active else None
+
+
+@contextlib.contextmanager
+def activated(state: SPMDState | None):
+    """Makes `state` the one `constrain` sees (recomputation under checkpointing runs outside the hooks)."""
+    if state is None:
+        yield
+        return
+    _active.append(state)
+    try:
+        yield
+    finally:
+        _active.pop()
 
 
 def param_layouts(model: nn.Module, mesh: DeviceMesh, rules: Rules):
