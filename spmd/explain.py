@@ -5,7 +5,11 @@ one forward and backward with the collective recorder on, and returns the `Plan`
 as a real run, so the plan lists the collectives a real step issues, no more and no fewer.
 """
 import copy
-import multiprocessing
+import json
+import os
+import subprocess
+import sys
+import tempfile
 
 import torch
 import torch.distributed as dist
@@ -111,13 +115,13 @@ def memory_per_rank(model: nn.Module, optimizer: str, activations: int = 0) -> d
     return mem
 
 
-def _child(model, rules, sizes, batch_shape, dtype, optimizer):
-    return _dry_run(model, rules, sizes, batch_shape, dtype, optimizer).to_dict()
-
-
 def _explain_in_child(model, rules, sizes, batch_shape, dtype, optimizer) -> Plan:
-    # a real process group owns this process; the fake world runs next door
-    ctx = multiprocessing.get_context("spawn")
-    with ctx.Pool(1) as pool:
-        d = pool.apply(_child, (fake_copy(model, None), rules, sizes, tuple(batch_shape), dtype, optimizer))
-    return Plan.from_dict(d)
+    # a real process group owns this process; the fake world runs in a fresh interpreter next door
+    with tempfile.TemporaryDirectory() as tmp:
+        job, out = os.path.join(tmp, "job.pt"), os.path.join(tmp, "plan.json")
+        torch.save((fake_copy(model, None), rules, sizes, tuple(batch_shape), dtype, optimizer), job)
+        env = {k: v for k, v in os.environ.items()
+               if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+        subprocess.run([sys.executable, "-m", "spmd.explain_child", job, out], check=True, env=env)
+        with open(out) as f:
+            return Plan.from_dict(json.load(f))

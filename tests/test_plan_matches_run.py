@@ -43,6 +43,11 @@ def _run_step(rank, world, spec, expected, expected_memory):
     for key, n in expected.items():
         planned_kinds[key[1]] += n
     assert by_kind == planned_kinds, f"{spec}: CommDebugMode saw {by_kind}, plan has {planned_kinds}"
+    if rank == 0 and spec == SPECS[0]:
+        # inside a real process group, explain runs its fake world in a fresh interpreter: same plan
+        again = spmd.explain(tiny_model(), spmd.Rules.default(sequence_parallel="sp" in flags), sizes,
+                             batch_shape=(BATCH, SEQ))
+        assert Counter(_key(c) for c in again.collectives) == expected
     assert memory_per_rank(model, "adamw") == {**expected_memory, "activations": 0,
                                                "total": expected_memory["total"] - expected_memory["activations"]}
 
