@@ -21,13 +21,14 @@ class Decision:
     choice: str              # "gather activation" | "gather weight"
     activation_bytes: int    # per rank, all-gather of the activation over mesh_axis
     weight_bytes: int        # per rank, all-gather of the weight over mesh_axis
+    why: str = ""
 
     def to_dict(self):
         return asdict(self)
 
     def describe(self) -> str:
         return (f"{self.module}: {self.choice} over {self.mesh_axis} "
-                f"(activation {self.activation_bytes:,} B vs weight {self.weight_bytes:,} B per rank)")
+                f"(activation {self.activation_bytes:,} B vs weight {self.weight_bytes:,} B per rank: {self.why})")
 
 
 def gathered_bytes(shape, placements, mesh, dim: int, element_size: int) -> int:
@@ -70,10 +71,12 @@ def plan_linear(x: DTensor, w_shape, w_placements, w_element_size: int, module: 
             # whole sequence, so the activation is gathered instead.
             if x_sharded_elsewhere and xp.dim == 0 and wb < act:
                 w_target[m] = Replicate()
-                decisions.append(Decision(module, axis, "gather weight", act, wb))
+                decisions.append(Decision(module, axis, "gather weight", act, wb, "fewer bytes"))
             else:
                 x_target[m] = Shard(last) if wp == Shard(1) else Replicate()
-                decisions.append(Decision(module, axis, "gather activation", act, wb))
+                why = ("fewer bytes" if act <= wb else "the input is split along a non-batch dim (sequence) that later ops need whole") \
+                    if x_sharded_elsewhere else "the input is split along its features"
+                decisions.append(Decision(module, axis, "gather activation", act, wb, why))
         elif wp == Shard(1) and not xp.is_shard():
             x_target[m] = Shard(last)  # a local slice, no communication
         elif wp.is_replicate() and xp.is_shard() and xp.dim == last:
