@@ -115,11 +115,12 @@ def peak_mem_bytes(device: torch.device) -> int:
 
 
 class MetricsLogger:
-    """Rank 0 (`enabled`) shows a tqdm bar and writes JSONL/tensorboard; other ranks only compute."""
+    """Rank 0 (`enabled`) writes JSONL/tensorboard and, with `console`, shows a tqdm bar and messages;
+    other ranks only compute the row."""
 
     def __init__(self, total_steps: int, tokens_per_step: int, flops_per_token: int, peak: float,
                  n_devices: int, jsonl: str = "", tensorboard: str = "", log_every: int = 1,
-                 enabled: bool = True, start_step: int = 0):
+                 enabled: bool = True, start_step: int = 0, console: bool = True):
         self.tokens_per_step, self.flops_per_token = tokens_per_step, flops_per_token
         self.peak, self.n_devices, self.log_every, self.enabled = peak, n_devices, log_every, enabled
         self.jsonl = self.tb = self.bar = None
@@ -135,6 +136,8 @@ class MetricsLogger:
         if jsonl:
             Path(jsonl).parent.mkdir(parents=True, exist_ok=True)
             self.jsonl = open(jsonl, "a" if start_step else "w")
+        if not console:
+            return
         from tqdm import tqdm
         self.bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True,
                         mininterval=0.5 if sys.stdout.isatty() else 10.0, file=sys.stdout)
@@ -148,9 +151,10 @@ class MetricsLogger:
                    peak_mem_bytes=int(peak_mem_bytes), comm_bytes=int(comm_bytes))
         if not self.enabled:
             return row
-        self.bar.update(1)
-        self.bar.set_postfix_str(f"loss {row['loss']:.4f}  {tokens_per_s:,.0f} tok/s  MFU {100 * mfu:.1f}%",
-                                 refresh=False)
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix_str(f"loss {row['loss']:.4f}  {tokens_per_s:,.0f} tok/s  MFU {100 * mfu:.1f}%",
+                                     refresh=False)
         if step % self.log_every == 0:
             if self.jsonl:
                 self.jsonl.write(json.dumps(row) + "\n")
@@ -162,8 +166,8 @@ class MetricsLogger:
         return row
 
     def write(self, message: str) -> None:
-        if self.enabled:
-            (self.bar.write if self.bar else print)(message)
+        if self.bar is not None:
+            self.bar.write(message)
 
     def close(self) -> None:
         for thing in (self.bar, self.jsonl, self.tb):

@@ -1,0 +1,300 @@
+"""The trainer: `torchrun --standalone --nproc-per-node N -m launch.train [flags]` (or `python -m launch.train`).
+
+One step: set the scheduled learning rate; for each of the K micro-batches of this data-parallel rank run
+forward + backward (gradient reduction skipped on the first K-1 under `spmd.no_sync`); clip by the global
+gradient norm (over every mesh axis); AdamW step. Then metrics, and a checkpoint when due.
+
+Layout: the model is built identically on every rank (same seed) and laid out with `spmd.parallelize`;
+a single process without torchrun trains plain PyTorch (no process group, no DTensors). Checkpoints from
+either load into the other.
+
+Precision: `bf16`/`fp16` keep fp32 master parameters and fp32 AdamW states; parameters are cast when
+gathered (`parallelize(param_dtype=...)`; autocast in a single process) and gradients are reduced in fp32.
+`fp16` adds dynamic loss scaling: a step whose gradient norm is inf/nan is skipped and the scale halves;
+after 1000 good steps it doubles.
+
+SIGTERM/SIGINT: the step in flight finishes, a checkpoint is written (with --ckpt-dir) and the process
+exits 0. A second signal interrupts at once.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import math
+import os
+import signal
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from spmd import checkpoint
+
+from . import schedule
+from .config import TrainConfig, load_config
+from .data import build_loader
+from .metrics import MetricsLogger, flops_per_token, peak_flops, peak_mem_bytes
+
+_TORCH_DTYPE = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+# --------------------------------------------------------------------------------------------- pieces
+def apply_activation_checkpointing(model: torch.nn.Module, every: int) -> list[int]:
+    """Recompute every `every`-th block (0: none) in backward instead of saving its activations.
+
+    Wraps the block's `forward` (module hooks, such as spmd's parameter gathers, stay outside and run
+    again for the recomputation) and marks the block's modules so spmd does not also reshard them.
+    """
+    if every <= 0:
+        return []
+    from torch.utils.checkpoint import checkpoint as ckpt_fn
+    try:
+        from spmd.reshard import CHECKPOINTED_ATTR
+    except ImportError:
+        CHECKPOINTED_ATTR = "_spmd_checkpointed"
+    chosen = []
+    for i, block in enumerate(model.layers):
+        if i % every:
+            continue
+        inner = block.forward
+        block.forward = functools.partial(ckpt_fn, inner, use_reentrant=False)
+        for mod in block.modules():
+            setattr(mod, CHECKPOINTED_ATTR, True)
+        chosen.append(i)
+    return chosen
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """Weight decay on matrices (linear and embedding weights), none on norm weights."""
+    decay, no_decay = [], []
+    for _, p in model.named_parameters():
+        if p.requires_grad:
+            (decay if p.dim() >= 2 else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+class _Stop:
+    """Signal flag: the first SIGTERM/SIGINT asks for a clean stop, a second one interrupts."""
+
+    def __init__(self):
+        self.requested = False
+        self.previous = {}
+
+    def install(self):
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self.previous[sig] = signal.signal(sig, self.handle)
+
+    def handle(self, signum, frame):
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        print(f"\n[launch.train] got {signal.Signals(signum).name}: finishing the step, then checkpoint and exit",
+              file=sys.stderr, flush=True)
+
+    def uninstall(self):
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+
+class LossScaler:
+    """Dynamic loss scaling for fp16 (state is JSON, kept in checkpoint meta)."""
+
+    def __init__(self, enabled: bool, scale: float = 2.0 ** 16, interval: int = 1000):
+        self.enabled, self.scale, self.interval, self.good = enabled, scale if enabled else 1.0, interval, 0
+
+    def update(self, finite: bool) -> None:
+        if not self.enabled:
+            return
+        if not finite:
+            self.scale, self.good = max(self.scale / 2, 1.0), 0
+        else:
+            self.good += 1
+            if self.good % self.interval == 0:
+                self.scale *= 2
+
+    def state_dict(self):
+        return {"scale": self.scale, "good": self.good}
+
+    def load_state_dict(self, s):
+        if self.enabled and s:
+            self.scale, self.good = float(s["scale"]), int(s["good"])
+
+
+# --------------------------------------------------------------------------------------------- setup
+def _world() -> tuple[int, int, int]:
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0))
+
+
+def build_model(cfg: TrainConfig, model_cfg, world: int, device: torch.device):
+    """(model, mesh, dp_rank, dp_size). World 1: plain PyTorch, no process group."""
+    import spmd
+    from models.llama import Llama
+    torch.manual_seed(cfg.seed)
+    with torch.device(device):
+        model = Llama(model_cfg)
+    if world == 1:
+        return model, None, 0, 1
+    sizes = cfg.mesh_sizes(world)
+    mesh = spmd.make_mesh(sizes, device_type=device.type)
+    rules = spmd.Rules.default(sequence_parallel=cfg.sequence_parallel())
+    spmd.parallelize(model, mesh, rules, param_dtype=_TORCH_DTYPE[cfg.dtype])
+    coord = dict(zip(mesh.mesh_dim_names, mesh.get_coordinate()))
+    dp_rank = coord.get("dp", 0) * sizes.get("fsdp", 1) + coord.get("fsdp", 0)  # batch -> (dp, fsdp)
+    return model, mesh, dp_rank, cfg.dp_size(world)
+
+
+def _stop_everywhere(flag: bool, device) -> bool:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        t = torch.tensor([1.0 if flag else 0.0], device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item())
+    return flag
+
+
+# --------------------------------------------------------------------------------------------- loop
+def train(cfg: TrainConfig, log=True) -> list[dict]:
+    """Runs the training loop described in the module docstring; returns rank's metric rows."""
+    rank, world, local_rank = _world()
+    if cfg.init_from_hf:
+        from .hf import llama_config_from_hf
+        model_cfg = llama_config_from_hf(cfg.init_from_hf)
+    else:
+        model_cfg = cfg.model_config()
+    cfg.validate(world, model_cfg)  # on every rank, before any collective
+    device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    model, mesh, dp_rank, dp_size = build_model(cfg, model_cfg, world, device)
+    resuming = cfg.resume and checkpoint.latest(cfg.ckpt_dir) is not None
+    if cfg.init_from_hf and not resuming:  # a checkpoint, when there is one, overrides the HF weights
+        from .hf import load_hf
+        load_hf(model, cfg.init_from_hf)
+    ac_blocks = apply_activation_checkpointing(model, cfg.ac_every())
+    opt = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
+    scaler = LossScaler(cfg.dtype == "fp16")
+    loader, tokenizer = build_loader(cfg, dp_rank, dp_size, model_cfg.vocab_size, device)
+
+    start = 0
+    if resuming:
+        meta = checkpoint.load(cfg.ckpt_dir, checkpoint.model_state(model),
+                               checkpoint.optim_state(model, opt, init=True), rng=True)
+        start = int(meta["step"])
+        loader.load_state_dict(meta["data"])
+        scaler.load_state_dict(meta.get("loss_scale"))
+    elif cfg.resume and rank == 0:
+        print(f"[launch.train] --resume: no checkpoint in {cfg.ckpt_dir} yet, starting from step 0", flush=True)
+
+    single_autocast = world == 1 and cfg.dtype != "fp32"
+    fpt = flops_per_token(model_cfg, cfg.seq_len)
+    peak, peak_source = peak_flops(cfg.dtype, device) if rank == 0 else (0.0, "")
+    metrics = MetricsLogger(cfg.steps, cfg.batch_size * cfg.seq_len, fpt, peak, world, cfg.metrics,
+                            cfg.tensorboard, cfg.log_every, enabled=rank == 0, start_step=start, console=log)
+    if rank == 0:
+        n = model_cfg.num_params()
+        metrics.write(f"[launch.train] model {cfg.model if not cfg.init_from_hf else cfg.init_from_hf}: "
+                      f"{n / 1e6:.2f}M params, {fpt / 1e6:.2f} MFLOP/token | "
+                      f"mesh {cfg.mesh_sizes(world)}{' +sp' if cfg.sequence_parallel() else ''} on {world} "
+                      f"{device.type} process(es) | batch {cfg.batch_size}x{cfg.seq_len} in {cfg.grad_accum} "
+                      f"micro-batch(es) | {cfg.dtype} | ac {cfg.ac}{ac_blocks if ac_blocks else ''} | "
+                      f"data {cfg.data} ({len(loader.tokens):,} tokens, {cfg.tokenizer}) | "
+                      f"peak {peak / 1e12:.3g} TFLOP/s per device ({peak_source})")
+        if start:
+            metrics.write(f"[launch.train] resumed from {checkpoint.latest(cfg.ckpt_dir)} at step {start}")
+
+    recorder_cls = None
+    if world > 1:
+        try:
+            from spmd.record import CollectiveRecorder as recorder_cls
+        except ImportError:
+            recorder_cls = None
+    params = [p for p in model.parameters() if p.requires_grad]
+    max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else math.inf
+    stop = _Stop()
+    stop.install()
+    rows: list[dict] = []
+    step = start
+    try:
+        while step < cfg.steps:
+            lr = schedule.lr_at(step, cfg.lr, cfg.warmup, cfg.steps)
+            schedule.set_lr(opt, lr)
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            t0 = time.perf_counter()
+            micro = loader.next()
+            recorder = recorder_cls(mesh) if recorder_cls else contextlib.nullcontext()
+            with recorder:
+                loss_sum = torch.zeros((), device=device)
+                for j, (x, y) in enumerate(micro):
+                    last = j == len(micro) - 1
+                    sync = contextlib.nullcontext() if (last or mesh is None) else _no_sync(model)
+                    amp = torch.autocast(device.type, dtype=_TORCH_DTYPE[cfg.dtype]) if single_autocast \
+                        else contextlib.nullcontext()
+                    with sync, amp:
+                        loss = model(x, y) / len(micro)
+                    (loss * scaler.scale).backward()
+                    loss_sum += loss.detach().float()
+                if scaler.enabled:
+                    for p in params:
+                        if p.grad is not None:
+                            p.grad.div_(scaler.scale)
+                grad_norm = _full(torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=None))
+                finite = bool(torch.isfinite(grad_norm))
+                if finite or not scaler.enabled:
+                    opt.step()
+                scaler.update(finite)
+                opt.zero_grad(set_to_none=True)
+            loss_value = float(loss_sum)  # synchronises with the device
+            step_time = time.perf_counter() - t0
+            comm = sum(r.bytes for r in recorder.records) if recorder_cls else 0
+            step += 1
+            rows.append(metrics.record(step, loss_value, float(grad_norm), lr, step_time,
+                                       peak_mem_bytes(device), comm))
+            stopping = _stop_everywhere(stop.requested, device)
+            due = cfg.ckpt_dir and (step == cfg.steps or stopping or (cfg.ckpt_every and step % cfg.ckpt_every == 0))
+            if due:
+                path = checkpoint.save(cfg.ckpt_dir, step, checkpoint.model_state(model),
+                                       checkpoint.optim_state(model, opt),
+                                       meta={"config": cfg.to_dict(), "model_config": model_cfg.to_dict(),
+                                             "data": loader.state_dict(), "loss_scale": scaler.state_dict(),
+                                             "mesh": cfg.mesh_sizes(world)},
+                                       keep=cfg.ckpt_keep or None)
+                metrics.write(f"[launch.train] step {step}: checkpoint {path}")
+            if stopping:
+                metrics.write(f"[launch.train] stopped by signal after step {step}"
+                              + ("" if cfg.ckpt_dir else " (no --ckpt-dir: nothing saved)"))
+                break
+    finally:
+        stop.uninstall()
+        metrics.close()
+    return rows
+
+
+def _no_sync(model):
+    import spmd
+    return spmd.no_sync(model)
+
+
+def main(argv: list[str] | None = None) -> int:
+    # clip_grad_norm_ over a 2-D mesh reduces the norm axis by axis; DTensor warns about it on every rank
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    cfg = load_config(argv)
+    try:
+        train(cfg)
+    except (ValueError, FileNotFoundError, KeyError, ImportError) as e:  # bad input: the message says the fix
+        rank, world, _ = _world()
+        print(f"launch.train{f' [rank {rank}]' if world > 1 else ''}: error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

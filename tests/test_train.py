@@ -1,0 +1,201 @@
+"""launch.train end to end on CPU: the loss falls, resume is exact, accumulation and activation checkpointing
+do not change the numbers, SIGTERM checkpoints and exits 0, and a 4-process run (and a resume of its
+checkpoint in one process) matches the single-process run step by step."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import launch.train as T
+from launch.config import load_config
+from launch.data import DataLoader
+from models.llama import Llama, LlamaConfig
+from spmd import checkpoint
+
+REPO = Path(__file__).resolve().parents[1]
+SMALL = ["--batch-size", "8", "--seq-len", "64", "--warmup", "3", "--lr", "3e-3"]
+
+
+@pytest.fixture(autouse=True)
+def _isolated(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("SPMD_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "spmd-cache"))
+    monkeypatch.setattr(T, "peak_flops", lambda dtype, device: (1e11, "test"))
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+
+
+def _train(*flags):
+    return T.train(load_config(list(SMALL) + list(flags)), log=False)
+
+
+def _env():
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "OMP_NUM_THREADS": "1"}
+    return env
+
+
+def _jsonl(path):
+    return [json.loads(line) for line in Path(path).read_text().splitlines()]
+
+
+def test_loss_falls_and_metrics_rows(tmp_path):
+    rows = _train("--steps", "12", "--metrics", str(tmp_path / "m.jsonl"))
+    assert rows[-1]["loss"] < rows[0]["loss"] - 1.0
+    lines = _jsonl(tmp_path / "m.jsonl")
+    assert [r["step"] for r in lines] == list(range(1, 13))
+    assert all(tuple(r) == ("step", "loss", "grad_norm", "lr", "tokens_per_s", "mfu", "step_time_s",
+                            "peak_mem_bytes", "comm_bytes") for r in lines)
+    assert lines[0]["lr"] == pytest.approx(1e-3) and lines[0]["comm_bytes"] == 0 and lines[0]["mfu"] > 0
+
+
+def test_resume_is_exact(tmp_path):
+    ck = tmp_path / "ck"
+    straight = _train("--steps", "20", "--ckpt-dir", str(ck), "--ckpt-every", "10")
+    assert sorted(p.name for p in ck.glob("step-*")) == ["step-10", "step-20"]
+    (ck / "latest").write_text("step-10\n")  # as if the run had stopped after step 10
+    resumed = _train("--steps", "20", "--ckpt-dir", str(ck), "--resume")
+    assert [r["step"] for r in resumed] == list(range(11, 21))
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in straight[10:]]
+    assert [r["grad_norm"] for r in resumed] == [r["grad_norm"] for r in straight[10:]]
+    meta = checkpoint.read_meta(ck)
+    assert meta["step"] == 20 and meta["data"]["step"] == 20 and meta["config"]["batch_size"] == 8
+
+
+def test_grad_accumulation_matches_one_big_batch():
+    one = _train("--steps", "3")
+    four = _train("--steps", "3", "--grad-accum", "4")
+    assert one[0]["loss"] == pytest.approx(four[0]["loss"], rel=1e-6)
+    assert one[0]["grad_norm"] == pytest.approx(four[0]["grad_norm"], rel=1e-5)
+    for a, b in zip(one[1:], four[1:]):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4)
+
+
+def _grads(every):
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig.preset("tiny", n_layers=4))
+    T.apply_activation_checkpointing(model, every)
+    x = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(1))
+    model(x, x.roll(-1, 1)).backward()
+    return {n: p.grad for n, p in model.named_parameters()}
+
+
+def test_activation_checkpointing_gives_identical_gradients():
+    ref = _grads(0)
+    for every in (1, 2):
+        got = _grads(every)
+        assert all(torch.equal(ref[n], got[n]) for n in ref), every
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig.preset("tiny", n_layers=4))
+    assert T.apply_activation_checkpointing(model, 3) == [0, 3]
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_low_precision_tracks_fp32(dtype):
+    ref = _train("--steps", "10")
+    low = _train("--steps", "10", "--dtype", dtype)
+    assert max(abs(a["loss"] - b["loss"]) for a, b in zip(ref, low)) < 0.05
+
+
+def test_init_from_hf(tmp_path):
+    from launch.export import export
+    _train("--steps", "2", "--ckpt-dir", str(tmp_path / "ck"))
+    export(str(tmp_path / "ck"), str(tmp_path / "hf"))
+    rows = _train("--steps", "1", "--init-from-hf", str(tmp_path / "hf"))
+    model = Llama(LlamaConfig.preset("tiny"))
+    checkpoint.load(tmp_path / "ck", checkpoint.model_state(model), strict=False)
+    cfg = load_config(SMALL)
+    from launch.data import token_stream
+    from launch.tokenizer import ByteTokenizer
+    x, y = DataLoader(token_stream("stdlib", ByteTokenizer())[0], 8, 64, seed=0).global_batch(0)
+    with torch.no_grad():
+        assert rows[0]["loss"] == pytest.approx(float(model(x, y)), rel=1e-6)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_finishes_step_checkpoints_and_exits_0(tmp_path, sig):
+    ck, m = tmp_path / "ck", tmp_path / "m.jsonl"
+    proc = subprocess.Popen([sys.executable, "-m", "launch.train", *SMALL, "--steps", "100000", "--ckpt-dir",
+                             str(ck), "--metrics", str(m)], cwd=REPO, env=_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 120
+        while not (m.exists() and len(m.read_text().splitlines()) >= 2):
+            assert proc.poll() is None, proc.stderr.read().decode()
+            assert time.monotonic() < deadline, "no metrics after 120 s"
+            time.sleep(0.1)
+        proc.send_signal(sig)
+        assert proc.wait(timeout=120) == 0, proc.stderr.read().decode()
+    finally:
+        proc.kill()
+    steps = [r["step"] for r in _jsonl(m)]
+    assert checkpoint.latest(ck).name == f"step-{steps[-1]}"
+    assert checkpoint.read_meta(ck)["data"]["step"] == steps[-1]
+
+
+def _torchrun(n, *flags):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n),
+           "-m", "launch.train", *flags]
+    out = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return out
+
+
+@pytest.mark.slow
+def test_four_processes_match_one_and_resume_on_one(tmp_path):
+    common = [*SMALL, "--steps", "4"]
+    ref = _train("--steps", "4")
+    ck, m = tmp_path / "ck", tmp_path / "m.jsonl"
+    _torchrun(4, *common, "--mesh", "fsdp=2,tp=2,sp", "--grad-accum", "2", "--ckpt-dir", str(ck),
+              "--ckpt-every", "2", "--metrics", str(m))
+    rows = _jsonl(m)
+    assert rows[0]["comm_bytes"] > 0
+    for a, b in zip(ref, rows):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
+    # the 4-process step-2 checkpoint (DTensor shards) resumes in one process, numbers unchanged
+    (ck / "latest").write_text("step-2\n")
+    resumed = _train("--steps", "4", "--ckpt-dir", str(ck), "--resume")
+    assert [r["step"] for r in resumed] == [3, 4]
+    for a, b in zip(ref[2:], resumed):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+
+
+def test_sigkill_during_a_real_runs_checkpoint_keeps_the_previous_one(tmp_path):
+    ck = tmp_path / "ck"
+    flags = ["--model", "small", "--batch-size", "2", "--seq-len", "16", "--steps", "100000", "--ckpt-dir", str(ck),
+             "--ckpt-every", "1", "--ckpt-keep", "2"]
+    proc = subprocess.Popen([sys.executable, "-m", "launch.train", *flags], cwd=REPO, env=_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    caught = False
+    try:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and not caught:
+            assert proc.poll() is None, "the training run died on its own"
+            pointer = ck / "latest"
+            if pointer.exists() and any(p.is_dir() and any(p.iterdir()) for p in ck.glob(".tmp-step-*")):
+                os.kill(proc.pid, signal.SIGKILL)  # a rank file of the next checkpoint is being written
+                caught = True
+            time.sleep(0.001)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert caught, "never caught the run in the middle of a checkpoint"
+    latest = checkpoint.latest(ck)
+    step = int(latest.name[5:])
+    assert list(ck.glob(".tmp-step-*")), "the interrupted checkpoint's temporary directory should remain"
+    rows = T.train(load_config(flags[:-6] + ["--steps", str(step + 1), "--ckpt-dir", str(ck), "--resume"]),
+                   log=False)
+    assert [r["step"] for r in rows] == [step + 1]
+
+
+def test_bad_input_exits_2_with_the_fix(capsys):
+    assert T.main(["--batch-size", "7", "--grad-accum", "2"]) == 2
+    assert "use a batch size that is a multiple of 2, e.g. 8" in capsys.readouterr().err
+    assert T.main(["--tokenizer", "missing/tokenizer.json", "--steps", "1"]) == 2
+    assert "pass 'bytes' or a tokenizer.json" in capsys.readouterr().err
