@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import re
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 try:
@@ -20,7 +19,8 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
-from spmd.mesh import MESH_AXES, parse_spec
+from spmd.activation_checkpoint import parse_mode as parse_ac_mode
+from spmd.mesh import parse_spec
 
 DTYPES = ("fp32", "bf16", "fp16")
 CONFIG_DIR = Path(__file__).parent / "configs"
@@ -76,14 +76,6 @@ class TrainConfig:
         """Sequences per rank per micro-batch."""
         return self.batch_size // (self.dp_size(world_size) * self.grad_accum)
 
-    def ac_every(self) -> int:
-        """0 for no activation checkpointing, 1 for every block, N for every N-th block."""
-        if self.ac == "none":
-            return 0
-        if self.ac == "full":
-            return 1
-        return int(self.ac.split(":", 1)[1])
-
     def model_config(self):
         from models.llama import LlamaConfig
         return LlamaConfig.preset(self.model)
@@ -112,9 +104,11 @@ class TrainConfig:
             need(getattr(self, name) >= 0, f"--{_flag(name)} must be >= 0, got {getattr(self, name)}")
         need(self.lr > 0, f"--lr must be positive, got {self.lr}")
         need(self.dtype in DTYPES, f"--dtype {self.dtype!r} is not one of {'|'.join(DTYPES)}; pick one of them")
-        m = re.fullmatch(r"selective:(\d+)", self.ac)
-        need(self.ac in ("none", "full") or (m and int(m.group(1)) >= 1),
-             f"--ac {self.ac!r} is not valid; use none, full, or selective:N with N >= 1 (checkpoint every N-th block)")
+        try:
+            parse_ac_mode(self.ac)
+        except ValueError:
+            problems.append(f"--ac {self.ac!r} is not valid; use none, full, or selective:N with N >= 1 "
+                            f"(checkpoint every N-th block)")
         need(not self.resume or self.ckpt_dir, "--resume needs --ckpt-dir DIR to resume from")
         need(not (self.ckpt_every and not self.ckpt_dir), "--ckpt-every needs --ckpt-dir DIR to write to")
         sizes, flags = self._parse_mesh()

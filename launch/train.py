@@ -19,7 +19,6 @@ exits 0. A second signal interrupts at once.
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import math
 import os
@@ -30,6 +29,7 @@ import time
 import torch
 import torch.distributed as dist
 
+import spmd
 from spmd import checkpoint
 
 from . import schedule
@@ -41,31 +41,6 @@ _TORCH_DTYPE = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 # --------------------------------------------------------------------------------------------- pieces
-def apply_activation_checkpointing(model: torch.nn.Module, every: int) -> list[int]:
-    """Recompute every `every`-th block (0: none) in backward instead of saving its activations.
-
-    Wraps the block's `forward` (module hooks, such as spmd's parameter gathers, stay outside and run
-    again for the recomputation) and marks the block's modules so spmd does not also reshard them.
-    """
-    if every <= 0:
-        return []
-    from torch.utils.checkpoint import checkpoint as ckpt_fn
-    try:
-        from spmd.reshard import CHECKPOINTED_ATTR
-    except ImportError:
-        CHECKPOINTED_ATTR = "_spmd_checkpointed"
-    chosen = []
-    for i, block in enumerate(model.layers):
-        if i % every:
-            continue
-        inner = block.forward
-        block.forward = functools.partial(ckpt_fn, inner, use_reentrant=False)
-        for mod in block.modules():
-            setattr(mod, CHECKPOINTED_ATTR, True)
-        chosen.append(i)
-    return chosen
-
-
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     """Weight decay on matrices (linear and embedding weights), none on norm weights."""
     decay, no_decay = [], []
@@ -133,7 +108,6 @@ def _world() -> tuple[int, int, int]:
 
 def build_model(cfg: TrainConfig, model_cfg, world: int, device: torch.device):
     """(model, mesh, dp_rank, dp_size). World 1: plain PyTorch, no process group."""
-    import spmd
     from models.llama import Llama
     torch.manual_seed(cfg.seed)
     with torch.device(device):
@@ -175,7 +149,7 @@ def train(cfg: TrainConfig, log=True) -> list[dict]:
     if cfg.init_from_hf and not resuming:  # a checkpoint, when there is one, overrides the HF weights
         from .hf import load_hf
         load_hf(model, cfg.init_from_hf)
-    ac_blocks = apply_activation_checkpointing(model, cfg.ac_every())
+    ac_blocks = spmd.apply_activation_checkpointing(model, cfg.ac)
     opt = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
     scaler = LossScaler(cfg.dtype == "fp16")
     loader, tokenizer = build_loader(cfg, dp_rank, dp_size, model_cfg.vocab_size, device)
@@ -276,7 +250,6 @@ def train(cfg: TrainConfig, log=True) -> list[dict]:
 
 
 def _no_sync(model):
-    import spmd
     return spmd.no_sync(model)
 
 

@@ -22,7 +22,7 @@ def test_toml_then_flags(tmp_path):
     cfg = load_config(["--config", str(f), "--batch-size", "64", "--no-sp", "--grad-accum", "2",
                        "--ckpt-dir", "ck", "--init-from-hf", "hf", "--ac", "selective:2"])
     assert (cfg.model, cfg.batch_size, cfg.lr, cfg.sp, cfg.grad_accum) == ("small", 64, 1.0, False, 2)
-    assert (cfg.ckpt_dir, cfg.init_from_hf, cfg.ac_every()) == ("ck", "hf", 2)
+    assert (cfg.ckpt_dir, cfg.init_from_hf, cfg.ac) == ("ck", "hf", "selective:2")
     assert cfg.mesh_sizes(4) == {"fsdp": 2, "tp": 2} and cfg.dp_size(4) == 2 and cfg.micro_batch(4) == 16
     assert load_config(["--mesh", "fsdp=2,tp=2,sp"]).sequence_parallel()
 

@@ -1,6 +1,7 @@
-"""Every spec trains the tiny model like one device does: losses, gradients and updated parameters.
+"""Every spec trains the tiny model like one device does: losses, gradients, the clipped global gradient
+norm and updated parameters.
 
-Four gloo processes on CPU, fp32, fixed seeds, AdamW, 3 steps, compared with the same model trained in
+Four gloo processes on CPU, fp32, fixed seeds, AdamW with clipping at norm 0.5, 3 steps, compared with the same model trained in
 one process. Tolerance 1e-5 relative: sharded matmuls and reductions sum in a different order than one
 device does, which moves fp32 results by ~1e-7; anything structural (a missing reduction, a wrong
 slice) is off by orders of magnitude more. Errors are ||a-b|| / ||b|| per tensor: Adam divides each
@@ -39,6 +40,10 @@ def _train_and_compare(rank, world, spec):
             assert tuple(p.grad.placements) == tuple(p.placements), (name, p.grad.placements, p.placements)
             err = norm_rel_err(p.grad.full_tensor(), ref_params[name].grad)
             assert err <= TOL, f"{spec} step {step}: gradient of {name} off by {err:.2e}"
+        # global-norm clipping over every mesh axis: the norm is the one-device norm, and it clips
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5).full_tensor()
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+        assert ref_norm > 0.5 and abs(norm - ref_norm) <= TOL * ref_norm, (spec, step, norm, ref_norm)
         opt.step(); ref_opt.step()
         opt.zero_grad(); ref_opt.zero_grad()
         for name, p in model.named_parameters():
