@@ -170,13 +170,28 @@ class Llama(nn.Module):
                     p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * s)
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None):
+        h = self.embed(tokens)
+        extra = self.block_inputs(h)
+        for layer in self.layers:
+            h = layer(h, *extra)
+        return self.head(h, targets)
+
+    # The forward in three parts, which pipeline stages call on their share of the model (spmd.pipeline):
+    # each uses only the attributes it names, so a stage holding those attributes can run it.
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Token ids [B, T] -> the residual stream [B, T, dim] (uses `tok_embeddings`)."""
         T = tokens.shape[1]
         if T > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {T} exceeds max_seq_len {self.cfg.max_seq_len}")
-        h = constrain(self.tok_embeddings(tokens), "batch", "seq", "embed")
-        cos, sin = self.rope_cos[:T], self.rope_sin[:T]
-        for layer in self.layers:
-            h = layer(h, cos, sin)
+        return constrain(self.tok_embeddings(tokens), "batch", "seq", "embed")
+
+    def block_inputs(self, h: torch.Tensor) -> tuple:
+        """The arguments every block takes after the residual stream: the RoPE tables for this length."""
+        T = h.shape[1]
+        return self.rope_cos[:T], self.rope_sin[:T]
+
+    def head(self, h: torch.Tensor, targets: torch.Tensor | None = None):
+        """Final norm and output projection: logits, or the mean cross-entropy when targets are given."""
         logits = constrain(self.output(self.norm(h)), "batch", "seq", "vocab")
         if targets is None:
             return logits

@@ -11,6 +11,9 @@ from .constrain import constrain
 from .explain import explain
 from .mesh import MESH_AXES, make_mesh, mesh_sizes, parse_spec
 from .parallelize import no_sync, parallelize
+from .pipeline import Pipeline, build_pipeline, validate_pipeline
+from .pipeline_split import split_stages
+from .pipeline_traced import build_traced_pipeline
 from .plan import Plan
 from .blocks import find_blocks
 from .rules import Rules

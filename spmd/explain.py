@@ -44,13 +44,18 @@ def fake_copy(model: nn.Module, mode: FakeTensorMode | None) -> nn.Module:
 
 
 def explain(model: nn.Module, rules, mesh_or_sizes, batch_shape=(8, 2048), dtype=torch.float32,
-            optimizer: str = "adamw") -> Plan:
+            optimizer: str = "adamw", *, schedule: str = "1f1b", microbatches: int | None = None,
+            virtual_stages: int = 1, split_cost: str = "flops") -> Plan:
     """Plans one training step of `model` (forward, backward, gradient reduction) on a mesh of any size.
 
     `mesh_or_sizes`: a DeviceMesh or a dict like {"fsdp": 8, "tp": 8}. `batch_shape`: the global
     (batch, seq) of token ids. `dtype`: the compute dtype (parameters are gathered in it; master weights,
-    gradients and optimizer states stay fp32).
+    gradients and optimizer states stay fp32). With a `pp` axis, the step is spmd.build_pipeline's with
+    these `schedule`, `microbatches`, `virtual_stages` and `split_cost`, and the plan has a `pipeline`
+    section (stages, bubble, send/recv bytes; see spmd/pipeline_plan.py).
     """
+    pipeline = dict(schedule=schedule, microbatches=microbatches, virtual_stages=virtual_stages,
+                    split_cost=split_cost)
     if hasattr(model, STATE_ATTR):
         raise ValueError("explain takes the model before spmd.parallelize (a parallelized copy is laid out already)")
     sizes = mesh_or_sizes if isinstance(mesh_or_sizes, dict) else dict(
@@ -58,11 +63,11 @@ def explain(model: nn.Module, rules, mesh_or_sizes, batch_shape=(8, 2048), dtype
     check_sizes(sizes)
     dtype = _DTYPES.get(dtype, dtype)
     if dist.is_initialized() and dist.get_backend() != "fake":
-        return _explain_in_child(model, rules, sizes, batch_shape, dtype, optimizer)
-    return _dry_run(model, rules, sizes, tuple(batch_shape), dtype, optimizer)
+        return _explain_in_child(model, rules, sizes, batch_shape, dtype, optimizer, pipeline)
+    return _dry_run(model, rules, sizes, tuple(batch_shape), dtype, optimizer, pipeline)
 
 
-def _dry_run(model, rules, sizes, batch_shape, dtype, optimizer) -> Plan:
+def _dry_run(model, rules, sizes, batch_shape, dtype, optimizer, pipeline=None) -> Plan:
     import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the "fake" backend)
     world = 1
     for s in sizes.values():
@@ -74,6 +79,13 @@ def _dry_run(model, rules, sizes, batch_shape, dtype, optimizer) -> Plan:
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     try:
         mesh = make_mesh(sizes, device_type="cpu")
+        if sizes.get("pp", 1) > 1:
+            from .pipeline_plan import plan_pipeline
+            records, decisions, memory, section = plan_pipeline(model, rules, mesh, batch_shape, dtype, optimizer,
+                                                                fake, **(pipeline or {}))
+            return Plan(mesh={a: mesh_sizes(mesh)[a] for a in MESH_AXES}, batch_shape=batch_shape,
+                        dtype=str(dtype).replace("torch.", ""), collectives=records, decisions=decisions,
+                        memory=memory, pipeline=section)
         param_dtype = None if dtype == torch.float32 else dtype
         model = fake_copy(model, fake)
         with fake:
@@ -115,11 +127,11 @@ def memory_per_rank(model: nn.Module, optimizer: str, activations: int = 0) -> d
     return mem
 
 
-def _explain_in_child(model, rules, sizes, batch_shape, dtype, optimizer) -> Plan:
+def _explain_in_child(model, rules, sizes, batch_shape, dtype, optimizer, pipeline=None) -> Plan:
     # a real process group owns this process; the fake world runs in a fresh interpreter next door
     with tempfile.TemporaryDirectory() as tmp:
         job, out = os.path.join(tmp, "job.pt"), os.path.join(tmp, "plan.json")
-        torch.save((fake_copy(model, None), rules, sizes, tuple(batch_shape), dtype, optimizer), job)
+        torch.save((fake_copy(model, None), rules, sizes, tuple(batch_shape), dtype, optimizer, pipeline), job)
         env = {k: v for k, v in os.environ.items()
                if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
         subprocess.run([sys.executable, "-m", "spmd.explain_child", job, out], check=True, env=env)

@@ -8,7 +8,7 @@ import torch
 from spmd.explain import _dry_run
 
 if __name__ == "__main__":
-    model, rules, sizes, batch_shape, dtype, optimizer = torch.load(sys.argv[1], weights_only=False)
-    plan = _dry_run(model, rules, sizes, batch_shape, dtype, optimizer)
+    model, rules, sizes, batch_shape, dtype, optimizer, *pipeline = torch.load(sys.argv[1], weights_only=False)
+    plan = _dry_run(model, rules, sizes, batch_shape, dtype, optimizer, *pipeline)
     with open(sys.argv[2], "w") as f:
         json.dump(plan.to_dict(), f)

@@ -86,9 +86,10 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, rules: Rules, *, param_dtype
                 reduce_dtype: torch.dtype | None = torch.float32, input_axes=None) -> nn.Module:
     """Lays `model` out on `mesh` following `rules`, in place, and returns it.
 
-    Plain-tensor inputs are this rank's slice of the batch (as with DDP); `input_axes` names their
-    logical axes (default: `batch` first, the rest whole). A scalar output (the loss) comes back as a
-    plain tensor, the same on every rank.
+    Plain-tensor inputs (positional or keyword) are this rank's slice of the batch (as with DDP);
+    `input_axes` names their logical axes: one tuple for every input, or a dict from argument position
+    or keyword to a tuple (default: `batch` first, the rest whole). A scalar output (the loss) comes back
+    as a plain tensor, the same on every rank.
     """
     if hasattr(model, STATE_ATTR):
         raise ValueError("this model is already parallelized; build a fresh model to lay it out again")
@@ -123,8 +124,11 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, rules: Rules, *, param_dtype
     return model
 
 
-def _to_dtensor(state: SPMDState, t: torch.Tensor) -> DTensor:
-    axes = state.input_axes or ("batch",) + (None,) * (t.dim() - 1)
+def _to_dtensor(state: SPMDState, t, key):
+    if not isinstance(t, torch.Tensor) or isinstance(t, DTensor):
+        return t
+    axes = state.input_axes.get(key) if isinstance(state.input_axes, dict) else state.input_axes
+    axes = axes or ("batch",) + (None,) * (t.dim() - 1)
     dims = state.rules.mesh_axes(axes, "compute", "model input", strict=False)
     placements = placements_for(state.mesh, dims, None, "model input")
     return DTensor.from_local(t, state.mesh, placements, run_check=False)
@@ -139,8 +143,8 @@ def _pre_hook(state: SPMDState, name: str, module: nn.Module, is_root: bool):
         record.push_module(name)
         if is_root:
             state.move_cache.clear()
-            args = tuple(_to_dtensor(state, a) if isinstance(a, torch.Tensor) and not isinstance(a, DTensor)
-                         else a for a in args)
+            args = tuple(_to_dtensor(state, a, i) for i, a in enumerate(args))
+            kwargs = {k: _to_dtensor(state, v, k) for k, v in kwargs.items()}
         w_override = None
         if is_linear and isinstance(args[0], DTensor):
             args, w_override = _plan_linear_input(state, name, mod, args)

@@ -16,6 +16,7 @@ class Plan:
     collectives: list = field(default_factory=list)   # list[Collective]
     decisions: list = field(default_factory=list)     # list[Decision]
     memory: dict = field(default_factory=dict)        # bytes per rank
+    pipeline: dict = field(default_factory=dict)      # with pp > 1: stages, bubble, send/recv (pipeline_plan.py)
 
     def totals(self, by=("phase", "kind", "axes")) -> dict:
         """Sum of bytes per rank grouped by record fields, e.g. totals(("kind",))."""
@@ -31,7 +32,8 @@ class Plan:
         return {"mesh": self.mesh, "batch_shape": list(self.batch_shape), "dtype": self.dtype,
                 "collectives": [c.to_dict() for c in self.collectives],
                 "decisions": [d.to_dict() for d in self.decisions], "memory": self.memory,
-                "comm_bytes_per_step": self.comm_bytes()}
+                "comm_bytes_per_step": self.comm_bytes(),
+                **({"pipeline": self.pipeline} if self.pipeline else {})}
 
     def to_json(self, indent: int | None = 2) -> str:
         return json.dumps(self.to_dict(), indent=indent)
@@ -41,7 +43,8 @@ class Plan:
         return cls(mesh=d["mesh"], batch_shape=tuple(d["batch_shape"]), dtype=d["dtype"],
                    collectives=[Collective(**{**c, "axes": tuple(c["axes"]), "shape": tuple(c["shape"])})
                                 for c in d["collectives"]],
-                   decisions=[Decision(**x) for x in d["decisions"]], memory=d["memory"])
+                   decisions=[Decision(**x) for x in d["decisions"]], memory=d["memory"],
+                   pipeline=d.get("pipeline", {}))
 
     def table(self) -> str:
         """One row per (phase, module pattern, why, kind, axes): repeated layers fold into `layers.*`."""
@@ -69,6 +72,10 @@ class Plan:
             lines.append("")
             lines.append("layout decisions (per rank, bytes of each alternative):")
             lines.extend(sorted({"  " + _fold(d.describe()) for d in self.decisions}))
+        if self.pipeline:
+            from .pipeline_plan import describe
+            lines.append("")
+            lines.extend(describe(self.pipeline))
         if self.memory:
             lines.append("")
             lines.append("memory per rank: " + ", ".join(f"{k} {v / 2**20:,.1f} MiB" for k, v in self.memory.items()))

@@ -1,0 +1,148 @@
+"""The pipeline part of `spmd.explain`: what one training step does on each pp rank, without the devices.
+
+Inside explain's fake world, every stage module is built and laid out exactly as `build_pipeline` does
+(on the mesh without pp), and runs one micro-batch's forward and backward under the collective recorder
+twice: once with gradient reduction off and once with it on, as the schedule runs M-1 and 1 of them. A pp
+rank's step is then the records of its stages (M-1 times the first, once the second) plus the sends and
+receives of activations and gradients between stages on different ranks. The backward is a full one, so
+zero-bubble schedules, which split it in two, may regather FSDP parameters a few more times than listed.
+"""
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+from . import record
+from .blocks import find_blocks
+from .parallelize import STATE_ATTR, parallelize
+from .pipeline import _MULTI, _stage_mesh, bubble_fraction, data_parallel_size, local_shape, validate_pipeline
+from .pipeline_split import split_stages
+from .pipeline_stage import LocalModel, StageModule, has_parts
+from .reshard import observe_saved
+
+HIDDEN_AXES, TOKEN_AXES = ("batch", "seq", "embed"), ("batch", None)
+
+
+def plan_pipeline(model, rules, mesh, batch_shape, dtype, optimizer, fake, schedule="1f1b", microbatches=None,
+                  virtual_stages=1, split_cost="flops", blocks=None):
+    """(collectives, decisions, memory, pipeline section) of the pp rank whose memory is largest."""
+    from .explain import fake_copy, memory_per_rank
+    full_mesh, stage_mesh = _stage_mesh(mesh)
+    # the stage group of pp rank 0 as a mesh of its own: a sliced mesh computes its rank layout with ops
+    # that fake tensors cannot run
+    stage_mesh = DeviceMesh("cpu", torch.arange(stage_mesh.size()).reshape(stage_mesh.shape),
+                            mesh_dim_names=stage_mesh.mesh_dim_names)
+    pp, v = mesh.size(mesh.mesh_dim_names.index("pp")), virtual_stages
+    m = microbatches or pp * (2 if schedule in _MULTI else 1)
+    n_dp = data_parallel_size(stage_mesh, rules)
+    validate_pipeline(pp, schedule, m, v, len(find_blocks(model, blocks)[1]), batch_shape[0], n_dp)
+    if not has_parts(model):
+        raise ValueError(f"{type(model).__name__} has no embed/block_inputs/head methods for pipeline stages")
+    split = split_stages(model, pp * v, split_cost, blocks, pp=pp, style="v" if schedule == "zbv" else "loop",
+                         example_inputs=(torch.zeros(batch_shape, dtype=torch.long),))
+    meta = fake_copy(model, None)
+    mb_global = (batch_shape[0] // m,) + tuple(batch_shape[1:])
+    h = type(meta).embed(meta, torch.zeros(mb_global, dtype=torch.long, device="meta"))
+    param_dtype = None if dtype == torch.float32 else dtype
+    hidden_dtype = param_dtype or h.dtype
+    hidden = local_shape(tuple(h.shape), HIDDEN_AXES, stage_mesh, rules)
+    hidden_bytes = torch.Size(hidden).numel() * hidden_dtype.itemsize
+    tokens = (mb_global[0] // n_dp,) + mb_global[1:]
+
+    fake_model = fake_copy(model, fake)
+    runs, decisions, saved = {}, [], {}
+    for info in split.stages:
+        with fake:
+            stage = StageModule(fake_model, split, info.index, HIDDEN_AXES)
+            parallelize(stage, stage_mesh, rules, param_dtype=param_dtype,
+                        input_axes={0: TOKEN_AXES if info.first else HIDDEN_AXES, "targets": TOKEN_AXES})
+            x = torch.zeros(tokens, dtype=torch.long) if info.first else \
+                torch.zeros(hidden, dtype=hidden_dtype, requires_grad=True)
+            targets = torch.zeros(tokens, dtype=torch.long)
+        state = getattr(stage, STATE_ATTR)
+        runs[info.index] = {}
+        for sync in ((False, True) if m > 1 else (True,)):
+            state.sync = sync
+            recorder, seen = record.CollectiveRecorder(stage_mesh), {}
+            with fake:
+                with recorder, observe_saved(seen):
+                    out = stage(x, targets=targets)
+                with recorder:
+                    out.backward(None if info.last else torch.ones_like(out))
+            runs[info.index][sync] = recorder.records
+            saved[info.index] = sum(seen.values())
+        state.sync = True
+        decisions.extend(state.decisions.values())
+
+    ranks = []
+    for r in range(pp):
+        mine = split.stages_of_rank(r)
+        records = []
+        for info in mine:
+            records += runs[info.index][False] * (m - 1) + runs[info.index].get(True, [])
+            records += _p2p(split, info, m, hidden_bytes, hidden, hidden_dtype)
+        in_flight = m if schedule == "gpipe" else min(m, pp)
+        local = LocalModel(fake_model, split, [s.index for s in mine])
+        memory = memory_per_rank(local, optimizer, in_flight * sum(saved[s.index] for s in mine))
+        ranks.append({"rank": r, "stages": [s.index for s in mine], "records": records, "memory": memory,
+                      "comm_bytes_per_step": sum(c.bytes for c in records)})
+    worst = max(ranks, key=lambda x: x["memory"]["total"])
+    section = {
+        "schedule": schedule, "pp": pp, "microbatches": m, "virtual_stages": v,
+        "bubble": bubble_fraction(schedule, pp, m, v), "split_cost": split.cost,
+        "imbalance": split.imbalance(), "imbalance_flops": split.imbalance("flops"),
+        "imbalance_params": split.imbalance("params"),
+        "send_recv_bytes_per_microbatch": hidden_bytes, "activation_shape": list(hidden),
+        "stages": [{**{k: getattr(s, k) for k in ("index", "rank", "params", "flops", "first", "last")},
+                    "blocks": [s.blocks[0], s.blocks[-1]],
+                    "comm_bytes_per_microbatch": sum(c.bytes for c in runs[s.index][False if m > 1 else True])}
+                   for s in split.stages],
+        "ranks": [{k: x[k] for k in ("rank", "stages", "comm_bytes_per_step")} | {"memory_total": x["memory"]["total"]}
+                  for x in ranks],
+        "reported_rank": worst["rank"], "block_path": split.block_path, "pre": split.pre, "post": split.post,
+    }
+    return worst["records"], decisions, worst["memory"], section
+
+
+def _p2p(split, info, m, nbytes, shape, dtype):
+    """Sends and receives of one stage over a step: activations forward, their gradients backward."""
+    out = []
+
+    def add(kind, phase, peer, why):
+        out.append(record.Collective(
+            module=f"stage {info.index}", op=f"pipelining.{kind}", kind=kind, axes=("pp",), bytes=nbytes,
+            phase=phase, reason=why.format(peer=peer), origin="planned", dtype=str(dtype).replace("torch.", ""),
+            shape=tuple(shape)))
+
+    for _ in range(m):
+        prev = split.stages[info.index - 1] if not info.first else None
+        nxt = split.stages[info.index + 1] if not info.last else None
+        if prev is not None and prev.rank != info.rank:
+            add("recv", "forward", prev.index, "activation from stage {peer}")
+            add("send", "backward", prev.index, "gradient to stage {peer}")
+        if nxt is not None and nxt.rank != info.rank:
+            add("send", "forward", nxt.index, "activation to stage {peer}")
+            add("recv", "backward", nxt.index, "gradient from stage {peer}")
+    return out
+
+
+def describe(section: dict) -> list[str]:
+    """Lines for Plan.table()."""
+    s = section
+    v = f", {s['virtual_stages']} virtual stages per rank" if s["virtual_stages"] > 1 else ""
+    lines = [f"pipeline: {s['schedule']}, pp={s['pp']}, {s['microbatches']} micro-batches{v}; theoretical bubble "
+             f"{100 * s['bubble']:.1f}% of the step",
+             f"{'stage':>5} {'rank':>4} {'blocks':<14} {'params':>14} {'FLOPs/step':>18} {'collectives B/micro-batch':>26}"]
+    for st in s["stages"]:
+        extra = ("+" + ",".join(s["pre"]) if st["first"] and s["pre"] else "") + \
+                ("+" + ",".join(s["post"]) if st["last"] and s["post"] else "")
+        blocks = f"{st['blocks'][0]}-{st['blocks'][1]}"
+        lines.append(f"{st['index']:>5} {st['rank']:>4} {blocks:<14} {st['params']:>14,} {st['flops']:>18,} "
+                     f"{st['comm_bytes_per_microbatch']:>26,}  {extra}")
+    lines.append(f"imbalance (max/mean): FLOPs {s['imbalance_flops']:.3f}, params {s['imbalance_params']:.3f} "
+                 f"(balanced by {s['split_cost']})")
+    lines.append(f"send/recv per micro-batch between neighbouring stages: {s['send_recv_bytes_per_microbatch']:,} B "
+                 f"each way (activation {tuple(s['activation_shape'])} per rank)")
+    for r in s["ranks"]:
+        lines.append(f"  pp rank {r['rank']}: stages {r['stages']}, {r['comm_bytes_per_step']:,} B moved per step, "
+                     f"{r['memory_total'] / 2**20:,.1f} MiB")
+    lines.append(f"the collectives and memory listed are pp rank {s['reported_rank']}'s (the most memory)")
+    return lines

@@ -1,0 +1,95 @@
+"""A pipeline stage as a module: a share of the model's blocks, plus the embedding on the first stage and the
+head and loss on the last, keeping the model's parameter names (`layers.5.attention.wq.weight`).
+
+A model opts in by writing its forward in three parts, as methods that use only the attributes they name:
+`embed(tokens) -> h`, `block_inputs(h) -> tuple` (the extra arguments every block takes, e.g. RoPE tables)
+and `head(h, targets=None) -> logits or loss` (`models/llama.py` does). The stage holds the modules those
+parts use under the same names, the model's own buffers, and its block share; it runs the parts with
+itself in place of the model. So `spmd.parallelize` lays a stage out through the same module hooks as a
+whole model: stage inputs arrive as plain local tensors (the root hook makes them DTensors with the
+stage's `input_axes`), and a stage that is not the last returns its residual stream as a local tensor,
+in the layout the next stage's `input_axes` assume.
+"""
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from .constrain import constrain
+
+PARTS = ("embed", "block_inputs", "head")
+
+
+def has_parts(model: nn.Module) -> bool:
+    return all(callable(getattr(type(model), p, None)) for p in PARTS)
+
+
+def _attach(root: nn.Module, path: str, module: nn.Module):
+    """Sets root.<path> = module, making plain containers for the dotted prefix."""
+    *parents, leaf = path.split(".")
+    for name in parents:
+        if name not in root._modules:
+            root.add_module(name, nn.Module())
+        root = root._modules[name]
+    root.add_module(leaf, module)
+
+
+class StageModule(nn.Module):
+    def __init__(self, model: nn.Module, split, index: int, hidden_axes=("batch", "seq", "embed"), loss_fn=None):
+        super().__init__()
+        info = split.stages[index]
+        self.index, self.first, self.last = index, info.first, info.last
+        self.hidden_axes = tuple(hidden_axes)
+        self.block_indices = list(info.blocks)
+        object.__setattr__(self, "_source", model)
+        object.__setattr__(self, "_loss_fn", loss_fn)
+        all_blocks = model.get_submodule(split.block_path)
+        blocks = nn.ModuleDict({str(i): all_blocks[i] for i in info.blocks})
+        _attach(self, split.block_path, blocks)
+        object.__setattr__(self, "_blocks", list(blocks.values()))
+        for name in (split.pre if self.first else []) + (split.post if self.last else []):
+            _attach(self, name, model.get_submodule(name))
+        for name, buf in model.named_buffers(recurse=False):
+            self.register_buffer(name, buf, persistent=name not in model._non_persistent_buffers_set)
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if "_source" not in self.__dict__:
+                raise
+        value = getattr(self.__dict__["_source"], name)
+        if isinstance(value, torch.Tensor) or (isinstance(value, nn.Module) and (
+                next(value.parameters(), None) is not None or next(value.buffers(), None) is not None)):
+            raise AttributeError(f"pipeline stage {self.index} (blocks {self.block_indices}) does not hold "
+                                 f"{name!r}; a model part used it on a stage that does not own it")
+        return value
+
+    def forward(self, x, targets=None):
+        cls = type(self.__dict__["_source"])
+        h = cls.embed(self, x) if self.first else x
+        extra = cls.block_inputs(self, h)
+        for block in self.__dict__["_blocks"]:
+            h = block(h, *extra)
+        if not self.last:
+            h = constrain(h, *self.hidden_axes)
+            # a fresh tensor, not a view of the DTensor's shard: zero-bubble schedules detach it in place
+            return h.to_local().clone() if isinstance(h, DTensor) else h
+        loss_fn = self.__dict__["_loss_fn"]
+        if loss_fn is None:
+            return cls.head(self, h, targets)
+        return loss_fn(cls.head(self, h), targets)
+
+
+class LocalModel(nn.Module):
+    """This rank's share of the model under the model's own names (the union of its stages), for the
+    optimizer, checkpoints (`spmd.checkpoint.model_state`) and gradient clipping."""
+
+    def __init__(self, model: nn.Module, split, indices):
+        super().__init__()
+        all_blocks = model.get_submodule(split.block_path)
+        mine = sorted(i for s in indices for i in split.stages[s].blocks)
+        _attach(self, split.block_path, nn.ModuleDict({str(i): all_blocks[i] for i in mine}))
+        for s in indices:
+            info = split.stages[s]
+            for name in (split.pre if info.first else []) + (split.post if info.last else []):
+                _attach(self, name, model.get_submodule(name))
