@@ -124,6 +124,7 @@ def main(argv=None) -> int:
     ap.add_argument("--schedules", nargs="*", default=None)
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     args = ap.parse_args(argv)
+    load_before = os.getloadavg()[0]
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     mp.start_processes(_worker, args=(args.pp, _free_port(), args, queue), nprocs=args.pp, start_method="spawn")
@@ -132,7 +133,7 @@ def main(argv=None) -> int:
     name = f"{stamp}-cpu-{_device_name()}-pipeline-bubble"
     meta = {"date": stamp, "device": f"cpu {_device_name()}", "cores": os.cpu_count(), "torch": torch.__version__,
             "model": {"dim": args.dim, "layers": args.layers, "seq": args.seq, "mb_size": args.mb_size},
-            "steps_timed": args.steps}
+            "steps_timed": args.steps, "load_average_1min": [load_before, os.getloadavg()[0]]}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
@@ -140,7 +141,9 @@ def main(argv=None) -> int:
              f"torch {meta['torch']})", "",
              f"Llama dim {args.dim}, {args.layers} layers, seq {args.seq}, {args.mb_size} sequences per micro-batch, "
              f"fp32, pp={args.pp} gloo processes with one thread each; median of {args.steps} steps after a warm-up. "
-             "Idle = 1 - (time in stage forward/backward) / (step wall time), per rank, then averaged.", "",
+             "Idle = 1 - (time in stage forward/backward) / (step wall time), per rank, then averaged. "
+             f"Load average before/after: {meta['load_average_1min'][0]:.1f}/{meta['load_average_1min'][1]:.1f} "
+             "(other work on the machine slows both busy and idle time).", "",
              "| schedule | m | v | theoretical bubble | measured idle (mean) | per rank | step ms |",
              "|---|---|---|---|---|---|---|"]
     for r in rows:
