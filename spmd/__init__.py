@@ -17,3 +17,10 @@ from .pipeline_traced import build_traced_pipeline
 from .plan import Plan
 from .blocks import find_blocks
 from .rules import Rules
+
+
+def __getattr__(name):  # spmd.search (callable) loads on first use, so `python -m spmd.search` runs cleanly
+    if name == "search":
+        import importlib
+        return importlib.import_module(".search", __name__)
+    raise AttributeError(f"module 'spmd' has no attribute {name!r}")

@@ -1,0 +1,313 @@
+"""The analytic model: communication and model-state bytes per rank per step, from the textbook formulas.
+
+Pure functions of a model config (anything with LlamaConfig's fields), a spec (mesh sizes + `sp`), the
+global batch and the compute dtype. No torch.distributed, no tensors. `spmd.explain` and real runs are
+checked against it (benchmarks/compare_comm.py, tests/test_analytic.py).
+
+Conventions (those of spmd.record and shared/DESIGN.md): bytes are per rank, on the wire, for ring
+algorithms: all-gather and reduce-scatter of a full tensor of S bytes over n ranks move S(n-1)/n,
+all-reduce 2S(n-1)/n. Every collective is rounded down to whole bytes, as the recorder rounds it.
+
+The textbook terms, and the terms the textbooks leave out that a real step has (each its own line):
+
+  Megatron TP, per block       8 * S * (t-1)/t, S = b*s*h*e  (b local batch, s seq, h dim, e bytes of the
+                               compute dtype): 2 all-reduces forward + 2 backward of S; with sequence
+                               parallelism each all-reduce is an all-gather + a reduce-scatter (same bytes)
+  TP outside the blocks        4 * S * (t-1)/t: the vocab-parallel embedding's forward all-reduce and the
+                               output projection's backward all-reduce (SP: reduce-scatter + all-gather each)
+  vocab-parallel loss          over tp: all-reduce of the row max (N fp32) and of (sum exp, target logit)
+                               (2N fp32), N = b*s local tokens; over each data axis (dp, fsdp) of size > 1:
+                               all-reduce of (loss sum, token count), 2 fp32
+  SP norm-weight gradients     sequence-sharded RMSNorms see different tokens per tp rank: each norm weight's
+                               gradient (h fp32, its fsdp shard) is all-reduced over tp; 2 per block + final
+  ZeRO-3 / FSDP over n         all-gather forward (Ψ), all-gather again for backward (Ψ minus the input
+                               embedding, whose backward reads only token ids), reduce-scatter of gradients
+                               (Ψ): "3Ψ"; Ψ is the tp-local parameter bytes. Mixed precision: gathers move the
+                               compute dtype, gradient reductions fp32 (our trainer's policy)
+  DP over d                    all-reduce of the gradients (fp32; of the fsdp shard under HSDP): "2Ψ"
+
+Model states (ZeRO paper, Adam): `zero_model_states` gives DESIGN.md's formulas (mixed precision K=12: DP 16Ψ,
+ZeRO-1 4Ψ+12Ψ/N, ZeRO-2 2Ψ+14Ψ/N, ZeRO-3 16Ψ/N; fp32: 4Ψ+4Ψ+8Ψ). `model_states` gives what our layout holds:
+fp32 master parameters, fp32 gradients and two fp32 Adam states per parameter, each sharded as the spec
+shards its parameter (fsdp on `embed`, tp on heads/mlp/vocab, norms whole over tp, dp replicates) - in
+bf16 too, since the trainer keeps fp32 masters and casts when it gathers.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}
+REDUCE_BYTES = 4   # gradients are reduced in fp32
+LOSS_BYTES = 4     # the loss statistics are fp32
+
+
+@dataclass(frozen=True)
+class Spec:
+    """Mesh sizes and flags: `Spec.parse("fsdp=2,tp=2,sp")`."""
+    dp: int = 1
+    fsdp: int = 1
+    tp: int = 1
+    pp: int = 1
+    sp: bool = False
+
+    @classmethod
+    def parse(cls, text: str) -> "Spec":
+        sizes, flags = {}, set()
+        for part in (p.strip() for p in text.replace("+", ",").split(",")):
+            if not part:
+                continue
+            if "=" in part:
+                k, _, v = part.partition("=")
+                sizes[k.strip()] = int(v)
+            else:
+                flags.add(part)
+        unknown = set(sizes) - {"dp", "fsdp", "tp", "pp"} or flags - {"sp"}
+        if unknown:
+            raise ValueError(f"spec {text!r}: unknown axes or flags {sorted(unknown)}")
+        return cls(**sizes, sp="sp" in flags)
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.fsdp * self.tp * self.pp
+
+    @property
+    def data_parallel(self) -> int:
+        return self.dp * self.fsdp
+
+    @property
+    def sizes(self) -> dict:
+        return {"pp": self.pp, "dp": self.dp, "fsdp": self.fsdp, "tp": self.tp}
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return self.sp and self.tp > 1
+
+    def __str__(self) -> str:
+        parts = [f"{a}={s}" for a, s in self.sizes.items() if s > 1] or ["dp=1"]
+        return ",".join(parts) + (",sp" if self.sp and self.tp > 1 else "")
+
+
+def ring(kind: str, full_bytes: int, n: int) -> int:
+    """Per-rank wire bytes of one collective on a full tensor of `full_bytes` over `n` ranks."""
+    if n <= 1:
+        return 0
+    return (2 if kind == "all_reduce" else 1) * full_bytes * (n - 1) // n
+
+
+# ----------------------------------------------------------------------------------------- parameters
+@dataclass(frozen=True)
+class Param:
+    name: str
+    numel: int
+    tp_sharded: bool   # heads/kv_heads/mlp/vocab dim split over tp (norm weights are not)
+    role: str          # "embedding" | "output" | "block" | "norm"
+
+
+def parameters(cfg) -> list[Param]:
+    """The Llama parameters by role, as models/llama.py builds them (a tied output is the embedding)."""
+    d, hd = cfg.dim, cfg.dim // cfg.n_heads
+    out = [Param("tok_embeddings.weight", cfg.vocab_size * d, True, "embedding")]
+    for i in range(cfg.n_layers):
+        p = f"layers.{i}."
+        out += [Param(p + "attention_norm.weight", d, False, "norm"),
+                Param(p + "attention.wq.weight", cfg.n_heads * hd * d, True, "block"),
+                Param(p + "attention.wk.weight", cfg.n_kv_heads * hd * d, True, "block"),
+                Param(p + "attention.wv.weight", cfg.n_kv_heads * hd * d, True, "block"),
+                Param(p + "attention.wo.weight", cfg.n_heads * hd * d, True, "block"),
+                Param(p + "ffn_norm.weight", d, False, "norm"),
+                Param(p + "feed_forward.w1.weight", cfg.ffn_dim * d, True, "block"),
+                Param(p + "feed_forward.w3.weight", cfg.ffn_dim * d, True, "block"),
+                Param(p + "feed_forward.w2.weight", cfg.ffn_dim * d, True, "block")]
+    out.append(Param("norm.weight", d, False, "norm"))
+    if not cfg.tie_embeddings:
+        out.append(Param("output.weight", cfg.vocab_size * d, True, "output"))
+    return out
+
+
+def tp_local(p: Param, spec: Spec) -> int:
+    return p.numel // spec.tp if p.tp_sharded else p.numel
+
+
+def local_numel(p: Param, spec: Spec) -> int:
+    """Elements of `p` this rank stores: every parameter has `embed`, sharded over fsdp."""
+    return tp_local(p, spec) // spec.fsdp
+
+
+# ------------------------------------------------------------------------------------- communication
+@dataclass
+class Term:
+    """One line of the model: which collectives, over which axis, in which phase, how many, how many bytes."""
+    name: str
+    axis: str
+    kinds: tuple
+    phase: str
+    count: int
+    bytes: int
+    textbook: bool     # part of the Megatron/ZeRO formulas as DESIGN.md states them
+    formula: str = ""
+
+
+@dataclass
+class CommModel:
+    spec: Spec
+    batch: int
+    seq: int
+    dtype: str
+    terms: list = field(default_factory=list)
+
+    def total(self, textbook_only: bool = False) -> int:
+        return sum(t.bytes for t in self.terms if t.textbook or not textbook_only)
+
+    def by_axis(self) -> dict:
+        out: dict[str, int] = {}
+        for t in self.terms:
+            out[t.axis] = out.get(t.axis, 0) + t.bytes
+        return out
+
+    def by(self, *fields_) -> dict:
+        out: dict[tuple, int] = {}
+        for t in self.terms:
+            key = tuple(getattr(t, f) for f in fields_)
+            out[key] = out.get(key, 0) + t.bytes
+        return out
+
+    def count(self) -> int:
+        return sum(t.count for t in self.terms)
+
+    def to_dict(self) -> dict:
+        return {"spec": str(self.spec), "batch": self.batch, "seq": self.seq, "dtype": self.dtype,
+                "total": self.total(), "textbook": self.total(textbook_only=True), "collectives": self.count(),
+                "terms": [t.__dict__ | {"kinds": list(t.kinds)} for t in self.terms if t.count]}
+
+
+def comm(cfg, spec: Spec | str, batch: int, seq: int, dtype: str = "fp32") -> CommModel:
+    """Expected collectives of one training step (forward + backward + gradient reduction) per rank."""
+    spec = Spec.parse(spec) if isinstance(spec, str) else spec
+    if spec.pp > 1:
+        raise NotImplementedError("pipeline parallelism is not in the analytic model yet")
+    if batch % spec.data_parallel:
+        raise ValueError(f"batch {batch} does not divide by dp*fsdp={spec.data_parallel}")
+    e = BYTES[dtype]
+    t, n, d = spec.tp, spec.fsdp, spec.dp
+    b = batch // spec.data_parallel
+    L, h = cfg.n_layers, cfg.dim
+    S = b * seq * h * e                   # one residual-stream activation of this rank's batch
+    N = b * seq                           # this rank's tokens
+    m = CommModel(spec, batch, seq, dtype)
+    add = m.terms.append
+
+    if t > 1:
+        if spec.sequence_parallel:
+            add(Term("TP blocks (Megatron, SP)", "tp", ("all_gather", "reduce_scatter"), "forward+backward",
+                     8 * L, 8 * L * ring("all_gather", S, t), True, "L * 8 * S(t-1)/t as 4 AG + 4 RS"))
+            add(Term("TP embedding + output (SP)", "tp", ("reduce_scatter", "all_gather"), "forward+backward",
+                     4, 4 * ring("all_gather", S, t), False, "embedding RS fwd + AG bwd; output AG fwd + RS bwd"))
+            add(Term("SP norm-weight gradients", "tp", ("all_reduce",), "backward", 2 * L + 1,
+                     (2 * L + 1) * ring("all_reduce", h * REDUCE_BYTES // n, t), False,
+                     "(2L+1) * 2 * (h*4/fsdp)(t-1)/t"))
+        else:
+            add(Term("TP blocks (Megatron)", "tp", ("all_reduce",), "forward+backward", 4 * L,
+                     4 * L * ring("all_reduce", S, t), True, "L * 8 * S(t-1)/t as 4 AR"))
+            add(Term("TP embedding + output", "tp", ("all_reduce",), "forward+backward", 2,
+                     2 * ring("all_reduce", S, t), False, "embedding AR fwd + output AR bwd"))
+        add(Term("vocab-parallel loss over tp", "tp", ("all_reduce",), "forward", 2,
+                 ring("all_reduce", N * LOSS_BYTES, t) + ring("all_reduce", 2 * N * LOSS_BYTES, t), False,
+                 "AR of row max (N fp32) + AR of (sum exp, target logit) (2N fp32)"))
+    for axis, size in (("dp", d), ("fsdp", n)):
+        if size > 1:
+            add(Term(f"loss mean over {axis}", axis, ("all_reduce",), "forward", 1,
+                     ring("all_reduce", 2 * LOSS_BYTES, size), False, "AR of (loss sum, count), 2 fp32"))
+
+    params = parameters(cfg)
+    if n > 1:
+        fwd = sum(ring("all_gather", tp_local(p, spec) * e, n) for p in params)
+        emb = [p for p in params if p.role == "embedding"]
+        emb_bytes = sum(ring("all_gather", tp_local(p, spec) * e, n) for p in emb)
+        rs = sum(ring("reduce_scatter", tp_local(p, spec) * REDUCE_BYTES, n) for p in params)
+        add(Term("FSDP all-gather forward", "fsdp", ("all_gather",), "forward", len(params), fwd, True,
+                 "Ψ(n-1)/n, compute dtype"))
+        if cfg.tie_embeddings:
+            # the input embedding needs no weight in backward, but a tied output projection does
+            add(Term("FSDP all-gather backward", "fsdp", ("all_gather",), "backward", len(params), fwd, True,
+                     "Ψ(n-1)/n (tied embedding: the output projection regathers it)"))
+        else:
+            add(Term("FSDP all-gather backward", "fsdp", ("all_gather",), "backward", len(params), fwd, True,
+                     "Ψ(n-1)/n"))
+            add(Term("FSDP no backward gather of the input embedding", "fsdp", ("all_gather",), "backward",
+                     -len(emb), -emb_bytes, False, "-Ψ_embedding(n-1)/n"))
+        add(Term("FSDP gradient reduce-scatter", "fsdp", ("reduce_scatter",), "backward", len(params), rs, True,
+                 "Ψ(n-1)/n, fp32"))
+    if d > 1:
+        ar = sum(ring("all_reduce", tp_local(p, spec) // n * REDUCE_BYTES, d) for p in params)
+        add(Term("DP gradient all-reduce", "dp", ("all_reduce",), "backward", len(params), ar, True,
+                 "2Ψ(d-1)/d, fp32" + (" (of the fsdp shard)" if n > 1 else "")))
+    return m
+
+
+def textbook_comm(cfg, spec: Spec | str, batch: int, seq: int, dtype: str = "fp32") -> dict:
+    """DESIGN.md's formulas in closed form (no per-tensor rounding): Megatron 8bsh(t-1)/t per block, ZeRO-3 3Ψ,
+    DP 2Ψ, with Ψ the tp-local parameter bytes (gathers in the compute dtype, reductions in fp32)."""
+    spec = Spec.parse(spec) if isinstance(spec, str) else spec
+    e = BYTES[dtype]
+    t, n, d = spec.tp, spec.fsdp, spec.dp
+    b = batch // spec.data_parallel
+    psi = sum(tp_local(p, spec) for p in parameters(cfg))
+    out = {"tp": cfg.n_layers * 8 * b * seq * cfg.dim * e * (t - 1) / t,
+           "fsdp": (2 * psi * e + psi * REDUCE_BYTES) * (n - 1) / n,
+           "dp": 2 * psi / n * REDUCE_BYTES * (d - 1) / d}
+    out["total"] = sum(out.values())
+    return out
+
+
+# -------------------------------------------------------------------------------------- model states
+def model_states(cfg, spec: Spec | str, optimizer: str = "adamw") -> dict:
+    """Bytes per rank of fp32 parameters, fp32 gradients and fp32 optimizer states, sharded as the spec
+    shards each parameter (spmd's layout; bf16 compute keeps fp32 masters, so the same in bf16)."""
+    spec = Spec.parse(spec) if isinstance(spec, str) else spec
+    local = sum(local_numel(p, spec) for p in parameters(cfg))
+    states = {"adamw": 2, "adam": 2, "sgd": 0}[optimizer]
+    out = {"parameters": 4 * local, "gradients": 4 * local, "optimizer": 4 * states * local}
+    out["total"] = sum(out.values())
+    return out
+
+
+def zero_model_states(psi: int, n: int, stage: int, mixed_precision: bool = True) -> float:
+    """Model-state bytes per rank for Ψ parameters over n data-parallel ranks with Adam (ZeRO paper):
+    mixed precision (K=12): stage 0 (DP) 16Ψ, 1: 4Ψ+12Ψ/N, 2: 2Ψ+14Ψ/N, 3: 16Ψ/N. fp32: params 4Ψ,
+    grads 4Ψ, states 8Ψ, stage 1 shards states, 2 also grads, 3 also params."""
+    if mixed_precision:
+        p, g, s = 2 * psi, 2 * psi, 12 * psi
+    else:
+        p, g, s = 4 * psi, 4 * psi, 8 * psi
+    return (p / n if stage >= 3 else p) + (g / n if stage >= 2 else g) + (s / n if stage >= 1 else s)
+
+
+def flops_per_token(cfg, seq: int) -> int:
+    """DESIGN.md: 6 N_non_embedding + 12 L H Q T (no recompute, no causal discount)."""
+    return 6 * cfg.num_params(non_embedding=True) + 12 * cfg.n_layers * cfg.n_heads * (cfg.dim // cfg.n_heads) * seq
+
+
+def summary(cfg, spec: Spec | str, batch: int, seq: int, dtype: str = "fp32") -> dict:
+    spec = Spec.parse(spec) if isinstance(spec, str) else spec
+    c = comm(cfg, spec, batch, seq, dtype)
+    return {"spec": str(spec), "comm": c.to_dict(), "textbook": textbook_comm(cfg, spec, batch, seq, dtype),
+            "model_states": model_states(cfg, spec),
+            "flops_per_rank": flops_per_token(cfg, seq) * batch * seq / spec.world}
+
+
+if __name__ == "__main__":
+    import argparse
+    import json
+
+    from models.llama import LlamaConfig
+
+    ap = argparse.ArgumentParser(description="analytic comm and model-state bytes per rank per step")
+    ap.add_argument("--model", default="tiny")
+    ap.add_argument("--spec", default="fsdp=2,tp=2,sp")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=16)
+    ap.add_argument("--dtype", default="fp32")
+    a = ap.parse_args()
+    print(json.dumps(summary(LlamaConfig.preset(a.model), a.spec, a.batch, a.seq, a.dtype), indent=1,
+                     default=lambda x: math.nan))

@@ -1,0 +1,128 @@
+"""Shared bits of the benchmarks: where results go, what the device is called, the run's environment,
+torchrun command lines and reading the trainer's JSONL."""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+    return platform.processor() or platform.machine()
+
+
+def device_name() -> str:
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu {cpu_name()}"
+
+
+def device_slug() -> str:
+    """`h100`, `h200`, `a100`, ... on GPUs; `cpu-<vendor>-<family>` on CPUs (as benchmarks/kernels.py names it)."""
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name().lower()
+        for known in ("h200", "h100", "a100", "l40s", "a10g", "l4"):
+            if known in name:
+                return known
+        return re.sub(r"[^a-z0-9]+", "-", name).strip("-")
+    words = re.sub(r"[^a-z0-9 ]+", " ", cpu_name().lower()).split()
+    return "cpu-" + "-".join(words[:2]) if words else "cpu"
+
+
+def today() -> str:
+    return datetime.date.today().isoformat()
+
+
+def environment() -> dict:
+    """What a reader needs to weigh timings: the machine, its load, the software."""
+    env = {"device": device_name(), "torch": torch.__version__, "python": sys.version.split()[0],
+           "cpu_count": os.cpu_count(), "date": today()}
+    try:
+        env["loadavg_1m"] = os.getloadavg()[0]
+    except OSError:
+        pass
+    if torch.cuda.is_available():
+        env["gpus"] = torch.cuda.device_count()
+    return env
+
+
+def torchrun(nproc: int) -> list[str]:
+    exe = shutil.which("torchrun")
+    base = [exe] if exe else [sys.executable, "-m", "torch.distributed.run"]
+    return base + ["--standalone", f"--nproc-per-node={nproc}"]
+
+
+def run(cmd: list[str], timeout: float = 1800, env: dict | None = None, retries: int = 1) -> subprocess.CompletedProcess:
+    """Runs a command from the repository root; a failed run is retried `retries` times (a shared machine
+    occasionally kills a gloo process group), then raises with the output's tail."""
+    full_env = {**os.environ, **(env or {})}
+    full_env["PYTHONPATH"] = str(ROOT) + os.pathsep + full_env.get("PYTHONPATH", "")
+    for attempt in range(retries + 1):
+        proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
+        if proc.returncode == 0:
+            return proc
+        print(f"[benchmarks] attempt {attempt + 1} failed ({proc.returncode}): {' '.join(cmd[-12:])}", file=sys.stderr)
+    if proc.returncode != 0:
+        tail = (proc.stdout + proc.stderr)[-4000:]
+        raise RuntimeError(f"command failed ({proc.returncode}): {' '.join(cmd)}\n{tail}")
+    return proc
+
+
+def read_jsonl(path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def steady(rows: list[dict], warmup: int) -> dict:
+    """Summary of the rows after `warmup` steps: medians of step time, tokens/s, MFU; max peak memory."""
+    kept = rows[warmup:] or rows[-1:]
+    med = lambda k: statistics.median(r[k] for r in kept)  # noqa: E731
+    return {"steps": len(kept), "step_time_s": med("step_time_s"), "tokens_per_s": med("tokens_per_s"),
+            "mfu": med("mfu"), "peak_mem_bytes": max(r["peak_mem_bytes"] for r in kept),
+            "comm_bytes": med("comm_bytes"), "final_loss": kept[-1]["loss"],
+            "step_time_spread": (max(r["step_time_s"] for r in kept) - min(r["step_time_s"] for r in kept)) /
+                                max(med("step_time_s"), 1e-12)}
+
+
+def write(stem: Path, report: dict, markdown: str) -> tuple[Path, Path]:
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    js, md = stem.with_suffix(".json"), stem.with_suffix(".md")
+    js.write_text(json.dumps(report, indent=1, default=str) + "\n")
+    md.write_text(markdown.rstrip() + "\n")
+    return js, md
+
+
+def md_table(headers: list[str], rows: list[list]) -> str:
+    def cell(v):
+        if isinstance(v, float):
+            return f"{v:.4g}" if abs(v) < 1e4 else f"{v:,.0f}"
+        if isinstance(v, int):
+            return f"{v:,}"
+        return str(v)
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(cell(v) for v in r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def trainer_flags() -> set[str]:
+    """The flags launch.train accepts, so a benchmark passes --compile and friends only where they exist."""
+    try:
+        from launch.config import parser
+        return {s for a in parser()._actions for s in a.option_strings}
+    except Exception:  # noqa: BLE001  (a trainer mid-edit must not break the benchmark's own flags)
+        return set()

@@ -1,0 +1,213 @@
+"""MFU per sharding spec, with the baselines measured in the same run.
+
+    python -m benchmarks.mfu --model tiny --nproc 4 --specs "fsdp=4" "fsdp=2,tp=2,sp" "tp=4" \
+        [--steps 10] [--warmup 3] [--dtype fp32] [--compile] [--seq-len 128] [--batch-size 8] [--repeats 1]
+
+For every spec, in turn (so slow drifts of the machine hit every row alike):
+  spmd     torchrun -m launch.train --mesh SPEC          (our trainer; JSONL metrics)
+  native   torchrun -m benchmarks.native_train --mesh SPEC  (fully_shard + parallelize_module, torchtitan's way)
+and once: `single`, plain PyTorch on one device (launch.train with one process), same model, global batch,
+data, initialisation and optimizer. Warmup steps are discarded; step time, tokens/s and MFU are medians
+of the rest, peak memory the maximum. Every row shows spmd / native tokens/s; speed claims are these
+ratios from one run, never absolute numbers across runs. Losses must agree across the three (same data,
+same initial weights): the report shows the largest difference.
+
+Writes benchmarks/results/<date>-<device>-<model>.{json,md,png} (the PNG needs matplotlib).
+On CPU a "device" is one process; torchrun gives each process one thread; MFU uses this machine's measured
+GEMM peak (launch.metrics). `--compile` goes to the trainer only if it has the flag (else the row says so).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+from benchmarks import common
+
+
+def _args(a, spec: str | None) -> list[str]:
+    out = ["--model", a.model, "--steps", str(a.steps), "--batch-size", str(a.batch_size),
+           "--seq-len", str(a.seq_len), "--dtype", a.dtype, "--seed", "0", "--lr", str(a.lr),
+           "--warmup", str(a.lr_warmup)]
+    if spec is not None:
+        sizes = ",".join(p for p in spec.split(",") if p.strip() != "sp")
+        out += ["--mesh", sizes] + (["--sp"] if "sp" in [p.strip() for p in spec.split(",")] else [])
+    return out
+
+
+def run_spmd(a, spec: str | None, jsonl: Path, flags: set) -> dict:
+    cmd = (common.torchrun(a.nproc) if spec else [sys.executable]) + ["-m", "launch.train"] + _args(a, spec)
+    cmd += ["--metrics", str(jsonl)]
+    notes = []
+    if a.compile:
+        if "--compile" in flags:
+            cmd.append("--compile")
+        else:
+            notes.append("eager: launch.train has no --compile")
+    if a.kernels:
+        if "--kernels" in flags:
+            cmd += ["--kernels", a.kernels]
+        else:
+            notes.append("launch.train has no --kernels")
+    common.run(cmd, timeout=a.timeout)
+    return {"rows": common.read_jsonl(jsonl), "notes": notes}
+
+
+def run_native(a, spec: str, jsonl: Path) -> dict:
+    cmd = common.torchrun(a.nproc) + ["-m", "benchmarks.native_train"] + _args(a, spec) + ["--metrics", str(jsonl)]
+    if a.compile:
+        cmd.append("--compile")
+    if a.kernels:
+        cmd += ["--kernels", a.kernels]
+    common.run(cmd, timeout=a.timeout)
+    return {"rows": common.read_jsonl(jsonl), "notes": []}
+
+
+def summarize(result: dict, warmup: int) -> dict:
+    s = common.steady(result["rows"], warmup)
+    s["losses"] = [r["loss"] for r in result["rows"]]
+    s["notes"] = result.get("notes", [])
+    return s
+
+
+def markdown(rep: dict) -> str:
+    env = rep["environment"]
+    a = rep["args"]
+    lines = [f"# MFU per spec: {a['model']} on {a['nproc']} x {env['device']}", "",
+             f"{env['date']}, torch {env['torch']}, {env['cpu_count']} cores, load average "
+             f"{env.get('loadavg_1m', float('nan')):.1f} at start; global batch {a['batch_size']} x {a['seq_len']}, "
+             f"{a['dtype']}{', --compile' if a['compile'] else ''}; {a['steps']} steps, first {a['warmup']} discarded; "
+             f"medians of the rest. Peak FLOP/s per device: {rep.get('peak', 'n/a')}.", "",
+             "| spec | impl | tokens/s | MFU | step time s | peak mem/rank MiB | comm bytes/rank/step | spmd / native tok/s | spmd / single tok/s |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    single = rep.get("single")
+    if single:
+        lines.append(f"| 1 device | plain PyTorch | {single['tokens_per_s']:,.0f} | {100 * single['mfu']:.3f}% | "
+                     f"{single['step_time_s']:.4f} | {single['peak_mem_bytes'] / 2**20:,.0f} | 0 | | |")
+    for r in rep["rows"]:
+        ours, nat = r["spmd"], r.get("native")
+        ratio_n = f"{ours['tokens_per_s'] / nat['tokens_per_s']:.3f}" if nat else "n/a"
+        ratio_s = f"{ours['tokens_per_s'] / single['tokens_per_s']:.3f}" if single else "n/a"
+        note = f" ({'; '.join(ours['notes'])})" if ours["notes"] else ""
+        lines.append(f"| {r['spec']} | spmd{note} | {ours['tokens_per_s']:,.0f} | {100 * ours['mfu']:.3f}% | "
+                     f"{ours['step_time_s']:.4f} | {ours['peak_mem_bytes'] / 2**20:,.0f} | {ours['comm_bytes']:,.0f} | "
+                     f"{ratio_n} | {ratio_s} |")
+        if nat:
+            lines.append(f"| {r['spec']} | native | {nat['tokens_per_s']:,.0f} | {100 * nat['mfu']:.3f}% | "
+                         f"{nat['step_time_s']:.4f} | {nat['peak_mem_bytes'] / 2**20:,.0f} | "
+                         f"{nat['comm_bytes']:,.0f}* | | |")
+    lines += ["", f"Largest loss difference between spmd, native and single over all steps: {rep['max_loss_diff']:.2e}.",
+              "", "*native comm bytes are what spmd's dispatch-mode recorder sees: the TP collectives and the norm "
+              "reduction; FSDP2's and DDP's own collectives bypass dispatch modes, so they are missing there.",
+              "On CPU, peak memory is each process's peak resident set (the whole interpreter), not tensors alone.",
+              f"Spread of step times after warmup (max-min)/median, worst row: {rep['max_spread']:.2f}."]
+    if rep.get("png"):
+        lines += ["", f"![MFU per spec]({Path(rep['png']).name})"]
+    return "\n".join(lines)
+
+
+def plot(rep: dict, path: Path) -> str | None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("[mfu] matplotlib is not installed: no PNG (pip install matplotlib)", flush=True)
+        return None
+    specs = [r["spec"] for r in rep["rows"]]
+    ours = [100 * r["spmd"]["mfu"] for r in rep["rows"]]
+    nat = [100 * r["native"]["mfu"] if r.get("native") else 0 for r in rep["rows"]]
+    fig, ax = plt.subplots(figsize=(1.6 * len(specs) + 2.5, 3.8))
+    xs = range(len(specs))
+    ax.bar([x - 0.2 for x in xs], ours, 0.4, label="spmd")
+    ax.bar([x + 0.2 for x in xs], nat, 0.4, label="native (fully_shard + parallelize_module)")
+    if rep.get("single"):
+        ax.axhline(100 * rep["single"]["mfu"], color="gray", ls="--", label="1 device, plain PyTorch")
+    ax.set_xticks(list(xs), specs)
+    ax.set_ylabel("MFU (%)")
+    a = rep["args"]
+    ax.set_title(f"{a['model']}, {a['nproc']} x {rep['environment']['device'][:28]}, {a['dtype']}, "
+                 f"batch {a['batch_size']}x{a['seq_len']}", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return str(path)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="tiny")
+    ap.add_argument("--nproc", type=int, default=4)
+    ap.add_argument("--specs", nargs="+", default=["fsdp=4", "fsdp=2,tp=2,sp", "tp=4"])
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3, help="steps discarded before the medians")
+    ap.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (both trainers)")
+    ap.add_argument("--lr-warmup", type=int, default=5, help="learning-rate warmup steps (both trainers)")
+    ap.add_argument("--dtype", default="fp32")
+    ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--kernels", default="", help="auto|torch|triton, passed where supported")
+    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=1, help="run each row this many times, keep the median")
+    ap.add_argument("--no-native", action="store_true")
+    ap.add_argument("--no-single", action="store_true")
+    ap.add_argument("--timeout", type=float, default=1800)
+    ap.add_argument("--out", default=str(common.RESULTS))
+    ap.add_argument("--tag", default="", help="suffix of the result files")
+    a = ap.parse_args(argv)
+    if a.warmup >= a.steps:
+        ap.error(f"--warmup {a.warmup} must be smaller than --steps {a.steps}")
+    import torch
+    if torch.cuda.is_available() and torch.cuda.device_count() < a.nproc:
+        ap.error(f"--nproc {a.nproc} but only {torch.cuda.device_count()} GPUs")
+    flags = common.trainer_flags()
+    rep = {"environment": common.environment(), "args": vars(a), "rows": [], "trainer_flags": sorted(flags)}
+    with tempfile.TemporaryDirectory() as tmp:
+        def repeat(kind: str, spec):
+            results = []
+            for i in range(a.repeats):
+                path = Path(tmp, f"{kind}-{i}.jsonl")
+                res = run_native(a, spec, path) if kind == "native" else run_spmd(a, spec, path, flags)
+                results.append(summarize(res, a.warmup))
+            results.sort(key=lambda s: s["tokens_per_s"])
+            return results[len(results) // 2]
+
+        if not a.no_single:
+            print(f"[mfu] single device, plain PyTorch", flush=True)
+            rep["single"] = repeat("single", None)
+        for spec in a.specs:
+            print(f"[mfu] {spec}: spmd", flush=True)
+            row = {"spec": spec, "spmd": repeat("spmd", spec)}
+            if not a.no_native:
+                print(f"[mfu] {spec}: native", flush=True)
+                row["native"] = repeat("native", spec)
+            o = row["spmd"]
+            print(f"[mfu] {spec}: spmd {o['tokens_per_s']:,.0f} tok/s MFU {100 * o['mfu']:.3f}%"
+                  + (f", native {row['native']['tokens_per_s']:,.0f} tok/s, ratio "
+                     f"{o['tokens_per_s'] / row['native']['tokens_per_s']:.3f}" if "native" in row else ""), flush=True)
+            rep["rows"].append(row)
+    losses = [r[k]["losses"] for r in rep["rows"] for k in ("spmd", "native") if k in r]
+    if rep.get("single"):
+        losses.append(rep["single"]["losses"])
+    rep["max_loss_diff"] = max((abs(x - y) for l1 in losses for l2 in losses for x, y in zip(l1, l2)), default=0.0)
+    rep["max_spread"] = max([r[k]["step_time_spread"] for r in rep["rows"] for k in ("spmd", "native") if k in r]
+                            + ([rep["single"]["step_time_spread"]] if rep.get("single") else []))
+    try:
+        from launch.metrics import peak_flops
+        peak, source = peak_flops(a.dtype, "cuda" if torch.cuda.is_available() else "cpu")
+        rep["peak"] = f"{peak / 1e12:.4g} TFLOP/s ({source.split(',')[0]})"
+    except Exception as e:  # noqa: BLE001
+        rep["peak"] = f"unknown ({e})"
+    stem = Path(a.out) / (f"{common.today()}-{common.device_slug()}-{a.model}" + (f"-{a.tag}" if a.tag else ""))
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    rep["png"] = plot(rep, stem.with_suffix(".png"))
+    js, md = common.write(stem, rep, markdown(rep))
+    print(f"[mfu] wrote {js}, {md}" + (f", {rep['png']}" if rep["png"] else ""), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

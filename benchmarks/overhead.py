@@ -1,0 +1,307 @@
+"""The cost of the abstraction: a training step of `spmd.parallelize` on a 1-process mesh against the same
+model as plain PyTorch (same dtype, same compile setting), and where the difference goes.
+
+    python -m benchmarks.overhead [--models tiny small] [--steps 10] [--dtype fp32] [--compile]
+
+Variants, each a full step (forward, backward, AdamW) on the same batch, timed after warmup, interleaved
+round by round so load drifts hit every variant alike (the median per variant is reported):
+  plain            the model as plain PyTorch
+  plain+recorder   plain under spmd.record.CollectiveRecorder (the dispatch mode launch.train wraps each step in)
+  spmd             spmd.parallelize on a 1-process mesh (every mesh axis of size 1; no collectives at all)
+  spmd+recorder    what launch.train runs on one rank of a mesh
+Then a cProfile of the spmd steps, its time split by where the Python runs (DTensor dispatch and sharding
+propagation, DTensor redistribute, spmd's hooks and moves, nn.Module call machinery, autograd, the optimizer,
+native kernels), and counts per step: DTensor op dispatches, redistribute calls, parameter gathers.
+Writes benchmarks/results/<date>-<device>-overhead.{json,md}.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import cProfile
+import io
+import pstats
+import statistics
+import sys
+import time
+
+import torch
+
+from benchmarks import common
+
+CATEGORIES = [  # (name, predicate on the profiled function's file path); first match wins
+    ("DTensor redistribute", lambda f: "torch/distributed/tensor/_redistribute" in f or "_collective_utils" in f),
+    ("DTensor dispatch + sharding propagation", lambda f: "torch/distributed/tensor" in f),
+    ("spmd recorder (dispatch mode)", lambda f: "spmd/record" in f or "_python_dispatch" in f),
+    ("spmd hooks, moves, constrain", lambda f: "/spmd/" in f),
+    ("kernels (model's ops)", lambda f: "/kernels/" in f or "/models/" in f),
+    ("nn.Module call + hooks", lambda f: "torch/nn/modules/module.py" in f),
+    ("optimizer", lambda f: "torch/optim" in f),
+    ("autograd (Python side)", lambda f: "torch/autograd" in f or "torch/_tensor.py" in f),
+    ("native ops (C++ builtins)", lambda f: f.startswith("~") or f.startswith("<built-in")),
+]
+
+
+def build(model_name: str, variant: str, dtype: str):
+    import spmd
+    from models.llama import Llama, LlamaConfig
+    cfg = LlamaConfig.preset(model_name)
+    torch.manual_seed(0)
+    model = Llama(cfg)
+    param_dtype = {"fp32": None, "bf16": torch.bfloat16}[dtype]
+    if variant.startswith("spmd"):
+        mesh = spmd.make_mesh({"dp": 1}, device_type="cpu")
+        spmd.parallelize(model, mesh, spmd.Rules.default(), param_dtype=param_dtype)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    return cfg, model, opt
+
+
+def step_fn(model, opt, x, y, variant: str, dtype: str):
+    from spmd.record import CollectiveRecorder
+    autocast = dtype == "bf16" and variant.startswith("plain")
+
+    def step():
+        rec = CollectiveRecorder() if variant.endswith("recorder") else contextlib.nullcontext()
+        amp = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+        with rec:
+            with amp:
+                loss = model(x, y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return float(loss.detach())
+    return step
+
+
+def profile(step, steps: int) -> dict:
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        step()
+    prof.disable()
+    stats = pstats.Stats(prof, stream=io.StringIO())
+    total = sum(v[2] for v in stats.stats.values())  # tottime
+    by_cat = {name: 0.0 for name, _ in CATEGORIES}
+    by_cat["other Python"] = 0.0
+    calls = {"DTensor output wraps (Python)": 0, "redistribute calls": 0, "parameter gathers (gather_param)": 0,
+             "module forward calls": 0, "aten ops via dispatch (Python __torch_dispatch__)": 0}
+    for (file, line, func), (cc, nc, tt, ct, callers) in stats.stats.items():
+        for name, pred in CATEGORIES:
+            if pred(file):
+                by_cat[name] += tt
+                break
+        else:
+            by_cat["other Python"] += tt
+        if file.endswith("tensor/_dispatch.py") and func == "wrap":
+            calls["DTensor output wraps (Python)"] += nc
+        elif file.endswith("tensor/_api.py") and func == "redistribute":
+            calls["redistribute calls"] += nc
+        elif file.endswith("spmd/moves.py") and func == "gather_param":
+            calls["parameter gathers (gather_param)"] += nc
+        elif file.endswith("nn/modules/module.py") and func == "_call_impl":
+            calls["module forward calls"] += nc
+        elif func == "__torch_dispatch__":
+            calls["aten ops via dispatch (Python __torch_dispatch__)"] += nc
+    top = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:15]
+    return {"profiled_s_per_step": total / steps,
+            "share": {k: v / total for k, v in sorted(by_cat.items(), key=lambda kv: -kv[1])},
+            "calls_per_step": {k: v / steps for k, v in calls.items()},
+            "top_functions": [{"where": f"{f.split('site-packages/')[-1]}:{l}({fn})", "tottime_per_step": tt / steps,
+                               "calls_per_step": nc / steps} for (f, l, fn), (cc, nc, tt, ct, _) in top]}
+
+
+class _OpCounter:
+    """Counts, per step, the ops DTensor dispatches (any DTensor argument) and the aten ops on plain tensors."""
+
+    def __init__(self):
+        from torch.distributed.tensor import DTensor
+        from torch.utils._python_dispatch import TorchDispatchMode
+        counter = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if any(issubclass(t, DTensor) for t in types):
+                    counter.dtensor += 1
+                    return NotImplemented
+                counter.aten += 1
+                return func(*args, **(kwargs or {}))
+
+        self.mode, self.dtensor, self.aten = Mode(), 0, 0
+
+
+def count_ops(step) -> dict:
+    c = _OpCounter()
+    with c.mode:
+        step()
+    return {"DTensor ops": c.dtensor, "aten ops on local tensors": c.aten}
+
+
+def dtensor_op_overhead(reps: int = 3000) -> dict:
+    """Seconds per op of DTensor's eager dispatch on a 1-process mesh beyond the plain op, for an add on
+    [8, 128, 64] and a linear [8, 128, 64] x [64, 64]: the per-op price the step pays."""
+    import spmd
+    from torch.distributed.tensor import DTensor, Replicate
+    mesh = spmd.make_mesh({"dp": 1}, device_type="cpu")
+    x, w = torch.randn(8, 128, 64), torch.randn(64, 64)
+    dx, dw = (DTensor.from_local(t, mesh, [Replicate()], run_check=False) for t in (x, w))
+    out = {}
+    for name, plain, dt in (("add", lambda: x + x, lambda: dx + dx),
+                            ("linear", lambda: torch.nn.functional.linear(x, w), lambda: torch.nn.functional.linear(dx, dw))):
+        best = {}
+        for label, fn in (("plain", plain), ("dtensor", dt)):
+            fn()
+            samples = []
+            for _ in range(5):
+                t0 = time.perf_counter()
+                for _ in range(reps // 5):
+                    fn()
+                samples.append((time.perf_counter() - t0) / (reps // 5))
+            best[label] = min(samples)
+        out[name] = {"plain_s": best["plain"], "dtensor_s": best["dtensor"], "overhead_s": best["dtensor"] - best["plain"]}
+    return out
+
+
+def measure(model_name: str, dtype: str, steps: int, warmup: int, variants: list[str], compile_: bool) -> dict:
+    import spmd  # noqa: F401
+    from launch.metrics import flops_per_token
+    built = {}
+    for v in variants:
+        cfg, model, opt = build(model_name, v, dtype)
+        if compile_:
+            model = torch.compile(model)
+        g = torch.Generator().manual_seed(0)
+        tokens = torch.randint(0, cfg.vocab_size, (8, 129), generator=g)
+        x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+        built[v] = step_fn(model, opt, x, y, v, dtype)
+    times = {v: [] for v in variants}
+    losses = {}
+    for _ in range(warmup):
+        for v in variants:
+            losses[v] = built[v]()
+    for _ in range(steps):  # round-robin: each round runs every variant once
+        for v in variants:
+            t0 = time.perf_counter()
+            built[v]()
+            times[v].append(time.perf_counter() - t0)
+    med = {v: statistics.median(t) for v, t in times.items()}
+    out = {"model": model_name, "dtype": dtype, "compile": compile_, "batch": [8, 128],
+           "step_s": med, "spread": {v: (max(t) - min(t)) / med[v] for v, t in times.items()},
+           "ratio_to_plain": {v: med[v] / med["plain"] for v in variants},
+           "loss_after_warmup": losses,
+           "flops_per_step": flops_per_token(cfg, 128) * 8 * 128}
+    if not compile_ and "spmd" in built:
+        out["profile_spmd"] = profile(built["spmd"], max(3, steps // 2))
+        out["profile_plain"] = profile(built["plain"], max(3, steps // 2))
+        out["ops_spmd"] = count_ops(built["spmd"])
+        out["ops_plain"] = count_ops(built["plain"])
+    return out
+
+
+def markdown(rep: dict) -> str:
+    env = rep["environment"]
+    lines = ["# Overhead of spmd.parallelize on a 1-process mesh vs plain PyTorch", "",
+             f"{env['date']}, {env['device']}, torch {env['torch']}, {torch.get_num_threads()} threads, load average "
+             f"{env.get('loadavg_1m', float('nan')):.1f} at start. Full training steps (forward, backward, AdamW) "
+             f"on batch 8 x 128; medians of interleaved rounds.", "",
+             "| model | dtype | compile | plain s | plain+recorder s | spmd s | spmd+recorder s | spmd / plain | "
+             "recorder / plain | spmd+recorder / plain |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rep["runs"]:
+        s, q = r["step_s"], r["ratio_to_plain"]
+        lines.append(f"| {r['model']} | {r['dtype']} | {r['compile']} | {s['plain']:.4f} | "
+                     f"{s.get('plain+recorder', float('nan')):.4f} | {s['spmd']:.4f} | "
+                     f"{s.get('spmd+recorder', float('nan')):.4f} | {q['spmd']:.2f} | "
+                     f"{q.get('plain+recorder', float('nan')):.2f} | {q.get('spmd+recorder', float('nan')):.2f} |")
+    for r in rep["runs"]:
+        if "profile_spmd" not in r:
+            continue
+        p, pp = r["profile_spmd"], r["profile_plain"]
+        lines += ["", f"## Where the spmd step's time goes: {r['model']} {r['dtype']} (cProfile, self time)", "",
+                  f"Profiled step: spmd {p['profiled_s_per_step']:.4f} s, plain {pp['profiled_s_per_step']:.4f} s "
+                  f"(cProfile inflates Python-heavy code; read the shares, not the absolute times).", "",
+                  "| where | share of spmd step | share of plain step |", "|---|---|---|"]
+        for k, v in p["share"].items():
+            lines.append(f"| {k} | {100 * v:.1f}% | {100 * pp['share'].get(k, 0):.1f}% |")
+        lines += ["", "| per step | spmd | plain |", "|---|---|---|"]
+        for k in r["ops_spmd"]:
+            lines.append(f"| {k} | {r['ops_spmd'][k]:,} | {r['ops_plain'][k]:,} |")
+        for k, v in p["calls_per_step"].items():
+            lines.append(f"| {k} | {v:,.0f} | {pp['calls_per_step'].get(k, 0):,.0f} |")
+    if rep.get("findings"):
+        lines += ["", "## Findings", ""] + [f"- {f}" for f in rep["findings"]]
+    return "\n".join(lines)
+
+
+def findings(rep: dict) -> list[str]:
+    out = []
+    for r in rep["runs"]:
+        q = r["ratio_to_plain"]
+        text = (f"{r['model']} {r['dtype']}{' compiled' if r['compile'] else ''}: spmd step {q['spmd']:.2f}x plain; "
+                f"the recorder alone {q.get('plain+recorder', float('nan')):.2f}x; spmd under the recorder (what "
+                f"launch.train runs) {q.get('spmd+recorder', float('nan')):.2f}x.")
+        if "profile_spmd" in r:
+            p = r["profile_spmd"]
+            dt = p["share"]["DTensor dispatch + sharding propagation"] + p["share"]["DTensor redistribute"]
+            text += (f" In the profile, DTensor's Python (dispatch, sharding propagation, redistribute) is "
+                     f"{100 * dt:.0f}% of the spmd step and spmd's own hooks/moves "
+                     f"{100 * p['share']['spmd hooks, moves, constrain']:.0f}%; per step "
+                     f"{r['ops_spmd']['DTensor ops']:,} DTensor ops, "
+                     f"{p['calls_per_step']['redistribute calls']:,.0f} redistribute calls, "
+                     f"{p['calls_per_step']['parameter gathers (gather_param)']:,.0f} parameter gathers.")
+        out.append(text)
+    cost = rep.get("dtensor_op_overhead")
+    if cost:
+        out.append("DTensor eager dispatch on a 1-process mesh costs " + ", ".join(
+            f"{1e6 * v['overhead_s']:.0f} us per {k} ({v['dtensor_s'] / v['plain_s']:.1f}x the plain op)"
+            for k, v in cost.items()) + ".")
+        per_op = statistics.mean(v["overhead_s"] for v in cost.values())
+        for r in rep["runs"]:
+            if "ops_spmd" in r:
+                est = r["ops_spmd"]["DTensor ops"] * per_op
+                extra = r["step_s"]["spmd"] - r["step_s"]["plain"]
+                out.append(f"{r['model']} {r['dtype']}: {r['ops_spmd']['DTensor ops']:,} DTensor ops per step x "
+                           f"{1e6 * per_op:.0f} us = {est:.3f} s of dispatch, against a measured spmd - plain "
+                           f"difference of {extra:.3f} s per step.")
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", nargs="+", default=["tiny", "small"])
+    ap.add_argument("--dtypes", nargs="+", default=["fp32"])
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--compile", action="store_true", help="also measure torch.compile'd plain vs spmd")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (1: steadier on a shared machine)")
+    ap.add_argument("--out", default=str(common.RESULTS))
+    a = ap.parse_args(argv)
+    import logging
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    rep = {"environment": common.environment(), "args": vars(a), "runs": []}
+    variants = ["plain", "plain+recorder", "spmd", "spmd+recorder"]
+    torch.set_num_threads(a.threads)
+    rep["dtensor_op_overhead"] = dtensor_op_overhead()
+    for model in a.models:
+        for dtype in a.dtypes:
+            for comp in ([False, True] if a.compile else [False]):
+                print(f"[overhead] {model} {dtype}{' compile' if comp else ''}", flush=True)
+                try:
+                    r = measure(model, dtype, a.steps, a.warmup, variants if not comp else ["plain", "spmd"], comp)
+                except Exception as e:  # noqa: BLE001  (compile of a DTensor model may fail: say so)
+                    rep["runs"].append({"model": model, "dtype": dtype, "compile": comp, "error": str(e)[:500]})
+                    print(f"[overhead]   failed: {str(e)[:200]}", flush=True)
+                    continue
+                rep["runs"].append(r)
+                print(f"[overhead]   " + ", ".join(f"{v} {s:.4f}s" for v, s in r["step_s"].items()), flush=True)
+    ok = [r for r in rep["runs"] if "error" not in r]
+    rep["findings"] = findings({"runs": ok, "dtensor_op_overhead": rep["dtensor_op_overhead"]}) + [f"{r['model']} {r['dtype']} compile failed: {r['error'][:200]}"
+                                                for r in rep["runs"] if "error" in r]
+    stem = common.RESULTS if a.out == str(common.RESULTS) else a.out
+    from pathlib import Path
+    js, md = common.write(Path(stem) / f"{common.today()}-{common.device_slug()}-overhead", rep,
+                          markdown({**rep, "runs": ok}))
+    print(f"[overhead] wrote {js} and {md}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,206 @@
+"""Does `spmd.search` rank specs the way this machine does? Predict, run, compare ranks.
+
+    python -m benchmarks.search_vs_measured [--models tiny small] [--nproc 4] [--top 3] [--bottom 3] [--steps 8]
+
+1. Describe this machine as a `spmd.devices.Device`: peak = its best single-thread fp32 GEMM FLOP/s (torchrun
+   gives each process one thread; with more processes than cores each gets its share), links = gloo on
+   loopback with latency and bandwidth fitted to all-reduces and all-gathers timed on `nproc` processes
+   (t = latency + ring bytes / bandwidth, least squares).
+2. `spmd.search(model, nproc, device=that)` ranks every spec.
+3. The `top` best and `bottom` worst predicted specs train for `steps` steps with launch.train (torchrun);
+   the median step time after `warmup` steps is the measurement.
+4. Spearman's rank correlation between predicted and measured step times (also for two naive predictors:
+   bytes moved, and number of collectives). The ranking is worth publishing only where the correlation holds.
+Writes benchmarks/results/<date>-<device>-search-vs-measured.{json,md}.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks import common
+
+
+def spearman(xs: list[float], ys: list[float]) -> float:
+    """Spearman's rho with average ranks for ties (Pearson correlation of the ranks)."""
+    def ranks(v):
+        order = sorted(range(len(v)), key=lambda i: v[i])
+        r = [0.0] * len(v)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and v[order[j + 1]] == v[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                r[order[k]] = (i + j) / 2 + 1
+            i = j + 1
+        return r
+    if len(xs) < 2:
+        return float("nan")
+    rx, ry = ranks(xs), ranks(ys)
+    mx, my = statistics.mean(rx), statistics.mean(ry)
+    num = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    den = (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
+    return num / den if den else float("nan")
+
+
+# ------------------------------------------------------------------------------------ gloo link, measured
+def gloo_worker(out: str) -> None:
+    import torch
+    import torch.distributed as dist
+    dist.init_process_group("gloo")
+    rank, n = dist.get_rank(), dist.get_world_size()
+    rows = []
+    for kind in ("all_reduce", "all_gather"):
+        for numel in (256, 4096, 65536, 262144, 1048576):
+            x = torch.ones(numel)
+            buf = torch.empty(numel * n)
+            samples = []
+            for i in range(12):
+                dist.barrier()
+                t0 = time.perf_counter()
+                if kind == "all_reduce":
+                    dist.all_reduce(x)
+                else:
+                    dist.all_gather_into_tensor(buf, x)
+                samples.append(time.perf_counter() - t0)
+            full = numel * 4 * (n if kind == "all_gather" else 1)
+            wire = (2 if kind == "all_reduce" else 1) * full * (n - 1) / n
+            rows.append({"kind": kind, "full_bytes": full, "wire_bytes": wire,
+                         "seconds": statistics.median(samples[2:])})
+    if rank == 0:
+        Path(out).write_text(json.dumps(rows))
+    dist.destroy_process_group()
+
+
+def fit_link(rows: list[dict]) -> tuple[float, float]:
+    """(latency s, bandwidth B/s) minimising squared error of t = latency + wire / bandwidth."""
+    xs, ts = [r["wire_bytes"] for r in rows], [r["seconds"] for r in rows]
+    mx, mt = statistics.mean(xs), statistics.mean(ts)
+    slope = sum((x - mx) * (t - mt) for x, t in zip(xs, ts)) / sum((x - mx) ** 2 for x in xs)
+    latency = max(mt - slope * mx, 1e-6)
+    return latency, 1.0 / max(slope, 1e-15)
+
+
+def measure_link(nproc: int) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp, "gloo.json")
+        common.run(common.torchrun(nproc) + ["-m", "benchmarks.search_vs_measured", "--gloo-worker", str(out)])
+        rows = json.loads(out.read_text())
+    latency, bw = fit_link(rows)
+    return {"latency_s": latency, "bandwidth_Bps": bw, "samples": rows}
+
+
+# ------------------------------------------------------------------------------------ runs
+def run_spec(model: str, spec: str, nproc: int, batch: int, seq: int, steps: int, warmup: int) -> dict:
+    sizes = ",".join(p for p in spec.split(",") if p != "sp")
+    with tempfile.TemporaryDirectory() as tmp:
+        jsonl = Path(tmp, "m.jsonl")
+        cmd = common.torchrun(nproc) + ["-m", "launch.train", "--model", model, "--mesh", sizes, "--steps", str(steps),
+                                        "--batch-size", str(batch), "--seq-len", str(seq), "--dtype", "fp32",
+                                        "--metrics", str(jsonl)] + (["--sp"] if spec.endswith(",sp") else [])
+        common.run(cmd)
+        return common.steady(common.read_jsonl(jsonl), warmup)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--gloo-worker", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--models", nargs="+", default=["tiny", "small"])
+    ap.add_argument("--nproc", type=int, default=4)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--top", type=int, default=3)
+    ap.add_argument("--bottom", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=1, help="runs per spec (alternating order); median kept")
+    ap.add_argument("--out", default=str(common.RESULTS))
+    a = ap.parse_args(argv)
+    if a.gloo_worker:
+        gloo_worker(a.gloo_worker)
+        return 0
+    import spmd
+    from models.llama import LlamaConfig
+    from spmd.devices import cpu_device, measure_gemm_flops
+    import torch
+    rep = {"environment": common.environment(), "args": vars(a), "models": []}
+    per_thread = measure_gemm_flops(torch.float32, threads=1)
+    link = measure_link(a.nproc)
+    dev = cpu_device(a.nproc, 1, per_thread, bandwidth=link["bandwidth_Bps"], latency=link["latency_s"])
+    rep["device"] = {"peak_per_thread": per_thread, "peak_per_rank": dev.peak("fp32"), **link}
+    print(f"[search_vs_measured] GEMM {per_thread / 1e9:.1f} GFLOP/s per thread; gloo latency "
+          f"{1e6 * link['latency_s']:.0f} us, bandwidth {link['bandwidth_Bps'] / 1e9:.2f} GB/s", flush=True)
+    for model in a.models:
+        cfg = LlamaConfig.preset(model)
+        rows = spmd.search(cfg, a.nproc, device=dev, batch_shape=(a.batch, a.seq), dtype="fp32")
+        chosen = list(rows[:a.top]) + [r for r in rows[max(a.top, len(rows) - a.bottom):]]
+        print(f"[search_vs_measured] {model}: {len(rows)} specs ranked; running "
+              f"{', '.join(r.spec for r in chosen)}", flush=True)
+        measured = {r.spec: [] for r in chosen}
+        for i in range(a.repeats):
+            for r in (chosen if i % 2 == 0 else chosen[::-1]):
+                measured[r.spec].append(run_spec(model, r.spec, a.nproc, a.batch, a.seq, a.steps, a.warmup))
+                print(f"  {r.spec:<18} predicted {r.step_s:.4f}s measured {measured[r.spec][-1]['step_time_s']:.4f}s",
+                      flush=True)
+        out_rows = []
+        for r in chosen:
+            m = statistics.median(x["step_time_s"] for x in measured[r.spec])
+            out_rows.append({"spec": r.spec, "predicted_rank": rows.index(r) + 1, "predicted_s": r.step_s,
+                             "compute_s": r.compute_s, "activation_comm_s": r.activation_comm_s,
+                             "param_comm_s": r.param_comm_s, "comm_bytes": r.comm_bytes, "collectives": r.collectives,
+                             "measured_s": m, "measured_runs": [x["step_time_s"] for x in measured[r.spec]],
+                             "spread": max(x["step_time_spread"] for x in measured[r.spec])})
+        pred = [x["predicted_s"] for x in out_rows]
+        meas = [x["measured_s"] for x in out_rows]
+        order = sorted(range(len(meas)), key=lambda i: meas[i])
+        for rank, i in enumerate(order, 1):
+            out_rows[i]["measured_rank_among_run"] = rank
+        entry = {"model": model, "ranked": len(rows), "rows": out_rows,
+                 "spearman_predicted": spearman(pred, meas),
+                 "spearman_comm_bytes": spearman([x["comm_bytes"] for x in out_rows], meas),
+                 "spearman_collectives": spearman([x["collectives"] for x in out_rows], meas),
+                 "all_predictions": [{"spec": r.spec, "step_s": r.step_s} for r in rows]}
+        rep["models"].append(entry)
+        print(f"[search_vs_measured] {model}: Spearman predicted vs measured {entry['spearman_predicted']:.3f}",
+              flush=True)
+    stem = Path(a.out) / f"{common.today()}-{common.device_slug()}-search-vs-measured"
+    js, md = common.write(stem, rep, markdown(rep))
+    print(f"[search_vs_measured] wrote {js} and {md}")
+    return 0
+
+
+def markdown(rep: dict) -> str:
+    env, d, a = rep["environment"], rep["device"], rep["args"]
+    lines = ["# spmd.search: predicted vs measured step times", "",
+             f"{env['date']}, {env['device']}, torch {env['torch']}, {env['cpu_count']} cores, load average "
+             f"{env.get('loadavg_1m', float('nan')):.1f} at start; {a['nproc']} processes (1 thread each), batch "
+             f"{a['batch']} x {a['seq']}, fp32, {a['steps']} steps, median after {a['warmup']}.", "",
+             f"Device model: GEMM peak {d['peak_per_thread'] / 1e9:.1f} GFLOP/s per thread "
+             f"({d['peak_per_rank'] / 1e9:.1f} per rank with {a['nproc']} processes on {env['cpu_count']} cores); "
+             f"gloo fitted latency {1e6 * d['latency_s']:.0f} us, bandwidth {d['bandwidth_Bps'] / 1e9:.2f} GB/s.", ""]
+    for m in rep["models"]:
+        lines += [f"## {m['model']}: Spearman rho (predicted, measured) = {m['spearman_predicted']:.3f} "
+                  f"over {len(m['rows'])} specs", "",
+                  f"Naive predictors on the same runs: bytes moved rho = {m['spearman_comm_bytes']:.3f}, "
+                  f"number of collectives rho = {m['spearman_collectives']:.3f}.", "",
+                  "| spec | predicted rank (of %d) | measured rank (of run) | predicted s | compute s | act comm s | "
+                  "param comm s | collectives | comm bytes | measured s | measured / predicted |" % m["ranked"],
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in m["rows"]:
+            lines.append(f"| {r['spec']} | {r['predicted_rank']} | {r['measured_rank_among_run']} | "
+                         f"{r['predicted_s']:.4f} | {r['compute_s']:.4f} | {r['activation_comm_s']:.4f} | "
+                         f"{r['param_comm_s']:.4f} | {r['collectives']} | {r['comm_bytes']:,} | {r['measured_s']:.4f} | "
+                         f"{r['measured_s'] / r['predicted_s']:.2f} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,462 @@
+"""`spmd.search(model, world_size, device="h100")`: which spec to run, ranked by predicted step time.
+
+    rows = spmd.search(LlamaConfig.preset("8b"), 64, device="h100", batch_shape=(64, 4096))
+    print(rows.table())                      # or: python -m spmd.search --model 8b --world 64 --device h100
+
+1. Enumerate the meshes of the world size: every dp x fsdp x tp = world (tp at most one node, 8 devices),
+   each tp > 1 with and without sequence parallelism. (pp comes later.)
+2. Plan each one with `spmd.explain`: its collectives (bytes per rank, per mesh axis) and its memory per
+   rank (parameters, gradients, optimizer states, saved activations). A model's blocks are identical, so the
+   plan of the full model is the plan of a 1-block copy plus (L-1) times the difference between the 2-block
+   and the 1-block copies: exact, and two cheap dry runs per spec instead of one of L blocks.
+3. Drop the specs that do not fit the memory budget (default 90% of the device's memory: the rest is for
+   the transient gathered parameters, workspaces and the allocator) or do not divide (batch, heads, ...).
+4. Rank the rest by predicted step time:
+       compute   = FLOPs per rank / (peak FLOP/s x efficiency), FLOPs = 6 N_non_embedding + 12 L H Q T per
+                   token (DESIGN.md), the same for every spec;
+       each collective = latency + bytes / bandwidth of its link: within a node (NVLink) when the ranks of
+                   its mesh axis sit in one node of 8 (tp is innermost, then fsdp, then dp), else across
+                   nodes (InfiniBand);
+       overlap   = a fraction `overlap` (0..1) of the parameter traffic (FSDP gathers, gradient
+                   reductions) hides behind compute; activation traffic (TP/SP) is on the critical path.
+                   spmd's eager step waits for every collective where it is issued, so the default is 0;
+                   1 models a runtime that prefetches parameters and reduces gradients in the background;
+       step      = compute + activation comm + parameter comm - min(parameter comm, compute) x overlap.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import functools
+import logging
+import math
+import os
+from dataclasses import dataclass, field, asdict
+
+import torch
+import torch.nn as nn
+
+from .annotate import infer_axes
+from .blocks import find_blocks
+from .devices import Device, get_device
+from .explain import explain
+from .mesh import MESH_AXES
+from .rules import Rules
+
+PARAM_REASONS = ("gather ", "regather ", "reduce gradient ")
+
+
+@dataclass
+class Row:
+    spec: str
+    sizes: dict
+    sp: bool
+    step_s: float = math.nan
+    compute_s: float = math.nan
+    activation_comm_s: float = math.nan
+    param_comm_s: float = math.nan
+    hidden_s: float = 0.0
+    comm_bytes: int = 0
+    collectives: int = 0
+    bytes_by_axis: dict = field(default_factory=dict)
+    links: dict = field(default_factory=dict)
+    memory: dict = field(default_factory=dict)
+    budget: float = math.nan
+    fits: bool = True
+    tokens_per_s: float = math.nan
+    mfu: float = math.nan
+    note: str = ""
+
+    @property
+    def comm_s(self) -> float:
+        return self.activation_comm_s + self.param_comm_s - self.hidden_s
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "comm_s": self.comm_s}
+
+
+class SearchResult(list):
+    """The ranked rows (fastest first) that fit; `.dropped` holds the rest with the reason."""
+
+    def __init__(self, rows, dropped, meta):
+        super().__init__(rows)
+        self.dropped, self.meta = dropped, meta
+
+    def to_dict(self) -> dict:
+        return {"meta": self.meta, "ranked": [r.to_dict() for r in self],
+                "dropped": [r.to_dict() for r in self.dropped]}
+
+    def table(self) -> str:
+        m = self.meta
+        lines = [f"spec search: {m['model']} on {m['world']} x {m['device']}, batch {tuple(m['batch_shape'])}, "
+                 f"{m['dtype']}, budget {m['budget'] / 2**30:,.1f} GiB/rank, overlap {m['overlap']:g}",
+                 f"{'#':>3} {'spec':<22} {'step s':>9} {'compute':>9} {'act comm':>9} {'par comm':>9} "
+                 f"{'hidden':>8} {'tok/s':>11} {'MFU':>6} {'mem GiB':>8} {'comm GB':>9}  links"]
+        for i, r in enumerate(self, 1):
+            lines.append(_fmt_row(str(i), r))
+        if self.dropped:
+            lines.append("dropped:")
+            for r in self.dropped:
+                mem = f"{r.memory['total'] / 2**30:,.1f} GiB" if r.memory else ""
+                lines.append(f"  {r.spec:<22} {mem:>12}  {r.note}")
+        return "\n".join(lines)
+
+
+def _fmt_row(rank, r: Row) -> str:
+    links = " ".join(f"{a}:{l}" for a, l in r.links.items())
+    return (f"{rank:>3} {r.spec:<22} {r.step_s:>9.4g} {r.compute_s:>9.4g} {r.activation_comm_s:>9.4g} "
+            f"{r.param_comm_s:>9.4g} {r.hidden_s:>8.3g} {r.tokens_per_s:>11,.0f} {100 * r.mfu:>5.1f}% "
+            f"{r.memory.get('total', 0) / 2**30:>8.2f} {r.comm_bytes / 1e9:>9.3f}  {links}")
+
+
+# ------------------------------------------------------------------------------------------ candidates
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidate_specs(world: int, max_tp: int = 8, sequence_parallel=(False, True)) -> list[tuple[dict, bool]]:
+    """Every (sizes, sp) with dp * fsdp * tp = world and tp <= max_tp; sp only where tp > 1."""
+    out = []
+    for tp in _divisors(world):
+        if tp > max_tp:
+            continue
+        for fsdp in _divisors(world // tp):
+            dp = world // tp // fsdp
+            sizes = {a: s for a, s in (("dp", dp), ("fsdp", fsdp), ("tp", tp)) if s > 1} or {"dp": 1}
+            for sp in (sequence_parallel if tp > 1 else (False,)):
+                out.append((sizes, sp))
+    return out
+
+
+def frozen(sizes: dict) -> tuple:
+    return tuple(sorted(sizes.items()))
+
+
+def spec_name(sizes: dict, sp: bool) -> str:
+    return ",".join(f"{a}={sizes[a]}" for a in MESH_AXES if a in sizes) + (",sp" if sp else "")
+
+
+def links(sizes: dict, per_node: int) -> dict:
+    """'intra' or 'inter' per mesh axis of size > 1: an axis' ranks are `stride` apart (tp innermost)."""
+    out, stride = {}, 1
+    world = math.prod(sizes.values())
+    for axis in reversed(MESH_AXES):
+        size = sizes.get(axis, 1)
+        if size > 1:
+            out[axis] = "intra" if world <= per_node or stride * size <= per_node else "inter"
+        stride *= size
+    return dict(reversed(list(out.items())))
+
+
+# ------------------------------------------------------------------------------------------ the model
+def _as_model(model_or_cfg) -> nn.Module:
+    if isinstance(model_or_cfg, nn.Module):
+        return model_or_cfg
+    if type(model_or_cfg).__name__ == "LlamaConfig":
+        from models.llama import Llama  # a config names its model; spmd itself does not depend on models/
+        with torch.device("meta"):
+            return Llama(model_or_cfg)
+    raise TypeError(f"search takes an nn.Module or a LlamaConfig, got {type(model_or_cfg).__name__}")
+
+
+def flops_per_token(model: nn.Module, seq: int) -> float:
+    """DESIGN.md's 6 N_non_embedding + 12 L H Q T when the model carries a Llama-like `cfg`, else 6 N_non_embedding."""
+    cfg = getattr(model, "cfg", None)
+    if cfg is not None and all(hasattr(cfg, a) for a in ("n_layers", "n_heads", "dim")) and hasattr(cfg, "num_params"):
+        return 6 * cfg.num_params(non_embedding=True) + 12 * cfg.n_layers * cfg.n_heads * (cfg.dim // cfg.n_heads) * seq
+    emb = {id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
+    return 6 * sum(p.numel() for p in model.parameters() if id(p) not in emb)
+
+
+def _truncated(model: nn.Module, name: str, k: int) -> nn.Module:
+    """A shallow copy of `model` whose block list keeps its first k blocks (the blocks are shared, not copied)."""
+    parent_name, _, attr = name.rpartition(".")
+    root = copy.copy(model)
+    root._modules = dict(model._modules)
+    parent = root
+    if parent_name:
+        for part in parent_name.split("."):
+            child = copy.copy(parent._modules[part])
+            child._modules = dict(child._modules)
+            parent._modules[part] = child
+            parent = child
+    parent._modules[attr] = nn.ModuleList(list(model.get_submodule(name))[:k])
+    return root
+
+
+@dataclass
+class _Summary:
+    """What the ranking needs from a plan: collective count and bytes per (axis, traffic class), memory."""
+    groups: dict   # (axis, "param" | "activation") -> [count, bytes]
+    memory: dict
+
+    def __sub__(self, o):
+        keys = set(self.groups) | set(o.groups)
+        return _Summary({k: [a - b for a, b in zip(self.groups.get(k, [0, 0]), o.groups.get(k, [0, 0]))] for k in keys},
+                        {k: self.memory[k] - o.memory[k] for k in self.memory})
+
+    def __add__(self, o):
+        keys = set(self.groups) | set(o.groups)
+        return _Summary({k: [a + b for a, b in zip(self.groups.get(k, [0, 0]), o.groups.get(k, [0, 0]))] for k in keys},
+                        {k: self.memory[k] + o.memory[k] for k in self.memory})
+
+    def __mul__(self, f: int):
+        return _Summary({k: [v * f for v in g] for k, g in self.groups.items()}, {k: v * f for k, v in self.memory.items()})
+
+
+def summarize(plan) -> _Summary:
+    groups: dict = {}
+    for c in plan.collectives:
+        traffic = "param" if c.reason.startswith(PARAM_REASONS) else "activation"
+        g = groups.setdefault(("+".join(c.axes), traffic), [0, 0])
+        g[0] += 1
+        g[1] += c.bytes
+    return _Summary(groups, dict(plan.memory))
+
+
+def model_state_bytes(model: nn.Module, sizes: dict, rules: Rules, optimizer_states: int = 2) -> int:
+    """Parameters + gradients + optimizer states per rank from the annotations and the params map alone
+    (no dry run): the floor under a spec's memory, used to drop hopeless specs before planning them.
+    Parameters pinned by the user count as sharded over the whole mesh (a floor stays a floor)."""
+    axes = infer_axes(model)
+    world = math.prod(sizes.values())
+    total, seen = 0, set()
+    for name, p in model.named_parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        if name in axes:
+            dims = rules.mesh_axes(axes[name], "params", f"parameter {name!r}")
+            shards = math.prod(sizes.get(a, 1) for d in dims for a in d)
+        else:
+            shards = world
+        total += p.numel() // shards * p.element_size()
+    return total * (2 + optimizer_states)
+
+
+_cache: dict = {}
+
+
+def _cache_key(model, sizes, sp, batch_shape, dtype, rules):
+    cfg = getattr(model, "cfg", None)
+    who = repr(cfg) if cfg is not None else id(model)  # a config names the model; else this object (kept alive)
+    return (who, frozen(dict(sizes)), sp, tuple(batch_shape), str(dtype), repr(rules))
+
+
+def plan_summary(model: nn.Module, sizes: dict, sp: bool, batch_shape, dtype, rules=None) -> _Summary:
+    """The plan of the full model, from dry runs of 1- and 2-block copies (exact for identical blocks)."""
+    sizes = dict(sizes)
+    rules = rules or Rules.default(sequence_parallel=sp)
+    key = _cache_key(model, sizes, sp, batch_shape, dtype, rules)
+    if key in _cache:
+        return _cache[key][1]
+    try:
+        name, blocks = find_blocks(model)
+    except ValueError:
+        name, blocks = None, []
+    if name is None or len(blocks) <= 2:
+        out = summarize(explain(model, rules, sizes, batch_shape=batch_shape, dtype=dtype))
+    else:
+        one = summarize(explain(_truncated(model, name, 1), rules, sizes, batch_shape=batch_shape, dtype=dtype))
+        two = summarize(explain(_truncated(model, name, 2), rules, sizes, batch_shape=batch_shape, dtype=dtype))
+        out = one + (two - one) * (len(blocks) - 1)
+    _cache[key] = (model if getattr(model, "cfg", None) is None else None, out)
+    return out
+
+
+_worker_model = None
+
+
+def _first_line(e: Exception) -> str:
+    return next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
+
+
+def _worker_init(model_or_cfg):
+    global _worker_model
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    _worker_model = _as_model(model_or_cfg)
+
+
+def _plan_or_error(job):
+    sizes, sp, batch_shape, dtype = job
+    try:
+        return job, plan_summary(_worker_model, sizes, sp, batch_shape, dtype)
+    except (ValueError, RuntimeError) as e:
+        return job, ValueError(_first_line(e))
+
+
+def _plan_all(net: nn.Module, model_arg, jobs: list, workers: int) -> dict:
+    """{job: _Summary or ValueError}, planned in this process or in `workers` spawned processes."""
+    todo = [j for j in jobs if _cache_key(net, j[0], j[1], j[2], j[3], Rules.default(j[1])) not in _cache]
+    results = {}
+    if workers > 1 and len(todo) > 1:
+        import multiprocessing
+        from .explain import fake_copy
+        payload = model_arg if not isinstance(model_arg, nn.Module) else fake_copy(model_arg, None)
+        with multiprocessing.get_context("spawn").Pool(min(workers, len(todo)), _worker_init, (payload,)) as pool:
+            for job, out in pool.imap_unordered(_plan_or_error, todo):
+                results[job] = out
+                if isinstance(out, _Summary):
+                    key = _cache_key(net, job[0], job[1], job[2], job[3], Rules.default(job[1]))
+                    _cache[key] = (net if getattr(net, "cfg", None) is None else None, out)
+    for job in jobs:
+        if job not in results:
+            try:
+                results[job] = plan_summary(net, *job)
+            except (ValueError, RuntimeError) as e:  # a layout that does not divide (DTensor says RuntimeError)
+                results[job] = ValueError(_first_line(e))
+    return results
+
+
+# ------------------------------------------------------------------------------------------ the search
+def predict(summary: _Summary, sizes: dict, dev: Device, compute_s: float, overlap: float) -> dict:
+    link = links(sizes, dev.per_node)
+    act = par = 0.0
+    for (axes, traffic), (count, nbytes) in summary.groups.items():
+        inter = any(link.get(a) == "inter" for a in axes.split("+"))
+        bw, lat = (dev.inter_bw, dev.inter_latency) if inter else (dev.intra_bw, dev.intra_latency)
+        t = count * lat + nbytes / bw
+        if traffic == "param":
+            par += t
+        else:
+            act += t
+    hidden = overlap * min(par, compute_s)
+    return {"activation_comm_s": act, "param_comm_s": par, "hidden_s": hidden,
+            "step_s": compute_s + act + par - hidden, "links": link}
+
+
+def search(model, world_size: int, device="h100", memory_budget_bytes: float | None = None,
+           batch_shape=None, dtype: str = "bf16", top: int | None = None, overlap: float = 0.0,
+           max_tp: int | None = None, sequence_parallel=(False, True), specs=None,
+           workers: int | None = None) -> SearchResult:
+    """Ranks the specs of `world_size` ranks for `model` (an nn.Module, or a LlamaConfig) by predicted step time.
+
+    `device`: "h100" | "h200" | "a100" | "cpu" or a `spmd.devices.Device`. `memory_budget_bytes`: per rank
+    (default 90% of the device's memory). `batch_shape`: global (batch, seq), default (world_size,
+    min(max_seq_len, 4096)). `dtype`: compute dtype. `top`: keep the best `top` rows. `overlap`: see the
+    module docstring. `specs`: explicit candidates (strings like "fsdp=4,tp=2,sp") instead of all of them.
+    `workers`: processes planning the candidates in parallel (spawned: call from under
+    `if __name__ == "__main__":`); default 1, in this process. Plans are cached per (model config, spec).
+    Returns a list of `Row` (fastest first) with `.dropped` (specs that do not fit or divide, and why),
+    `.table()` and `.to_dict()`.
+    """
+    from .mesh import parse_spec
+    dev = get_device(device, world_size)
+    net = _as_model(model)
+    cfg = getattr(net, "cfg", None)
+    if batch_shape is None:
+        seq = min(getattr(cfg, "max_seq_len", 2048), 4096)
+        batch_shape = (world_size, seq)
+    batch, seq = batch_shape
+    budget = memory_budget_bytes if memory_budget_bytes is not None else 0.9 * dev.memory_per_rank(world_size)
+    if specs is None:
+        candidates = candidate_specs(world_size, max_tp or dev.per_node, sequence_parallel)
+    else:
+        candidates = []
+        for s in specs:
+            sizes, flags = parse_spec(s)
+            candidates.append(({a: v for a, v in sizes.items() if v > 1} or {"dp": 1}, "sp" in flags))
+    compute_s = flops_per_token(net, seq) * batch * seq / world_size / (dev.peak(dtype) * dev.efficiency)
+    ranked, dropped = [], []
+    quiet = logging.getLogger("torch.distributed.tensor._redistribute")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    floors = {frozen(sizes): model_state_bytes(net, sizes, Rules.default()) for sizes, _ in candidates
+              if math.prod(sizes.values()) == world_size}
+    jobs = [(frozen(sizes), sp, (batch, seq), str(dtype)) for sizes, sp in candidates
+            if frozen(sizes) in floors and floors[frozen(sizes)] <= budget]
+    workers = workers or 1
+    try:
+        planned = _plan_all(net, model, jobs, workers)
+    finally:
+        quiet.setLevel(level)
+    for sizes, sp in candidates:
+        row = Row(spec_name(sizes, sp), dict(sizes), sp, budget=budget)
+        if math.prod(sizes.values()) != world_size:
+            row.fits, row.note = False, f"mesh has {math.prod(sizes.values())} ranks, not {world_size}"
+            dropped.append(row)
+            continue
+        if floors[frozen(sizes)] > budget:
+            row.fits = False
+            row.memory = {"states": floors[frozen(sizes)], "total": floors[frozen(sizes)]}
+            row.note = (f"parameters, gradients and optimizer states alone need {floors[frozen(sizes)] / 2**30:,.1f} "
+                        f"GiB per rank > budget {budget / 2**30:,.1f} GiB (not planned)")
+            dropped.append(row)
+            continue
+        s = planned[(frozen(sizes), sp, (batch, seq), str(dtype))]
+        if isinstance(s, Exception):
+            row.fits, row.note = False, f"does not lay out: {str(s).splitlines()[0]}"
+            dropped.append(row)
+            continue
+        row.memory = s.memory
+        row.collectives = sum(c for c, _ in s.groups.values())
+        row.comm_bytes = sum(b for _, b in s.groups.values())
+        by_axis: dict = {}
+        for (axes, _), (_, b) in s.groups.items():
+            by_axis[axes] = by_axis.get(axes, 0) + b
+        row.bytes_by_axis = by_axis
+        p = predict(s, sizes, dev, compute_s, overlap)
+        row.compute_s, row.activation_comm_s, row.param_comm_s = compute_s, p["activation_comm_s"], p["param_comm_s"]
+        row.hidden_s, row.step_s, row.links = p["hidden_s"], p["step_s"], p["links"]
+        row.tokens_per_s = batch * seq / row.step_s
+        row.mfu = row.tokens_per_s * flops_per_token(net, seq) / (dev.peak(dtype) * world_size)
+        if s.memory["total"] > budget:
+            row.fits = False
+            row.note = f"needs {s.memory['total'] / 2**30:,.1f} GiB per rank > budget {budget / 2**30:,.1f} GiB"
+            dropped.append(row)
+        else:
+            ranked.append(row)
+    ranked.sort(key=lambda r: (r.step_s, r.memory.get("total", 0)))
+    meta = {"model": type(net).__name__ if cfg is None else _model_label(cfg),
+            "world": world_size, "device": dev.name, "batch_shape": [batch, seq], "dtype": str(dtype),
+            "budget": budget, "overlap": overlap, "compute_s": compute_s, "efficiency": dev.efficiency,
+            "peak_flops": dev.peak(dtype), "candidates": len(candidates)}
+    return SearchResult(ranked[:top] if top else ranked, dropped, meta)
+
+
+def _model_label(cfg) -> str:
+    n = cfg.num_params() if hasattr(cfg, "num_params") else 0
+    return f"{type(cfg).__name__}(dim={cfg.dim}, layers={cfg.n_layers}, {n / 1e9:.2f}B params)"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m spmd.search", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="8b", help="LlamaConfig preset: tiny|small|1b|8b|70b")
+    ap.add_argument("--world", type=int, default=64, help="number of devices")
+    ap.add_argument("--device", default="h100", help="h100|h200|a100|cpu")
+    ap.add_argument("--batch", type=int, default=None, help="global batch in sequences (default: world)")
+    ap.add_argument("--seq", type=int, default=None, help="sequence length (default: min(max_seq_len, 4096))")
+    ap.add_argument("--dtype", default="bf16")
+    ap.add_argument("--budget-gib", type=float, default=None, help="memory budget per rank (default 90%% of device)")
+    ap.add_argument("--overlap", type=float, default=0.0, help="fraction of parameter traffic hidden behind compute")
+    ap.add_argument("--top", type=int, default=None)
+    ap.add_argument("--json", default="", help="also write the rows to this JSON file")
+    ap.add_argument("--workers", type=int, default=min(os.cpu_count() or 1, 8), help="planning processes")
+    a = ap.parse_args(argv)
+    from models.llama import LlamaConfig
+    cfg = LlamaConfig.preset(a.model)
+    seq = a.seq or min(cfg.max_seq_len, 4096)
+    rows = search(cfg, a.world, a.device, None if a.budget_gib is None else a.budget_gib * 2**30,
+                  (a.batch or a.world, seq), a.dtype, a.top, a.overlap, workers=a.workers)
+    print(rows.table())
+    if a.json:
+        import json
+        with open(a.json, "w") as f:
+            json.dump(rows.to_dict(), f, indent=1)
+    return 0
+
+
+class _CallableModule(type(argparse)):
+    """`spmd.search` is this module and also the function: `spmd.search(model, 64)`, and
+    `from spmd.search import candidate_specs` both work."""
+
+    def __call__(self, *args, **kwargs):
+        return search(*args, **kwargs)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
+else:
+    import sys as _sys
+    _sys.modules[__name__].__class__ = _CallableModule

@@ -1,0 +1,77 @@
+"""The benchmark scripts' own logic: rank correlation, the link fit, the comparison rows, report builders,
+and (slow) that the torch-native baseline trains the same model to the same losses as launch.train."""
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks import common, compare_comm, mfu
+from benchmarks.search_vs_measured import fit_link, spearman
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_spearman():
+    assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    assert spearman([1, 2, 3, 4, 5], [2, 1, 4, 3, 5]) == pytest.approx(0.8)
+    assert spearman([1, 1, 2], [1, 2, 3]) == pytest.approx(math.sqrt(3) / 2)  # average ranks for ties
+    assert math.isnan(spearman([1], [2]))
+
+
+def test_link_fit_recovers_latency_and_bandwidth():
+    rows = [{"wire_bytes": b, "seconds": 2e-4 + b / 3e9} for b in (1e3, 1e5, 1e6, 1e7)]
+    latency, bw = fit_link(rows)
+    assert latency == pytest.approx(2e-4, rel=1e-6) and bw == pytest.approx(3e9, rel=1e-6)
+
+
+@pytest.mark.parametrize("spec", ["fsdp=2,tp=2,sp", "dp=2,fsdp=2"])
+def test_compare_row_on_a_fake_world(spec):
+    cfg = compare_comm.model_config("tiny")
+    row = compare_comm.compare_row("tiny", cfg, spec, 8, 16, "fp32", None)
+    assert row["ratios"]["explain/analytic"] == 1
+    assert row["ratios"]["explain/analytic states"] == 1
+    assert row["explain"]["implicit"] == 0
+    assert row["analytic"]["textbook_bytes"] <= row["analytic"]["bytes"] or "fsdp" in spec
+
+
+def test_steady_summary_drops_warmup():
+    rows = [{"step": i, "loss": 1.0, "tokens_per_s": t, "mfu": 0.1, "step_time_s": 1 / t, "peak_mem_bytes": 5,
+             "comm_bytes": 7} for i, t in enumerate([1.0, 100.0, 110.0, 90.0], 1)]
+    s = common.steady(rows, 1)
+    assert s["steps"] == 3 and s["tokens_per_s"] == 100.0 and s["comm_bytes"] == 7
+
+
+def test_mfu_markdown_shows_ratios():
+    row = {"tokens_per_s": 200.0, "mfu": 0.02, "step_time_s": 0.5, "peak_mem_bytes": 2**20, "comm_bytes": 10.0,
+           "notes": [], "losses": [1.0], "step_time_spread": 0.1}
+    rep = {"environment": {"device": "cpu x", "date": "d", "torch": "t", "cpu_count": 2},
+           "args": {"model": "tiny", "nproc": 4, "batch_size": 8, "seq_len": 16, "dtype": "fp32", "compile": False,
+                    "steps": 4, "warmup": 1},
+           "single": {**row, "tokens_per_s": 100.0}, "rows": [{"spec": "fsdp=4", "spmd": row,
+                                                              "native": {**row, "tokens_per_s": 400.0}}],
+           "max_loss_diff": 0.0, "max_spread": 0.1}
+    md = mfu.markdown(rep)
+    assert "| fsdp=4 | spmd | 200 |" in md and "| 0.500 | 2.000 |" in md
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", ["fsdp=2", "tp=2,sp"])
+def test_native_baseline_trains_like_launch_train(spec, tmp_path):
+    """Same data, initialisation, optimizer and schedule: the torch-native layout's losses equal ours."""
+    sizes = spec.replace(",sp", "")
+    common_args = ["--model", "tiny", "--mesh", sizes, "--steps", "3", "--batch-size", "4", "--seq-len", "32",
+                   "--lr", "3e-3", "--warmup", "2"] + (["--sp"] if ",sp" in spec else [])
+    losses = {}
+    for name, module in (("spmd", "launch.train"), ("native", "benchmarks.native_train")):
+        out = tmp_path / f"{name}.jsonl"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", module,
+               *common_args, "--metrics", str(out)]
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+        losses[name] = [json.loads(line)["loss"] for line in out.read_text().splitlines()]
+    print(spec, losses)
+    assert losses["spmd"] == pytest.approx(losses["native"], rel=2e-5)

@@ -1,0 +1,118 @@
+"""spmd.search: enumerates the specs of a world size, plans them exactly (block extrapolation = full explain),
+drops what does not fit, ranks the rest by the stated step-time model."""
+import importlib
+import math
+
+import pytest
+import torch
+
+import spmd
+from models.llama import Llama, LlamaConfig
+from spmd.devices import DEVICES, Device
+
+S = importlib.import_module("spmd.search")  # the module; the attribute spmd.search is the function
+
+
+def tiny(**overrides):
+    torch.manual_seed(0)
+    return Llama(LlamaConfig.preset("tiny", kernels="torch", **overrides))
+
+
+def test_candidates_cover_every_factorisation_once():
+    cands = S.candidate_specs(8, max_tp=8)
+    names = [S.spec_name(s, sp) for s, sp in cands]
+    assert len(names) == len(set(names))
+    assert all(math.prod(s.values()) == 8 for s, _ in cands)
+    # (dp, fsdp, tp) with product 8: 10 triples, 6 of them with tp > 1 get an sp twin
+    assert len(cands) == 10 + 6
+    assert "tp=8,sp" in names and "dp=2,fsdp=2,tp=2" in names and "fsdp=8" in names
+    assert all(s.get("tp", 1) <= 4 for s, _ in S.candidate_specs(16, max_tp=4))
+
+
+def test_links_put_inner_axes_inside_a_node():
+    assert S.links({"dp": 8, "fsdp": 4, "tp": 2}, 8) == {"dp": "inter", "fsdp": "intra", "tp": "intra"}
+    assert S.links({"fsdp": 16, "tp": 4}, 8) == {"fsdp": "inter", "tp": "intra"}
+    assert S.links({"dp": 2, "fsdp": 4}, 8) == {"dp": "intra", "fsdp": "intra"}  # world fits in one node
+
+
+def test_block_extrapolation_equals_the_full_plan():
+    model = tiny(n_layers=4)
+    for spec in ("fsdp=2,tp=2,sp", "dp=2,tp=2"):
+        sizes, flags = spmd.parse_spec(spec)
+        full = S.summarize(spmd.explain(model, spmd.Rules.default("sp" in flags), sizes, batch_shape=(8, 16)))
+        S._cache.clear()
+        fast = S.plan_summary(model, sizes, "sp" in flags, (8, 16), "fp32")
+        assert {k: v for k, v in fast.groups.items() if v[0]} == full.groups
+        assert fast.memory == full.memory
+
+
+def test_model_state_floor_matches_explain():
+    model = tiny()
+    for spec in ("fsdp=4", "tp=2,dp=2", "dp=4"):
+        sizes, flags = spmd.parse_spec(spec)
+        plan = spmd.explain(model, spmd.Rules.default(), sizes, batch_shape=(8, 16))
+        want = plan.memory["parameters"] + plan.memory["gradients"] + plan.memory["optimizer"]
+        assert S.model_state_bytes(model, sizes, spmd.Rules.default()) == want
+
+
+@pytest.fixture(scope="module")
+def tiny_search():
+    dev = DEVICES["h100"]
+    return S.search(tiny(), 4, device=dev, batch_shape=(8, 32), dtype="fp32")
+
+
+def test_search_ranks_every_spec_by_predicted_step_time(tiny_search):
+    rows = tiny_search
+    assert len(rows) + len(rows.dropped) == 9
+    assert not rows.dropped
+    times = [r.step_s for r in rows]
+    assert times == sorted(times)
+    for r in rows:
+        assert r.step_s == pytest.approx(r.compute_s + r.activation_comm_s + r.param_comm_s - r.hidden_s)
+        assert r.memory["total"] > 0 and r.comm_bytes > 0
+    # the tiny model is latency-bound: the spec with the fewest collectives issues them fastest
+    assert rows[0].collectives == min(r.collectives for r in rows)
+    print(rows.table())
+
+
+def test_search_drops_what_does_not_fit(tiny_search):
+    # a budget between the smallest and the largest plan
+    mems = sorted(r.memory["total"] for r in tiny_search)
+    budget = (mems[0] + mems[-1]) / 2
+    rows = S.search(tiny(), 4, device="h100", batch_shape=(8, 32), dtype="fp32", memory_budget_bytes=budget)
+    assert rows and rows.dropped
+    assert all(r.memory["total"] <= budget for r in rows)
+    assert all(not r.fits and "budget" in r.note for r in rows.dropped)
+    assert {r.spec for r in rows} | {r.spec for r in rows.dropped} == {r.spec for r in tiny_search}
+    assert "dropped:" in rows.table()
+
+
+def test_specs_that_do_not_divide_are_dropped_with_the_reason():
+    rows = spmd.search(tiny(), 8, device="h100", batch_shape=(8, 32), dtype="fp32", specs=["tp=8", "fsdp=8"])
+    assert [r.spec for r in rows] == ["fsdp=8"]
+    assert "does not lay out" in rows.dropped[0].note and "tp" in rows.dropped[0].note  # 4 kv heads over tp=8
+
+
+def test_overlap_hides_parameter_traffic_and_bandwidth_matters():
+    model = tiny()
+    slow = Device("slow", {"fp32": 1e9}, 1e12, intra_bw=1e6, inter_bw=1e6, intra_latency=0, inter_latency=0,
+                  efficiency=1.0)
+    base = S.search(model, 4, device=slow, batch_shape=(8, 32), dtype="fp32", specs=["fsdp=4", "tp=4"])
+    hidden = S.search(model, 4, device=slow, batch_shape=(8, 32), dtype="fp32", specs=["fsdp=4", "tp=4"], overlap=1.0)
+    b, h = {r.spec: r for r in base}, {r.spec: r for r in hidden}
+    assert h["fsdp=4"].hidden_s == pytest.approx(min(b["fsdp=4"].param_comm_s, b["fsdp=4"].compute_s))
+    assert h["tp=4"].hidden_s == 0  # tensor-parallel traffic is on the critical path
+    # bandwidth-bound: bytes decide; fsdp moves more bytes than tp for this model and batch
+    assert (b["fsdp=4"].comm_bytes > b["tp=4"].comm_bytes) == (b["fsdp=4"].step_s > b["tp=4"].step_s)
+
+
+def test_flops_follow_design_formula():
+    cfg = LlamaConfig.preset("tiny")
+    assert S.flops_per_token(tiny(), 64) == 6 * cfg.num_params(non_embedding=True) + 12 * 2 * 8 * 8 * 64
+
+
+def test_cli_prints_a_table(capsys):
+    assert S.main(["--model", "tiny", "--world", "2", "--device", "a100", "--batch", "4", "--seq", "32",
+                   "--workers", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "spec search" in out and "fsdp=2" in out and "tp=2,sp" in out
