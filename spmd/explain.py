@@ -75,6 +75,7 @@ def _dry_run(model, rules, sizes, batch_shape, dtype, optimizer, pipeline=None) 
     if dist.is_initialized():
         dist.destroy_process_group()
     dist.init_process_group("fake", store=dist.HashStore(), rank=0, world_size=world)
+    _clear_dtensor_caches()
     # Fake CPU tensors rather than meta: ops such as attention pick their kernel by device.
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     try:
@@ -111,6 +112,18 @@ def _dry_run(model, rules, sizes, batch_shape, dtype, optimizer, pipeline=None) 
         return plan
     finally:
         dist.destroy_process_group()
+
+
+def _clear_dtensor_caches():
+    """DTensor caches sharding and redistribution plans by spec, and meshes compare equal by layout, not by
+    process group: a plan cached in an earlier fake world would carry that world's groups into this one."""
+    from torch.distributed.tensor import _redistribute
+    for clear in (getattr(getattr(_redistribute, "_gen_transform_infos", None), "cache_clear", None),
+                  getattr(_redistribute, "clear_redistribute_planner_cache", None),
+                  getattr(DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding, "cache_clear", None),
+                  getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)):  # the C++ fast path's
+        if clear is not None:
+            clear()
 
 
 def local_bytes(t) -> int:
