@@ -21,6 +21,7 @@ except ModuleNotFoundError:  # Python 3.10
 
 from spmd.activation_checkpoint import parse_mode as parse_ac_mode
 from spmd.mesh import parse_spec
+from spmd.pipeline_runtime import validate_pipeline
 
 DTYPES = ("fp32", "bf16", "fp16")
 CONFIG_DIR = Path(__file__).parent / "configs"
@@ -57,7 +58,10 @@ class TrainConfig:
     metrics: str = ""              # JSONL file, one line per step
     tensorboard: str = ""          # tensorboard log directory
     log_every: int = 1             # steps between JSONL/tensorboard records
-    # Later issues add pipeline (pp_schedule, microbatches, virtual_stages) and compile keys here.
+    # pipeline parallelism (a pp axis in --mesh)
+    pp_schedule: str = "1f1b"      # gpipe | 1f1b | interleaved-1f1b | zero-bubble | zbv
+    microbatches: int = 0          # pipeline micro-batches per step (per --grad-accum micro-batch); 0: a default
+    virtual_stages: int = 1        # stages per pp rank (interleaved schedules)
 
     # ------------------------------------------------------------------ derived
     def mesh_sizes(self, world_size: int) -> dict[str, int]:
@@ -75,6 +79,13 @@ class TrainConfig:
     def micro_batch(self, world_size: int) -> int:
         """Sequences per rank per micro-batch."""
         return self.batch_size // (self.dp_size(world_size) * self.grad_accum)
+
+    def pipeline_microbatches(self, world_size: int) -> int:
+        """Micro-batches the pipeline schedule splits each --grad-accum micro-batch into."""
+        if self.microbatches:
+            return self.microbatches
+        pp = self.mesh_sizes(world_size).get("pp", 1)
+        return pp * (2 if self.pp_schedule in ("interleaved-1f1b", "zero-bubble", "zbv") else 1)
 
     def model_config(self):
         from models.llama import LlamaConfig
@@ -119,8 +130,6 @@ class TrainConfig:
         need(product == world_size,
              f"--mesh {_fmt(sizes)} has {product} devices but {world_size} processes were started; make the "
              f"product of the axis sizes equal the process count (e.g. --nproc-per-node {product})")
-        need(sizes.get("pp", 1) == 1, "pipeline parallelism (pp>1) is not supported by launch.train yet; "
-                                      "drop pp from --mesh")
         dp = sizes.get("dp", 1) * sizes.get("fsdp", 1)
         need(self.batch_size % (dp * self.grad_accum) == 0,
              f"--batch-size {self.batch_size} must divide by the data-parallel size (dp*fsdp = {dp}) times "
@@ -139,6 +148,16 @@ class TrainConfig:
             need(self.seq_len <= model_cfg.max_seq_len,
                  f"--seq-len {self.seq_len} exceeds the model's max_seq_len {model_cfg.max_seq_len}; "
                  f"use --seq-len {model_cfg.max_seq_len} or less")
+        pp = sizes.get("pp", 1)
+        if pp > 1 and model_cfg is not None:
+            try:
+                validate_pipeline(pp, self.pp_schedule, self.pipeline_microbatches(world_size), self.virtual_stages,
+                                  n_blocks=model_cfg.n_layers, batch_size=self.batch_size // self.grad_accum,
+                                  data_parallel=dp, world=world_size)
+            except ValueError as e:
+                problems.append(str(e))
+            need(not model_cfg.tie_embeddings, "pipeline parallelism needs untied embeddings (the first and last "
+                                               "stage would share one weight); use a model without tied embeddings")
         if problems:
             raise ValueError("invalid training config:\n  - " + "\n  - ".join(problems))
         return self
@@ -202,6 +221,8 @@ def parser() -> argparse.ArgumentParser:
         "ckpt_dir": "checkpoint directory", "ckpt_every": "checkpoint every N steps (0: at the end)",
         "resume": "resume from CKPT_DIR/latest if present", "init_from_hf": "initialise from a HF Llama directory",
         "metrics": "JSONL metrics file", "tensorboard": "tensorboard log directory", "seed": "data/init seed",
+        "pp_schedule": "gpipe|1f1b|interleaved-1f1b|zero-bubble|zbv", "microbatches": "pipeline micro-batches (0: 1 or 2 per pp rank)",
+        "virtual_stages": "pipeline stages per pp rank",
     }
     for f in fields(TrainConfig):
         flag = "--" + _flag(f.name)

@@ -107,20 +107,28 @@ def _world() -> tuple[int, int, int]:
 
 
 def build_model(cfg: TrainConfig, model_cfg, world: int, device: torch.device):
-    """(model, mesh, dp_rank, dp_size). World 1: plain PyTorch, no process group."""
+    """(model, mesh, dp_rank, dp_size, pipe). World 1: plain PyTorch, no process group. With a pp axis,
+    `pipe` is the spmd.Pipeline running this rank's stages and `model` holds their parameters."""
     from models.llama import Llama
     torch.manual_seed(cfg.seed)
     with torch.device(device):
         model = Llama(model_cfg)
     if world == 1:
-        return model, None, 0, 1
+        return model, None, 0, 1, None
     sizes = cfg.mesh_sizes(world)
     mesh = spmd.make_mesh(sizes, device_type=device.type)
     rules = spmd.Rules.default(sequence_parallel=cfg.sequence_parallel())
-    spmd.parallelize(model, mesh, rules, param_dtype=_TORCH_DTYPE[cfg.dtype])
+    pipe = None
+    if sizes.get("pp", 1) > 1:
+        pipe = spmd.build_pipeline(model, mesh, rules, schedule=cfg.pp_schedule,
+                                   microbatches=cfg.pipeline_microbatches(world), virtual_stages=cfg.virtual_stages,
+                                   param_dtype=_TORCH_DTYPE[cfg.dtype], ac=cfg.ac)
+        mesh, model = pipe.mesh, pipe.module
+    else:
+        spmd.parallelize(model, mesh, rules, param_dtype=_TORCH_DTYPE[cfg.dtype])
     coord = dict(zip(mesh.mesh_dim_names, mesh.get_coordinate()))
     dp_rank = coord.get("dp", 0) * sizes.get("fsdp", 1) + coord.get("fsdp", 0)  # batch -> (dp, fsdp)
-    return model, mesh, dp_rank, cfg.dp_size(world)
+    return model, mesh, dp_rank, cfg.dp_size(world), pipe
 
 
 def _stop_everywhere(flag: bool, device) -> bool:
@@ -144,20 +152,22 @@ def train(cfg: TrainConfig, log=True) -> list[dict]:
     device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    model, mesh, dp_rank, dp_size = build_model(cfg, model_cfg, world, device)
+    model, mesh, dp_rank, dp_size, pipe = build_model(cfg, model_cfg, world, device)
     resuming = cfg.resume and checkpoint.latest(cfg.ckpt_dir) is not None
     if cfg.init_from_hf and not resuming:  # a checkpoint, when there is one, overrides the HF weights
         from .hf import load_hf
-        load_hf(model, cfg.init_from_hf)
-    ac_blocks = spmd.apply_activation_checkpointing(model, cfg.ac)
+        load_hf(model, cfg.init_from_hf, **({"strict": False} if pipe else {}))
+    # a pipeline checkpoints inside its stages (build_pipeline's ac)
+    ac_blocks = [] if pipe else spmd.apply_activation_checkpointing(model, cfg.ac)
     opt = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
     scaler = LossScaler(cfg.dtype == "fp16")
     loader, tokenizer = build_loader(cfg, dp_rank, dp_size, model_cfg.vocab_size, device)
 
     start = 0
     if resuming:
+        # under pp this rank holds only its stages' tensors of the global checkpoint
         meta = checkpoint.load(cfg.ckpt_dir, checkpoint.model_state(model),
-                               checkpoint.optim_state(model, opt, init=True), rng=True)
+                               checkpoint.optim_state(model, opt, init=True), rng=True, strict=pipe is None)
         start = int(meta["step"])
         loader.load_state_dict(meta["data"])
         scaler.load_state_dict(meta.get("loss_scale"))
@@ -206,7 +216,11 @@ def train(cfg: TrainConfig, log=True) -> list[dict]:
                 loss_sum = torch.zeros((), device=device)
                 for j, (x, y) in enumerate(micro):
                     last = j == len(micro) - 1
-                    sync = contextlib.nullcontext() if (last or mesh is None) else _no_sync(model)
+                    if pipe is not None:  # forward and backward of every pipeline micro-batch
+                        loss_sum += pipe.step(x, y, loss_scale=scaler.scale / len(micro), sync=last).float() \
+                            / len(micro)
+                        continue
+                    sync = contextlib.nullcontext() if (last or mesh is None) else spmd.no_sync(model)
                     amp = torch.autocast(device.type, dtype=_TORCH_DTYPE[cfg.dtype]) if single_autocast \
                         else contextlib.nullcontext()
                     with sync, amp:
@@ -217,7 +231,10 @@ def train(cfg: TrainConfig, log=True) -> list[dict]:
                     for p in params:
                         if p.grad is not None:
                             p.grad.div_(scaler.scale)
-                grad_norm = _full(torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=None))
+                if pipe is not None:  # the norm over every stage, not only this rank's
+                    grad_norm = _full(pipe.clip_grad_norm_(max_norm))
+                else:
+                    grad_norm = _full(torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=None))
                 finite = bool(torch.isfinite(grad_norm))
                 if finite or not scaler.enabled:
                     opt.step()
@@ -247,10 +264,6 @@ def train(cfg: TrainConfig, log=True) -> list[dict]:
         stop.uninstall()
         metrics.close()
     return rows
-
-
-def _no_sync(model):
-    return spmd.no_sync(model)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,7 +5,8 @@ it says why through `reason(...)`: the pass's planned redistributions carry thei
 that DTensor inserts on its own inside an op is tagged `implicit` (a layout the pass failed to plan).
 
 Bytes are per rank on the wire for ring algorithms, the convention of the reference formulas:
-all_gather and reduce_scatter move S*(n-1)/n for a full tensor of S bytes; all_reduce moves 2*S*(n-1)/n.
+all_gather and reduce_scatter move S*(n-1)/n for a full tensor of S bytes; all_reduce moves 2*S*(n-1)/n;
+a send or recv moves its tensor.
 """
 import contextlib
 import contextvars
@@ -87,6 +88,18 @@ def current_module() -> str:
     return _module_stack[-1] if _module_stack else ""
 
 
+def _process_group(arg):
+    """c10d ops take their group boxed as a ScriptObject."""
+    if isinstance(arg, dist.ProcessGroup):
+        return arg
+    if isinstance(arg, torch.ScriptObject):
+        try:
+            return dist.ProcessGroup.unbox(arg)
+        except (RuntimeError, AttributeError):
+            return None
+    return None
+
+
 def wire_bytes(kind: str, full_bytes: int, n: int) -> int:
     if n <= 1:
         return 0
@@ -128,10 +141,11 @@ class CollectiveRecorder(TorchDispatchMode):
             kind = _C10D[packet]
             tensors = args[0] if isinstance(args[0], (list, tuple)) else [args[0]]
             t = tensors[0] if not isinstance(tensors[0], (list, tuple)) else tensors[0][0]
-            pg = next((a for a in args if isinstance(a, dist.ProcessGroup)), None)
+            pg = next((_process_group(a) for a in args if _process_group(a) is not None), None)
             n = pg.size() if pg is not None else 1
             full = t.numel() * t.element_size()
-            self._add(kind, (pg.group_name,) if pg is not None else (), wire_bytes(kind, full, n), str(func), t)
+            nbytes = full if kind in ("send", "recv") else wire_bytes(kind, full, n)
+            self._add(kind, self._axes(pg.group_name) if pg is not None else (), nbytes, str(func), t)
         return out
 
     def _add(self, kind, axes, nbytes, op, t):

@@ -58,6 +58,10 @@ def test_missing_config_file():
     (["--model", "huge"], 1, "unknown model preset 'huge'"),
     (["--resume"], 1, "--resume needs --ckpt-dir"),
     (["--steps", "0"], 1, "--steps must be >= 1"),
+    (["--mesh", "pp=4"], 4, "stages"),
+    (["--mesh", "pp=2", "--pp-schedule", "2f2b"], 2, "2f2b"),
+    (["--mesh", "pp=2", "--pp-schedule", "interleaved-1f1b", "--virtual-stages", "2", "--microbatches", "3",
+      "--model", "small"], 2, "multiple"),
 ])
 def test_validation_errors(flags, world, match):
     with pytest.raises(ValueError, match=match):

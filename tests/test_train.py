@@ -146,6 +146,23 @@ def test_four_processes_match_one_and_resume_on_one(tmp_path):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
 
 
+@pytest.mark.slow
+def test_pipeline_run_matches_one_process_and_its_checkpoint_resumes_without_pp(tmp_path):
+    common = [*SMALL, "--steps", "4"]
+    ref = _train("--steps", "4")
+    ck, m = tmp_path / "ck", tmp_path / "m.jsonl"
+    _torchrun(4, *common, "--mesh", "pp=2,fsdp=2", "--pp-schedule", "gpipe", "--microbatches", "2",
+              "--ckpt-dir", str(ck), "--ckpt-every", "2", "--metrics", str(m))
+    rows = _jsonl(m)
+    for a, b in zip(ref, rows):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
+    (ck / "latest").write_text("step-2\n")
+    resumed = _train("--steps", "4", "--ckpt-dir", str(ck), "--resume")
+    for a, b in zip(ref[2:], resumed):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+
+
 def test_sigkill_during_a_real_runs_checkpoint_keeps_the_previous_one(tmp_path):
     ck = tmp_path / "ck"
     flags = ["--model", "small", "--batch-size", "2", "--seq-len", "16", "--steps", "100000", "--ckpt-dir", str(ck),
