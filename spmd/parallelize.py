@@ -8,6 +8,7 @@ forward of a module, gathered parameters are dropped and regathered for backward
 module sits under activation checkpointing, which regathers by recomputing.
 """
 import contextlib
+from collections import Counter
 
 import torch
 import torch.nn as nn
@@ -35,6 +36,8 @@ class SPMDState:
         self.move_cache: dict = {}
         self.names: dict[int, str] = {}
         self.saved_hooks: list = []
+        self.shared: set[int] = set()          # ids of parameters more than one module holds
+        self.shared_gathers: dict = {}         # their gathered copies during one forward
 
 
 _active: list[SPMDState] = []
@@ -96,6 +99,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, rules: Rules, *, param_dtype
     state = SPMDState(mesh, rules, param_dtype, reduce_dtype, input_axes)
     layouts = param_layouts(model, mesh, rules)  # every check runs before anything changes
     converted: dict[int, nn.Parameter] = {}
+    uses = Counter()
     for mod_name, module in model.named_modules():
         for p_name, p in list(module._parameters.items()):
             if p is None:
@@ -118,8 +122,10 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, rules: Rules, *, param_dtype
                                           f"buffer {full!r}"), b.shape, f"buffer {full!r}")
                 module._buffers[b_name] = distribute_tensor(b, mesh, placements, src_data_rank=None)
         state.names[id(module)] = mod_name
+        uses.update(id(p) for p in module._parameters.values() if p is not None)
         module.register_forward_pre_hook(_pre_hook(state, mod_name, module, module is model), with_kwargs=True)
         module.register_forward_hook(_post_hook(state, module, module is model), always_call=True)
+    state.shared = {i for i, n in uses.items() if n > 1}
     setattr(model, STATE_ATTR, state)
     return model
 
@@ -143,6 +149,7 @@ def _pre_hook(state: SPMDState, name: str, module: nn.Module, is_root: bool):
         record.push_module(name)
         if is_root:
             state.move_cache.clear()
+            state.shared_gathers.clear()
             args = tuple(_to_dtensor(state, a, i) for i, a in enumerate(args))
             kwargs = {k: _to_dtensor(state, v, k) for k, v in kwargs.items()}
         w_override = None
@@ -151,7 +158,14 @@ def _pre_hook(state: SPMDState, name: str, module: nn.Module, is_root: bool):
         regather = {}
         for p_name, p in params:
             compute = w_override if (w_override is not None and p_name == "weight") else p._spmd_compute
-            g = gather_param(p, compute, state.param_dtype, state.reduce_dtype, state, name, p._spmd_name)
+            key = (id(p), tuple(compute))
+            g = state.shared_gathers.get(key)
+            if g is None:
+                g = gather_param(p, compute, state.param_dtype, state.reduce_dtype, state, name, p._spmd_name)
+                if id(p) in state.shared:
+                    # a weight several modules use (tied embeddings) is gathered once per forward, so its
+                    # gradient contributions sum before one reduction
+                    state.shared_gathers[key] = g
             mod.__dict__[p_name] = g
             if _moves_data(p.placements, compute, state.mesh):
                 regather[storage_key(g)] = (p, compute)
@@ -198,6 +212,7 @@ def _post_hook(state: SPMDState, module: nn.Module, is_root: bool):
         if has_children:
             state.move_cache.clear()
         if is_root:
+            state.shared_gathers.clear()
             output = _finish_output(output, record.current_module())
         record.pop_module()
         if _active:

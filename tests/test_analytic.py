@@ -106,8 +106,6 @@ def test_explain_matches_analytic_on_the_tiny_model(spec, dtype):
     assert not [c for c in plan.collectives if c.origin == "implicit"]
 
 
-@pytest.mark.xfail(strict=True, reason="spmd gathers a tied embedding/output weight twice in forward and "
-                                       "reduce-scatters its two gradient contributions separately")
 def test_tied_embeddings_move_three_psi_under_fsdp():
     model = tiny(tie_embeddings=True)
     plan = plan_for(model, "fsdp=2")

@@ -19,11 +19,11 @@ TOL = 1e-5
 SPECS = ["dp=4", "fsdp=4", "dp=2,fsdp=2", "tp=4", "tp=4,sp", "fsdp=2,tp=2", "fsdp=2,tp=2,sp"]
 
 
-def _train_and_compare(rank, world, spec):
+def _train_and_compare(rank, world, spec, tied=False):
     sizes, flags = spmd.parse_spec(spec)
     mesh = spmd.make_mesh(sizes)
-    ref = tiny_model()
-    model = tiny_model()
+    ref = tiny_model(tie_embeddings=tied)
+    model = tiny_model(tie_embeddings=tied)
     spmd.parallelize(model, mesh, spmd.Rules.default(sequence_parallel="sp" in flags))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.1)
@@ -55,3 +55,9 @@ def _train_and_compare(rank, world, spec):
 @pytest.mark.parametrize("spec", SPECS)
 def test_spec_matches_one_device(spec):
     run_distributed(_train_and_compare, 4, spec, timeout_s=240)
+
+
+@pytest.mark.slow
+def test_tied_embeddings_match_one_device():
+    """The embedding and output share one weight: gathered once per forward, its gradient reduced once."""
+    run_distributed(_train_and_compare, 4, "fsdp=2,tp=2,sp", True, timeout_s=240)
