@@ -34,12 +34,12 @@ class TrainConfig:
     mesh: str = ""                 # "fsdp=2,tp=2" (may end in ",sp"); empty: fsdp over every process
     sp: bool = False               # sequence parallelism (activations sharded over tp along seq)
     # optimisation
-    steps: int = 400
+    steps: int = 150
     batch_size: int = 16           # global batch, in sequences
     seq_len: int = 128
     grad_accum: int = 1            # micro-batches per step (the global batch stays batch_size)
     lr: float = 3e-3               # peak learning rate
-    warmup: int = 40               # linear warmup steps, then cosine decay to 10% of lr at `steps`
+    warmup: int = 15               # linear warmup steps, then cosine decay to 10% of lr at `steps`
     weight_decay: float = 0.1
     max_grad_norm: float = 1.0     # global-norm clipping; 0 disables
     dtype: str = "fp32"            # fp32 | bf16 | fp16 (compute dtype; master weights stay fp32)
