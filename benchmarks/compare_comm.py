@@ -82,10 +82,11 @@ def worker(args: dict) -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     cfg = model_config(args["model"])
     param_dtype = {"fp32": None, "bf16": torch.bfloat16}[args["dtype"]]
-    out = []
+    out, meshes = [], []
     for spec in args["specs"]:
         sizes, flags = spmd.parse_spec(spec)
         mesh = spmd.make_mesh(sizes)
+        meshes.append(mesh)
         torch.manual_seed(0)
         model = spmd.parallelize(Llama(cfg), mesh, spmd.Rules.default(sequence_parallel="sp" in flags),
                                  param_dtype=param_dtype)
@@ -99,6 +100,11 @@ def worker(args: dict) -> None:
         rows = tokens[dp_rank * per:(dp_rank + 1) * per]
         x, y = rows[:, :-1].contiguous(), rows[:, 1:].contiguous()  # own storage, as explain's inputs have
         recorder, saved = CollectiveRecorder(mesh), {}
+        # DTensor treats equal meshes (same shape and names) as one: its cached layouts may still point at an
+        # earlier spec's mesh, whose groups the recorder must also know by axis name
+        for old in meshes:
+            for name in old.mesh_dim_names:
+                recorder.group_axes.setdefault(old.get_group(name).group_name, (name,))
         dist.barrier()
         w0 = _wchar()
         with CommDebugMode() as comm, recorder:
@@ -108,6 +114,7 @@ def worker(args: dict) -> None:
         w1 = _wchar()
         dist.barrier()
         opt_rec = CollectiveRecorder(mesh)
+        opt_rec.group_axes.update(recorder.group_axes)
         w2 = _wchar()
         with opt_rec:  # the rest of the trainer's step: global-norm clipping and AdamW
             norm = torch.nn.utils.clip_grad_norm_(list(model.parameters()), 1.0, foreach=None)
@@ -298,6 +305,11 @@ def findings(report: dict) -> list[str]:
                      "weight once (3Ψ). The excess is exactly one more all-gather (compute dtype) plus one more "
                      "fp32 gradient reduction of the tied weight: an spmd inefficiency, not an accounting error")
         out.append(text + ".")
+    out.append("spmd.record.CollectiveRecorder(mesh) names axes from that mesh's process groups. After a second "
+               "DeviceMesh of the same shape is made in one process, DTensor's cached layouts can still hold the "
+               "first mesh (equal meshes compare equal), so collectives run on the first mesh's groups and the "
+               "recorder labels them with bare group names. The worker here registers every mesh's groups; a fix "
+               "in the recorder would map groups by their ranks.")
     states_off = [r for r in meas + report["fake"] if abs(r["ratios"]["explain/analytic states"] - 1) > 1e-9]
     if not states_off:
         out.append("Model-state bytes: analytic = explain in every case; measured (real local shards after an AdamW "

@@ -51,7 +51,10 @@ def run_spmd(a, spec: str | None, jsonl: Path, flags: set) -> dict:
             cmd += ["--kernels", a.kernels]
         else:
             notes.append("launch.train has no --kernels")
-    common.run(cmd, timeout=a.timeout)
+    # one CPU "device" is one process with one thread, as torchrun gives each rank (and 2 OpenMP threads
+    # spinning against other processes on a busy machine can be 10x slower than one)
+    env = {"OMP_NUM_THREADS": "1"} if spec is None else None
+    common.run(cmd, timeout=a.timeout, env=env)
     return {"rows": common.read_jsonl(jsonl), "notes": notes}
 
 
@@ -62,13 +65,30 @@ def run_native(a, spec: str, jsonl: Path) -> dict:
     if a.kernels:
         cmd += ["--kernels", a.kernels]
     common.run(cmd, timeout=a.timeout)
-    return {"rows": common.read_jsonl(jsonl), "notes": []}
+    side = Path(str(jsonl) + ".comm.json")
+    count = json.loads(side.read_text())["collectives_per_step"] if side.is_file() else None
+    return {"rows": common.read_jsonl(jsonl), "notes": [], "collectives": count}
+
+
+def planned_collectives(a, spec: str) -> int:
+    """Collectives of one forward + backward of our layout, from spmd.explain (the trainer's clipping adds 1-2)."""
+    import torch
+
+    import spmd
+    from models.llama import Llama, LlamaConfig
+    sizes, flags = spmd.parse_spec(spec)
+    with torch.device("meta"):
+        model = Llama(LlamaConfig.preset(a.model))
+    plan = spmd.explain(model, spmd.Rules.default(sequence_parallel="sp" in flags), sizes,
+                        batch_shape=(a.batch_size, a.seq_len), dtype=a.dtype)
+    return len(plan.collectives)
 
 
 def summarize(result: dict, warmup: int) -> dict:
     s = common.steady(result["rows"], warmup)
     s["losses"] = [r["loss"] for r in result["rows"]]
     s["notes"] = result.get("notes", [])
+    s["collectives"] = result.get("collectives")
     return s
 
 
@@ -77,15 +97,16 @@ def markdown(rep: dict) -> str:
     a = rep["args"]
     lines = [f"# MFU per spec: {a['model']} on {a['nproc']} x {env['device']}", "",
              f"{env['date']}, torch {env['torch']}, {env['cpu_count']} cores, load average "
-             f"{env.get('loadavg_1m', float('nan')):.1f} at start; global batch {a['batch_size']} x {a['seq_len']}, "
+             f"{env.get('loadavg_1m', float('nan')):.1f} at start, {rep.get('loadavg_1m_at_end') or float('nan'):.1f} "
+             f"at the end; one CPU device = one process with one thread (the single-device baseline too); global batch {a['batch_size']} x {a['seq_len']}, "
              f"{a['dtype']}{', --compile' if a['compile'] else ''}; {a['steps']} steps, first {a['warmup']} discarded; "
              f"medians of the rest. Peak FLOP/s per device: {rep.get('peak', 'n/a')}.", "",
-             "| spec | impl | tokens/s | MFU | step time s | peak mem/rank MiB | comm bytes/rank/step | spmd / native tok/s | spmd / single tok/s |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| spec | impl | tokens/s | MFU | step time s | peak mem/rank MiB | comm bytes/rank/step | collectives/step | spmd / native tok/s | spmd / single tok/s |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     single = rep.get("single")
     if single:
         lines.append(f"| 1 device | plain PyTorch | {single['tokens_per_s']:,.0f} | {100 * single['mfu']:.3f}% | "
-                     f"{single['step_time_s']:.4f} | {single['peak_mem_bytes'] / 2**20:,.0f} | 0 | | |")
+                     f"{single['step_time_s']:.4f} | {single['peak_mem_bytes'] / 2**20:,.0f} | 0 | 0 | | |")
     for r in rep["rows"]:
         ours, nat = r["spmd"], r.get("native")
         ratio_n = f"{ours['tokens_per_s'] / nat['tokens_per_s']:.3f}" if nat else "n/a"
@@ -93,14 +114,15 @@ def markdown(rep: dict) -> str:
         note = f" ({'; '.join(ours['notes'])})" if ours["notes"] else ""
         lines.append(f"| {r['spec']} | spmd{note} | {ours['tokens_per_s']:,.0f} | {100 * ours['mfu']:.3f}% | "
                      f"{ours['step_time_s']:.4f} | {ours['peak_mem_bytes'] / 2**20:,.0f} | {ours['comm_bytes']:,.0f} | "
-                     f"{ratio_n} | {ratio_s} |")
+                     f"{r.get('planned_collectives', '')}+ | {ratio_n} | {ratio_s} |")
         if nat:
             lines.append(f"| {r['spec']} | native | {nat['tokens_per_s']:,.0f} | {100 * nat['mfu']:.3f}% | "
                          f"{nat['step_time_s']:.4f} | {nat['peak_mem_bytes'] / 2**20:,.0f} | "
-                         f"{nat['comm_bytes']:,.0f}* | | |")
+                         f"{nat['comm_bytes']:,.0f}* | {nat.get('collectives') or ''}* | | |")
     lines += ["", f"Largest loss difference between spmd, native and single over all steps: {rep['max_loss_diff']:.2e}.",
-              "", "*native comm bytes are what spmd's dispatch-mode recorder sees: the TP collectives and the norm "
-              "reduction; FSDP2's and DDP's own collectives bypass dispatch modes, so they are missing there.",
+              "", "*native: what spmd's dispatch-mode recorder sees of the step (DTensor's, FSDP2's flat all-gathers and "
+              "reduce-scatters, DDP's bucket all-reduces), by the same ring convention. +spmd: collectives of forward "
+              "+ backward planned by spmd.explain, plus 0-2 small all-reduces of the gradient-norm clipping.",
               "On CPU, peak memory is each process's peak resident set (the whole interpreter), not tensors alone.",
               f"Spread of step times after warmup (max-min)/median, worst row: {rep['max_spread']:.2f}."]
     if rep.get("png"):
@@ -180,7 +202,7 @@ def main(argv=None) -> int:
             rep["single"] = repeat("single", None)
         for spec in a.specs:
             print(f"[mfu] {spec}: spmd", flush=True)
-            row = {"spec": spec, "spmd": repeat("spmd", spec)}
+            row = {"spec": spec, "spmd": repeat("spmd", spec), "planned_collectives": planned_collectives(a, spec)}
             if not a.no_native:
                 print(f"[mfu] {spec}: native", flush=True)
                 row["native"] = repeat("native", spec)
@@ -197,6 +219,8 @@ def main(argv=None) -> int:
                             + ([rep["single"]["step_time_spread"]] if rep.get("single") else []))
     try:
         from launch.metrics import peak_flops
+        if not torch.cuda.is_available():
+            torch.set_num_threads(1)  # one CPU device = one single-threaded process, as the runs' own MFU uses
         peak, source = peak_flops(a.dtype, "cuda" if torch.cuda.is_available() else "cpu")
         rep["peak"] = f"{peak / 1e12:.4g} TFLOP/s ({source.split(',')[0]})"
     except Exception as e:  # noqa: BLE001
@@ -204,6 +228,7 @@ def main(argv=None) -> int:
     stem = Path(a.out) / (f"{common.today()}-{common.device_slug()}-{a.model}" + (f"-{a.tag}" if a.tag else ""))
     stem.parent.mkdir(parents=True, exist_ok=True)
     rep["png"] = plot(rep, stem.with_suffix(".png"))
+    rep["loadavg_1m_at_end"] = common.environment().get("loadavg_1m")
     js, md = common.write(stem, rep, markdown(rep))
     print(f"[mfu] wrote {js}, {md}" + (f", {rep['png']}" if rep["png"] else ""), flush=True)
     return 0

@@ -14,9 +14,10 @@ Layout, per spec (mesh dims dp, fsdp, tp; built with init_device_mesh):
              bf16: MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32).
   dp only    DistributedDataParallel (dp with tp: fully_shard over (dp, fsdp=1), i.e. replicated, as FSDP2 does).
   1 process  plain PyTorch (autocast for bf16), the same as launch.train's single-process path.
-The JSONL rows have the trainer's keys. `comm_bytes` comes from spmd.record's recorder (the same dispatch
-mode the trainer runs every step under, so both pay its per-op cost); DDP's gradient all-reduces run
-inside its C++ reducer where no dispatch mode sees them, so for dp-only they are missing from comm_bytes.
+The JSONL rows have the trainer's keys; `FILE.jsonl.comm.json` holds the last step's number of collectives.
+`comm_bytes` comes from spmd.record's recorder, the dispatch mode the trainer runs every step under (so both
+pay its per-op cost); it sees the collectives that go through the dispatcher (FSDP2's flat all-gathers and
+reduce-scatters, DDP's bucket all-reduces, DTensor's), by the same ring convention.
 """
 from __future__ import annotations
 
@@ -222,6 +223,13 @@ def main(argv=None) -> int:
         comm = sum(r.bytes for r in recorder.records) if recorder is not None else 0
         metrics.record(step + 1, loss_value, float(norm), opt.param_groups[0]["lr"], dt, peak_mem_bytes(device), comm)
     metrics.close()
+    if rank == 0 and args.metrics and recorder is not None:
+        # sidecar: how many collectives the last step issued (that the dispatch-mode recorder sees), by kind
+        import json
+        from collections import Counter
+        with open(args.metrics + ".comm.json", "w") as f:
+            json.dump({"collectives_per_step": len(recorder.records), "bytes_per_step": comm,
+                       "by_kind": Counter(r.kind for r in recorder.records)}, f)
     if dist.is_initialized():
         dist.destroy_process_group()
     return 0

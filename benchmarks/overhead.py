@@ -42,15 +42,24 @@ CATEGORIES = [  # (name, predicate on the profiled function's file path); first 
 ]
 
 
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _sync():
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+
+
 def build(model_name: str, variant: str, dtype: str):
     import spmd
     from models.llama import Llama, LlamaConfig
     cfg = LlamaConfig.preset(model_name)
     torch.manual_seed(0)
-    model = Llama(cfg)
+    with torch.device(DEVICE):
+        model = Llama(cfg)
     param_dtype = {"fp32": None, "bf16": torch.bfloat16}[dtype]
     if variant.startswith("spmd"):
-        mesh = spmd.make_mesh({"dp": 1}, device_type="cpu")
+        mesh = spmd.make_mesh({"dp": 1}, device_type=DEVICE.type)
         spmd.parallelize(model, mesh, spmd.Rules.default(), param_dtype=param_dtype)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     return cfg, model, opt
@@ -62,14 +71,14 @@ def step_fn(model, opt, x, y, variant: str, dtype: str):
 
     def step():
         rec = CollectiveRecorder() if variant.endswith("recorder") else contextlib.nullcontext()
-        amp = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+        amp = torch.autocast(DEVICE.type, dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
         with rec:
             with amp:
                 loss = model(x, y)
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-        return float(loss.detach())
+        return float(loss.detach())  # waits for the device
     return step
 
 
@@ -141,8 +150,8 @@ def dtensor_op_overhead(reps: int = 3000) -> dict:
     [8, 128, 64] and a linear [8, 128, 64] x [64, 64]: the per-op price the step pays."""
     import spmd
     from torch.distributed.tensor import DTensor, Replicate
-    mesh = spmd.make_mesh({"dp": 1}, device_type="cpu")
-    x, w = torch.randn(8, 128, 64), torch.randn(64, 64)
+    mesh = spmd.make_mesh({"dp": 1}, device_type=DEVICE.type)
+    x, w = torch.randn(8, 128, 64, device=DEVICE), torch.randn(64, 64, device=DEVICE)
     dx, dw = (DTensor.from_local(t, mesh, [Replicate()], run_check=False) for t in (x, w))
     out = {}
     for name, plain, dt in (("add", lambda: x + x, lambda: dx + dx),
@@ -152,16 +161,19 @@ def dtensor_op_overhead(reps: int = 3000) -> dict:
             fn()
             samples = []
             for _ in range(5):
+                _sync()
                 t0 = time.perf_counter()
                 for _ in range(reps // 5):
                     fn()
+                _sync()
                 samples.append((time.perf_counter() - t0) / (reps // 5))
             best[label] = min(samples)
         out[name] = {"plain_s": best["plain"], "dtensor_s": best["dtensor"], "overhead_s": best["dtensor"] - best["plain"]}
     return out
 
 
-def measure(model_name: str, dtype: str, steps: int, warmup: int, variants: list[str], compile_: bool) -> dict:
+def measure(model_name: str, dtype: str, steps: int, warmup: int, variants: list[str], compile_: bool,
+            batch: int = 8, seq: int = 128) -> dict:
     import spmd  # noqa: F401
     from launch.metrics import flops_per_token
     built = {}
@@ -170,25 +182,38 @@ def measure(model_name: str, dtype: str, steps: int, warmup: int, variants: list
         if compile_:
             model = torch.compile(model)
         g = torch.Generator().manual_seed(0)
-        tokens = torch.randint(0, cfg.vocab_size, (8, 129), generator=g)
+        tokens = torch.randint(0, cfg.vocab_size, (batch, seq + 1), generator=g).to(DEVICE)
         x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
         built[v] = step_fn(model, opt, x, y, v, dtype)
+    losses, errors = {}, {}
+    for v in list(variants):  # the first steps compile (with --compile); a variant that fails is reported
+        try:
+            for _ in range(max(1, warmup)):
+                losses[v] = built[v]()
+        except Exception as e:  # noqa: BLE001
+            import traceback
+            ours = [f"{f.filename.split('/')[-2]}/{f.filename.split('/')[-1]}:{f.lineno} {f.name}"
+                    for f in traceback.extract_tb(e.__traceback__) if str(common.ROOT) in f.filename]
+            # dynamo lists the user code it was tracing in the message, not in the traceback
+            ours += [line.strip().replace(str(common.ROOT) + "/", "") for line in str(e).splitlines()
+                     if str(common.ROOT) in line and line.strip().startswith("File")]
+            errors[v] = (f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+                         + (f" (last frames in this repository: {' <- '.join(reversed(ours[-3:]))})" if ours else ""))
+            variants.remove(v)
+    if "plain" not in variants:
+        raise RuntimeError(f"plain variant failed: {errors}")
     times = {v: [] for v in variants}
-    losses = {}
-    for _ in range(warmup):
-        for v in variants:
-            losses[v] = built[v]()
     for _ in range(steps):  # round-robin: each round runs every variant once
         for v in variants:
             t0 = time.perf_counter()
             built[v]()
             times[v].append(time.perf_counter() - t0)
     med = {v: statistics.median(t) for v, t in times.items()}
-    out = {"model": model_name, "dtype": dtype, "compile": compile_, "batch": [8, 128],
+    out = {"model": model_name, "dtype": dtype, "compile": compile_, "batch": [batch, seq],
            "step_s": med, "spread": {v: (max(t) - min(t)) / med[v] for v, t in times.items()},
            "ratio_to_plain": {v: med[v] / med["plain"] for v in variants},
-           "loss_after_warmup": losses,
-           "flops_per_step": flops_per_token(cfg, 128) * 8 * 128}
+           "loss_after_warmup": losses, "errors": errors,
+           "flops_per_step": flops_per_token(cfg, seq) * batch * seq}
     if not compile_ and "spmd" in built:
         out["profile_spmd"] = profile(built["spmd"], max(3, steps // 2))
         out["profile_plain"] = profile(built["plain"], max(3, steps // 2))
@@ -200,17 +225,18 @@ def measure(model_name: str, dtype: str, steps: int, warmup: int, variants: list
 def markdown(rep: dict) -> str:
     env = rep["environment"]
     lines = ["# Overhead of spmd.parallelize on a 1-process mesh vs plain PyTorch", "",
-             f"{env['date']}, {env['device']}, torch {env['torch']}, {torch.get_num_threads()} threads, load average "
+             f"{env['date']}, {env['device']}, torch {env['torch']}, {rep['args']['threads']} threads, load average "
              f"{env.get('loadavg_1m', float('nan')):.1f} at start. Full training steps (forward, backward, AdamW) "
-             f"on batch 8 x 128; medians of interleaved rounds.", "",
+             f"on batch {rep['args']['batch']} x {rep['args']['seq']}; medians of interleaved rounds.", "",
              "| model | dtype | compile | plain s | plain+recorder s | spmd s | spmd+recorder s | spmd / plain | "
              "recorder / plain | spmd+recorder / plain |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rep["runs"]:
         s, q = r["step_s"], r["ratio_to_plain"]
+        nan = float("nan")
         lines.append(f"| {r['model']} | {r['dtype']} | {r['compile']} | {s['plain']:.4f} | "
-                     f"{s.get('plain+recorder', float('nan')):.4f} | {s['spmd']:.4f} | "
-                     f"{s.get('spmd+recorder', float('nan')):.4f} | {q['spmd']:.2f} | "
-                     f"{q.get('plain+recorder', float('nan')):.2f} | {q.get('spmd+recorder', float('nan')):.2f} |")
+                     f"{s.get('plain+recorder', nan):.4f} | {s.get('spmd', nan):.4f} | "
+                     f"{s.get('spmd+recorder', nan):.4f} | {q.get('spmd', nan):.2f} | "
+                     f"{q.get('plain+recorder', nan):.2f} | {q.get('spmd+recorder', nan):.2f} |")
     for r in rep["runs"]:
         if "profile_spmd" not in r:
             continue
@@ -235,6 +261,10 @@ def findings(rep: dict) -> list[str]:
     out = []
     for r in rep["runs"]:
         q = r["ratio_to_plain"]
+        if "spmd" not in q:
+            out.append(f"{r['model']} {r['dtype']}{' compiled' if r['compile'] else ''}: plain {r['step_s']['plain']:.4f} s; "
+                       f"spmd failed: {r['errors'].get('spmd', '?')}")
+            continue
         text = (f"{r['model']} {r['dtype']}{' compiled' if r['compile'] else ''}: spmd step {q['spmd']:.2f}x plain; "
                 f"the recorder alone {q.get('plain+recorder', float('nan')):.2f}x; spmd under the recorder (what "
                 f"launch.train runs) {q.get('spmd+recorder', float('nan')):.2f}x.")
@@ -271,21 +301,25 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--compile", action="store_true", help="also measure torch.compile'd plain vs spmd")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads (1: steadier on a shared machine)")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=1, help="CPU: torch threads (1: steadier on a shared machine)")
     ap.add_argument("--out", default=str(common.RESULTS))
     a = ap.parse_args(argv)
     import logging
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     rep = {"environment": common.environment(), "args": vars(a), "runs": []}
     variants = ["plain", "plain+recorder", "spmd", "spmd+recorder"]
-    torch.set_num_threads(a.threads)
+    if DEVICE.type == "cpu":
+        torch.set_num_threads(a.threads)
     rep["dtensor_op_overhead"] = dtensor_op_overhead()
     for model in a.models:
         for dtype in a.dtypes:
             for comp in ([False, True] if a.compile else [False]):
                 print(f"[overhead] {model} {dtype}{' compile' if comp else ''}", flush=True)
                 try:
-                    r = measure(model, dtype, a.steps, a.warmup, variants if not comp else ["plain", "spmd"], comp)
+                    r = measure(model, dtype, a.steps, a.warmup, list(variants) if not comp else ["plain", "spmd"],
+                                comp, a.batch, a.seq)
                 except Exception as e:  # noqa: BLE001  (compile of a DTensor model may fail: say so)
                     rep["runs"].append({"model": model, "dtype": dtype, "compile": comp, "error": str(e)[:500]})
                     print(f"[overhead]   failed: {str(e)[:200]}", flush=True)
