@@ -59,7 +59,7 @@ def explain(model: nn.Module, rules, mesh_or_sizes, batch_shape=(8, 2048), dtype
     if hasattr(model, STATE_ATTR):
         raise ValueError("explain takes the model before spmd.parallelize (a parallelized copy is laid out already)")
     sizes = mesh_or_sizes if isinstance(mesh_or_sizes, dict) else dict(
-        zip(mesh_or_sizes.mesh_dim_names, (int(s) for s in mesh_or_sizes.mesh.shape)))
+        zip(mesh_or_sizes.mesh_dim_names, mesh_or_sizes.shape))
     check_sizes(sizes)
     dtype = _DTYPES.get(dtype, dtype)
     if dist.is_initialized() and dist.get_backend() != "fake":

@@ -87,7 +87,7 @@ def make_mesh(sizes, device_type: str | None = None) -> DeviceMesh:
 
 def mesh_sizes(mesh: DeviceMesh) -> dict[str, int]:
     """Every known axis with its size; axes absent from the mesh count as size 1."""
-    present = dict(zip(mesh.mesh_dim_names, mesh.mesh.shape))
+    present = dict(zip(mesh.mesh_dim_names, mesh.shape))
     return {a: int(present.get(a, 1)) for a in MESH_AXES}
 
 
