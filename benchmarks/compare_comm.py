@@ -79,7 +79,7 @@ def worker(args: dict) -> None:
     from spmd.record import CollectiveRecorder
     from spmd.reshard import observe_saved
 
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    rank = int(os.environ["RANK"])
     cfg = model_config(args["model"])
     param_dtype = {"fp32": None, "bf16": torch.bfloat16}[args["dtype"]]
     out, meshes = [], []

@@ -24,6 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import kernels
 from kernels import reference
+from launch.metrics import cpu_name
 
 
 def _cases(tokens: int, hidden: int, ffn: int, vocab: int, heads: int, kv_heads: int, seq: int, dev="cuda"):
@@ -178,17 +179,7 @@ def run_cpu(tokens: int = 2048, hidden: int = 256, vocab: int = 16384) -> dict:
     row["memory_ratio"] = row["naive_peak_mib"] / row["chunked_peak_mib"]
     row["loss_abs_diff"] = max(abs(losses["naive"] - v) for v in losses.values())
     print(json.dumps(row), flush=True)
-    return dict(device=_cpu_name(), results=[row])
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return "cpu " + line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "cpu"
+    return dict(device=f"cpu {cpu_name()}", results=[row])
 
 
 def _markdown(report: dict) -> str:

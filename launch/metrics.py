@@ -49,7 +49,8 @@ def _cache_file() -> Path:
     return Path(os.environ.get("SPMD_CACHE_DIR") or Path.home() / ".cache" / "spmd") / "peak_flops.json"
 
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
+    """The processor's model name (from /proc/cpuinfo where there is one)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -92,7 +93,7 @@ def peak_flops(dtype: str = "fp32", device: str | torch.device = "cpu") -> tuple
             if fragment in name:
                 return peaks[key], f"table: {fragment} {key}"
     else:
-        name = f"{_cpu_name()} x{torch.get_num_threads()} threads"
+        name = f"{cpu_name()} x{torch.get_num_threads()} threads"
     key = f"{name}|{dtype}|torch {torch.__version__.split('+')[0]}"
     path = _cache_file()
     path.parent.mkdir(parents=True, exist_ok=True)
