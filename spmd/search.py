@@ -26,25 +26,17 @@
 from __future__ import annotations
 
 import argparse
-import copy
-import functools
 import logging
 import math
 import os
 from dataclasses import dataclass, field, asdict
 
-import torch
 import torch.nn as nn
 
-from .annotate import infer_axes
-from .blocks import find_blocks
 from .devices import Device, get_device
-from .explain import explain
 from .mesh import MESH_AXES
 from .rules import Rules
-
-PARAM_REASONS = ("gather ", "regather ", "reduce gradient ")
-
+from .search_plan import _Summary, _as_model, _plan_all, frozen, model_state_bytes
 
 @dataclass
 class Row:
@@ -128,10 +120,6 @@ def candidate_specs(world: int, max_tp: int = 8, sequence_parallel=(False, True)
     return out
 
 
-def frozen(sizes: dict) -> tuple:
-    return tuple(sorted(sizes.items()))
-
-
 def spec_name(sizes: dict, sp: bool) -> str:
     return ",".join(f"{a}={sizes[a]}" for a in MESH_AXES if a in sizes) + (",sp" if sp else "")
 
@@ -149,16 +137,6 @@ def links(sizes: dict, per_node: int) -> dict:
 
 
 # ------------------------------------------------------------------------------------------ the model
-def _as_model(model_or_cfg) -> nn.Module:
-    if isinstance(model_or_cfg, nn.Module):
-        return model_or_cfg
-    if type(model_or_cfg).__name__ == "LlamaConfig":
-        from models.llama import Llama  # a config names its model; spmd itself does not depend on models/
-        with torch.device("meta"):
-            return Llama(model_or_cfg)
-    raise TypeError(f"search takes an nn.Module or a LlamaConfig, got {type(model_or_cfg).__name__}")
-
-
 def flops_per_token(model: nn.Module, seq: int) -> float:
     """DESIGN.md's 6 N_non_embedding + 12 L H Q T when the model carries a Llama-like `cfg`, else 6 N_non_embedding."""
     cfg = getattr(model, "cfg", None)
@@ -166,146 +144,6 @@ def flops_per_token(model: nn.Module, seq: int) -> float:
         return 6 * cfg.num_params(non_embedding=True) + 12 * cfg.n_layers * cfg.n_heads * (cfg.dim // cfg.n_heads) * seq
     emb = {id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
     return 6 * sum(p.numel() for p in model.parameters() if id(p) not in emb)
-
-
-def _truncated(model: nn.Module, name: str, k: int) -> nn.Module:
-    """A shallow copy of `model` whose block list keeps its first k blocks (the blocks are shared, not copied)."""
-    parent_name, _, attr = name.rpartition(".")
-    root = copy.copy(model)
-    root._modules = dict(model._modules)
-    parent = root
-    if parent_name:
-        for part in parent_name.split("."):
-            child = copy.copy(parent._modules[part])
-            child._modules = dict(child._modules)
-            parent._modules[part] = child
-            parent = child
-    parent._modules[attr] = nn.ModuleList(list(model.get_submodule(name))[:k])
-    return root
-
-
-@dataclass
-class _Summary:
-    """What the ranking needs from a plan: collective count and bytes per (axis, traffic class), memory."""
-    groups: dict   # (axis, "param" | "activation") -> [count, bytes]
-    memory: dict
-
-    def __sub__(self, o):
-        keys = set(self.groups) | set(o.groups)
-        return _Summary({k: [a - b for a, b in zip(self.groups.get(k, [0, 0]), o.groups.get(k, [0, 0]))] for k in keys},
-                        {k: self.memory[k] - o.memory[k] for k in self.memory})
-
-    def __add__(self, o):
-        keys = set(self.groups) | set(o.groups)
-        return _Summary({k: [a + b for a, b in zip(self.groups.get(k, [0, 0]), o.groups.get(k, [0, 0]))] for k in keys},
-                        {k: self.memory[k] + o.memory[k] for k in self.memory})
-
-    def __mul__(self, f: int):
-        return _Summary({k: [v * f for v in g] for k, g in self.groups.items()}, {k: v * f for k, v in self.memory.items()})
-
-
-def summarize(plan) -> _Summary:
-    groups: dict = {}
-    for c in plan.collectives:
-        traffic = "param" if c.reason.startswith(PARAM_REASONS) else "activation"
-        g = groups.setdefault(("+".join(c.axes), traffic), [0, 0])
-        g[0] += 1
-        g[1] += c.bytes
-    return _Summary(groups, dict(plan.memory))
-
-
-def model_state_bytes(model: nn.Module, sizes: dict, rules: Rules, optimizer_states: int = 2) -> int:
-    """Parameters + gradients + optimizer states per rank from the annotations and the params map alone
-    (no dry run): the floor under a spec's memory, used to drop hopeless specs before planning them.
-    Parameters pinned by the user count as sharded over the whole mesh (a floor stays a floor)."""
-    axes = infer_axes(model)
-    world = math.prod(sizes.values())
-    total, seen = 0, set()
-    for name, p in model.named_parameters():
-        if id(p) in seen:
-            continue
-        seen.add(id(p))
-        if name in axes:
-            dims = rules.mesh_axes(axes[name], "params", f"parameter {name!r}")
-            shards = math.prod(sizes.get(a, 1) for d in dims for a in d)
-        else:
-            shards = world
-        total += p.numel() // shards * p.element_size()
-    return total * (2 + optimizer_states)
-
-
-_cache: dict = {}
-
-
-def _cache_key(model, sizes, sp, batch_shape, dtype, rules):
-    cfg = getattr(model, "cfg", None)
-    who = repr(cfg) if cfg is not None else id(model)  # a config names the model; else this object (kept alive)
-    return (who, frozen(dict(sizes)), sp, tuple(batch_shape), str(dtype), repr(rules))
-
-
-def plan_summary(model: nn.Module, sizes: dict, sp: bool, batch_shape, dtype, rules=None) -> _Summary:
-    """The plan of the full model, from dry runs of 1- and 2-block copies (exact for identical blocks)."""
-    sizes = dict(sizes)
-    rules = rules or Rules.default(sequence_parallel=sp)
-    key = _cache_key(model, sizes, sp, batch_shape, dtype, rules)
-    if key in _cache:
-        return _cache[key][1]
-    try:
-        name, blocks = find_blocks(model)
-    except ValueError:
-        name, blocks = None, []
-    if name is None or len(blocks) <= 2:
-        out = summarize(explain(model, rules, sizes, batch_shape=batch_shape, dtype=dtype))
-    else:
-        one = summarize(explain(_truncated(model, name, 1), rules, sizes, batch_shape=batch_shape, dtype=dtype))
-        two = summarize(explain(_truncated(model, name, 2), rules, sizes, batch_shape=batch_shape, dtype=dtype))
-        out = one + (two - one) * (len(blocks) - 1)
-    _cache[key] = (model if getattr(model, "cfg", None) is None else None, out)
-    return out
-
-
-_worker_model = None
-
-
-def _first_line(e: Exception) -> str:
-    return next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
-
-
-def _worker_init(model_or_cfg):
-    global _worker_model
-    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
-    _worker_model = _as_model(model_or_cfg)
-
-
-def _plan_or_error(job):
-    sizes, sp, batch_shape, dtype = job
-    try:
-        return job, plan_summary(_worker_model, sizes, sp, batch_shape, dtype)
-    except (ValueError, RuntimeError) as e:
-        return job, ValueError(_first_line(e))
-
-
-def _plan_all(net: nn.Module, model_arg, jobs: list, workers: int) -> dict:
-    """{job: _Summary or ValueError}, planned in this process or in `workers` spawned processes."""
-    todo = [j for j in jobs if _cache_key(net, j[0], j[1], j[2], j[3], Rules.default(j[1])) not in _cache]
-    results = {}
-    if workers > 1 and len(todo) > 1:
-        import multiprocessing
-        from .explain import fake_copy
-        payload = model_arg if not isinstance(model_arg, nn.Module) else fake_copy(model_arg, None)
-        with multiprocessing.get_context("spawn").Pool(min(workers, len(todo)), _worker_init, (payload,)) as pool:
-            for job, out in pool.imap_unordered(_plan_or_error, todo):
-                results[job] = out
-                if isinstance(out, _Summary):
-                    key = _cache_key(net, job[0], job[1], job[2], job[3], Rules.default(job[1]))
-                    _cache[key] = (net if getattr(net, "cfg", None) is None else None, out)
-    for job in jobs:
-        if job not in results:
-            try:
-                results[job] = plan_summary(net, *job)
-            except (ValueError, RuntimeError) as e:  # a layout that does not divide (DTensor says RuntimeError)
-                results[job] = ValueError(_first_line(e))
-    return results
 
 
 # ------------------------------------------------------------------------------------------ the search
