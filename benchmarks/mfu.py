@@ -14,7 +14,8 @@ same initial weights): the report shows the largest difference.
 
 Writes benchmarks/results/<date>-<device>-<model>.{json,md,png} (the PNG needs matplotlib).
 On CPU a "device" is one process; torchrun gives each process one thread; MFU uses this machine's measured
-GEMM peak (launch.metrics). `--compile` goes to the trainer only if it has the flag (else the row says so).
+GEMM peak (launch.metrics). `--compile` compiles every trainer's blocks (spmd.compile_blocks; torch.compile
+per block for native) and adds an eager spmd row per spec, so compiled / eager is measured in the same run.
 """
 from __future__ import annotations
 
@@ -37,11 +38,11 @@ def _args(a, spec: str | None) -> list[str]:
     return out
 
 
-def run_spmd(a, spec: str | None, jsonl: Path, flags: set) -> dict:
+def run_spmd(a, spec: str | None, jsonl: Path, flags: set, compile_: bool | None = None) -> dict:
     cmd = (common.torchrun(a.nproc) if spec else [sys.executable]) + ["-m", "launch.train"] + _args(a, spec)
     cmd += ["--metrics", str(jsonl)]
     notes = []
-    if a.compile:
+    if a.compile if compile_ is None else compile_:
         if "--compile" in flags:
             cmd.append("--compile")
         else:
@@ -115,6 +116,12 @@ def markdown(rep: dict) -> str:
         lines.append(f"| {r['spec']} | spmd{note} | {ours['tokens_per_s']:,.0f} | {100 * ours['mfu']:.3f}% | "
                      f"{ours['step_time_s']:.4f} | {ours['peak_mem_bytes'] / 2**20:,.0f} | {ours['comm_bytes']:,.0f} | "
                      f"{r.get('planned_collectives', '')}+ | {ratio_n} | {ratio_s} |")
+        eager = r.get("spmd_eager")
+        if eager:
+            lines.append(f"| {r['spec']} | spmd eager | {eager['tokens_per_s']:,.0f} | {100 * eager['mfu']:.3f}% | "
+                         f"{eager['step_time_s']:.4f} | {eager['peak_mem_bytes'] / 2**20:,.0f} | "
+                         f"{eager['comm_bytes']:,.0f} | | compiled / eager: "
+                         f"{ours['tokens_per_s'] / eager['tokens_per_s']:.3f} | |")
         if nat:
             lines.append(f"| {r['spec']} | native | {nat['tokens_per_s']:,.0f} | {100 * nat['mfu']:.3f}% | "
                          f"{nat['step_time_s']:.4f} | {nat['peak_mem_bytes'] / 2**20:,.0f} | "
@@ -192,7 +199,8 @@ def main(argv=None) -> int:
             results = []
             for i in range(a.repeats):
                 path = Path(tmp, f"{kind}-{i}.jsonl")
-                res = run_native(a, spec, path) if kind == "native" else run_spmd(a, spec, path, flags)
+                res = run_native(a, spec, path) if kind == "native" else \
+                    run_spmd(a, spec, path, flags, False if kind == "eager" else None)
                 results.append(summarize(res, a.warmup))
             results.sort(key=lambda s: s["tokens_per_s"])
             return results[len(results) // 2]
@@ -203,6 +211,9 @@ def main(argv=None) -> int:
         for spec in a.specs:
             print(f"[mfu] {spec}: spmd", flush=True)
             row = {"spec": spec, "spmd": repeat("spmd", spec), "planned_collectives": planned_collectives(a, spec)}
+            if a.compile:
+                print(f"[mfu] {spec}: spmd eager", flush=True)
+                row["spmd_eager"] = repeat("eager", spec)
             if not a.no_native:
                 print(f"[mfu] {spec}: native", flush=True)
                 row["native"] = repeat("native", spec)
@@ -211,11 +222,12 @@ def main(argv=None) -> int:
                   + (f", native {row['native']['tokens_per_s']:,.0f} tok/s, ratio "
                      f"{o['tokens_per_s'] / row['native']['tokens_per_s']:.3f}" if "native" in row else ""), flush=True)
             rep["rows"].append(row)
-    losses = [r[k]["losses"] for r in rep["rows"] for k in ("spmd", "native") if k in r]
+    losses = [r[k]["losses"] for r in rep["rows"] for k in ("spmd", "spmd_eager", "native") if k in r]
     if rep.get("single"):
         losses.append(rep["single"]["losses"])
     rep["max_loss_diff"] = max((abs(x - y) for l1 in losses for l2 in losses for x, y in zip(l1, l2)), default=0.0)
-    rep["max_spread"] = max([r[k]["step_time_spread"] for r in rep["rows"] for k in ("spmd", "native") if k in r]
+    rep["max_spread"] = max([r[k]["step_time_spread"] for r in rep["rows"] for k in ("spmd", "spmd_eager", "native")
+                             if k in r]
                             + ([rep["single"]["step_time_spread"]] if rep.get("single") else []))
     try:
         from launch.metrics import peak_flops

@@ -24,6 +24,7 @@ from spmd.mesh import parse_spec
 from spmd.pipeline_runtime import validate_pipeline
 
 DTYPES = ("fp32", "bf16", "fp16")
+KERNELS = ("auto", "torch", "triton")
 CONFIG_DIR = Path(__file__).parent / "configs"
 
 
@@ -44,6 +45,8 @@ class TrainConfig:
     max_grad_norm: float = 1.0     # global-norm clipping; 0 disables
     dtype: str = "fp32"            # fp32 | bf16 | fp16 (compute dtype; master weights stay fp32)
     ac: str = "none"               # activation checkpointing: none | full | selective:N (every N-th block)
+    compile: bool = False          # torch.compile each block (spmd.compile_blocks); checkpointed blocks stay eager
+    kernels: str = "auto"          # auto | torch | triton: the model's RMSNorm/SwiGLU/RoPE/CE implementation
     # data
     data: str = "stdlib"           # stdlib | PATH_OR_GLOB of text files | FILE.bin (pre-tokenised)
     tokenizer: str = "bytes"       # bytes | path/to/tokenizer.json
@@ -89,7 +92,7 @@ class TrainConfig:
 
     def model_config(self):
         from models.llama import LlamaConfig
-        return LlamaConfig.preset(self.model)
+        return LlamaConfig.preset(self.model, kernels=self.kernels)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -120,6 +123,8 @@ class TrainConfig:
         except ValueError:
             problems.append(f"--ac {self.ac!r} is not valid; use none, full, or selective:N with N >= 1 "
                             f"(checkpoint every N-th block)")
+        need(self.kernels in KERNELS, f"--kernels {self.kernels!r} is not one of {'|'.join(KERNELS)}; pick one "
+                                      f"(triton on CPU needs TRITON_INTERPRET=1)")
         need(not self.resume or self.ckpt_dir, "--resume needs --ckpt-dir DIR to resume from")
         need(not (self.ckpt_every and not self.ckpt_dir), "--ckpt-every needs --ckpt-dir DIR to write to")
         sizes, flags = self._parse_mesh()

@@ -13,6 +13,9 @@ gathered (`parallelize(param_dtype=...)`; autocast in a single process) and grad
 `fp16` adds dynamic loss scaling: a step whose gradient norm is inf/nan is skipped and the scale halves;
 after 1000 good steps it doubles.
 
+`--compile`: each block runs as one compiled graph with its collectives inside (`spmd.compile_blocks`);
+blocks under activation checkpointing stay eager. `--kernels triton` selects the fused Triton kernels.
+
 SIGTERM/SIGINT: the step in flight finishes, a checkpoint is written (with --ckpt-dir) and the process
 exits 0. A second signal interrupts at once.
 """
@@ -147,6 +150,7 @@ def train(cfg: TrainConfig, log=True) -> list[dict]:
     if cfg.init_from_hf:
         from .hf import llama_config_from_hf
         model_cfg = llama_config_from_hf(cfg.init_from_hf)
+        model_cfg.kernels = cfg.kernels
     else:
         model_cfg = cfg.model_config()
     cfg.validate(world, model_cfg)  # on every rank, before any collective
@@ -160,6 +164,7 @@ def train(cfg: TrainConfig, log=True) -> list[dict]:
         load_hf(model, cfg.init_from_hf, **({"strict": False} if pipe else {}))
     # a pipeline checkpoints inside its stages (build_pipeline's ac)
     ac_blocks = [] if pipe else spmd.apply_activation_checkpointing(model, cfg.ac)
+    compiled = spmd.compile_blocks(model) if cfg.compile else []
     opt = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
     scaler = LossScaler(cfg.dtype == "fp16")
     loader, tokenizer = build_loader(cfg, dp_rank, dp_size, model_cfg.vocab_size, device)
@@ -187,6 +192,7 @@ def train(cfg: TrainConfig, log=True) -> list[dict]:
                       f"mesh {cfg.mesh_sizes(world)}{' +sp' if cfg.sequence_parallel() else ''} on {world} "
                       f"{device.type} process(es) | batch {cfg.batch_size}x{cfg.seq_len} in {cfg.grad_accum} "
                       f"micro-batch(es) | {cfg.dtype} | ac {cfg.ac}{ac_blocks if ac_blocks else ''} | "
+                      f"compiled blocks {compiled if cfg.compile else 'none'} | kernels {model_cfg.kernels} | "
                       f"data {cfg.data} ({len(loader.tokens):,} tokens, {cfg.tokenizer}) | "
                       f"peak {peak / 1e12:.3g} TFLOP/s per device ({peak_source})")
         if start:

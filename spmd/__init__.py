@@ -16,6 +16,7 @@ from .pipeline_split import split_stages
 from .pipeline_traced import build_traced_pipeline
 from .plan import Plan
 from .blocks import find_blocks
+from .compiled import compile_blocks
 from .rules import Rules
 
 

@@ -7,8 +7,11 @@ the compute dtype first, so an FSDP gather moves bf16); its backward casts the g
 dtype and reduces it into the storage layout: all-reduce over replicated axes, reduce-scatter over
 sharded ones. Under `no_sync` the gradient stays unreduced until the step that syncs.
 """
+import functools
+
 import torch
 from torch.distributed.tensor import DTensor, Replicate
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from . import record
 
@@ -25,7 +28,7 @@ class _Move(torch.autograd.Function):
         if tuple(x.placements) == tuple(placements):
             return x.view_as(x)
         with record.reason(module, why):
-            return x.redistribute(x.device_mesh, placements)
+            return x.redistribute(placements=placements)
 
     @staticmethod
     def backward(ctx, g: DTensor):
@@ -38,13 +41,17 @@ class _Move(torch.autograd.Function):
 def move(x: DTensor, placements, module: str, why: str, grad_placements=None) -> DTensor:
     """Redistributes `x` to `placements`. `grad_placements` overrides the gradient's layout on the way back."""
     placements = tuple(placements)
-    if tuple(x.placements) == placements and grad_placements is None:
+    if tuple(x.placements) == placements and (grad_placements is None or torch.compiler.is_compiling()):
         return x
+    if torch.compiler.is_compiling():
+        # DTensor's own redistribute traces to functional collectives; its backward brings the gradient
+        # back to x's layout (Partial sources get Replicate), the same layout _Move's backward gives
+        return x.redistribute(placements=placements)
     if not x.requires_grad:
         if tuple(x.placements) == placements:
             return x
         with record.reason(module, why):
-            return x.redistribute(x.device_mesh, placements)
+            return x.redistribute(placements=placements)
     return _Move.apply(x, placements, grad_placements, module, why)
 
 
@@ -57,7 +64,7 @@ class _GatherParam(torch.autograd.Function):
         if tuple(x.placements) == tuple(placements):
             return x.view_as(x) if x is p else x
         with record.reason(module, f"gather {name} to its compute layout"):
-            return x.redistribute(x.device_mesh, placements)
+            return x.redistribute(placements=placements)
 
     @staticmethod
     def backward(ctx, g: DTensor):
@@ -90,4 +97,22 @@ def reduce_to(g: DTensor, storage) -> DTensor:
 
 
 def gather_param(p, placements, dtype, reduce_dtype, state, module: str, name: str) -> DTensor:
+    if torch.compiler.is_compiling():
+        # Inside a compiled block: DTensor's redistribute, whose backward reduces the gradient to the
+        # storage layout in `reduce_dtype` (all-reduce / reduce-scatter, visible to the compiler). Gradients
+        # are reduced on every backward here: no_sync does not apply inside compiled blocks.
+        return checkpoint(_redistribute_param, p, tuple(placements), dtype, reduce_dtype, use_reentrant=False,
+                          context_fn=_recompute_in_backward)
     return _GatherParam.apply(p, tuple(placements), dtype, reduce_dtype, state, module, name)
+
+
+def _redistribute_param(p, placements, dtype, reduce_dtype):
+    return p.redistribute(placements=placements, forward_dtype=dtype, backward_dtype=reduce_dtype)
+
+
+def _always_recompute(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_RECOMPUTE
+
+
+# ZeRO-3 under the compiler: the gathered parameter is recomputed (regathered) in backward, not saved
+_recompute_in_backward = functools.partial(create_selective_checkpoint_contexts, _always_recompute)

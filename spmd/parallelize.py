@@ -36,8 +36,7 @@ class SPMDState:
         self.move_cache: dict = {}
         self.names: dict[int, str] = {}
         self.saved_hooks: list = []
-        self.shared: set[int] = set()          # ids of parameters more than one module holds
-        self.shared_gathers: dict = {}         # their gathered copies during one forward
+        self.shared_gathers: dict = {}         # gathered copies of parameters several modules hold
 
 
 _active: list[SPMDState] = []
@@ -125,7 +124,9 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, rules: Rules, *, param_dtype
         uses.update(id(p) for p in module._parameters.values() if p is not None)
         module.register_forward_pre_hook(_pre_hook(state, mod_name, module, module is model), with_kwargs=True)
         module.register_forward_hook(_post_hook(state, module, module is model), always_call=True)
-    state.shared = {i for i, n in uses.items() if n > 1}
+    for p in converted.values():
+        if uses[id(p)] > 1:
+            p._spmd_shared = True
     setattr(model, STATE_ATTR, state)
     return model
 
@@ -141,10 +142,13 @@ def _to_dtensor(state: SPMDState, t, key):
 
 
 def _pre_hook(state: SPMDState, name: str, module: nn.Module, is_root: bool):
-    params = [(n, p) for n, p in module._parameters.items() if isinstance(p, DTensor)]
+    # parameters are read from the module at call time, not captured here, so that a compiled block's
+    # graph takes them as inputs and serves every block of the same type
+    param_names = [n for n, p in module._parameters.items() if isinstance(p, DTensor)]
     is_linear = isinstance(module, nn.Linear)
 
     def hook(mod, args, kwargs):
+        checkpointed = getattr(mod, CHECKPOINTED_ATTR, False)
         _active.append(state)
         record.push_module(name)
         if is_root:
@@ -156,21 +160,24 @@ def _pre_hook(state: SPMDState, name: str, module: nn.Module, is_root: bool):
         if is_linear and isinstance(args[0], DTensor):
             args, w_override = _plan_linear_input(state, name, mod, args)
         regather = {}
-        for p_name, p in params:
+        for p_name in param_names:
+            p = mod._parameters[p_name]
             compute = w_override if (w_override is not None and p_name == "weight") else p._spmd_compute
-            key = (id(p), tuple(compute))
-            g = state.shared_gathers.get(key)
-            if g is None:
+            if getattr(p, "_spmd_shared", False):
+                # a weight several modules use (tied embeddings) is gathered once per forward, so its
+                # gradient contributions sum before one reduction
+                key = (id(p), tuple(compute))
+                g = state.shared_gathers.get(key)
+                if g is None:
+                    g = state.shared_gathers[key] = gather_param(p, compute, state.param_dtype,
+                                                                 state.reduce_dtype, state, name, p._spmd_name)
+            else:
                 g = gather_param(p, compute, state.param_dtype, state.reduce_dtype, state, name, p._spmd_name)
-                if id(p) in state.shared:
-                    # a weight several modules use (tied embeddings) is gathered once per forward, so its
-                    # gradient contributions sum before one reduction
-                    state.shared_gathers[key] = g
             mod.__dict__[p_name] = g
-            if _moves_data(p.placements, compute, state.mesh):
+            if _moves_data(p.placements, compute, state.mesh) and not torch.compiler.is_compiling():
                 regather[storage_key(g)] = (p, compute)
         hooks = None
-        if regather and not getattr(mod, CHECKPOINTED_ATTR, False):
+        if regather and not checkpointed and not torch.compiler.is_compiling():
             hooks = reshard_after_forward(regather, state, name)
             hooks.__enter__()
         state.saved_hooks.append(hooks)
@@ -187,9 +194,13 @@ def _plan_linear_input(state, name, mod, args):
     x = args[0]
     w = mod._parameters["weight"]
     el = torch.finfo(state.param_dtype).bits // 8 if state.param_dtype else w.element_size()
-    x_target, w_target, decisions = plan_linear(x, w.shape, w._spmd_compute, el, name)
-    for d in decisions:
-        state.decisions[(name, d.mesh_axis)] = d
+    if torch.compiler.is_compiling():
+        # the same decision without its bookkeeping: a graph that names its module serves only that module
+        x_target, w_target, _ = plan_linear(x, w.shape, w._spmd_compute, el, "")
+    else:
+        x_target, w_target, decisions = plan_linear(x, w.shape, w._spmd_compute, el, name)
+        for d in decisions:
+            state.decisions[(name, d.mesh_axis)] = d
     key = (id(x), x_target)
     if key not in state.move_cache:
         why = "move input to the layout its weight needs"

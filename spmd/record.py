@@ -59,6 +59,9 @@ class Collective:
 
 @contextlib.contextmanager
 def reason(module: str, why: str, origin: str = "planned"):
+    if torch.compiler.is_compiling():  # compiled graphs issue their collectives without a dispatch mode
+        yield
+        return
     token = _context.set((module, why, origin))
     try:
         yield
@@ -76,11 +79,12 @@ def phase(name: str):
 
 
 def push_module(name: str):
-    _module_stack.append(name)
+    if not torch.compiler.is_compiling():
+        _module_stack.append(name)
 
 
 def pop_module():
-    if _module_stack:
+    if _module_stack and not torch.compiler.is_compiling():
         _module_stack.pop()
 
 

@@ -1,0 +1,32 @@
+"""`compile_blocks(model)`: torch.compile each repeated block of a (parallelized) model.
+
+A block compiles to one graph per block type, with its parameter gathers, layout moves and gradient
+reductions inside it as functional collectives, so the compiler sees and schedules them. Inside a compiled
+block the pass uses DTensor's own redistribute (the same layouts as in eager, see `spmd.moves`), and
+ZeRO-3's reshard-after-forward becomes a selective-checkpoint policy: the gathered parameter is recomputed
+(regathered) in backward, not saved. Two differences from eager: the collectives are not recorded
+(record a step in eager, or use `explain`, for the plan), and gradients of compiled blocks are reduced
+on every backward, also under `no_sync`.
+"""
+import torch
+import torch.nn as nn
+
+from .blocks import find_blocks
+from .reshard import CHECKPOINTED_ATTR
+
+
+def compile_blocks(model: nn.Module, blocks: str | None = None, **compile_kwargs) -> list[int]:
+    """Compiles the blocks of `model`'s block list in place (parameter names do not change); returns the
+    indices compiled. Blocks under activation checkpointing stay eager: torch 2.13 cannot yet compile a
+    checkpointed block whose graph holds DTensor collectives. `compile_kwargs` go to `torch.compile`."""
+    _, block_list = find_blocks(model, blocks)
+    chosen = [i for i, block in enumerate(block_list) if not getattr(block, CHECKPOINTED_ATTR, False)]
+    for block in (block_list[i] for i in chosen):
+        for m in block.modules():
+            # hook ids are global counters, and dynamo guards on them being in this set: with it empty,
+            # every block of a type shares one graph (in a compiled graph an error aborts it anyway)
+            m._forward_hooks_always_called.clear()
+        block.compile(**compile_kwargs)
+    # blocks of one type share a graph; room for a recompile per block where guards differ (shapes)
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 2 * len(block_list))
+    return chosen
