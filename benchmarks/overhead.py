@@ -174,13 +174,12 @@ def dtensor_op_overhead(reps: int = 3000) -> dict:
 
 def measure(model_name: str, dtype: str, steps: int, warmup: int, variants: list[str], compile_: bool,
             batch: int = 8, seq: int = 128) -> dict:
-    import spmd  # noqa: F401
+    import spmd
     from launch.metrics import flops_per_token
     built = {}
     for v in variants:
         cfg, model, opt = build(model_name, v, dtype)
         if compile_:  # the same setting for every variant: each block one compiled graph
-            import spmd
             spmd.compile_blocks(model)
         g = torch.Generator().manual_seed(0)
         tokens = torch.randint(0, cfg.vocab_size, (batch, seq + 1), generator=g).to(DEVICE)

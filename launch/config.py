@@ -21,6 +21,7 @@ except ModuleNotFoundError:  # Python 3.10
 
 from spmd.activation_checkpoint import parse_mode as parse_ac_mode
 from spmd.mesh import parse_spec
+from spmd.rules import heads_problem
 from spmd.pipeline_runtime import validate_pipeline
 
 DTYPES = ("fp32", "bf16", "fp16")
@@ -150,6 +151,8 @@ class TrainConfig:
             except ValueError as e:
                 problems.append(f"--model: {e}")
         if model_cfg is not None:
+            heads = heads_problem(model_cfg, tp)
+            need(heads is None, f"--mesh {_fmt(sizes)}: {heads}")
             need(self.seq_len <= model_cfg.max_seq_len,
                  f"--seq-len {self.seq_len} exceeds the model's max_seq_len {model_cfg.max_seq_len}; "
                  f"use --seq-len {model_cfg.max_seq_len} or less")

@@ -4,7 +4,7 @@ No distributed code lives here. Parameters carry logical axis names (`spmd.annot
 stream carries layout constraints (`spmd.constrain`); both do nothing until `spmd.parallelize` lays
 the model out on a mesh, so this file runs as plain PyTorch on one device.
 """
-from dataclasses import dataclass, asdict, field
+from dataclasses import dataclass, asdict
 
 import torch
 import torch.nn as nn

@@ -101,3 +101,17 @@ def placements_for(mesh: DeviceMesh, dims_axes: list[MeshAxes], shape, name: str
                 f"{'x'.join(a for a in axes if sizes.get(a, 1) > 1)}={factor}; pick a mesh whose "
                 f"{'/'.join(axes)} size divides {shape[dim]}, or change the rule for this axis")
     return placements
+
+
+def heads_problem(model_cfg, tp: int) -> str | None:
+    """Why `tp` cannot shard the attention of a model config with `n_heads` (and `n_kv_heads`), or None.
+
+    Tensor parallelism gives every rank whole heads; a tp that splits a head would fail deep inside
+    DTensor's view propagation, so specs are checked against the head counts up front."""
+    counts = {a: getattr(model_cfg, a) for a in ("n_heads", "n_kv_heads") if isinstance(getattr(model_cfg, a, None), int)}
+    bad = {a: n for a, n in counts.items() if tp > 1 and n % tp}
+    if not bad:
+        return None
+    fits = [d for d in range(1, max(counts.values()) + 1) if all(n % d == 0 for n in counts.values())]
+    return (f"tp={tp} would split attention heads ({', '.join(f'{a}={n}' for a, n in counts.items())}); "
+            f"tensor parallelism shards whole heads: use tp in {fits}")

@@ -35,7 +35,7 @@ import torch.nn as nn
 
 from .devices import Device, get_device
 from .mesh import MESH_AXES
-from .rules import Rules
+from .rules import Rules, heads_problem
 from .search_plan import _Summary, _as_model, _plan_all, frozen, model_state_bytes
 
 @dataclass
@@ -202,7 +202,8 @@ def search(model, world_size: int, device="h100", memory_budget_bytes: float | N
     floors = {frozen(sizes): model_state_bytes(net, sizes, Rules.default()) for sizes, _ in candidates
               if math.prod(sizes.values()) == world_size}
     jobs = [(frozen(sizes), sp, (batch, seq), str(dtype)) for sizes, sp in candidates
-            if frozen(sizes) in floors and floors[frozen(sizes)] <= budget]
+            if frozen(sizes) in floors and floors[frozen(sizes)] <= budget
+            and not heads_problem(getattr(net, "cfg", None), sizes.get("tp", 1))]
     workers = workers or 1
     try:
         planned = _plan_all(net, model, jobs, workers)
@@ -219,6 +220,11 @@ def search(model, world_size: int, device="h100", memory_budget_bytes: float | N
             row.memory = {"states": floors[frozen(sizes)], "total": floors[frozen(sizes)]}
             row.note = (f"parameters, gradients and optimizer states alone need {floors[frozen(sizes)] / 2**30:,.1f} "
                         f"GiB per rank > budget {budget / 2**30:,.1f} GiB (not planned)")
+            dropped.append(row)
+            continue
+        heads = heads_problem(getattr(net, "cfg", None), sizes.get("tp", 1))
+        if heads:
+            row.fits, row.note = False, heads
             dropped.append(row)
             continue
         s = planned[(frozen(sizes), sp, (batch, seq), str(dtype))]

@@ -8,7 +8,6 @@ mesh axes, bytes, phase), and CommDebugMode's independent count per collective t
 from collections import Counter
 
 import pytest
-import torch
 from torch.distributed.tensor.debug import CommDebugMode
 
 import spmd
