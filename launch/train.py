@@ -4,7 +4,8 @@ One step: set the scheduled learning rate; for each of the K micro-batches of th
 forward + backward (gradient reduction skipped on the first K-1 under `spmd.no_sync`); clip by the global
 gradient norm (over every mesh axis); AdamW step. Then metrics, and a checkpoint when due.
 
-Layout: the model is built identically on every rank (same seed) and laid out with `spmd.parallelize`;
+Layout: the model is built on the meta device and laid out with `spmd.parallelize`, each rank initialising
+only its shards to the values a one-device build has (with a pp axis it is built whole, then split);
 a single process without torchrun trains plain PyTorch (no process group, no DTensors). Checkpoints from
 either load into the other.
 
@@ -114,12 +115,15 @@ def build_model(cfg: TrainConfig, model_cfg, world: int, device: torch.device):
     """(model, mesh, dp_rank, dp_size, pipe). World 1: plain PyTorch, no process group. With a pp axis,
     `pipe` is the spmd.Pipeline running this rank's stages and `model` holds their parameters."""
     from models.llama import Llama
+    sizes = cfg.mesh_sizes(world)
+    # on a mesh (without pp) the model is built on the meta device and each rank materialises only its
+    # shards, one full tensor at a time, with the values a one-device build has
+    meta = world > 1 and sizes.get("pp", 1) == 1
     torch.manual_seed(cfg.seed)
-    with torch.device(device):
+    with torch.device("meta" if meta else device):
         model = Llama(model_cfg)
     if world == 1:
         return model, None, 0, 1, None
-    sizes = cfg.mesh_sizes(world)
     mesh = spmd.make_mesh(sizes, device_type=device.type)
     rules = spmd.Rules.default(sequence_parallel=cfg.sequence_parallel())
     pipe = None
@@ -129,7 +133,9 @@ def build_model(cfg: TrainConfig, model_cfg, world: int, device: torch.device):
                                    param_dtype=_TORCH_DTYPE[cfg.dtype], ac=cfg.ac)
         mesh, model = pipe.mesh, pipe.module
     else:
-        spmd.parallelize(model, mesh, rules, param_dtype=_TORCH_DTYPE[cfg.dtype])
+        with torch.device(device):
+            spmd.parallelize(model, mesh, rules, param_dtype=_TORCH_DTYPE[cfg.dtype],
+                             param_init=model.initializer(cfg.seed) if meta else None)
     coord = dict(zip(mesh.mesh_dim_names, mesh.get_coordinate()))
     dp_rank = coord.get("dp", 0) * sizes.get("fsdp", 1) + coord.get("fsdp", 0)  # batch -> (dp, fsdp)
     return model, mesh, dp_rank, cfg.dp_size(world), pipe

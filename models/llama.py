@@ -156,18 +156,31 @@ class Llama(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self, seed: int | None = None):
-        """Normal(0, 0.02) weights, output projections scaled by depth (GPT-2 style), unit norms."""
-        gen = None if seed is None else torch.Generator().manual_seed(seed)
-        std = 0.02
+        """Normal(0, 0.02) weights, output projections scaled by depth (GPT-2 style), unit norms; drawn from
+        a generator seeded with `seed` (default: torch.initial_seed(), i.e. the last torch.manual_seed)."""
+        init = self.initializer(seed)
         for name, p in self.named_parameters():
             if p.is_meta:
                 continue
             with torch.no_grad():
-                if name.endswith("norm.weight"):
-                    p.fill_(1.0)
-                else:
-                    s = std / (2 * self.cfg.n_layers) ** 0.5 if name.endswith(("wo.weight", "w2.weight")) else std
-                    p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * s)
+                p.copy_(init(name, p))
+
+    def initializer(self, seed: int | None = None):
+        """fn(name, tensor) -> the initial value of parameter or buffer `name`. Called for every parameter in
+        `named_parameters` order it reproduces `reset_parameters(seed)`, so a model built on the meta device
+        can be initialised tensor by tensor (spmd.parallelize's `param_init`)."""
+        gen = torch.Generator().manual_seed(torch.initial_seed() if seed is None else seed)
+        std = 0.02
+
+        def init(name: str, t: torch.Tensor) -> torch.Tensor:
+            if name in ("rope_cos", "rope_sin"):
+                return rope_tables(self.cfg)[0 if name == "rope_cos" else 1]
+            if name.endswith("norm.weight"):
+                return torch.ones(t.shape, dtype=t.dtype, device="cpu")
+            s = std / (2 * self.cfg.n_layers) ** 0.5 if name.endswith(("wo.weight", "w2.weight")) else std
+            return torch.randn(t.shape, generator=gen, dtype=t.dtype, device="cpu") * s
+
+        return init
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None):
         h = self.embed(tokens)

@@ -85,18 +85,26 @@ def param_layouts(model: nn.Module, mesh: DeviceMesh, rules: Rules):
 
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, rules: Rules, *, param_dtype: torch.dtype | None = None,
-                reduce_dtype: torch.dtype | None = torch.float32, input_axes=None) -> nn.Module:
+                reduce_dtype: torch.dtype | None = torch.float32, input_axes=None, param_init=None) -> nn.Module:
     """Lays `model` out on `mesh` following `rules`, in place, and returns it.
 
     Plain-tensor inputs (positional or keyword) are this rank's slice of the batch (as with DDP);
     `input_axes` names their logical axes: one tuple for every input, or a dict from argument position
     or keyword to a tuple (default: `batch` first, the rest whole). A scalar output (the loss) comes back
     as a plain tensor, the same on every rank.
+
+    A model built on the meta device (too large for one device) needs `param_init(name, meta_tensor)`:
+    it returns the full initial value of each meta parameter (in `named_parameters` order) and buffer, and
+    this rank keeps its slice, so one full tensor exists at a time. Deterministic in that order, it gives
+    the values a one-device build would have.
     """
     if hasattr(model, STATE_ATTR):
         raise ValueError("this model is already parallelized; build a fresh model to lay it out again")
     state = SPMDState(mesh, rules, param_dtype, reduce_dtype, input_axes)
     layouts = param_layouts(model, mesh, rules)  # every check runs before anything changes
+    meta = next((n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta), None)
+    if meta is not None and param_init is None:
+        _initial(dict([*model.named_parameters(), *model.named_buffers()])[meta], meta, None)  # raises
     converted: dict[int, nn.Parameter] = {}
     uses = Counter()
     for mod_name, module in model.named_modules():
@@ -106,7 +114,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, rules: Rules, *, param_dtype
             full = f"{mod_name}.{p_name}" if mod_name else p_name
             if id(p) not in converted:
                 storage, compute = layouts[full]
-                dt = distribute_tensor(p.data, mesh, storage, src_data_rank=None)
+                dt = distribute_tensor(_initial(p, full, param_init), mesh, storage, src_data_rank=None)
                 new = nn.Parameter(dt, requires_grad=p.requires_grad)
                 copy_annotations(p, new)
                 new._spmd_compute = compute
@@ -119,7 +127,8 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, rules: Rules, *, param_dtype
                 placements = get_pin(b) or placements_for(
                     mesh, rules.mesh_axes(getattr(b, "_spmd_axes", None) or (None,) * b.dim(), "compute",
                                           f"buffer {full!r}"), b.shape, f"buffer {full!r}")
-                module._buffers[b_name] = distribute_tensor(b, mesh, placements, src_data_rank=None)
+                module._buffers[b_name] = distribute_tensor(_initial(b, full, param_init), mesh, placements,
+                                                            src_data_rank=None)
         state.names[id(module)] = mod_name
         uses.update(id(p) for p in module._parameters.values() if p is not None)
         module.register_forward_pre_hook(_pre_hook(state, mod_name, module, module is model), with_kwargs=True)
@@ -129,6 +138,20 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, rules: Rules, *, param_dtype
             p._spmd_shared = True
     setattr(model, STATE_ATTR, state)
     return model
+
+
+def _initial(t: torch.Tensor, name: str, param_init) -> torch.Tensor:
+    if not t.is_meta:
+        return t.data
+    if param_init is None:
+        raise ValueError(f"{name!r} is on the meta device; pass parallelize(..., param_init=fn) with fn(name, tensor) "
+                         f"returning its initial value (e.g. the model's initializer()), or build the model on a device")
+    with torch.no_grad():
+        value = param_init(name, t)
+    if tuple(value.shape) != tuple(t.shape) or value.is_meta:
+        raise ValueError(f"param_init({name!r}) returned {'a meta tensor' if value.is_meta else tuple(value.shape)}; "
+                         f"expected a real tensor of shape {tuple(t.shape)}")
+    return value.to(t.dtype)
 
 
 def _to_dtensor(state: SPMDState, t, key):

@@ -1,5 +1,5 @@
-"""Activation checkpointing, gradient accumulation under no_sync, pinned layouts and name-table
-annotations, each checked against the plain computation."""
+"""Activation checkpointing, gradient accumulation under no_sync, meta-device initialisation, pinned layouts
+and name-table annotations, each checked against the plain computation."""
 import pytest
 import torch
 import torch.nn as nn
@@ -60,6 +60,19 @@ def _features(rank, world):
         assert tuple(p.grad.placements) == tuple(p.placements)
         assert norm_rel_err(p.grad.full_tensor(), reference[name]) <= 1e-5, name
 
+    # a model built on the meta device, each rank initialising only its shards: every parameter and buffer
+    # equals the one-device build (same seed), bit for bit
+    from models.llama import Llama
+    with torch.device("meta"):
+        meta = Llama(tiny_model().cfg)
+    with pytest.raises(ValueError, match="meta device; pass parallelize\\(..., param_init=fn\\)"):
+        spmd.parallelize(meta, mesh, rules)
+    spmd.parallelize(meta, mesh, rules, param_init=meta.initializer(0))
+    one_device = tiny_model(seed=0)
+    one = dict([*one_device.named_parameters(), *one_device.named_buffers()])
+    for name, t in [*meta.named_parameters(), *meta.named_buffers()]:
+        assert torch.equal(t.full_tensor(), one[name].detach()), name
+
     # a module annotated from outside by a table of name patterns matches its one-device run
     torch.manual_seed(0)
     hf = HFStyleMLP()
@@ -79,7 +92,7 @@ def _features(rank, world):
 
 
 @pytest.mark.slow
-def test_checkpointing_accumulation_and_outside_annotations_match_plain_runs():
+def test_checkpointing_accumulation_meta_init_and_outside_annotations_match_plain_runs():
     run_distributed(_features, 4, timeout_s=240)
 
 
