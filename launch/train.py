@@ -4,8 +4,8 @@ One step: set the scheduled learning rate; for each of the K micro-batches of th
 forward + backward (gradient reduction skipped on the first K-1 under `spmd.no_sync`); clip by the global
 gradient norm (over every mesh axis); AdamW step. Then metrics, and a checkpoint when due.
 
-Layout: the model is built on the meta device and laid out with `spmd.parallelize`, each rank initialising
-only its shards to the values a one-device build has (with a pp axis it is built whole, then split);
+Layout: the model is built on the meta device and laid out with `spmd.parallelize` (`spmd.build_pipeline`
+with a pp axis), each rank initialising only its shards to the values a one-device build has;
 a single process without torchrun trains plain PyTorch (no process group, no DTensors). Checkpoints from
 either load into the other.
 
@@ -116,9 +116,9 @@ def build_model(cfg: TrainConfig, model_cfg, world: int, device: torch.device):
     `pipe` is the spmd.Pipeline running this rank's stages and `model` holds their parameters."""
     from models.llama import Llama
     sizes = cfg.mesh_sizes(world)
-    # on a mesh (without pp) the model is built on the meta device and each rank materialises only its
-    # shards, one full tensor at a time, with the values a one-device build has
-    meta = world > 1 and sizes.get("pp", 1) == 1
+    # on a mesh the model is built on the meta device and each rank materialises only its shards (of its
+    # pipeline stages), one full tensor at a time, with the values a one-device build has
+    meta = world > 1
     torch.manual_seed(cfg.seed)
     with torch.device("meta" if meta else device):
         model = Llama(model_cfg)
@@ -128,9 +128,11 @@ def build_model(cfg: TrainConfig, model_cfg, world: int, device: torch.device):
     rules = spmd.Rules.default(sequence_parallel=cfg.sequence_parallel())
     pipe = None
     if sizes.get("pp", 1) > 1:
-        pipe = spmd.build_pipeline(model, mesh, rules, schedule=cfg.pp_schedule,
-                                   microbatches=cfg.pipeline_microbatches(world), virtual_stages=cfg.virtual_stages,
-                                   param_dtype=_TORCH_DTYPE[cfg.dtype], ac=cfg.ac)
+        with torch.device(device):
+            pipe = spmd.build_pipeline(model, mesh, rules, schedule=cfg.pp_schedule,
+                                       microbatches=cfg.pipeline_microbatches(world),
+                                       virtual_stages=cfg.virtual_stages, param_dtype=_TORCH_DTYPE[cfg.dtype],
+                                       ac=cfg.ac, param_init=model.initializer(cfg.seed))
         mesh, model = pipe.mesh, pipe.module
     else:
         with torch.device(device):

@@ -4,6 +4,7 @@ No distributed code lives here. Parameters carry logical axis names (`spmd.annot
 stream carries layout constraints (`spmd.constrain`); both do nothing until `spmd.parallelize` lays
 the model out on a mesh, so this file runs as plain PyTorch on one device.
 """
+import zlib
 from dataclasses import dataclass, asdict
 
 import torch
@@ -166,13 +167,15 @@ class Llama(nn.Module):
                 p.copy_(init(name, p))
 
     def initializer(self, seed: int | None = None):
-        """fn(name, tensor) -> the initial value of parameter or buffer `name`. Called for every parameter in
-        `named_parameters` order it reproduces `reset_parameters(seed)`, so a model built on the meta device
-        can be initialised tensor by tensor (spmd.parallelize's `param_init`)."""
-        gen = torch.Generator().manual_seed(torch.initial_seed() if seed is None else seed)
+        """fn(name, tensor) -> the initial value of parameter or buffer `name`, a function of (seed, name)
+        alone: each tensor draws from its own generator, so any subset (a rank's shards, a pipeline stage's
+        parameters) initialises in any order to the values `reset_parameters(seed)` gives. A model built on
+        the meta device passes it to spmd.parallelize / spmd.build_pipeline as `param_init`."""
+        base = torch.initial_seed() if seed is None else seed
         std = 0.02
 
         def init(name: str, t: torch.Tensor) -> torch.Tensor:
+            gen = torch.Generator().manual_seed((base * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
             if name in ("rope_cos", "rope_sin"):
                 return rope_tables(self.cfg)[0 if name == "rope_cos" else 1]
             if name.endswith("norm.weight"):

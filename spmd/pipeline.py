@@ -126,7 +126,7 @@ def build_pipeline(model: nn.Module, mesh: DeviceMesh, rules, schedule: str = "1
                    virtual_stages: int = 1, loss_fn=None, param_dtype: torch.dtype | None = None,
                    reduce_dtype: torch.dtype | None = torch.float32, split_cost: str = "flops",
                    blocks: str | None = None, ac: str = "none", hidden_axes=("batch", "seq", "embed"),
-                   token_axes=("batch", None)) -> Pipeline:
+                   token_axes=("batch", None), param_init=None) -> Pipeline:
     """Splits `model` into pp * virtual_stages stages, lays this rank's stages out on `mesh` without its pp
     dim, and returns the Pipeline that trains them. Call it on every rank with the same model (same seed).
 
@@ -134,7 +134,8 @@ def build_pipeline(model: nn.Module, mesh: DeviceMesh, rules, schedule: str = "1
     replaces the model's own loss (`head(h, targets)`); it must return the mean over the micro-batch.
     `ac`: activation checkpointing of blocks, as spmd.apply_activation_checkpointing (`none`, `full`,
     `selective:N`, counted over the model's blocks). Parameters of stages on other ranks move to the meta
-    device: each rank holds only its own stages.
+    device: each rank holds only its own stages. A model built on the meta device needs `param_init`
+    (as spmd.parallelize): each rank then materialises only its stages' shards.
     """
     from .activation_checkpoint import _checkpoint_block, parse_mode
     if "pp" not in mesh.mesh_dim_names:
@@ -165,7 +166,8 @@ def build_pipeline(model: nn.Module, mesh: DeviceMesh, rules, schedule: str = "1
     for info in split.stages_of_rank(rank):
         stage = StageModule(model, split, info.index, hidden_axes, loss_fn)
         parallelize(stage, stage_mesh, rules, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-                    input_axes={0: hidden_axes if not info.first else token_axes, "targets": token_axes})
+                    input_axes={0: hidden_axes if not info.first else token_axes, "targets": token_axes},
+                    param_init=param_init)
         if every:
             for i, block in zip(info.blocks, stage.__dict__["_blocks"]):
                 if i % every == 0:
