@@ -125,6 +125,13 @@ def parameters(cfg) -> list[Param]:
     return out
 
 
+def collectives(params: list[Param]) -> int:
+    """spmd moves a block's parameters in one buffer (spmd/buckets.py): one collective per block, one per
+    parameter outside the blocks."""
+    blocks = {p.name.split(".")[1] for p in params if p.name.startswith("layers.")}
+    return len(blocks) + sum(1 for p in params if not p.name.startswith("layers."))
+
+
 def tp_local(p: Param, spec: Spec) -> int:
     return p.numel // spec.tp if p.tp_sharded else p.numel
 
@@ -203,9 +210,9 @@ def comm(cfg, spec: Spec | str, batch: int, seq: int, dtype: str = "fp32") -> Co
                      8 * L, 8 * L * ring("all_gather", S, t), True, "L * 8 * S(t-1)/t as 4 AG + 4 RS"))
             add(Term("TP embedding + output (SP)", "tp", ("reduce_scatter", "all_gather"), "forward+backward",
                      4, 4 * ring("all_gather", S, t), False, "embedding RS fwd + AG bwd; output AG fwd + RS bwd"))
-            add(Term("SP norm-weight gradients", "tp", ("all_reduce",), "backward", 2 * L + 1,
+            add(Term("SP norm-weight gradients", "tp", ("all_reduce",), "backward", L + 1,
                      (2 * L + 1) * ring("all_reduce", h * REDUCE_BYTES // n, t), False,
-                     "(2L+1) * 2 * (h*4/fsdp)(t-1)/t"))
+                     "(2L+1) * 2 * (h*4/fsdp)(t-1)/t, a block's two in one buffer"))
         else:
             add(Term("TP blocks (Megatron)", "tp", ("all_reduce",), "forward+backward", 4 * L,
                      4 * L * ring("all_reduce", S, t), True, "L * 8 * S(t-1)/t as 4 AR"))
@@ -225,22 +232,22 @@ def comm(cfg, spec: Spec | str, batch: int, seq: int, dtype: str = "fp32") -> Co
         emb = [p for p in params if p.role == "embedding"]
         emb_bytes = sum(ring("all_gather", tp_local(p, spec) * e, n) for p in emb)
         rs = sum(ring("reduce_scatter", tp_local(p, spec) * REDUCE_BYTES, n) for p in params)
-        add(Term("FSDP all-gather forward", "fsdp", ("all_gather",), "forward", len(params), fwd, True,
+        add(Term("FSDP all-gather forward", "fsdp", ("all_gather",), "forward", collectives(params), fwd, True,
                  "Ψ(n-1)/n, compute dtype"))
         if cfg.tie_embeddings:
             # the input embedding needs no weight in backward, but a tied output projection does
-            add(Term("FSDP all-gather backward", "fsdp", ("all_gather",), "backward", len(params), fwd, True,
+            add(Term("FSDP all-gather backward", "fsdp", ("all_gather",), "backward", collectives(params), fwd, True,
                      "Ψ(n-1)/n (tied embedding: the output projection regathers it)"))
         else:
-            add(Term("FSDP all-gather backward", "fsdp", ("all_gather",), "backward", len(params), fwd, True,
+            add(Term("FSDP all-gather backward", "fsdp", ("all_gather",), "backward", collectives(params), fwd, True,
                      "Ψ(n-1)/n"))
             add(Term("FSDP no backward gather of the input embedding", "fsdp", ("all_gather",), "backward",
                      -len(emb), -emb_bytes, False, "-Ψ_embedding(n-1)/n"))
-        add(Term("FSDP gradient reduce-scatter", "fsdp", ("reduce_scatter",), "backward", len(params), rs, True,
+        add(Term("FSDP gradient reduce-scatter", "fsdp", ("reduce_scatter",), "backward", collectives(params), rs, True,
                  "Ψ(n-1)/n, fp32"))
     if d > 1:
         ar = sum(ring("all_reduce", tp_local(p, spec) // n * REDUCE_BYTES, d) for p in params)
-        add(Term("DP gradient all-reduce", "dp", ("all_reduce",), "backward", len(params), ar, True,
+        add(Term("DP gradient all-reduce", "dp", ("all_reduce",), "backward", collectives(params), ar, True,
                  "2Ψ(d-1)/d, fp32" + (" (of the fsdp shard)" if n > 1 else "")))
     return m
 

@@ -18,6 +18,8 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from . import ops  # noqa: F401  (registers sharding strategies)
 from . import record
 from .annotate import copy_annotations, get_pin, infer_axes
+from .blocks import find_blocks
+from .buckets import Bucket, gather_bucket, gather_plan
 from .moves import _grad_layout, gather_param, move
 from .propagate import plan_linear
 from .reshard import CHECKPOINTED_ATTR, reshard_after_forward, storage_key
@@ -37,6 +39,9 @@ class SPMDState:
         self.names: dict[int, str] = {}
         self.saved_hooks: list = []
         self.shared_gathers: dict = {}         # gathered copies of parameters several modules hold
+        self.buckets: dict[int, Bucket] = {}   # id(block) -> the bucket its parameters gather and reduce in
+        self.bucket_of: dict[int, Bucket] = {}  # id(param) -> its bucket
+        self.bucket_values: dict = {}          # id(param) -> gathered value, while its block runs forward
 
 
 _active: list[SPMDState] = []
@@ -85,13 +90,17 @@ def param_layouts(model: nn.Module, mesh: DeviceMesh, rules: Rules):
 
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, rules: Rules, *, param_dtype: torch.dtype | None = None,
-                reduce_dtype: torch.dtype | None = torch.float32, input_axes=None, param_init=None) -> nn.Module:
+                reduce_dtype: torch.dtype | None = torch.float32, input_axes=None, param_init=None,
+                bucket: bool = True) -> nn.Module:
     """Lays `model` out on `mesh` following `rules`, in place, and returns it.
 
     Plain-tensor inputs (positional or keyword) are this rank's slice of the batch (as with DDP);
     `input_axes` names their logical axes: one tuple for every input, or a dict from argument position
     or keyword to a tuple (default: `batch` first, the rest whole). A scalar output (the loss) comes back
     as a plain tensor, the same on every rank.
+
+    `bucket`: the parameters of each repeated block (spmd.find_blocks) gather in one collective per mesh
+    axis and their gradients reduce in one (spmd.buckets); False moves every parameter on its own.
 
     A model built on the meta device (too large for one device) needs `param_init(name, meta_tensor)`:
     it returns the full initial value of each meta parameter (in `named_parameters` order) and buffer, and
@@ -136,8 +145,24 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, rules: Rules, *, param_dtype
     for p in converted.values():
         if uses[id(p)] > 1:
             p._spmd_shared = True
+    if bucket:
+        _make_buckets(model, state)
     setattr(model, STATE_ATTR, state)
     return model
+
+
+def _make_buckets(model: nn.Module, state: SPMDState):
+    try:
+        path, blocks = find_blocks(model)
+    except ValueError:
+        return  # no repeated blocks: every parameter moves on its own
+    for i, block in enumerate(blocks):
+        params = list({id(p): p for p in block.parameters() if isinstance(p, DTensor)
+                       and not getattr(p, "_spmd_shared", False) and gather_plan(p, state.mesh) is not None}.values())
+        if len(params) > 1:
+            b = Bucket(f"{path}.{i}" if path else str(i), params, state.mesh)
+            state.buckets[id(block)] = b
+            state.bucket_of.update({id(p): b for p in params})
 
 
 def _initial(t: torch.Tensor, name: str, param_init) -> torch.Tensor:
@@ -179,6 +204,9 @@ def _pre_hook(state: SPMDState, name: str, module: nn.Module, is_root: bool):
             state.shared_gathers.clear()
             args = tuple(_to_dtensor(state, a, i) for i, a in enumerate(args))
             kwargs = {k: _to_dtensor(state, v, k) for k, v in kwargs.items()}
+        bucket = None if torch.compiler.is_compiling() else state.buckets.get(id(mod))
+        if bucket is not None:
+            state.bucket_values.update(gather_bucket(bucket, state))
         w_override = None
         if is_linear and isinstance(args[0], DTensor):
             args, w_override = _plan_linear_input(state, name, mod, args)
@@ -195,7 +223,11 @@ def _pre_hook(state: SPMDState, name: str, module: nn.Module, is_root: bool):
                     g = state.shared_gathers[key] = gather_param(p, compute, state.param_dtype,
                                                                  state.reduce_dtype, state, name, p._spmd_name)
             else:
-                g = gather_param(p, compute, state.param_dtype, state.reduce_dtype, state, name, p._spmd_name)
+                g = None
+                if state.bucket_values and not torch.compiler.is_compiling() and compute is p._spmd_compute:
+                    g = state.bucket_values.get(id(p))  # gathered with its block
+                if g is None:
+                    g = gather_param(p, compute, state.param_dtype, state.reduce_dtype, state, name, p._spmd_name)
             mod.__dict__[p_name] = g
             if _moves_data(p.placements, compute, state.mesh) and not torch.compiler.is_compiling():
                 regather[storage_key(g)] = (p, compute)
@@ -238,6 +270,10 @@ def _post_hook(state: SPMDState, module: nn.Module, is_root: bool):
     has_children = next(module.children(), None) is not None
 
     def hook(mod, args, output):
+        bucket = None if torch.compiler.is_compiling() else state.buckets.get(id(mod))
+        if bucket is not None:
+            for p in bucket.params:
+                state.bucket_values.pop(id(p), None)
         hooks = state.saved_hooks.pop() if state.saved_hooks else None
         if hooks is not None:
             hooks.__exit__(None, None, None)

@@ -21,20 +21,23 @@ def storage_key(t: DTensor) -> int:
 
 
 class _Regather:
-    __slots__ = ("param", "compute", "dtype", "module", "local_view", "spec")
+    __slots__ = ("param", "compute", "dtype", "module", "local_view", "spec", "bucket")
 
-    def __init__(self, param, compute, dtype, module, t: DTensor):
-        self.param, self.compute, self.dtype, self.module = param, compute, dtype, module
+    def __init__(self, param, compute, dtype, module, t: DTensor, bucket=None):
+        self.param, self.compute, self.dtype, self.module, self.bucket = param, compute, dtype, module, bucket
         local = t._local_tensor
         self.local_view = (local.size(), local.stride(), local.storage_offset())
         self.spec = (t.device_mesh, t.placements, t.shape, t.stride())
 
     def materialize(self) -> DTensor:
-        p = self.param.detach()
-        if self.dtype is not None and p.dtype != self.dtype:
-            p = p.to(self.dtype)
-        with record.reason(self.module, f"regather {self.param._spmd_name} for backward"):
-            full = p.redistribute(p.device_mesh, self.compute)
+        if self.bucket is not None:  # the whole block's parameters, gathered once for its backward
+            full = self.bucket.regather(self.dtype)[id(self.param)]
+        else:
+            p = self.param.detach()
+            if self.dtype is not None and p.dtype != self.dtype:
+                p = p.to(self.dtype)
+            with record.reason(self.module, f"regather {self.param._spmd_name} for backward"):
+                full = p.redistribute(p.device_mesh, self.compute)
         size, stride, offset = self.local_view
         local = full._local_tensor
         if isinstance(local, AsyncCollectiveTensor):
@@ -51,7 +54,7 @@ def reshard_after_forward(gathered: dict, state, module: str):
         if isinstance(t, DTensor):
             hit = gathered.get(storage_key(t))
             if hit is not None:
-                return _Regather(hit[0], hit[1], state.param_dtype, module, t)
+                return _Regather(hit[0], hit[1], state.param_dtype, module, t, state.bucket_of.get(id(hit[0])))
         _observe(t)
         return t
 

@@ -1,0 +1,173 @@
+"""Bucketed parameter gathers and gradient reductions: one collective per block and mesh axis, not one per
+parameter (the flat buffers of FSDP2 and DDP).
+
+Before a block runs forward, the parameters of the block whose compute layout only un-shards dims of their
+storage layout are gathered together: per mesh axis, their local shards are flattened into one buffer, that
+buffer is all-gathered, and the result is cut back into per-parameter tensors. In backward the block's
+gradients are reduced the same way: one reduce-scatter per mesh axis for partial sums bound for shards
+(FSDP), then one all-reduce per mesh axis for partial sums that stay replicated (DP, HSDP's dp axis,
+sequence-parallel norm weights). Under ZeRO-3 the backward regathers the whole bucket once, on the first
+saved tensor it needs. Layouts the buckets do not cover move per parameter, as in spmd.moves; compiled
+blocks leave all of this to the compiler.
+"""
+import torch
+import torch.distributed._functional_collectives as funcol
+from torch.distributed.tensor import DTensor
+
+from . import record
+from .moves import reduce_to
+
+
+def _wait(t):
+    return t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t
+
+
+def gather_plan(p, mesh) -> dict | None:
+    """{mesh dim: tensor dim} that p's storage shards and its compute layout replicates, or None when the
+    move is anything else (the parameter then moves on its own)."""
+    plan, sharded = {}, set()
+    for m, (s, c) in enumerate(zip(p.placements, p._spmd_compute)):
+        if mesh.size(m) == 1:
+            continue
+        if s.is_shard():
+            if s.dim in sharded:
+                return None  # two mesh axes on one tensor dim: the order of shards matters
+            sharded.add(s.dim)
+        if s == c:
+            continue
+        if not (s.is_shard() and c.is_replicate()):
+            return None
+        plan[m] = s.dim
+    return plan
+
+
+class Bucket:
+    """The parameters of one block that gather and reduce together."""
+
+    def __init__(self, name: str, params: list, mesh):
+        self.name, self.params, self.mesh = name, params, mesh
+        self.plans = [gather_plan(p, mesh) for p in params]
+        assert all(plan is not None for plan in self.plans), "bucket members must pass gather_plan"
+        self.regathered: dict | None = None  # id(param) -> gathered DTensor, during this bucket's backward
+
+    def gather(self, dtype, why: str) -> list[DTensor]:
+        """Every parameter in its compute layout (cast to `dtype` first): one all-gather per mesh axis."""
+        locals_ = [p._local_tensor if dtype is None or p.dtype == dtype else p._local_tensor.to(dtype)
+                   for p in self.params]
+        for m in sorted({m for plan in self.plans for m in plan}):
+            members = [i for i, plan in enumerate(self.plans) if m in plan]
+            for group in _by_dtype(members, locals_):
+                flat = torch.cat([locals_[i].reshape(-1) for i in group])
+                n = self.mesh.size(m)
+                with record.reason(self.name, f"{why} ({len(group)} parameters, one buffer)"):
+                    out = _wait(funcol.all_gather_single(flat, 0, (self.mesh, m))).view(n, -1)
+                offset = 0
+                for i in group:
+                    t = locals_[i]
+                    pieces = [out[r, offset:offset + t.numel()].view(t.shape) for r in range(n)]
+                    locals_[i] = torch.cat(pieces, dim=self.plans[i][m])
+                    offset += t.numel()
+        return [DTensor.from_local(local.view_as(local), self.mesh, tuple(p._spmd_compute), run_check=False,
+                                   shape=p.shape, stride=p.stride()) for p, local in zip(self.params, locals_)]
+
+    def regather(self, dtype) -> dict:
+        if self.regathered is None:
+            with torch.no_grad():
+                values = self.gather(dtype, f"regather {self.name} for backward")
+            self.regathered = {id(p): v for p, v in zip(self.params, values)}
+        return self.regathered
+
+    def reduce(self, grads: list, state) -> list:
+        """Gradients (compute layout) -> storage layout in the reduce dtype, bucketed per mesh axis."""
+        mesh = self.mesh
+        work = {}
+        out = [None] * len(grads)
+        for i, (p, g) in enumerate(zip(self.params, grads)):
+            if g is None:
+                continue
+            if state.reduce_dtype is not None and g.dtype != state.reduce_dtype:
+                g = g.to(state.reduce_dtype)
+            storage = tuple(p.placements)
+            if not state.sync:
+                out[i] = g.to(p.dtype)
+                continue
+            if p.grad is not None and tuple(p.grad.placements) != storage:
+                g = g + p.grad.to(g.dtype)  # accumulated unreduced under no_sync: joins this reduction
+                p.grad = None
+            # slicing a replicated gradient onto a shard is free: do it first
+            step = tuple(s if c.is_replicate() and s.is_shard() else c for c, s in zip(g.placements, storage))
+            if step != tuple(g.placements):
+                g = g.redistribute(mesh, step)
+            work[i] = g
+        for kind in ("reduce_scatter", "all_reduce"):
+            for m in range(mesh.ndim):
+                if mesh.size(m) == 1:
+                    continue
+                members = [i for i, g in work.items() if _bucketable(g.placements[m], self.params[i].placements[m],
+                                                                      kind, work[i], mesh.size(m))]
+                for group in _by_dtype(members, {i: work[i]._local_tensor for i in members}):
+                    self._reduce_group(work, group, m, kind)
+        for i, g in work.items():
+            storage = tuple(self.params[i].placements)
+            if tuple(g.placements) != storage:
+                with record.reason(self.name, f"reduce gradient of {self.params[i]._spmd_name} to its storage layout"):
+                    g = reduce_to(g, storage)
+            out[i] = g.to(self.params[i].dtype)
+        return out
+
+    def _reduce_group(self, work: dict, group: list, m: int, kind: str):
+        mesh, n = self.mesh, self.mesh.size(m)
+        if kind == "reduce_scatter":
+            chunks = {i: work[i]._local_tensor.chunk(n, dim=self.params[i].placements[m].dim) for i in group}
+            flat = torch.cat([chunks[i][r].reshape(-1) for r in range(n) for i in group])
+            with record.reason(self.name, f"reduce-scatter gradients of {self.name} ({len(group)} parameters, one buffer)"):
+                reduced = _wait(funcol.reduce_scatter_single(flat, "sum", 0, (mesh, m)))
+            shapes = {i: chunks[i][0].shape for i in group}
+        else:
+            flat = torch.cat([work[i]._local_tensor.reshape(-1) for i in group])
+            with record.reason(self.name, f"all-reduce gradients of {self.name} ({len(group)} parameters, one buffer)"):
+                reduced = _wait(funcol.all_reduce(flat, "sum", (mesh, m)))
+            shapes = {i: work[i]._local_tensor.shape for i in group}
+        offset = 0
+        for i in group:
+            g = work[i]
+            k = shapes[i].numel()
+            placements = list(g.placements)
+            placements[m] = self.params[i].placements[m]
+            work[i] = DTensor.from_local(reduced[offset:offset + k].view(shapes[i]), mesh, tuple(placements),
+                                         run_check=False, shape=g.shape, stride=g.stride())
+            offset += k
+
+
+def _bucketable(current, storage, kind: str, g, n: int) -> bool:
+    if not (current.is_partial() and getattr(current, "reduce_op", "sum") == "sum"):
+        return False
+    if kind == "reduce_scatter":
+        return storage.is_shard() and g._local_tensor.shape[storage.dim] % n == 0
+    return storage.is_replicate()
+
+
+def _by_dtype(members: list, tensors) -> list[list]:
+    groups: dict = {}
+    for i in members:
+        groups.setdefault(tensors[i].dtype, []).append(i)
+    return list(groups.values())
+
+
+class _GatherBucket(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, bucket: Bucket, state, *params):
+        ctx.bucket, ctx.state = bucket, state
+        ctx.set_materialize_grads(False)  # a value the block did not use (its module moved it itself) gets None
+        return tuple(bucket.gather(state.param_dtype, f"gather {bucket.name} to its compute layout"))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.bucket.regathered = None  # the block's backward is done with its regathered parameters
+        return (None, None) + tuple(ctx.bucket.reduce(list(grads), ctx.state))
+
+
+def gather_bucket(bucket: Bucket, state) -> dict:
+    """{id(param): gathered DTensor} for the bucket's parameters, differentiable (reductions in backward)."""
+    values = _GatherBucket.apply(bucket, state, *bucket.params)
+    return {id(p): v for p, v in zip(bucket.params, values)}
