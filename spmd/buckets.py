@@ -16,6 +16,7 @@ from torch.distributed.tensor import DTensor
 
 from . import record
 from .moves import reduce_to
+from .reshard import CHECKPOINTED_ATTR
 
 
 def _wait(t):
@@ -44,23 +45,42 @@ def gather_plan(p, mesh) -> dict | None:
 class Bucket:
     """The parameters of one block that gather and reduce together."""
 
-    def __init__(self, name: str, params: list, mesh):
-        self.name, self.params, self.mesh = name, params, mesh
+    def __init__(self, name: str, module, params: list, mesh):
+        self.name, self.module, self.params, self.mesh = name, module, params, mesh
         self.plans = [gather_plan(p, mesh) for p in params]
         assert all(plan is not None for plan in self.plans), "bucket members must pass gather_plan"
+        self.next: Bucket | None = None       # the blocks before and after, in forward order
+        self.prev: Bucket | None = None
         self.regathered: dict | None = None  # id(param) -> gathered DTensor, during this bucket's backward
+        self.pending_regather = None         # a regather issued ahead, during the next block's backward
 
-    def gather(self, dtype, why: str) -> list[DTensor]:
-        """Every parameter in its compute layout (cast to `dtype` first): one all-gather per mesh axis."""
-        locals_ = [p._local_tensor if dtype is None or p.dtype == dtype else p._local_tensor.to(dtype)
-                   for p in self.params]
-        for m in sorted({m for plan in self.plans for m in plan}):
-            members = [i for i, plan in enumerate(self.plans) if m in plan]
-            for group in _by_dtype(members, locals_):
-                flat = torch.cat([locals_[i].reshape(-1) for i in group])
-                n = self.mesh.size(m)
-                with record.reason(self.name, f"{why} ({len(group)} parameters, one buffer)"):
-                    out = _wait(funcol.all_gather_single(flat, 0, (self.mesh, m))).view(n, -1)
+    def issue(self, dtype, why: str):
+        """Starts the all-gather of the first mesh axis (asynchronous); `finish` completes the gather. Issued
+        one block ahead, it runs while the previous block computes (FSDP2's prefetch)."""
+        with torch.no_grad():
+            locals_ = [p._local_tensor if dtype is None or p.dtype == dtype else p._local_tensor.to(dtype)
+                       for p in self.params]
+            axes = sorted({m for plan in self.plans for m in plan})
+            return locals_, axes, (self._launch(locals_, axes[0], why) if axes else []), why
+
+    def _launch(self, locals_, m: int, why: str) -> list:
+        launched = []
+        for group in _by_dtype([i for i, plan in enumerate(self.plans) if m in plan], locals_):
+            flat = torch.cat([locals_[i].reshape(-1) for i in group])
+            with record.reason(self.name, f"{why} ({len(group)} parameters, one buffer)"):
+                launched.append((group, funcol.all_gather_single(flat, 0, (self.mesh, m))))
+        return launched
+
+    def finish(self, pending) -> list[DTensor]:
+        """Every parameter in its compute layout (cast to the dtype `issue` got): one all-gather per mesh axis."""
+        locals_, axes, launched, why = pending
+        locals_ = list(locals_)
+        for k, m in enumerate(axes):
+            if k:
+                launched = self._launch(locals_, m, why)
+            n = self.mesh.size(m)
+            for group, out in launched:
+                out = _wait(out).view(n, -1)
                 offset = 0
                 for i in group:
                     t = locals_[i]
@@ -70,12 +90,27 @@ class Bucket:
         return [DTensor.from_local(local.view_as(local), self.mesh, tuple(p._spmd_compute), run_check=False,
                                    shape=p.shape, stride=p.stride()) for p, local in zip(self.params, locals_)]
 
+    def gather(self, dtype, why: str) -> list[DTensor]:
+        return self.finish(self.issue(dtype, why))
+
     def regather(self, dtype) -> dict:
+        """The parameters for this bucket's backward, gathered once (or finished, when prefetched), and the
+        previous block's regather started so it runs during this block's backward."""
         if self.regathered is None:
+            pending = self.pending_regather or self.issue(dtype, f"regather {self.name} for backward")
+            self.pending_regather = None
             with torch.no_grad():
-                values = self.gather(dtype, f"regather {self.name} for backward")
+                values = self.finish(pending)
             self.regathered = {id(p): v for p, v in zip(self.params, values)}
+            prev = self.prev
+            if prev is not None and prev.regathered is None and prev.pending_regather is None \
+                    and prev.reshards():
+                prev.pending_regather = prev.issue(dtype, f"regather {prev.name} for backward, prefetched")
         return self.regathered
+
+    def reshards(self) -> bool:
+        """Whether this block's backward regathers (not under activation checkpointing)."""
+        return not getattr(self.module, CHECKPOINTED_ATTR, False)
 
     def reduce(self, grads: list, state) -> list:
         """Gradients (compute layout) -> storage layout in the reduce dtype, bucketed per mesh axis."""
@@ -156,18 +191,26 @@ def _by_dtype(members: list, tensors) -> list[list]:
 
 class _GatherBucket(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, bucket: Bucket, state, *params):
+    def forward(ctx, bucket: Bucket, state, pending, *params):
         ctx.bucket, ctx.state = bucket, state
         ctx.set_materialize_grads(False)  # a value the block did not use (its module moved it itself) gets None
-        return tuple(bucket.gather(state.param_dtype, f"gather {bucket.name} to its compute layout"))
+        return tuple(bucket.finish(pending or bucket.issue(state.param_dtype,
+                                                           f"gather {bucket.name} to its compute layout")))
 
     @staticmethod
     def backward(ctx, *grads):
-        ctx.bucket.regathered = None  # the block's backward is done with its regathered parameters
-        return (None, None) + tuple(ctx.bucket.reduce(list(grads), ctx.state))
+        # the block's backward is done with its regathered parameters
+        ctx.bucket.regathered = ctx.bucket.pending_regather = None
+        return (None, None, None) + tuple(ctx.bucket.reduce(list(grads), ctx.state))
 
 
 def gather_bucket(bucket: Bucket, state) -> dict:
-    """{id(param): gathered DTensor} for the bucket's parameters, differentiable (reductions in backward)."""
-    values = _GatherBucket.apply(bucket, state, *bucket.params)
+    """{id(param): gathered DTensor} for the bucket's parameters, differentiable (reductions in backward).
+    Finishes the gather issued ahead for this bucket, if any, and issues the next block's."""
+    pending = state.prefetched.pop(id(bucket), None)
+    values = _GatherBucket.apply(bucket, state, pending, *bucket.params)
+    nxt = bucket.next
+    if nxt is not None and id(nxt) not in state.prefetched:
+        state.prefetched[id(nxt)] = nxt.issue(state.param_dtype, f"gather {nxt.name} to its compute layout, "
+                                                                  f"prefetched")
     return {id(p): v for p, v in zip(bucket.params, values)}

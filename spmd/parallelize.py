@@ -42,6 +42,7 @@ class SPMDState:
         self.buckets: dict[int, Bucket] = {}   # id(block) -> the bucket its parameters gather and reduce in
         self.bucket_of: dict[int, Bucket] = {}  # id(param) -> its bucket
         self.bucket_values: dict = {}          # id(param) -> gathered value, while its block runs forward
+        self.prefetched: dict = {}             # id(bucket) -> its gather, issued while the block before ran
 
 
 _active: list[SPMDState] = []
@@ -156,13 +157,17 @@ def _make_buckets(model: nn.Module, state: SPMDState):
         path, blocks = find_blocks(model)
     except ValueError:
         return  # no repeated blocks: every parameter moves on its own
+    chain = []
     for i, block in enumerate(blocks):
         params = list({id(p): p for p in block.parameters() if isinstance(p, DTensor)
                        and not getattr(p, "_spmd_shared", False) and gather_plan(p, state.mesh) is not None}.values())
         if len(params) > 1:
-            b = Bucket(f"{path}.{i}" if path else str(i), params, state.mesh)
+            b = Bucket(f"{path}.{i}" if path else str(i), block, params, state.mesh)
             state.buckets[id(block)] = b
             state.bucket_of.update({id(p): b for p in params})
+            chain.append(b)
+    for a, b in zip(chain, chain[1:]):  # blocks run in list order: each prefetches the next
+        a.next, b.prev = b, a
 
 
 def _initial(t: torch.Tensor, name: str, param_init) -> torch.Tensor:
@@ -202,6 +207,7 @@ def _pre_hook(state: SPMDState, name: str, module: nn.Module, is_root: bool):
         if is_root:
             state.move_cache.clear()
             state.shared_gathers.clear()
+            state.prefetched.clear()  # left over only if a forward stopped early
             args = tuple(_to_dtensor(state, a, i) for i, a in enumerate(args))
             kwargs = {k: _to_dtensor(state, v, k) for k, v in kwargs.items()}
         bucket = None if torch.compiler.is_compiling() else state.buckets.get(id(mod))
