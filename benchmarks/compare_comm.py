@@ -232,7 +232,7 @@ def trainer_check(model: str, spec: str, nproc: int, batch: int, seq: int, dtype
 
 def markdown(report: dict) -> str:
     env = report["environment"]
-    lines = [f"# Communication and memory per rank per step: analytic vs explain vs measured",
+    lines = ["# Communication and memory per rank per step: analytic vs explain vs measured",
              "", f"{env['date']}, {env['device']}, torch {env['torch']}, {env['cpu_count']} cores "
                  f"(load average {env.get('loadavg_1m', float('nan')):.1f} at start)", "",
              "Bytes per rank per step (forward + backward + gradient reduction), ring convention of spmd.record. "

@@ -206,7 +206,7 @@ def main(argv=None) -> int:
             return results[len(results) // 2]
 
         if not a.no_single:
-            print(f"[mfu] single device, plain PyTorch", flush=True)
+            print("[mfu] single device, plain PyTorch", flush=True)
             rep["single"] = repeat("single", None)
         for spec in a.specs:
             print(f"[mfu] {spec}: spmd", flush=True)

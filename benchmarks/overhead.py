@@ -331,7 +331,7 @@ def main(argv=None) -> int:
                     print(f"[overhead]   failed: {str(e)[:200]}", flush=True)
                     continue
                 rep["runs"].append(r)
-                print(f"[overhead]   " + ", ".join(f"{v} {s:.4f}s" for v, s in r["step_s"].items()), flush=True)
+                print("[overhead]   " + ", ".join(f"{v} {s:.4f}s" for v, s in r["step_s"].items()), flush=True)
     ok = [r for r in rep["runs"] if "error" not in r]
     rep["findings"] = findings({"runs": ok, "dtensor_op_overhead": rep["dtensor_op_overhead"]}) + [f"{r['model']} {r['dtype']} compile failed: {r['error'][:200]}"
                                                 for r in rep["runs"] if "error" in r]

@@ -15,6 +15,7 @@ import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor
 
 from . import record
+from .blocks import find_blocks
 from .moves import reduce_to
 from .reshard import CHECKPOINTED_ATTR
 
@@ -214,3 +215,24 @@ def gather_bucket(bucket: Bucket, state) -> dict:
         state.prefetched[id(nxt)] = nxt.issue(state.param_dtype, f"gather {nxt.name} to its compute layout, "
                                                                   f"prefetched")
     return {id(p): v for p, v in zip(bucket.params, values)}
+
+
+def make_buckets(model, mesh) -> tuple[dict, dict]:
+    """({id(block): Bucket}, {id(param): Bucket}) for the model's repeated blocks (none without a block list).
+    A bucket holds the block's parameters that gather_plan covers and no other module shares."""
+    try:
+        path, blocks = find_blocks(model)
+    except ValueError:
+        return {}, {}  # no repeated blocks: every parameter moves on its own
+    by_block, by_param, chain = {}, {}, []
+    for i, block in enumerate(blocks):
+        params = list({id(p): p for p in block.parameters() if isinstance(p, DTensor)
+                       and not getattr(p, "_spmd_shared", False) and gather_plan(p, mesh) is not None}.values())
+        if len(params) > 1:
+            b = Bucket(f"{path}.{i}" if path else str(i), block, params, mesh)
+            by_block[id(block)] = b
+            by_param.update({id(p): b for p in params})
+            chain.append(b)
+    for a, b in zip(chain, chain[1:]):  # blocks run in list order: each prefetches the next
+        a.next, b.prev = b, a
+    return by_block, by_param

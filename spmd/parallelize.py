@@ -18,8 +18,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from . import ops  # noqa: F401  (registers sharding strategies)
 from . import record
 from .annotate import copy_annotations, get_pin, infer_axes
-from .blocks import find_blocks
-from .buckets import Bucket, gather_bucket, gather_plan
+from .buckets import Bucket, gather_bucket, make_buckets
 from .moves import _grad_layout, gather_param, move
 from .propagate import plan_linear
 from .reshard import CHECKPOINTED_ATTR, reshard_after_forward, storage_key
@@ -147,27 +146,9 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, rules: Rules, *, param_dtype
         if uses[id(p)] > 1:
             p._spmd_shared = True
     if bucket:
-        _make_buckets(model, state)
+        state.buckets, state.bucket_of = make_buckets(model, mesh)
     setattr(model, STATE_ATTR, state)
     return model
-
-
-def _make_buckets(model: nn.Module, state: SPMDState):
-    try:
-        path, blocks = find_blocks(model)
-    except ValueError:
-        return  # no repeated blocks: every parameter moves on its own
-    chain = []
-    for i, block in enumerate(blocks):
-        params = list({id(p): p for p in block.parameters() if isinstance(p, DTensor)
-                       and not getattr(p, "_spmd_shared", False) and gather_plan(p, state.mesh) is not None}.values())
-        if len(params) > 1:
-            b = Bucket(f"{path}.{i}" if path else str(i), block, params, state.mesh)
-            state.buckets[id(block)] = b
-            state.bucket_of.update({id(p): b for p in params})
-            chain.append(b)
-    for a, b in zip(chain, chain[1:]):  # blocks run in list order: each prefetches the next
-        a.next, b.prev = b, a
 
 
 def _initial(t: torch.Tensor, name: str, param_init) -> torch.Tensor:
