@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
 import time
 from collections import Counter
@@ -379,4 +378,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from spmd.mesh import exit_process
+    exit_process(main())  # not sys.exit: see exit_process

@@ -25,7 +25,6 @@ import argparse
 import contextlib
 import dataclasses
 import os
-import sys
 import time
 
 import torch
@@ -235,4 +234,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from spmd.mesh import exit_process
+    exit_process(main())  # not sys.exit: see exit_process

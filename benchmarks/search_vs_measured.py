@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -202,4 +201,5 @@ def markdown(rep: dict) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from spmd.mesh import exit_process
+    exit_process(main())  # not sys.exit: see exit_process

@@ -296,4 +296,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from spmd.mesh import exit_process
+    exit_process(main())  # not sys.exit: see exit_process

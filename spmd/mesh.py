@@ -3,7 +3,9 @@
 Mesh dims are laid out in a fixed order, pipeline outermost and tensor parallel innermost, so the ranks of
 a tensor-parallel group are neighbours (one node, fastest links) whatever order the user wrote.
 """
+import logging
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -62,6 +64,20 @@ def init_distributed(device_type: str) -> None:
         dist.init_process_group(backend)
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+
+
+def exit_process(code: int = 0):
+    """Ends a distributed worker with `code`: destroys the process groups, flushes output and exits without
+    interpreter finalization. With torch 2.13's gloo backend, finalization can abort a process that has
+    finished its work ("terminate called without an active exception": a script that only starts a gloo
+    group, all-reduces once and destroys it does so in about half of its runs on CPU), which torchrun
+    would report as a failed run."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def make_mesh(sizes, device_type: str | None = None) -> DeviceMesh:

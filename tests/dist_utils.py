@@ -7,12 +7,13 @@
 import datetime
 import os
 import socket
-import sys
 import time
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from spmd.mesh import exit_process
 
 
 def free_port() -> int:
@@ -32,12 +33,7 @@ def _worker(rank: int, fn, world_size: int, port: int, args, timeout_s: float):
         dist.barrier()
     finally:
         dist.destroy_process_group()
-    # The work is done and checked. Skipping interpreter finalization avoids a rare gloo teardown race
-    # (a worker thread still alive at exit aborts the process: "terminate called without an active
-    # exception"), which would fail a test that passed.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_process(0)  # the work is done and checked; gloo's teardown may abort a finalizing interpreter
 
 
 def run_distributed(fn, world_size: int, *args, timeout_s: float = 120.0):
