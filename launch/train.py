@@ -118,9 +118,8 @@ def build_model(cfg: TrainConfig, model_cfg, world: int, device: torch.device):
     sizes = cfg.mesh_sizes(world)
     # on a mesh the model is built on the meta device and each rank materialises only its shards (of its
     # pipeline stages), one full tensor at a time, with the values a one-device build has
-    meta = world > 1
     torch.manual_seed(cfg.seed)
-    with torch.device("meta" if meta else device):
+    with torch.device("meta" if world > 1 else device):
         model = Llama(model_cfg)
     if world == 1:
         return model, None, 0, 1, None
@@ -137,7 +136,7 @@ def build_model(cfg: TrainConfig, model_cfg, world: int, device: torch.device):
     else:
         with torch.device(device):
             spmd.parallelize(model, mesh, rules, param_dtype=_TORCH_DTYPE[cfg.dtype],
-                             param_init=model.initializer(cfg.seed) if meta else None)
+                             param_init=model.initializer(cfg.seed))
     coord = dict(zip(mesh.mesh_dim_names, mesh.get_coordinate()))
     dp_rank = coord.get("dp", 0) * sizes.get("fsdp", 1) + coord.get("fsdp", 0)  # batch -> (dp, fsdp)
     return model, mesh, dp_rank, cfg.dp_size(world), pipe

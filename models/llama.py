@@ -175,11 +175,11 @@ class Llama(nn.Module):
         std = 0.02
 
         def init(name: str, t: torch.Tensor) -> torch.Tensor:
-            gen = torch.Generator().manual_seed((base * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
             if name in ("rope_cos", "rope_sin"):
                 return rope_tables(self.cfg)[0 if name == "rope_cos" else 1]
             if name.endswith("norm.weight"):
                 return torch.ones(t.shape, dtype=t.dtype, device="cpu")
+            gen = torch.Generator().manual_seed((base * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
             s = std / (2 * self.cfg.n_layers) ** 0.5 if name.endswith(("wo.weight", "w2.weight")) else std
             return torch.randn(t.shape, generator=gen, dtype=t.dtype, device="cpu") * s
 

@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor
 
 from . import record
 from .blocks import find_blocks
-from .moves import reduce_to
+from .moves import join_unreduced, reduce_to, slice_onto_shards
 from .reshard import CHECKPOINTED_ATTR
 
 
@@ -91,9 +91,6 @@ class Bucket:
         return [DTensor.from_local(local.view_as(local), self.mesh, tuple(p._spmd_compute), run_check=False,
                                    shape=p.shape, stride=p.stride()) for p, local in zip(self.params, locals_)]
 
-    def gather(self, dtype, why: str) -> list[DTensor]:
-        return self.finish(self.issue(dtype, why))
-
     def regather(self, dtype) -> dict:
         """The parameters for this bucket's backward, gathered once (or finished, when prefetched), and the
         previous block's regather started so it runs during this block's backward."""
@@ -123,18 +120,10 @@ class Bucket:
                 continue
             if state.reduce_dtype is not None and g.dtype != state.reduce_dtype:
                 g = g.to(state.reduce_dtype)
-            storage = tuple(p.placements)
             if not state.sync:
                 out[i] = g.to(p.dtype)
                 continue
-            if p.grad is not None and tuple(p.grad.placements) != storage:
-                g = g + p.grad.to(g.dtype)  # accumulated unreduced under no_sync: joins this reduction
-                p.grad = None
-            # slicing a replicated gradient onto a shard is free: do it first
-            step = tuple(s if c.is_replicate() and s.is_shard() else c for c, s in zip(g.placements, storage))
-            if step != tuple(g.placements):
-                g = g.redistribute(mesh, step)
-            work[i] = g
+            work[i] = slice_onto_shards(join_unreduced(p, g), p.placements)
         for kind in ("reduce_scatter", "all_reduce"):
             for m in range(mesh.ndim):
                 if mesh.size(m) == 1:

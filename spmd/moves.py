@@ -73,10 +73,7 @@ class _GatherParam(torch.autograd.Function):
             g = g.to(ctx.reduce_dtype)
         if not ctx.state.sync:
             return g.to(p.dtype), None, None, None, None, None, None
-        if p.grad is not None and tuple(p.grad.placements) != ctx.storage:
-            # gradients accumulated unreduced under no_sync join this reduction
-            g = g + p.grad.to(g.dtype)
-            p.grad = None
+        g = join_unreduced(p, g)
         if tuple(g.placements) != ctx.storage:
             with record.reason(ctx.module, f"reduce gradient of {ctx.name} to its storage layout"):
                 g = reduce_to(g, ctx.storage)
@@ -87,12 +84,27 @@ def reduce_to(g: DTensor, storage) -> DTensor:
     """Redistributes a gradient to `storage` in the order that moves fewest bytes: slice replicated dims
     (free), then reduce-scatter partial sums onto sharded dims, then all-reduce what stays replicated
     (HSDP all-reduces the fsdp shard over dp, not the whole gradient)."""
-    for stage in (lambda c, s: c.is_replicate() and s.is_shard(), lambda c, s: c.is_partial() and s.is_shard()):
-        step = tuple(s if stage(c, s) else c for c, s in zip(g.placements, storage))
-        if step != tuple(g.placements):
-            g = g.redistribute(g.device_mesh, step)
+    g = slice_onto_shards(g, storage)
+    step = tuple(s if c.is_partial() and s.is_shard() else c for c, s in zip(g.placements, storage))
+    if step != tuple(g.placements):
+        g = g.redistribute(g.device_mesh, step)
     if tuple(g.placements) != tuple(storage):
         g = g.redistribute(g.device_mesh, storage)
+    return g
+
+
+def slice_onto_shards(g: DTensor, storage) -> DTensor:
+    """`g` with its replicated dims that `storage` shards sliced locally (free: no communication)."""
+    step = tuple(s if c.is_replicate() and s.is_shard() else c for c, s in zip(g.placements, storage))
+    return g.redistribute(g.device_mesh, step) if step != tuple(g.placements) else g
+
+
+def join_unreduced(p, g: DTensor) -> DTensor:
+    """`g` plus the gradient `p` accumulated unreduced under no_sync, which then leaves `p.grad`: both are
+    reduced together, once."""
+    if p.grad is not None and tuple(p.grad.placements) != tuple(p.placements):
+        g = g + p.grad.to(g.dtype)
+        p.grad = None
     return g
 
 

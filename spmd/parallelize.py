@@ -103,9 +103,9 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, rules: Rules, *, param_dtype
     axis and their gradients reduce in one (spmd.buckets); False moves every parameter on its own.
 
     A model built on the meta device (too large for one device) needs `param_init(name, meta_tensor)`:
-    it returns the full initial value of each meta parameter (in `named_parameters` order) and buffer, and
-    this rank keeps its slice, so one full tensor exists at a time. Deterministic in that order, it gives
-    the values a one-device build would have.
+    it returns the full initial value of each meta parameter and buffer (called once each, in
+    `named_parameters` order), and this rank keeps its slice, so one full tensor exists at a time. Given
+    the values a one-device build has (e.g. `Llama.initializer(seed)`), every layout holds the same model.
     """
     if hasattr(model, STATE_ATTR):
         raise ValueError("this model is already parallelized; build a fresh model to lay it out again")
@@ -113,7 +113,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, rules: Rules, *, param_dtype
     layouts = param_layouts(model, mesh, rules)  # every check runs before anything changes
     meta = next((n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta), None)
     if meta is not None and param_init is None:
-        _initial(dict([*model.named_parameters(), *model.named_buffers()])[meta], meta, None)  # raises
+        raise _needs_param_init(meta)
     converted: dict[int, nn.Parameter] = {}
     uses = Counter()
     for mod_name, module in model.named_modules():
@@ -151,12 +151,16 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, rules: Rules, *, param_dtype
     return model
 
 
+def _needs_param_init(name: str) -> ValueError:
+    return ValueError(f"{name!r} is on the meta device; pass parallelize(..., param_init=fn) with fn(name, tensor) "
+                      f"returning its initial value (e.g. the model's initializer()), or build the model on a device")
+
+
 def _initial(t: torch.Tensor, name: str, param_init) -> torch.Tensor:
     if not t.is_meta:
         return t.data
     if param_init is None:
-        raise ValueError(f"{name!r} is on the meta device; pass parallelize(..., param_init=fn) with fn(name, tensor) "
-                         f"returning its initial value (e.g. the model's initializer()), or build the model on a device")
+        raise _needs_param_init(name)
     with torch.no_grad():
         value = param_init(name, t)
     if tuple(value.shape) != tuple(t.shape) or value.is_meta:

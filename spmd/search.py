@@ -201,9 +201,9 @@ def search(model, world_size: int, device="h100", memory_budget_bytes: float | N
     quiet.setLevel(logging.ERROR)
     floors = {frozen(sizes): model_state_bytes(net, sizes, Rules.default()) for sizes, _ in candidates
               if math.prod(sizes.values()) == world_size}
+    heads = {frozen(sizes): heads_problem(getattr(net, "cfg", None), sizes.get("tp", 1)) for sizes, _ in candidates}
     jobs = [(frozen(sizes), sp, (batch, seq), str(dtype)) for sizes, sp in candidates
-            if frozen(sizes) in floors and floors[frozen(sizes)] <= budget
-            and not heads_problem(getattr(net, "cfg", None), sizes.get("tp", 1))]
+            if frozen(sizes) in floors and floors[frozen(sizes)] <= budget and not heads[frozen(sizes)]]
     workers = workers or 1
     try:
         planned = _plan_all(net, model, jobs, workers)
@@ -222,9 +222,8 @@ def search(model, world_size: int, device="h100", memory_budget_bytes: float | N
                         f"GiB per rank > budget {budget / 2**30:,.1f} GiB (not planned)")
             dropped.append(row)
             continue
-        heads = heads_problem(getattr(net, "cfg", None), sizes.get("tp", 1))
-        if heads:
-            row.fits, row.note = False, heads
+        if heads[frozen(sizes)]:
+            row.fits, row.note = False, heads[frozen(sizes)]
             dropped.append(row)
             continue
         s = planned[(frozen(sizes), sp, (batch, seq), str(dtype))]
