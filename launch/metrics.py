@@ -125,6 +125,8 @@ class MetricsLogger:
         self.tokens_per_step, self.flops_per_token = tokens_per_step, flops_per_token
         self.peak, self.n_devices, self.log_every, self.enabled = peak, n_devices, log_every, enabled
         self.jsonl = self.tb = self.bar = None
+        self.first_loss = self.last_loss = None
+        self.steps_done = 0
         if not enabled:
             return
         if tensorboard:
@@ -152,6 +154,9 @@ class MetricsLogger:
                    peak_mem_bytes=int(peak_mem_bytes), comm_bytes=int(comm_bytes))
         if not self.enabled:
             return row
+        if self.first_loss is None:
+            self.first_loss = row["loss"]
+        self.last_loss, self.steps_done = row["loss"], self.steps_done + 1
         if self.bar is not None:
             self.bar.update(1)
             self.bar.set_postfix_str(f"loss {row['loss']:.4f}  {tokens_per_s:,.0f} tok/s  MFU {100 * mfu:.1f}%",
@@ -174,3 +179,9 @@ class MetricsLogger:
         for thing in (self.bar, self.jsonl, self.tb):
             if thing is not None:
                 thing.close()
+        if self.bar is not None and self.steps_done:
+            print(self.summary(), flush=True)
+
+    def summary(self) -> str:
+        """One line with the loss at the first and the last step this run trained (CI reads it)."""
+        return f"[launch.train] done: {self.steps_done} steps, loss {self.first_loss:.4f} -> {self.last_loss:.4f}"

@@ -1,4 +1,5 @@
 """launch.schedule (warmup + cosine) and launch.metrics (FLOPs/token, MFU, peak table and cache, JSONL)."""
+import contextlib
 import json
 import math
 
@@ -40,13 +41,25 @@ def test_flops_per_token_formula():
     assert metrics.flops_per_token(big, 8192) == 6 * big.num_params(True) + 12 * 32 * 32 * 128 * 8192
 
 
+@contextlib.contextmanager
+def tf32_matmuls(on: bool):
+    """Sets torch's TF32 switch through its own setter (it is not a plain attribute, so monkeypatch cannot
+    restore it) and puts the previous value back."""
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = on
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
+
+
 def test_gpu_peak_table(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "NVIDIA H100 80GB HBM3")
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
-    assert metrics.peak_flops("bf16", "cuda:0")[0] == 989e12
-    assert metrics.peak_flops("fp32", "cuda:0")[0] == 67e12
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
-    assert metrics.peak_flops("fp32", "cuda:0")[0] == 494.5e12
+    with tf32_matmuls(False):
+        assert metrics.peak_flops("bf16", "cuda:0")[0] == 989e12
+        assert metrics.peak_flops("fp32", "cuda:0")[0] == 67e12
+    with tf32_matmuls(True):
+        assert metrics.peak_flops("fp32", "cuda:0")[0] == 494.5e12
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "NVIDIA H200")
     assert metrics.peak_flops("bf16", "cuda:0")[0] == 989e12
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "NVIDIA A100-SXM4-80GB")
