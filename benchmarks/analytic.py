@@ -4,7 +4,7 @@ Pure functions of a model config (anything with LlamaConfig's fields), a spec (m
 global batch and the compute dtype. No torch.distributed, no tensors. `spmd.explain` and real runs are
 checked against it (benchmarks/compare_comm.py, tests/test_analytic.py).
 
-Conventions (those of spmd.record and shared/DESIGN.md): bytes are per rank, on the wire, for ring
+Conventions (those of spmd.analysis.record and shared/DESIGN.md): bytes are per rank, on the wire, for ring
 algorithms: all-gather and reduce-scatter of a full tensor of S bytes over n ranks move S(n-1)/n,
 all-reduce 2S(n-1)/n. Every collective is rounded down to whole bytes, as the recorder rounds it.
 
@@ -126,7 +126,7 @@ def parameters(cfg) -> list[Param]:
 
 
 def collectives(params: list[Param]) -> int:
-    """spmd moves a block's parameters in one buffer (spmd/buckets.py): one collective per block, one per
+    """spmd moves a block's parameters in one buffer (spmd/runtime/buckets.py): one collective per block, one per
     parameter outside the blocks."""
     blocks = {p.name.split(".")[1] for p in params if p.name.startswith("layers.")}
     return len(blocks) + sum(1 for p in params if not p.name.startswith("layers."))

@@ -4,7 +4,7 @@
     python -m benchmarks.compare_comm [--models tiny small] [--nproc 4] [--batch 8] [--seq 64]
 
 Measured (one torchrun launch per model and dtype; every spec in turn inside it, on fresh meshes):
-  recorder   spmd.record.CollectiveRecorder during one forward + backward: bytes by the ring convention
+  recorder   spmd.analysis.record.CollectiveRecorder during one forward + backward: bytes by the ring convention
   CommDebugMode  torch's own count of collectives by type (independent of spmd's recorder)
   wire       bytes this process wrote to its sockets (/proc/self/io wchar) during forward + backward: what
              gloo really sent, with its own algorithms and message headers
@@ -75,8 +75,8 @@ def worker(args: dict) -> None:
 
     import spmd
     from models.llama import Llama
-    from spmd.record import CollectiveRecorder
-    from spmd.reshard import observe_saved
+    from spmd.analysis.record import CollectiveRecorder
+    from spmd.runtime.reshard import observe_saved
 
     rank = int(os.environ["RANK"])
     cfg = model_config(args["model"])
@@ -234,7 +234,7 @@ def markdown(report: dict) -> str:
     lines = ["# Communication and memory per rank per step: analytic vs explain vs measured",
              "", f"{env['date']}, {env['device']}, torch {env['torch']}, {env['cpu_count']} cores "
                  f"(load average {env.get('loadavg_1m', float('nan')):.1f} at start)", "",
-             "Bytes per rank per step (forward + backward + gradient reduction), ring convention of spmd.record. "
+             "Bytes per rank per step (forward + backward + gradient reduction), ring convention of spmd.analysis.record. "
              "`wire` is what each gloo process really wrote to its sockets (/proc/self/io), mean over ranks.", ""]
     heads = ["model", "spec", "dtype", "analytic B", "explain B", "measured B", "explain/analytic",
              "measured/explain", "count a/e/m", "CommDebugMode = plan", "records = plan", "wire B",
@@ -304,7 +304,7 @@ def findings(report: dict) -> list[str]:
                      "weight once (3Ψ). The excess is exactly one more all-gather (compute dtype) plus one more "
                      "fp32 gradient reduction of the tied weight: an spmd inefficiency, not an accounting error")
         out.append(text + ".")
-    out.append("spmd.record.CollectiveRecorder(mesh) names axes from that mesh's process groups. After a second "
+    out.append("spmd.analysis.record.CollectiveRecorder(mesh) names axes from that mesh's process groups. After a second "
                "DeviceMesh of the same shape is made in one process, DTensor's cached layouts can still hold the "
                "first mesh (equal meshes compare equal), so collectives run on the first mesh's groups and the "
                "recorder labels them with bare group names. The worker here registers every mesh's groups; a fix "
@@ -378,5 +378,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from spmd.mesh import exit_process
+    from spmd.layout.mesh import exit_process
     exit_process(main())  # not sys.exit: see exit_process

@@ -15,7 +15,7 @@ Layout, per spec (mesh dims dp, fsdp, tp; built with init_device_mesh):
   dp only    DistributedDataParallel (dp with tp: fully_shard over (dp, fsdp=1), i.e. replicated, as FSDP2 does).
   1 process  plain PyTorch (autocast for bf16), the same as launch.train's single-process path.
 The JSONL rows have the trainer's keys; `FILE.jsonl.comm.json` holds the last step's number of collectives.
-`comm_bytes` comes from spmd.record's recorder, the dispatch mode the trainer runs every step under (so both
+`comm_bytes` comes from spmd.analysis.record's recorder, the dispatch mode the trainer runs every step under (so both
 pay its per-op cost); it sees the collectives that go through the dispatcher (FSDP2's flat all-gathers and
 reduce-scatters, DDP's bucket all-reduces, DTensor's), by the same ring convention.
 """
@@ -96,7 +96,7 @@ def apply_tp(model, tp_mesh, sp: bool):
 def build(args, world: int, device: torch.device):
     from launch.config import TrainConfig
     from models.llama import Llama
-    from spmd.mesh import parse_spec
+    from spmd.layout.mesh import parse_spec
     cfg = TrainConfig(model=args.model, mesh=args.mesh, sp=args.sp, steps=args.steps, batch_size=args.batch_size,
                       seq_len=args.seq_len, lr=args.lr, warmup=args.warmup, dtype=args.dtype, data=args.data,
                       seed=args.seed)
@@ -177,7 +177,7 @@ def main(argv=None) -> int:
     from launch.data import build_loader
     from launch.metrics import MetricsLogger, flops_per_token, peak_flops, peak_mem_bytes
     from launch.train import param_groups
-    from spmd.record import CollectiveRecorder
+    from spmd.analysis.record import CollectiveRecorder
     cfg, model_cfg, model, mesh, dp_rank, dp_size, tp, layout, autocast = build(args, world, device)
     opt = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
     loader, _ = build_loader(cfg, dp_rank, dp_size, model_cfg.vocab_size, device)
@@ -234,5 +234,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from spmd.mesh import exit_process
+    from spmd.layout.mesh import exit_process
     exit_process(main())  # not sys.exit: see exit_process

@@ -6,7 +6,7 @@ model as plain PyTorch (same dtype, same compile setting), and where the differe
 Variants, each a full step (forward, backward, AdamW) on the same batch, timed after warmup, interleaved
 round by round so load drifts hit every variant alike (the median per variant is reported):
   plain            the model as plain PyTorch
-  plain+recorder   plain under spmd.record.CollectiveRecorder (the dispatch mode launch.train wraps each step in)
+  plain+recorder   plain under spmd.analysis.record.CollectiveRecorder (the dispatch mode launch.train wraps each step in)
   spmd             spmd.parallelize on a 1-process mesh (every mesh axis of size 1; no collectives at all)
   spmd+recorder    what launch.train runs on one rank of a mesh
 Then a cProfile of the spmd steps, its time split by where the Python runs (DTensor dispatch and sharding
@@ -66,7 +66,7 @@ def build(model_name: str, variant: str, dtype: str):
 
 
 def step_fn(model, opt, x, y, variant: str, dtype: str):
-    from spmd.record import CollectiveRecorder
+    from spmd.analysis.record import CollectiveRecorder
     autocast = dtype == "bf16" and variant.startswith("plain")
 
     def step():
@@ -105,7 +105,7 @@ def profile(step, steps: int) -> dict:
             calls["DTensor output wraps (Python)"] += nc
         elif file.endswith("tensor/_api.py") and func == "redistribute":
             calls["redistribute calls"] += nc
-        elif file.endswith("spmd/moves.py") and func == "gather_param":
+        elif file.endswith("spmd/runtime/params.py") and func == "gather_param":
             calls["parameter gathers (gather_param)"] += nc
         elif file.endswith("nn/modules/module.py") and func == "_call_impl":
             calls["module forward calls"] += nc

@@ -2,7 +2,7 @@
 
     python -m benchmarks.search_vs_measured [--models tiny small] [--nproc 4] [--top 3] [--bottom 3] [--steps 8]
 
-1. Describe this machine as a `spmd.devices.Device`: peak = its best single-thread fp32 GEMM FLOP/s (torchrun
+1. Describe this machine as a `spmd.analysis.devices.Device`: peak = its best single-thread fp32 GEMM FLOP/s (torchrun
    gives each process one thread; with more processes than cores each gets its share), links = gloo on
    loopback with latency and bandwidth fitted to all-reduces and all-gathers timed on `nproc` processes
    (t = latency + ring bytes / bandwidth, least squares).
@@ -126,7 +126,7 @@ def main(argv=None) -> int:
         return 0
     import spmd
     from models.llama import LlamaConfig
-    from spmd.devices import cpu_device, measure_gemm_flops
+    from spmd.analysis.devices import cpu_device, measure_gemm_flops
     import torch
     rep = {"environment": common.environment(), "args": vars(a), "models": []}
     per_thread = measure_gemm_flops(torch.float32, threads=1)
@@ -201,5 +201,5 @@ def markdown(rep: dict) -> str:
 
 
 if __name__ == "__main__":
-    from spmd.mesh import exit_process
+    from spmd.layout.mesh import exit_process
     exit_process(main())  # not sys.exit: see exit_process

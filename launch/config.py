@@ -19,10 +19,10 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
-from spmd.activation_checkpoint import parse_mode as parse_ac_mode
-from spmd.mesh import parse_spec
-from spmd.rules import heads_problem
-from spmd.pipeline_runtime import validate_pipeline
+from spmd.runtime.checkpointing import parse_mode as parse_ac_mode
+from spmd.layout.mesh import parse_spec
+from spmd.layout.rules import heads_problem
+from spmd.pipeline.runtime import validate_pipeline
 
 DTYPES = ("fp32", "bf16", "fp16")
 KERNELS = ("auto", "torch", "triton")

@@ -11,7 +11,7 @@ machine at this dtype and thread count, measured once and cached in `<cache>/pea
 
 JSONL lines carry exactly: step, loss, grad_norm, lr, tokens_per_s, mfu, step_time_s, peak_mem_bytes,
 comm_bytes. `step` counts completed optimizer steps (1 is the first); `comm_bytes` is bytes on the wire
-per rank for the step (spmd.record's ring convention); `peak_mem_bytes` is the CUDA allocator's peak
+per rank for the step (spmd.analysis.record's ring convention); `peak_mem_bytes` is the CUDA allocator's peak
 during the step, or the process's peak resident memory on CPU.
 """
 from __future__ import annotations

@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 import spmd
 from spmd import checkpoint
-from spmd.record import CollectiveRecorder
+from spmd.analysis.record import CollectiveRecorder
 
 from . import schedule
 from .config import TrainConfig, load_config
@@ -295,5 +295,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from spmd.mesh import exit_process
+    from spmd.layout.mesh import exit_process
     exit_process(main())  # not sys.exit: see exit_process

@@ -4,20 +4,26 @@
     rules = spmd.Rules.default(sequence_parallel=True)
     spmd.parallelize(model, mesh, rules)
     plan = spmd.explain(model, rules, {"fsdp": 8, "tp": 8}, batch_shape=(8, 4096))
+
+Four rooms that import downward only: `layout` (mesh, rules, annotations), `runtime` (the pass),
+`pipeline` (stages and schedules), `analysis` (explain, search); plus `checkpoint`.
 """
-from .activation_checkpoint import apply_activation_checkpointing
-from .annotate import P, annotate, annotate_by_name
-from .constrain import constrain
-from .explain import explain
-from .mesh import MESH_AXES, make_mesh, mesh_sizes, parse_spec
-from .parallelize import no_sync, parallelize
-from .pipeline import Pipeline, build_pipeline, validate_pipeline
-from .pipeline_split import split_stages
-from .pipeline_traced import build_traced_pipeline
-from .plan import Plan
-from .blocks import find_blocks
-from .compiled import compile_blocks
-from .rules import Rules
+from .analysis.explain import explain
+from .analysis.plan import Plan
+from .layout.annotate import P, annotate, annotate_by_name
+from .layout.blocks import find_blocks
+from .layout.mesh import MESH_AXES, make_mesh, mesh_sizes, parse_spec
+from .layout.rules import Rules
+from .pipeline import Pipeline, build_pipeline, build_traced_pipeline, split_stages, validate_pipeline
+from .runtime.activations import constrain
+from .runtime.checkpointing import apply_activation_checkpointing
+from .runtime.compile import compile_blocks
+from .runtime.parallelize import no_sync, parallelize
+
+__all__ = ["explain", "Plan", "P", "annotate", "annotate_by_name", "find_blocks", "MESH_AXES", "make_mesh",
+           "mesh_sizes", "parse_spec", "Rules", "Pipeline", "build_pipeline", "build_traced_pipeline",
+           "split_stages", "validate_pipeline", "constrain", "apply_activation_checkpointing", "compile_blocks",
+           "no_sync", "parallelize", "search"]
 
 
 def __getattr__(name):  # spmd.search (callable) loads on first use, so `python -m spmd.search` runs cleanly

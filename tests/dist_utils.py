@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from spmd.mesh import exit_process
+from spmd.layout.mesh import exit_process
 
 
 def free_port() -> int:

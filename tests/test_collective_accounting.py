@@ -1,6 +1,6 @@
 """Collectives of one step of the tiny model, planned on fake meshes, against the reference formulas.
 
-The formulas are those of shared/DESIGN.md with the ring convention of spmd.record (bytes per rank on
+The formulas are those of shared/DESIGN.md with the ring convention of spmd.analysis.record (bytes per rank on
 the wire: all-gather and reduce-scatter S*(n-1)/n, all-reduce 2*S*(n-1)/n). Each test prints the ratio
 measured/expected; the assertions demand exactly 1. The loss's own all-reduces (a few floats, issued by
 the vocab-parallel cross-entropy) are outside the formulas and excluded by origin.

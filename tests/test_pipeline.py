@@ -24,7 +24,7 @@ import torch.distributed as dist
 import spmd
 from models.llama import Llama, LlamaConfig
 from spmd import checkpoint
-from spmd.record import CollectiveRecorder
+from spmd.analysis.record import CollectiveRecorder
 from tests.dist_utils import run_distributed
 from tests.spmd_cases import BATCH, SEQ, global_batch, local_slice, norm_rel_err
 

@@ -9,7 +9,7 @@ import torch.nn as nn
 import spmd
 from models.llama import Llama, LlamaConfig
 from spmd.pipeline import bubble_fraction, validate_pipeline
-from spmd.pipeline_split import min_max_partition, stage_ranks
+from spmd.pipeline.split import min_max_partition, stage_ranks
 
 
 def _llama(n_layers=8, **kw):

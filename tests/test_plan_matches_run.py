@@ -11,8 +11,8 @@ import pytest
 from torch.distributed.tensor.debug import CommDebugMode
 
 import spmd
-from spmd.explain import memory_per_rank
-from spmd.record import CollectiveRecorder
+from spmd.analysis.memory import memory_per_rank
+from spmd.analysis.record import CollectiveRecorder
 from tests.dist_utils import run_distributed
 from tests.spmd_cases import BATCH, SEQ, global_batch, local_slice, tiny_model
 

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import spmd
-from spmd import search_plan
+from spmd.analysis import summaries
 from models.llama import Llama, LlamaConfig
-from spmd.devices import DEVICES, Device
+from spmd.analysis.devices import DEVICES, Device
 
 S = importlib.import_module("spmd.search")  # the module; the attribute spmd.search is the function
 
@@ -40,9 +40,9 @@ def test_block_extrapolation_equals_the_full_plan():
     model = tiny(n_layers=4)
     for spec in ("fsdp=2,tp=2,sp", "dp=2,tp=2"):
         sizes, flags = spmd.parse_spec(spec)
-        full = search_plan.summarize(spmd.explain(model, spmd.Rules.default("sp" in flags), sizes, batch_shape=(8, 16)))
-        search_plan._cache.clear()
-        fast = search_plan.plan_summary(model, sizes, "sp" in flags, (8, 16), "fp32")
+        full = summaries.summarize(spmd.explain(model, spmd.Rules.default("sp" in flags), sizes, batch_shape=(8, 16)))
+        summaries._cache.clear()
+        fast = summaries.plan_summary(model, sizes, "sp" in flags, (8, 16), "fp32")
         assert {k: v for k, v in fast.groups.items() if v[0]} == full.groups
         assert fast.memory == full.memory
 

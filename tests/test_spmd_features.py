@@ -6,7 +6,7 @@ import torch
 import torch.nn as nn
 
 import spmd
-from spmd.record import CollectiveRecorder
+from spmd.analysis.record import CollectiveRecorder
 from tests.dist_utils import run_distributed
 from tests.spmd_cases import BATCH, SEQ, global_batch, local_slice, norm_rel_err, tiny_model
 

@@ -6,7 +6,7 @@
     pipe.clip_grad_norm_(1.0); opt.step(); opt.zero_grad()
 
 `split_stages` cuts the blocks into pp * virtual_stages stages of balanced cost; each rank builds its stage
-modules (`pipeline_stage.StageModule`) and lays each out with `spmd.parallelize` on the mesh without the pp
+modules (`stage.StageModule`) and lays each out with `spmd.parallelize` on the mesh without the pp
 dim (dp, fsdp, tp, sp work inside a stage exactly as without pipelining). torch.distributed.pipelining
 runs the schedule: `PipelineStage` sends and receives the local activations and gradients between
 neighbouring pp ranks, and the schedule (`gpipe`, `1f1b`, `interleaved-1f1b`, `zero-bubble`, `zbv`)
@@ -18,33 +18,21 @@ dp/fsdp runs once per step, in the last backward of each stage (the others run u
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from .parallelize import STATE_ATTR, parallelize
-from .pipeline_runtime import _MULTI, SCHEDULES, PipelineRuntime, bubble_fraction, validate_pipeline  # noqa: F401
-from .pipeline_split import split_stages
-from .pipeline_stage import LocalModel, StageModule, has_parts
-from .rules import placements_for
+from ..layout.annotate import fake_copy
+from ..layout.blocks import find_blocks
+from ..layout.rules import local_shape
+from ..runtime.checkpointing import checkpoint_block, parse_mode
+from ..runtime.parallelize import parallelize
+from ..runtime.state import STATE_ATTR
+from .runtime import PipelineRuntime, default_microbatches, validate_pipeline
+from .split import split_stages
+from .stage import LocalModel, StageModule, has_parts
 
-
-def local_shape(global_shape, axes, mesh: DeviceMesh, rules) -> tuple:
-    """This rank's shape of an activation with these logical axes under the rules' compute map."""
-    dims = rules.mesh_axes(axes, "compute", "pipeline stage input", strict=False)
-    placements = placements_for(mesh, dims, global_shape, "pipeline stage input")
-    shape, _ = compute_local_shape_and_global_offset(global_shape, mesh, placements)
-    return tuple(shape)
+__all__ = ["Pipeline", "build_pipeline", "without_pp"]
 
 
-def data_parallel_size(mesh: DeviceMesh, rules) -> int:
-    """How many ways the rules split the batch on this mesh (dp * fsdp by default)."""
-    n = 1
-    for axis in rules.mesh_axes(("batch",), "compute", "batch", strict=False)[0]:
-        if axis in mesh.mesh_dim_names:
-            n *= mesh.size(mesh.mesh_dim_names.index(axis))
-    return n
-
-
-def _stage_mesh(mesh: DeviceMesh) -> tuple[DeviceMesh, DeviceMesh]:
+def without_pp(mesh: DeviceMesh) -> tuple[DeviceMesh, DeviceMesh]:
     """(mesh with a pp dim and at least one other, the submesh without pp)."""
     names = tuple(n for n in mesh.mesh_dim_names if n != "pp")
     if not names:  # a pp-only mesh: spmd.parallelize needs a mesh to lay the stage out on
@@ -101,7 +89,7 @@ class Pipeline(PipelineRuntime):
             raise ValueError(f"this rank's batch of {tokens.shape[0]} sequences does not divide into "
                              f"{self.microbatches} micro-batches")
         stage_cls = _make_stage_class()
-        n_dp = data_parallel_size(self.stage_mesh, self.rules)
+        n_dp = self.rules.data_parallel_size(self.stage_mesh)
         mb_local = (tokens.shape[0] // self.microbatches,) + tuple(tokens.shape[1:])
         mb_global = (mb_local[0] * n_dp,) + mb_local[1:]
         with torch.no_grad():
@@ -137,12 +125,10 @@ def build_pipeline(model: nn.Module, mesh: DeviceMesh, rules, schedule: str = "1
     device: each rank holds only its own stages. A model built on the meta device needs `param_init`
     (as spmd.parallelize): each rank then materialises only its stages' shards.
     """
-    from .activation_checkpoint import _checkpoint_block, parse_mode
     if "pp" not in mesh.mesh_dim_names:
         raise ValueError(f"build_pipeline needs a mesh with a 'pp' axis, got axes {mesh.mesh_dim_names}")
     pp = mesh.size(mesh.mesh_dim_names.index("pp"))
-    microbatches = microbatches or (pp * (2 if schedule in _MULTI else 1))
-    from .blocks import find_blocks
+    microbatches = microbatches or default_microbatches(schedule, pp)
     try:
         n_blocks = len(find_blocks(model, blocks)[1])
     except ValueError as e:
@@ -152,15 +138,14 @@ def build_pipeline(model: nn.Module, mesh: DeviceMesh, rules, schedule: str = "1
     if not has_parts(model):
         raise ValueError(
             f"{type(model).__name__} has no embed/block_inputs/head methods, which spmd's pipeline stages run "
-            f"(see spmd/pipeline_stage.py). spmd lays stages out through module hooks, which a traced graph "
+            f"(see spmd/pipeline/stage.py). spmd lays stages out through module hooks, which a traced graph "
             f"(torch.distributed.pipelining.pipeline) no longer has; for a pp-only mesh such a model can use "
             f"spmd.build_traced_pipeline")
-    full_mesh, stage_mesh = _stage_mesh(mesh)
+    full_mesh, stage_mesh = without_pp(mesh)
     style = "v" if schedule == "zbv" else "loop"
     split = split_stages(model, pp * virtual_stages, split_cost, blocks, pp=pp, style=style)
     _check_no_shared_params(model, split)
     rank = full_mesh.get_local_rank("pp")
-    from .explain import fake_copy
     meta = fake_copy(model, None)
     modules = []
     for info in split.stages_of_rank(rank):
@@ -171,7 +156,7 @@ def build_pipeline(model: nn.Module, mesh: DeviceMesh, rules, schedule: str = "1
         if every:
             for i, block in zip(info.blocks, stage.__dict__["_blocks"]):
                 if i % every == 0:
-                    _checkpoint_block(stage, block)
+                    checkpoint_block(stage, block)
         modules.append(stage)
     _release_others(model, split, rank)
     return Pipeline(model, full_mesh, stage_mesh, rules, split, schedule, microbatches, modules, param_dtype, meta)

@@ -4,14 +4,16 @@
 the graph at the first block of every stage `split_stages` chose, so the cut is cost-balanced as for
 spmd's stages. A traced stage is a GraphModule: the module hooks through which spmd.parallelize lays a model
 out are gone, so these stages run as plain tensors on a pp-only mesh (no dp/fsdp/tp inside a stage; for
-that, give the model the three parts, see pipeline_stage.py). Parameter names are the model's.
+that, give the model the three parts, see spmd/pipeline/stage.py). Parameter names are the model's.
 """
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from .pipeline_runtime import _MULTI, PipelineRuntime, validate_pipeline
-from .pipeline_split import split_stages
+from .runtime import PipelineRuntime, default_microbatches, validate_pipeline
+from .split import split_stages
+
+__all__ = ["build_traced_pipeline"]
 
 
 class _Union(nn.Module):
@@ -52,9 +54,9 @@ def build_traced_pipeline(model: nn.Module, mesh: DeviceMesh, example_inputs: tu
     if others:
         raise ValueError(f"traced pipeline stages cannot be laid out over {others}: spmd.parallelize works through "
                          f"module hooks, which a traced GraphModule no longer has. Give {type(model).__name__} "
-                         f"embed/block_inputs/head methods (spmd/pipeline_stage.py) and use spmd.build_pipeline")
+                         f"embed/block_inputs/head methods (spmd/pipeline/stage.py) and use spmd.build_pipeline")
     pp = mesh.size(mesh.mesh_dim_names.index("pp"))
-    microbatches = microbatches or (pp * (2 if schedule in _MULTI else 1))
+    microbatches = microbatches or default_microbatches(schedule, pp)
     split = split_stages(model, pp * virtual_stages, split_cost, blocks, pp=pp,
                          style="v" if schedule == "zbv" else "loop", example_inputs=example_inputs)
     validate_pipeline(pp, schedule, microbatches, virtual_stages, split.n_blocks)

@@ -4,8 +4,10 @@ import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from .propagate import Decision
+from ..runtime.activations import Decision
 from .record import Collective
+
+__all__ = ["Plan"]
 
 
 @dataclass
@@ -16,7 +18,7 @@ class Plan:
     collectives: list = field(default_factory=list)   # list[Collective]
     decisions: list = field(default_factory=list)     # list[Decision]
     memory: dict = field(default_factory=dict)        # bytes per rank
-    pipeline: dict = field(default_factory=dict)      # with pp > 1: stages, bubble, send/recv (pipeline_plan.py)
+    pipeline: dict = field(default_factory=dict)      # with pp > 1: stages, bubble, send/recv (explain_pipeline.py)
 
     def totals(self, by=("phase", "kind", "axes")) -> dict:
         """Sum of bytes per rank grouped by record fields, e.g. totals(("kind",))."""
@@ -73,9 +75,8 @@ class Plan:
             lines.append("layout decisions (per rank, bytes of each alternative):")
             lines.extend(sorted({"  " + _fold(d.describe()) for d in self.decisions}))
         if self.pipeline:
-            from .pipeline_plan import describe
             lines.append("")
-            lines.extend(describe(self.pipeline))
+            lines.extend(_pipeline_lines(self.pipeline))
         if self.memory:
             lines.append("")
             lines.append("memory per rank: " + ", ".join(f"{k} {v / 2**20:,.1f} MiB" for k, v in self.memory.items()))
@@ -88,3 +89,27 @@ class Plan:
 def _fold(text: str) -> str:
     """layers.3.attention -> layers.*.attention, so repeated blocks share a row."""
     return re.sub(r"\.\d+(?=\.|:|$|\s)", ".*", text)
+
+
+def _pipeline_lines(section: dict) -> list[str]:
+    """Lines for Plan.table()."""
+    s = section
+    v = f", {s['virtual_stages']} virtual stages per rank" if s["virtual_stages"] > 1 else ""
+    lines = [f"pipeline: {s['schedule']}, pp={s['pp']}, {s['microbatches']} micro-batches{v}; theoretical bubble "
+             f"{100 * s['bubble']:.1f}% of the step",
+             f"{'stage':>5} {'rank':>4} {'blocks':<14} {'params':>14} {'FLOPs/step':>18} {'collectives B/micro-batch':>26}"]
+    for st in s["stages"]:
+        extra = ("+" + ",".join(s["pre"]) if st["first"] and s["pre"] else "") + \
+                ("+" + ",".join(s["post"]) if st["last"] and s["post"] else "")
+        blocks = f"{st['blocks'][0]}-{st['blocks'][1]}"
+        lines.append(f"{st['index']:>5} {st['rank']:>4} {blocks:<14} {st['params']:>14,} {st['flops']:>18,} "
+                     f"{st['comm_bytes_per_microbatch']:>26,}  {extra}")
+    lines.append(f"imbalance (max/mean): FLOPs {s['imbalance_flops']:.3f}, params {s['imbalance_params']:.3f} "
+                 f"(balanced by {s['split_cost']})")
+    lines.append(f"send/recv per micro-batch between neighbouring stages: {s['send_recv_bytes_per_microbatch']:,} B "
+                 f"each way (activation {tuple(s['activation_shape'])} per rank)")
+    for r in s["ranks"]:
+        lines.append(f"  pp rank {r['rank']}: stages {r['stages']}, {r['comm_bytes_per_step']:,} B moved per step, "
+                     f"{r['memory_total'] / 2**20:,.1f} MiB")
+    lines.append(f"the collectives and memory listed are pp rank {s['reported_rank']}'s (the most memory)")
+    return lines

@@ -2,7 +2,7 @@
 
 Bandwidths are what a rank can push through one link in one direction with a ring collective (NCCL bus
 bandwidth as measured by nccl-tests, a little under the nominal figure), in bytes/s, so that a collective's
-time is `latency + bytes_on_the_wire / bandwidth` with the bytes of spmd.record's ring convention.
+time is `latency + bytes_on_the_wire / bandwidth` with the bytes of spmd.analysis.record's ring convention.
 Within a node: NVLink (H100/H200 NVLink4 450 GB/s nominal per direction, A100 NVLink3 300 GB/s). Across nodes:
 one InfiniBand NIC per GPU (H100/H200 NDR 400 Gb/s = 50 GB/s, A100 HDR 200 Gb/s = 25 GB/s).
 `efficiency` is the fraction of the dense peak a training step's matmuls reach (MFU of well-tuned large-model
@@ -110,5 +110,5 @@ def get_device(device, world: int = 1) -> Device:
     if name == "cpu":
         return cpu_device(world)
     if name not in DEVICES:
-        raise ValueError(f"unknown device {device!r}; known: {sorted(DEVICES) + ['cpu']} (or pass a spmd.devices.Device)")
+        raise ValueError(f"unknown device {device!r}; known: {sorted(DEVICES) + ['cpu']} (or pass a spmd.analysis.devices.Device)")
     return DEVICES[name]

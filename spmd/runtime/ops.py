@@ -3,6 +3,8 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.experimental import register_sharding
 
+__all__: list[str] = []  # importing this module registers the strategies
+
 aten = torch.ops.aten
 
 

@@ -2,8 +2,8 @@
 
 A block compiles to one graph per block type, with its parameter gathers, layout moves and gradient
 reductions inside it as functional collectives, so the compiler sees and schedules them. Inside a compiled
-block the pass uses DTensor's own redistribute (the same layouts as in eager, see `spmd.moves`), inductor
-buckets the block's collectives of each kind into one (as spmd.buckets does in eager), and
+block the pass uses DTensor's own redistribute (the same layouts as in eager, see spmd.runtime.params), inductor
+buckets the block's collectives of each kind into one (as spmd.runtime.buckets does in eager), and
 ZeRO-3's reshard-after-forward becomes a selective-checkpoint policy: the gathered parameter is recomputed
 (regathered) in backward, not saved. Two differences from eager: the collectives are not recorded
 (record a step in eager, or use `explain`, for the plan), and gradients of compiled blocks are reduced
@@ -12,8 +12,10 @@ on every backward, also under `no_sync`.
 import torch
 import torch.nn as nn
 
-from .blocks import find_blocks
+from ..layout.blocks import find_blocks
 from .reshard import CHECKPOINTED_ATTR
+
+__all__ = ["compile_blocks"]
 
 
 def compile_blocks(model: nn.Module, blocks: str | None = None, bucket: bool = True, **compile_kwargs) -> list[int]:
@@ -21,7 +23,7 @@ def compile_blocks(model: nn.Module, blocks: str | None = None, bucket: bool = T
     indices compiled. Blocks under activation checkpointing stay eager: torch 2.13 cannot yet compile a
     checkpointed block whose graph holds DTensor collectives. `bucket` turns on inductor's bucketing of
     all-gathers, reduce-scatters and all-reduces (a global inductor setting): a block's collectives of one
-    kind merge into one, as spmd.buckets does in eager. `compile_kwargs` go to `torch.compile`."""
+    kind merge into one, as spmd.runtime.buckets does in eager. `compile_kwargs` go to `torch.compile`."""
     _, block_list = find_blocks(model, blocks)
     if bucket:
         from torch._inductor import config as inductor_config

@@ -7,27 +7,29 @@ buffer is all-gathered, and the result is cut back into per-parameter tensors. I
 gradients are reduced the same way: one reduce-scatter per mesh axis for partial sums bound for shards
 (FSDP), then one all-reduce per mesh axis for partial sums that stay replicated (DP, HSDP's dp axis,
 sequence-parallel norm weights). Under ZeRO-3 the backward regathers the whole bucket once, on the first
-saved tensor it needs. Layouts the buckets do not cover move per parameter, as in spmd.moves; compiled
+saved tensor it needs. Layouts the buckets do not cover move per parameter, as in spmd.runtime.params; compiled
 blocks leave all of this to the compiler.
 """
 import torch
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor
 
-from . import record
-from .blocks import find_blocks
-from .moves import join_unreduced, reduce_to, slice_onto_shards
+from ..layout.blocks import find_blocks
+from . import tags
+from .gradients import join_unreduced, reduce_to, slice_onto_shards
 from .reshard import CHECKPOINTED_ATTR
+
+__all__ = ["Bucket", "make_buckets", "gather_bucket", "shard_dims"]
 
 
 def _wait(t):
     return t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t
 
 
-def gather_plan(p, mesh) -> dict | None:
+def shard_dims(p, mesh) -> dict | None:
     """{mesh dim: tensor dim} that p's storage shards and its compute layout replicates, or None when the
     move is anything else (the parameter then moves on its own)."""
-    plan, sharded = {}, set()
+    dims, sharded = {}, set()
     for m, (s, c) in enumerate(zip(p.placements, p._spmd_compute)):
         if mesh.size(m) == 1:
             continue
@@ -39,8 +41,8 @@ def gather_plan(p, mesh) -> dict | None:
             continue
         if not (s.is_shard() and c.is_replicate()):
             return None
-        plan[m] = s.dim
-    return plan
+        dims[m] = s.dim
+    return dims
 
 
 class Bucket:
@@ -48,8 +50,8 @@ class Bucket:
 
     def __init__(self, name: str, module, params: list, mesh):
         self.name, self.module, self.params, self.mesh = name, module, params, mesh
-        self.plans = [gather_plan(p, mesh) for p in params]
-        assert all(plan is not None for plan in self.plans), "bucket members must pass gather_plan"
+        self.shard_dims = [shard_dims(p, mesh) for p in params]
+        assert all(d is not None for d in self.shard_dims), "bucket members must pass shard_dims"
         self.next: Bucket | None = None       # the blocks before and after, in forward order
         self.prev: Bucket | None = None
         self.regathered: dict | None = None  # id(param) -> gathered DTensor, during this bucket's backward
@@ -61,14 +63,14 @@ class Bucket:
         with torch.no_grad():
             locals_ = [p._local_tensor if dtype is None or p.dtype == dtype else p._local_tensor.to(dtype)
                        for p in self.params]
-            axes = sorted({m for plan in self.plans for m in plan})
+            axes = sorted({m for dims in self.shard_dims for m in dims})
             return locals_, axes, (self._launch(locals_, axes[0], why) if axes else []), why
 
     def _launch(self, locals_, m: int, why: str) -> list:
         launched = []
-        for group in _by_dtype([i for i, plan in enumerate(self.plans) if m in plan], locals_):
+        for group in _by_dtype([i for i, dims in enumerate(self.shard_dims) if m in dims], locals_):
             flat = torch.cat([locals_[i].reshape(-1) for i in group])
-            with record.reason(self.name, f"{why} ({len(group)} parameters, one buffer)"):
+            with tags.reason(self.name, f"{why} ({len(group)} parameters, one buffer)"):
                 launched.append((group, funcol.all_gather_single(flat, 0, (self.mesh, m))))
         return launched
 
@@ -86,7 +88,7 @@ class Bucket:
                 for i in group:
                     t = locals_[i]
                     pieces = [out[r, offset:offset + t.numel()].view(t.shape) for r in range(n)]
-                    locals_[i] = torch.cat(pieces, dim=self.plans[i][m])
+                    locals_[i] = torch.cat(pieces, dim=self.shard_dims[i][m])
                     offset += t.numel()
         return [DTensor.from_local(local.view_as(local), self.mesh, tuple(p._spmd_compute), run_check=False,
                                    shape=p.shape, stride=p.stride()) for p, local in zip(self.params, locals_)]
@@ -135,7 +137,7 @@ class Bucket:
         for i, g in work.items():
             storage = tuple(self.params[i].placements)
             if tuple(g.placements) != storage:
-                with record.reason(self.name, f"reduce gradient of {self.params[i]._spmd_name} to its storage layout"):
+                with tags.reason(self.name, f"reduce gradient of {self.params[i]._spmd_name} to its storage layout"):
                     g = reduce_to(g, storage)
             out[i] = g.to(self.params[i].dtype)
         return out
@@ -145,12 +147,12 @@ class Bucket:
         if kind == "reduce_scatter":
             chunks = {i: work[i]._local_tensor.chunk(n, dim=self.params[i].placements[m].dim) for i in group}
             flat = torch.cat([chunks[i][r].reshape(-1) for r in range(n) for i in group])
-            with record.reason(self.name, f"reduce-scatter gradients of {self.name} ({len(group)} parameters, one buffer)"):
+            with tags.reason(self.name, f"reduce-scatter gradients of {self.name} ({len(group)} parameters, one buffer)"):
                 reduced = _wait(funcol.reduce_scatter_single(flat, "sum", 0, (mesh, m)))
             shapes = {i: chunks[i][0].shape for i in group}
         else:
             flat = torch.cat([work[i]._local_tensor.reshape(-1) for i in group])
-            with record.reason(self.name, f"all-reduce gradients of {self.name} ({len(group)} parameters, one buffer)"):
+            with tags.reason(self.name, f"all-reduce gradients of {self.name} ({len(group)} parameters, one buffer)"):
                 reduced = _wait(funcol.all_reduce(flat, "sum", (mesh, m)))
             shapes = {i: work[i]._local_tensor.shape for i in group}
         offset = 0
@@ -208,7 +210,7 @@ def gather_bucket(bucket: Bucket, state) -> dict:
 
 def make_buckets(model, mesh) -> tuple[dict, dict]:
     """({id(block): Bucket}, {id(param): Bucket}) for the model's repeated blocks (none without a block list).
-    A bucket holds the block's parameters that gather_plan covers and no other module shares."""
+    A bucket holds the block's parameters that shard_dims covers and no other module shares."""
     try:
         path, blocks = find_blocks(model)
     except ValueError:
@@ -216,7 +218,7 @@ def make_buckets(model, mesh) -> tuple[dict, dict]:
     by_block, by_param, chain = {}, {}, []
     for i, block in enumerate(blocks):
         params = list({id(p): p for p in block.parameters() if isinstance(p, DTensor)
-                       and not getattr(p, "_spmd_shared", False) and gather_plan(p, mesh) is not None}.values())
+                       and not getattr(p, "_spmd_shared", False) and shard_dims(p, mesh) is not None}.values())
         if len(params) > 1:
             b = Bucket(f"{path}.{i}" if path else str(i), block, params, mesh)
             by_block[id(block)] = b

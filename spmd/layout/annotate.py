@@ -1,12 +1,16 @@
 """Naming tensor axes: `annotate` for parameters and buffers, `P` to pin mesh axes directly.
 
 Annotations are plain attributes on the tensor; nothing happens until `spmd.parallelize` reads them.
+`fake_copy` copies a model without its data and keeps the annotations (for shapes, FLOPs and plans).
 """
+import copy
 import fnmatch
 
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import Placement
+
+__all__ = ["P", "annotate", "annotate_by_name", "get_axes", "get_pin", "copy_annotations", "infer_axes", "fake_copy"]
 
 AXES_ATTR = "_spmd_axes"   # tuple of logical names / None, one per dim
 PIN_ATTR = "_spmd_pin"     # P(...) over mesh axes, or a list of DTensor placements
@@ -113,3 +117,20 @@ def _infer_one(module, p_name, p, embed_sizes, full):
         f"cannot infer the logical axes of parameter {full!r} with shape {tuple(p.shape)}; annotate it, "
         f"e.g. spmd.annotate(model.{full}, {', '.join(repr('axis') for _ in p.shape)}) or "
         f"spmd.annotate_by_name(model, {{{full!r}: (...)}}), using None for dims that stay whole")
+
+
+def fake_copy(model: nn.Module, mode=None) -> nn.Module:
+    """A copy of `model` whose tensors hold no data (fake CPU tensors under the FakeTensorMode `mode`, else
+    meta tensors), annotations kept, without copying any weights."""
+    memo = {}
+    for t in list(model.parameters()) + list(model.buffers()):
+        if mode is None:
+            clone = torch.empty_like(t, device="meta")
+        else:
+            with mode:
+                clone = torch.empty_like(t, device="cpu")
+        if isinstance(t, nn.Parameter):
+            clone = nn.Parameter(clone, requires_grad=t.requires_grad)
+        clone.__dict__.update({k: v for k, v in t.__dict__.items() if k.startswith("_spmd")})
+        memo[id(t)] = clone
+    return copy.deepcopy(model, memo)

@@ -4,8 +4,11 @@ and replays the block's layout moves, so gradients are the same as without it.""
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from .blocks import find_blocks
+from ..layout.blocks import find_blocks
 from .reshard import CHECKPOINTED_ATTR
+from .state import STATE_ATTR, activated
+
+__all__ = ["apply_activation_checkpointing", "checkpoint_block", "parse_mode"]
 
 
 def parse_mode(mode: str) -> int:
@@ -32,13 +35,11 @@ def apply_activation_checkpointing(model: nn.Module, mode: str = "full", blocks:
     _, block_list = find_blocks(model, blocks)
     chosen = [i for i in range(len(block_list)) if i % every == 0]
     for i in chosen:
-        _checkpoint_block(model, block_list[i])
+        checkpoint_block(model, block_list[i])
     return chosen
 
 
-def _checkpoint_block(root: nn.Module, block: nn.Module):
-    from .parallelize import STATE_ATTR, activated
-
+def checkpoint_block(root: nn.Module, block: nn.Module):
     forward = block.forward
 
     def run(*args, **kwargs):

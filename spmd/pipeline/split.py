@@ -16,7 +16,8 @@ from dataclasses import dataclass, field, asdict
 import torch
 import torch.nn as nn
 
-from .blocks import find_blocks
+from ..layout.annotate import fake_copy
+from ..layout.blocks import find_blocks
 
 COSTS = ("flops", "params")
 
@@ -147,7 +148,6 @@ def _count_flops(model: nn.Module, block_list: nn.ModuleList, example_inputs):
     """(FLOPs before the blocks, per block, after the blocks, names of modules run before/after), forward only,
     on a meta-tensor copy of the model."""
     from torch.utils.flop_counter import FlopCounterMode
-    from .explain import fake_copy
     meta = fake_copy(model, None)
     meta_blocks = meta.get_submodule(_path_of(model, block_list))
     counter = FlopCounterMode(display=False)

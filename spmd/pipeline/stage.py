@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from .constrain import constrain
+from ..runtime.activations import constrain
 
 PARTS = ("embed", "block_inputs", "head")
 

@@ -1,7 +1,7 @@
 """The parts of a pipeline that do not depend on how stages are built: schedule names, their theoretical
 bubble, the configuration checks, and the runtime (torch's schedule over the micro-batches, the loss
-broadcast over pp, gradient clipping across stages) shared by spmd's stages (pipeline.py) and traced
-ones (pipeline_traced.py)."""
+broadcast over pp, gradient clipping across stages) shared by spmd's stages (build.py) and traced
+ones (traced.py)."""
 import inspect
 import math
 
@@ -10,7 +10,15 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv")
-_MULTI = ("interleaved-1f1b", "zero-bubble", "zbv")
+INTERLEAVED = ("interleaved-1f1b", "zero-bubble", "zbv")  # several stages per rank
+
+__all__ = ["SCHEDULES", "INTERLEAVED", "default_microbatches", "bubble_fraction", "validate_pipeline",
+           "PipelineRuntime"]
+
+
+def default_microbatches(schedule: str, pp: int) -> int:
+    """pp micro-batches, 2 * pp for interleaved schedules."""
+    return pp * (2 if schedule in INTERLEAVED else 1)
 
 
 def _schedule_class(name: str):
@@ -26,7 +34,7 @@ def bubble_fraction(schedule: str, pp: int, microbatches: int, virtual_stages: i
     p, m, v = pp, microbatches, virtual_stages
     if schedule in ("zero-bubble", "zbv"):
         return (p - 1) / (3 * m + p - 1) / v
-    return (p - 1) / (m + p - 1) / (v if schedule in _MULTI else 1)
+    return (p - 1) / (m + p - 1) / (v if schedule in INTERLEAVED else 1)
 
 
 def validate_pipeline(pp: int, schedule: str, microbatches: int, virtual_stages: int = 1, n_blocks: int | None = None,
@@ -42,7 +50,7 @@ def validate_pipeline(pp: int, schedule: str, microbatches: int, virtual_stages:
         raise ValueError(f"pipeline parallelism needs pp >= 2, got pp={pp}; without a pp axis use spmd.parallelize")
     if world is not None and world % pp:
         raise ValueError(f"pp={pp} does not divide the world size {world}")
-    if schedule not in _MULTI and virtual_stages != 1:
+    if schedule not in INTERLEAVED and virtual_stages != 1:
         raise ValueError(f"schedule {schedule!r} runs one stage per rank; virtual_stages={virtual_stages} needs "
                          f"interleaved-1f1b, zero-bubble or zbv")
     if schedule == "zbv" and virtual_stages != 2:
@@ -120,7 +128,7 @@ class PipelineRuntime:
     def _make_schedule(self, stages, loss_fn):
         self.stages = stages
         cls = _schedule_class(self.schedule_name)
-        self._schedule = cls(stages if self.schedule_name in _MULTI else stages[0], self.microbatches,
+        self._schedule = cls(stages if self.schedule_name in INTERLEAVED else stages[0], self.microbatches,
                              loss_fn=loss_fn, scale_grads=False)  # we scale the loss by 1/M ourselves
         self._return_outputs_arg = "return_outputs" in inspect.signature(self._schedule.step).parameters
 

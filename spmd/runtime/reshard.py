@@ -10,7 +10,9 @@ import torch
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
 
-from . import record
+from . import tags
+
+__all__ = ["CHECKPOINTED_ATTR", "reshard_after_forward", "storage_key", "observe_saved"]
 
 CHECKPOINTED_ATTR = "_spmd_checkpointed"
 _observers: list[dict] = []
@@ -36,7 +38,7 @@ class _Regather:
             p = self.param.detach()
             if self.dtype is not None and p.dtype != self.dtype:
                 p = p.to(self.dtype)
-            with record.reason(self.module, f"regather {self.param._spmd_name} for backward"):
+            with tags.reason(self.module, f"regather {self.param._spmd_name} for backward"):
                 full = p.redistribute(p.device_mesh, self.compute)
         size, stride, offset = self.local_view
         local = full._local_tensor

@@ -2,13 +2,17 @@
 
 Two maps, as Levanter has them. The compute map lays out activations and the parameters in use; the params
 map is the compute map plus storage-only entries (`embed -> fsdp`). FSDP is the difference between the two.
+The batch rule says which mesh axes split the data: every data-parallel size and rank comes from it.
 """
 import difflib
 
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement, Replicate, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from .mesh import MESH_AXES
+
+__all__ = ["Rules", "placements_for", "local_shape", "heads_problem"]
 
 MeshAxes = tuple[str, ...]
 
@@ -50,6 +54,26 @@ class Rules:
 
     def __repr__(self):
         return f"Rules(compute={self.compute}, params={self.params})"
+
+    def batch_axes(self) -> MeshAxes:
+        """The mesh axes that split the batch (dp and fsdp by default): the data-parallel axes."""
+        return self.compute.get("batch", ())
+
+    def data_parallel_size(self, sizes) -> int:
+        """How many ways the batch splits on a mesh (a DeviceMesh or {axis: size})."""
+        sizes = _sizes(sizes)
+        n = 1
+        for axis in self.batch_axes():
+            n *= sizes.get(axis, 1)
+        return n
+
+    def data_parallel_rank(self, mesh: DeviceMesh) -> int:
+        """Which slice of the batch this rank holds on `mesh` (mixed radix over the batch axes, outer first)."""
+        rank = 0
+        for axis in self.batch_axes():
+            if axis in mesh.mesh_dim_names:
+                rank = rank * mesh.size(mesh.mesh_dim_names.index(axis)) + mesh.get_local_rank(axis)
+        return rank
 
     def mesh_axes(self, logical_axes, which: str, name: str, strict: bool = True) -> list[MeshAxes]:
         """Mesh axes for each tensor dim. `strict` (parameters) rejects a mesh axis used by two dims;
@@ -101,6 +125,20 @@ def placements_for(mesh: DeviceMesh, dims_axes: list[MeshAxes], shape, name: str
                 f"{'x'.join(a for a in axes if sizes.get(a, 1) > 1)}={factor}; pick a mesh whose "
                 f"{'/'.join(axes)} size divides {shape[dim]}, or change the rule for this axis")
     return placements
+
+
+def _sizes(mesh_or_sizes) -> dict:
+    if isinstance(mesh_or_sizes, DeviceMesh):
+        return dict(zip(mesh_or_sizes.mesh_dim_names, mesh_or_sizes.shape))
+    return dict(mesh_or_sizes)
+
+
+def local_shape(global_shape, axes, mesh: DeviceMesh, rules: Rules, name: str = "pipeline stage input") -> tuple:
+    """This rank's shape of an activation with these logical axes under the rules' compute map."""
+    dims = rules.mesh_axes(axes, "compute", name, strict=False)
+    placements = placements_for(mesh, dims, global_shape, name)
+    shape, _ = compute_local_shape_and_global_offset(global_shape, mesh, placements)
+    return tuple(shape)
 
 
 def heads_problem(model_cfg, tp: int) -> str | None:

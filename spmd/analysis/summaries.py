@@ -1,5 +1,5 @@
-"""Planning specs for the search: each spec's collectives and memory from `explain` dry runs of 1- and
-2-block copies of the model (exact for identical blocks), cached, optionally in worker processes."""
+"""What the search needs of each spec's plan: its collectives and memory, summarised from `explain` dry runs
+of 1- and 2-block copies of the model (exact for identical blocks), cached, optionally in worker processes."""
 from __future__ import annotations
 
 import copy
@@ -10,10 +10,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from .annotate import infer_axes
-from .blocks import find_blocks
+from ..layout.annotate import fake_copy, infer_axes
+from ..layout.blocks import find_blocks
+from ..layout.rules import Rules
 from .explain import explain
-from .rules import Rules
+
+__all__ = ["Summary", "summarize", "plan_summary", "plan_all", "model_state_bytes", "frozen"]
 
 PARAM_REASONS = ("gather ", "regather ", "reduce gradient ")
 
@@ -49,33 +51,33 @@ def _truncated(model: nn.Module, name: str, k: int) -> nn.Module:
 
 
 @dataclass
-class _Summary:
+class Summary:
     """What the ranking needs from a plan: collective count and bytes per (axis, traffic class), memory."""
     groups: dict   # (axis, "param" | "activation") -> [count, bytes]
     memory: dict
 
     def __sub__(self, o):
         keys = set(self.groups) | set(o.groups)
-        return _Summary({k: [a - b for a, b in zip(self.groups.get(k, [0, 0]), o.groups.get(k, [0, 0]))] for k in keys},
+        return Summary({k: [a - b for a, b in zip(self.groups.get(k, [0, 0]), o.groups.get(k, [0, 0]))] for k in keys},
                         {k: self.memory[k] - o.memory[k] for k in self.memory})
 
     def __add__(self, o):
         keys = set(self.groups) | set(o.groups)
-        return _Summary({k: [a + b for a, b in zip(self.groups.get(k, [0, 0]), o.groups.get(k, [0, 0]))] for k in keys},
+        return Summary({k: [a + b for a, b in zip(self.groups.get(k, [0, 0]), o.groups.get(k, [0, 0]))] for k in keys},
                         {k: self.memory[k] + o.memory[k] for k in self.memory})
 
     def __mul__(self, f: int):
-        return _Summary({k: [v * f for v in g] for k, g in self.groups.items()}, {k: v * f for k, v in self.memory.items()})
+        return Summary({k: [v * f for v in g] for k, g in self.groups.items()}, {k: v * f for k, v in self.memory.items()})
 
 
-def summarize(plan) -> _Summary:
+def summarize(plan) -> Summary:
     groups: dict = {}
     for c in plan.collectives:
         traffic = "param" if c.reason.startswith(PARAM_REASONS) else "activation"
         g = groups.setdefault(("+".join(c.axes), traffic), [0, 0])
         g[0] += 1
         g[1] += c.bytes
-    return _Summary(groups, dict(plan.memory))
+    return Summary(groups, dict(plan.memory))
 
 
 def model_state_bytes(model: nn.Module, sizes: dict, rules: Rules, optimizer_states: int = 2) -> int:
@@ -107,7 +109,7 @@ def _cache_key(model, sizes, sp, batch_shape, dtype, rules):
     return (who, frozen(dict(sizes)), sp, tuple(batch_shape), str(dtype), repr(rules))
 
 
-def plan_summary(model: nn.Module, sizes: dict, sp: bool, batch_shape, dtype, rules=None) -> _Summary:
+def plan_summary(model: nn.Module, sizes: dict, sp: bool, batch_shape, dtype, rules=None) -> Summary:
     """The plan of the full model, from dry runs of 1- and 2-block copies (exact for identical blocks)."""
     sizes = dict(sizes)
     rules = rules or Rules.default(sequence_parallel=sp)
@@ -149,18 +151,17 @@ def _plan_or_error(job):
         return job, ValueError(_first_line(e))
 
 
-def _plan_all(net: nn.Module, model_arg, jobs: list, workers: int) -> dict:
-    """{job: _Summary or ValueError}, planned in this process or in `workers` spawned processes."""
+def plan_all(net: nn.Module, model_arg, jobs: list, workers: int) -> dict:
+    """{job: Summary or ValueError}, planned in this process or in `workers` spawned processes."""
     todo = [j for j in jobs if _cache_key(net, j[0], j[1], j[2], j[3], Rules.default(j[1])) not in _cache]
     results = {}
     if workers > 1 and len(todo) > 1:
         import multiprocessing
-        from .explain import fake_copy
         payload = model_arg if not isinstance(model_arg, nn.Module) else fake_copy(model_arg, None)
         with multiprocessing.get_context("spawn").Pool(min(workers, len(todo)), _worker_init, (payload,)) as pool:
             for job, out in pool.imap_unordered(_plan_or_error, todo):
                 results[job] = out
-                if isinstance(out, _Summary):
+                if isinstance(out, Summary):
                     key = _cache_key(net, job[0], job[1], job[2], job[3], Rules.default(job[1]))
                     _cache[key] = (net if getattr(net, "cfg", None) is None else None, out)
     for job in jobs:

@@ -10,29 +10,35 @@ zero-bubble schedules, which split it in two, may regather FSDP parameters a few
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
+from ..layout.annotate import fake_copy
+from ..layout.blocks import find_blocks
+from ..layout.rules import local_shape
+from ..pipeline.build import without_pp
+from ..pipeline.runtime import bubble_fraction, default_microbatches, validate_pipeline
+from ..pipeline.split import split_stages
+from ..pipeline.stage import LocalModel, StageModule, has_parts
+from ..runtime.parallelize import parallelize
+from ..runtime.reshard import observe_saved
+from ..runtime.state import STATE_ATTR
 from . import record
-from .blocks import find_blocks
-from .parallelize import STATE_ATTR, parallelize
-from .pipeline import _MULTI, _stage_mesh, bubble_fraction, data_parallel_size, local_shape, validate_pipeline
-from .pipeline_split import split_stages
-from .pipeline_stage import LocalModel, StageModule, has_parts
-from .reshard import observe_saved
+from .memory import memory_per_rank
+
+__all__ = ["explain_pipeline"]
 
 HIDDEN_AXES, TOKEN_AXES = ("batch", "seq", "embed"), ("batch", None)
 
 
-def plan_pipeline(model, rules, mesh, batch_shape, dtype, optimizer, fake, schedule="1f1b", microbatches=None,
+def explain_pipeline(model, rules, mesh, batch_shape, dtype, optimizer, fake, schedule="1f1b", microbatches=None,
                   virtual_stages=1, split_cost="flops", blocks=None):
     """(collectives, decisions, memory, pipeline section) of the pp rank whose memory is largest."""
-    from .explain import fake_copy, memory_per_rank
-    full_mesh, stage_mesh = _stage_mesh(mesh)
+    _, stage_mesh = without_pp(mesh)
     # the stage group of pp rank 0 as a mesh of its own: a sliced mesh computes its rank layout with ops
     # that fake tensors cannot run
     stage_mesh = DeviceMesh("cpu", torch.arange(stage_mesh.size()).reshape(stage_mesh.shape),
                             mesh_dim_names=stage_mesh.mesh_dim_names)
     pp, v = mesh.size(mesh.mesh_dim_names.index("pp")), virtual_stages
-    m = microbatches or pp * (2 if schedule in _MULTI else 1)
-    n_dp = data_parallel_size(stage_mesh, rules)
+    m = microbatches or default_microbatches(schedule, pp)
+    n_dp = rules.data_parallel_size(stage_mesh)
     validate_pipeline(pp, schedule, m, v, len(find_blocks(model, blocks)[1]), batch_shape[0], n_dp)
     if not has_parts(model):
         raise ValueError(f"{type(model).__name__} has no embed/block_inputs/head methods for pipeline stages")
@@ -122,27 +128,3 @@ def _p2p(split, info, m, nbytes, shape, dtype):
             add("send", "forward", nxt.index, "activation to stage {peer}")
             add("recv", "backward", nxt.index, "gradient from stage {peer}")
     return out
-
-
-def describe(section: dict) -> list[str]:
-    """Lines for Plan.table()."""
-    s = section
-    v = f", {s['virtual_stages']} virtual stages per rank" if s["virtual_stages"] > 1 else ""
-    lines = [f"pipeline: {s['schedule']}, pp={s['pp']}, {s['microbatches']} micro-batches{v}; theoretical bubble "
-             f"{100 * s['bubble']:.1f}% of the step",
-             f"{'stage':>5} {'rank':>4} {'blocks':<14} {'params':>14} {'FLOPs/step':>18} {'collectives B/micro-batch':>26}"]
-    for st in s["stages"]:
-        extra = ("+" + ",".join(s["pre"]) if st["first"] and s["pre"] else "") + \
-                ("+" + ",".join(s["post"]) if st["last"] and s["post"] else "")
-        blocks = f"{st['blocks'][0]}-{st['blocks'][1]}"
-        lines.append(f"{st['index']:>5} {st['rank']:>4} {blocks:<14} {st['params']:>14,} {st['flops']:>18,} "
-                     f"{st['comm_bytes_per_microbatch']:>26,}  {extra}")
-    lines.append(f"imbalance (max/mean): FLOPs {s['imbalance_flops']:.3f}, params {s['imbalance_params']:.3f} "
-                 f"(balanced by {s['split_cost']})")
-    lines.append(f"send/recv per micro-batch between neighbouring stages: {s['send_recv_bytes_per_microbatch']:,} B "
-                 f"each way (activation {tuple(s['activation_shape'])} per rank)")
-    for r in s["ranks"]:
-        lines.append(f"  pp rank {r['rank']}: stages {r['stages']}, {r['comm_bytes_per_step']:,} B moved per step, "
-                     f"{r['memory_total'] / 2**20:,.1f} MiB")
-    lines.append(f"the collectives and memory listed are pp rank {s['reported_rank']}'s (the most memory)")
-    return lines

@@ -1,15 +1,13 @@
 """Recording every collective a step issues: what, where, over which mesh axes, how many bytes, which phase.
 
 A dispatch mode sees each collective on local tensors after DTensor has lowered it. The code that issues
-it says why through `reason(...)`: the pass's planned redistributions carry their reason; a collective
+it says why through `spmd.runtime.tags.reason(...)`: the pass's planned redistributions carry their reason; a collective
 that DTensor inserts on its own inside an op is tagged `implicit` (a layout the pass failed to plan).
 
 Bytes are per rank on the wire for ring algorithms, the convention of the reference formulas:
 all_gather and reduce_scatter move S*(n-1)/n for a full tensor of S bytes; all_reduce moves 2*S*(n-1)/n;
 a send or recv moves its tensor.
 """
-import contextlib
-import contextvars
 import sys
 from dataclasses import dataclass, asdict
 
@@ -17,6 +15,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..runtime.tags import current_module, current_phase, current_reason, reason
+
+__all__ = ["Collective", "CollectiveRecorder", "wire_bytes"]
 
 _funcol = torch.ops._c10d_functional
 _c10d = torch.ops.c10d
@@ -35,11 +37,6 @@ _C10D = {
     _c10d.alltoall_base_: "all_to_all", _c10d.broadcast_: "broadcast", _c10d.send: "send", _c10d.recv_: "recv",
 }
 
-_context = contextvars.ContextVar("spmd_comm_context", default=None)  # (module, reason, origin)
-_phase = contextvars.ContextVar("spmd_phase", default="forward")
-_module_stack: list[str] = []
-
-
 @dataclass
 class Collective:
     module: str
@@ -55,41 +52,6 @@ class Collective:
 
     def to_dict(self):
         return asdict(self)
-
-
-@contextlib.contextmanager
-def reason(module: str, why: str, origin: str = "planned"):
-    if torch.compiler.is_compiling():  # compiled graphs issue their collectives without a dispatch mode
-        yield
-        return
-    token = _context.set((module, why, origin))
-    try:
-        yield
-    finally:
-        _context.reset(token)
-
-
-@contextlib.contextmanager
-def phase(name: str):
-    token = _phase.set(name)
-    try:
-        yield
-    finally:
-        _phase.reset(token)
-
-
-def push_module(name: str):
-    if not torch.compiler.is_compiling():
-        _module_stack.append(name)
-
-
-def pop_module():
-    if _module_stack and not torch.compiler.is_compiling():
-        _module_stack.pop()
-
-
-def current_module() -> str:
-    return _module_stack[-1] if _module_stack else ""
 
 
 def _process_group(arg):
@@ -153,9 +115,9 @@ class CollectiveRecorder(TorchDispatchMode):
         return out
 
     def _add(self, kind, axes, nbytes, op, t):
-        ctx = _context.get()
+        ctx = current_reason()
         backward = torch._C._current_autograd_node() is not None
-        ph = "backward" if backward and _phase.get() == "forward" else _phase.get()
+        ph = "backward" if backward and current_phase() == "forward" else current_phase()
         if ctx is None:
             module, why, origin = current_module(), f"issued by {_caller()}", "op"
         else:

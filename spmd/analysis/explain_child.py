@@ -1,14 +1,14 @@
-"""`python -m spmd.explain_child JOB OUT`: runs one `explain` dry run in a fresh interpreter (used when the
+"""`python -m spmd.analysis.explain_child JOB OUT`: runs one `explain` dry run in a fresh interpreter (used when the
 calling process already belongs to a real process group) and writes the plan as JSON."""
 import json
 import sys
 
 import torch
 
-from spmd.explain import _dry_run
+from spmd.analysis.explain import dry_run
 
 if __name__ == "__main__":
     model, rules, sizes, batch_shape, dtype, optimizer, *pipeline = torch.load(sys.argv[1], weights_only=False)
-    plan = _dry_run(model, rules, sizes, batch_shape, dtype, optimizer, *pipeline)
+    plan = dry_run(model, rules, sizes, batch_shape, dtype, optimizer, *pipeline)
     with open(sys.argv[2], "w") as f:
         json.dump(plan.to_dict(), f)

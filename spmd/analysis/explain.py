@@ -1,0 +1,97 @@
+"""`explain(model, rules, mesh_sizes, batch_shape)`: what a training step will do, without the devices.
+
+It lays a meta-tensor copy of the model out on a fake process group of the requested world size, runs
+one forward and backward with the collective recorder on, and returns the `Plan`: the same code path
+as a real run, so the plan lists the collectives a real step issues, no more and no fewer.
+"""
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from ..layout.annotate import fake_copy
+from ..layout.mesh import MESH_AXES, check_sizes, mesh_sizes
+from ..runtime.parallelize import parallelize
+from ..runtime.reshard import observe_saved
+from ..runtime.state import STATE_ATTR
+from . import record
+from .explain_pipeline import explain_pipeline
+from .fake import fake_world
+from .memory import memory_per_rank
+from .plan import Plan
+
+__all__ = ["explain", "dry_run"]
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def explain(model: nn.Module, rules, mesh_or_sizes, batch_shape=(8, 2048), dtype=torch.float32,
+            optimizer: str = "adamw", *, schedule: str = "1f1b", microbatches: int | None = None,
+            virtual_stages: int = 1, split_cost: str = "flops") -> Plan:
+    """Plans one training step of `model` (forward, backward, gradient reduction) on a mesh of any size.
+
+    `mesh_or_sizes`: a DeviceMesh or a dict like {"fsdp": 8, "tp": 8}. `batch_shape`: the global
+    (batch, seq) of token ids. `dtype`: the compute dtype (parameters are gathered in it; master weights,
+    gradients and optimizer states stay fp32). With a `pp` axis, the step is spmd.build_pipeline's with
+    these `schedule`, `microbatches`, `virtual_stages` and `split_cost`, and the plan has a `pipeline`
+    section (stages, bubble, send/recv bytes; see spmd/analysis/explain_pipeline.py).
+    """
+    pipeline = dict(schedule=schedule, microbatches=microbatches, virtual_stages=virtual_stages,
+                    split_cost=split_cost)
+    if hasattr(model, STATE_ATTR):
+        raise ValueError("explain takes the model before spmd.parallelize (a parallelized copy is laid out already)")
+    sizes = mesh_or_sizes if isinstance(mesh_or_sizes, dict) else dict(
+        zip(mesh_or_sizes.mesh_dim_names, mesh_or_sizes.shape))
+    check_sizes(sizes)
+    dtype = _DTYPES.get(dtype, dtype)
+    if dist.is_initialized() and dist.get_backend() != "fake":
+        return _explain_in_child(model, rules, sizes, batch_shape, dtype, optimizer, pipeline)
+    return dry_run(model, rules, sizes, tuple(batch_shape), dtype, optimizer, pipeline)
+
+
+def dry_run(model, rules, sizes, batch_shape, dtype, optimizer, pipeline=None) -> Plan:
+    """The plan of one step, laid out and run in a fake world of `sizes` (this process's group is replaced)."""
+    with fake_world(sizes) as (mesh, fake):
+        full = mesh_sizes(mesh)
+        common = dict(mesh={a: full[a] for a in MESH_AXES}, batch_shape=batch_shape,
+                      dtype=str(dtype).replace("torch.", ""))
+        if full["pp"] > 1:
+            records, decisions, memory, section = explain_pipeline(model, rules, mesh, batch_shape, dtype, optimizer,
+                                                                   fake, **(pipeline or {}))
+            return Plan(**common, collectives=records, decisions=decisions, memory=memory, pipeline=section)
+        model = fake_copy(model, fake)
+        with fake:
+            parallelize(model, mesh, rules, param_dtype=None if dtype == torch.float32 else dtype)
+        data_parallel = rules.data_parallel_size(mesh)
+        batch, seq = batch_shape[0], batch_shape[1]
+        if batch % data_parallel:
+            raise ValueError(f"batch {batch} does not divide by the data-parallel size "
+                             f"{'*'.join(rules.batch_axes())}={data_parallel}")
+        recorder, saved = record.CollectiveRecorder(mesh), {}
+        with fake:
+            tokens = torch.zeros(batch // data_parallel, seq, dtype=torch.long)
+            with recorder, observe_saved(saved):
+                loss = model(tokens, tokens)
+            activations = sum(saved.values())
+            with recorder:
+                loss.backward()
+        return Plan(**common, collectives=recorder.records,
+                    decisions=list(getattr(model, STATE_ATTR).decisions.values()),
+                    memory=memory_per_rank(model, optimizer, activations))
+
+
+def _explain_in_child(model, rules, sizes, batch_shape, dtype, optimizer, pipeline=None) -> Plan:
+    # a real process group owns this process; the fake world runs in a fresh interpreter next door
+    with tempfile.TemporaryDirectory() as tmp:
+        job, out = os.path.join(tmp, "job.pt"), os.path.join(tmp, "plan.json")
+        torch.save((fake_copy(model, None), rules, sizes, tuple(batch_shape), dtype, optimizer, pipeline), job)
+        env = {k: v for k, v in os.environ.items()
+               if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+        subprocess.run([sys.executable, "-m", "spmd.analysis.explain_child", job, out], check=True, env=env)
+        with open(out) as f:
+            return Plan.from_dict(json.load(f))

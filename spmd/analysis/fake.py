@@ -1,0 +1,43 @@
+"""Fake worlds: a process group of any size in this one process, whose collectives move nothing, and
+tensors that hold no data. `explain` runs the real pass inside one."""
+import contextlib
+
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.tensor import DTensor
+
+from ..layout.mesh import make_mesh
+
+__all__ = ["fake_world"]
+
+
+@contextlib.contextmanager
+def fake_world(sizes: dict):
+    """(mesh of `sizes` on a fake process group, FakeTensorMode): everything a dry run needs. The fake group
+    replaces any process group this process has and is destroyed on exit."""
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the "fake" backend)
+    world = 1
+    for s in sizes.values():
+        world *= s
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("fake", store=dist.HashStore(), rank=0, world_size=world)
+    _clear_dtensor_caches()
+    try:
+        # Fake CPU tensors rather than meta: ops such as attention pick their kernel by device.
+        yield make_mesh(sizes, device_type="cpu"), FakeTensorMode(allow_non_fake_inputs=True)
+    finally:
+        dist.destroy_process_group()
+
+
+def _clear_dtensor_caches():
+    """DTensor caches sharding and redistribution plans by spec, and meshes compare equal by layout, not by
+    process group: a plan cached in an earlier fake world would carry that world's groups into this one."""
+    from torch.distributed.tensor import _redistribute
+    for clear in (getattr(getattr(_redistribute, "_gen_transform_infos", None), "cache_clear", None),
+                  getattr(_redistribute, "clear_redistribute_planner_cache", None),
+                  getattr(DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding, "cache_clear", None),
+                  getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)):  # the C++ fast path's
+        if clear is not None:
+            clear()

@@ -1,0 +1,55 @@
+"""The state of one parallelized model: its mesh, rules and dtypes, and what the pass keeps while it runs.
+
+`parallelize` stores an `SPMDState` on the model (`STATE_ATTR`); the hooks push it while a module runs, so
+`constrain` and checkpoint recomputation find the model's rules without being handed them.
+"""
+import contextlib
+
+__all__ = ["STATE_ATTR", "SPMDState", "active_state", "activated", "push", "pop"]
+
+STATE_ATTR = "_spmd_state"
+
+
+class SPMDState:
+    def __init__(self, mesh, rules, param_dtype, reduce_dtype, input_axes):
+        self.mesh, self.rules = mesh, rules
+        self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
+        self.input_axes = input_axes
+        self.sync = True                       # False under no_sync: gradients stay unreduced
+        self.decisions: dict[tuple, object] = {}  # (module, mesh axis) -> activations.Decision
+        self.move_cache: dict = {}             # (id(input), layout) -> moved input, shared by sibling linears
+        self.saved_hooks: list = []            # per running module: its reshard-after-forward hooks, or None
+        self.shared_gathers: dict = {}         # gathered copies of parameters several modules hold
+        self.buckets: dict = {}                # id(block) -> the Bucket its parameters gather and reduce in
+        self.bucket_of: dict = {}              # id(param) -> its Bucket
+        self.bucket_values: dict = {}          # id(param) -> gathered value, while its block runs forward
+        self.prefetched: dict = {}             # id(bucket) -> its gather, issued while the block before ran
+
+
+_active: list[SPMDState] = []
+
+
+def active_state() -> SPMDState | None:
+    return _active[-1] if _active else None
+
+
+def push(state: SPMDState):
+    _active.append(state)
+
+
+def pop():
+    if _active:
+        _active.pop()
+
+
+@contextlib.contextmanager
+def activated(state: SPMDState | None):
+    """Makes `state` the one `constrain` sees (recomputation under checkpointing runs outside the hooks)."""
+    if state is None:
+        yield
+        return
+    _active.append(state)
+    try:
+        yield
+    finally:
+        _active.pop()
