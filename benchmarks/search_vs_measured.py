@@ -129,7 +129,7 @@ def main(argv=None) -> int:
     from spmd.analysis.devices import cpu_device, measure_gemm_flops
     import torch
     rep = {"environment": common.environment(), "args": vars(a), "models": []}
-    per_thread = measure_gemm_flops(torch.float32, threads=1)
+    per_thread = measure_gemm_flops(torch.float32, threads=1, budget_s=0.6, sizes=(256, 512, 1024))
     link = measure_link(a.nproc)
     dev = cpu_device(a.nproc, 1, per_thread, bandwidth=link["bandwidth_Bps"], latency=link["latency_s"])
     rep["device"] = {"peak_per_thread": per_thread, "peak_per_rank": dev.peak("fp32"), **link}

@@ -19,20 +19,21 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
+import models
+from kernels import IMPLS
+from spmd.layout.dtypes import DTYPES
+from spmd.layout.mesh import format_sizes, parse_spec
+from spmd.layout.rules import Rules
+from spmd.pipeline.runtime import default_microbatches, validate_pipeline
 from spmd.runtime.checkpointing import parse_mode as parse_ac_mode
-from spmd.layout.mesh import parse_spec
-from spmd.layout.rules import heads_problem
-from spmd.pipeline.runtime import validate_pipeline
 
-DTYPES = ("fp32", "bf16", "fp16")
-KERNELS = ("auto", "torch", "triton")
 CONFIG_DIR = Path(__file__).parent / "configs"
 
 
 @dataclass
 class TrainConfig:
     # model and layout
-    model: str = "tiny"            # LlamaConfig preset: tiny | small | 1b | 8b | 70b
+    model: str = "tiny"            # preset of the default model (tiny | small | 1b | 8b | 70b) or MODEL:PRESET
     mesh: str = ""                 # "fsdp=2,tp=2" (may end in ",sp"); empty: fsdp over every process
     sp: bool = False               # sequence parallelism (activations sharded over tp along seq)
     # optimisation
@@ -57,7 +58,7 @@ class TrainConfig:
     ckpt_every: int = 0            # steps between checkpoints; 0: only at the end (and on SIGTERM/SIGINT)
     ckpt_keep: int = 3             # newest checkpoints kept; 0 keeps all
     resume: bool = False           # continue from ckpt_dir/latest when there is one
-    init_from_hf: str = ""         # Hugging Face Llama directory to initialise weights from
+    init_from_hf: str = ""         # Hugging Face directory to initialise weights from
     # metrics
     metrics: str = ""              # JSONL file, one line per step
     tensorboard: str = ""          # tensorboard log directory
@@ -76,9 +77,11 @@ class TrainConfig:
     def sequence_parallel(self) -> bool:
         return self.sp or "sp" in self._parse_mesh()[1]
 
+    def rules(self) -> Rules:
+        return Rules.default(sequence_parallel=self.sequence_parallel())
+
     def dp_size(self, world_size: int) -> int:
-        sizes = self.mesh_sizes(world_size)
-        return sizes.get("dp", 1) * sizes.get("fsdp", 1)
+        return self.rules().data_parallel_size(self.mesh_sizes(world_size))
 
     def micro_batch(self, world_size: int) -> int:
         """Sequences per rank per micro-batch."""
@@ -88,12 +91,11 @@ class TrainConfig:
         """Micro-batches the pipeline schedule splits each --grad-accum micro-batch into."""
         if self.microbatches:
             return self.microbatches
-        pp = self.mesh_sizes(world_size).get("pp", 1)
-        return pp * (2 if self.pp_schedule in ("interleaved-1f1b", "zero-bubble", "zbv") else 1)
+        return default_microbatches(self.pp_schedule, self.mesh_sizes(world_size).get("pp", 1))
 
     def model_config(self):
-        from models.llama import LlamaConfig
-        return LlamaConfig.preset(self.model, kernels=self.kernels)
+        """The registry's config for --model (`PRESET` of the default model, or `MODEL:PRESET`)."""
+        return models.preset(self.model, kernels=self.kernels)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -124,7 +126,7 @@ class TrainConfig:
         except ValueError:
             problems.append(f"--ac {self.ac!r} is not valid; use none, full, or selective:N with N >= 1 "
                             f"(checkpoint every N-th block)")
-        need(self.kernels in KERNELS, f"--kernels {self.kernels!r} is not one of {'|'.join(KERNELS)}; pick one "
+        need(self.kernels in IMPLS, f"--kernels {self.kernels!r} is not one of {'|'.join(IMPLS)}; pick one "
                                       f"(triton on CPU needs TRITON_INTERPRET=1)")
         need(not self.resume or self.ckpt_dir, "--resume needs --ckpt-dir DIR to resume from")
         need(not (self.ckpt_every and not self.ckpt_dir), "--ckpt-every needs --ckpt-dir DIR to write to")
@@ -134,11 +136,13 @@ class TrainConfig:
         for s in sizes.values():
             product *= s
         need(product == world_size,
-             f"--mesh {_fmt(sizes)} has {product} devices but {world_size} processes were started; make the "
+             f"--mesh {format_sizes(sizes)} has {product} devices but {world_size} processes were started; make the "
              f"product of the axis sizes equal the process count (e.g. --nproc-per-node {product})")
-        dp = sizes.get("dp", 1) * sizes.get("fsdp", 1)
+        rules = self.rules()
+        dp = rules.data_parallel_size(sizes)
         need(self.batch_size % (dp * self.grad_accum) == 0,
-             f"--batch-size {self.batch_size} must divide by the data-parallel size (dp*fsdp = {dp}) times "
+             f"--batch-size {self.batch_size} must divide by the data-parallel size "
+             f"({'*'.join(rules.batch_axes())} = {dp}) times "
              f"--grad-accum {self.grad_accum} = {dp * self.grad_accum}; use a batch size that is a multiple of "
              f"{dp * self.grad_accum}, e.g. {max(1, round(self.batch_size / (dp * self.grad_accum))) * dp * self.grad_accum}")
         tp = sizes.get("tp", 1)
@@ -151,8 +155,8 @@ class TrainConfig:
             except ValueError as e:
                 problems.append(f"--model: {e}")
         if model_cfg is not None:
-            heads = heads_problem(model_cfg, tp)
-            need(heads is None, f"--mesh {_fmt(sizes)}: {heads}")
+            problem = model_cfg.mesh_problem(sizes)
+            need(problem is None, f"--mesh {format_sizes(sizes)}: {problem}")
             need(self.seq_len <= model_cfg.max_seq_len,
                  f"--seq-len {self.seq_len} exceeds the model's max_seq_len {model_cfg.max_seq_len}; "
                  f"use --seq-len {model_cfg.max_seq_len} or less")
@@ -173,10 +177,6 @@ class TrainConfig:
 
 def _flag(name: str) -> str:
     return name.replace("_", "-")
-
-
-def _fmt(sizes: dict) -> str:
-    return ",".join(f"{k}={v}" for k, v in sizes.items())
 
 
 def _check_type(name: str, value, default, source: str):
@@ -221,13 +221,13 @@ def parser() -> argparse.ArgumentParser:
         argument_default=argparse.SUPPRESS)
     p.add_argument("--config", help="TOML file with the keys below (underscores: batch_size = 16)")
     helps = {
-        "model": "model preset: tiny|small|1b|8b|70b", "mesh": "mesh spec, e.g. fsdp=2,tp=2 (default: fsdp=N)",
+        "model": "model preset: tiny|small|1b|8b|70b (or MODEL:PRESET)", "mesh": "mesh spec, e.g. fsdp=2,tp=2 (default: fsdp=N)",
         "sp": "sequence parallelism", "steps": "optimizer steps", "batch_size": "global batch in sequences",
         "seq_len": "tokens per sequence", "grad_accum": "micro-batches per step", "lr": "peak learning rate",
         "warmup": "warmup steps", "dtype": "fp32|bf16|fp16", "ac": "none|full|selective:N",
         "data": "stdlib | PATH_OR_GLOB | FILE.bin", "tokenizer": "bytes | tokenizer.json",
         "ckpt_dir": "checkpoint directory", "ckpt_every": "checkpoint every N steps (0: at the end)",
-        "resume": "resume from CKPT_DIR/latest if present", "init_from_hf": "initialise from a HF Llama directory",
+        "resume": "resume from CKPT_DIR/latest if present", "init_from_hf": "initialise from a Hugging Face directory",
         "metrics": "JSONL metrics file", "tensorboard": "tensorboard log directory", "seed": "data/init seed",
         "pp_schedule": "gpipe|1f1b|interleaved-1f1b|zero-bubble|zbv", "microbatches": "pipeline micro-batches (0: 1 or 2 per pp rank)",
         "virtual_stages": "pipeline stages per pp rank",

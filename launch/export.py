@@ -1,4 +1,4 @@
-"""Export a training checkpoint to a Hugging Face Llama directory.
+"""Export a training checkpoint to a Hugging Face directory (for Llama: a LlamaForCausalLM).
 
     python -m launch.export --ckpt CKPT_DIR_OR_STEP_DIR --out HF_DIR [--dtype bf16] [--max-shard-size 5GB]
 
@@ -13,12 +13,11 @@ import sys
 
 import torch
 
+import models
 from spmd import checkpoint
+from spmd.layout.dtypes import DTYPES
 
 from .hf import save_hf
-
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
 
 def parse_size(text: str) -> int:
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]?i?B?)\s*", text, re.I)
@@ -43,23 +42,21 @@ class _CheckpointTensors(dict):
 
 
 def export(ckpt: str, out: str, dtype: str | None = None, max_shard_size: str = "5GB"):
-    from models.llama import LlamaConfig
     meta = checkpoint.read_meta(ckpt)
     if "model_config" not in meta:
         raise ValueError(f"{ckpt}: meta.json has no model_config; export needs a checkpoint written by launch.train")
-    fields = LlamaConfig.__dataclass_fields__
-    model_cfg = LlamaConfig(**{k: v for k, v in meta["model_config"].items() if k in fields})
-    if dtype is not None and dtype not in _DTYPES:
-        raise ValueError(f"--dtype {dtype!r} is not one of {tuple(_DTYPES)}")
+    model_cfg = models.config_from_dict(meta["model_config"], meta.get("model", models.DEFAULT))
+    if dtype is not None and dtype not in DTYPES:
+        raise ValueError(f"--dtype {dtype!r} is not one of {tuple(DTYPES)}")
     return save_hf(_CheckpointTensors(ckpt), model_cfg, out, parse_size(max_shard_size),
-                   _DTYPES[dtype] if dtype else None)
+                   DTYPES[dtype] if dtype else None)
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m launch.export", description=__doc__.splitlines()[0])
     p.add_argument("--ckpt", required=True, help="checkpoint dir (uses its 'latest') or a step-N dir")
     p.add_argument("--out", required=True, help="output directory for config.json + safetensors")
-    p.add_argument("--dtype", choices=tuple(_DTYPES), help="cast weights (default: as stored)")
+    p.add_argument("--dtype", choices=tuple(DTYPES), help="cast weights (default: as stored)")
     p.add_argument("--max-shard-size", default="5GB", help="split weights into files of at most this size")
     args = p.parse_args(argv)
     try:

@@ -1,114 +1,45 @@
-"""Hugging Face Llama interop: parameter names, config.json, and loading HF weights onto any mesh.
+"""Hugging Face interop for the registered models: config.json, and loading HF weights onto any mesh.
 
-Names (ours -> HF):
-    tok_embeddings.weight                        model.embed_tokens.weight
-    layers.N.attention.{wq,wk,wv,wo}.weight      model.layers.N.self_attn.{q,k,v,o}_proj.weight
-    layers.N.feed_forward.{w1,w2,w3}.weight      model.layers.N.mlp.{gate,down,up}_proj.weight
-    layers.N.{attention_norm,ffn_norm}.weight    model.layers.N.{input_layernorm,post_attention_layernorm}.weight
-    norm.weight                                  model.norm.weight
-    output.weight                                lm_head.weight (absent when embeddings are tied)
-Our RoPE uses HF's rotate-half layout, so q/k need no permutation.
-
-`load_hf(model, hf_dir)` fills the model's parameters (plain tensors or DTensors on any mesh) reading only
-the slice each rank holds; `save_hf(tensors, model_cfg, out_dir)` writes config.json + safetensors, sharded
-with `model.safetensors.index.json` past `max_shard_bytes`.
+Each model's names and config mapping live in its adapter (the registry's `hf` entry, e.g.
+models/llama_hf.py). `load_hf(model, hf_dir)` fills the model's parameters (plain tensors or DTensors on any
+mesh) reading only the slice each rank holds; `save_hf(tensors, model_cfg, out_dir)` writes config.json +
+safetensors, sharded with `model.safetensors.index.json` past `max_shard_bytes`.
 """
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+import models
 from spmd import checkpoint
 
-_LAYER = [
-    ("attention.wq.weight", "self_attn.q_proj.weight"),
-    ("attention.wk.weight", "self_attn.k_proj.weight"),
-    ("attention.wv.weight", "self_attn.v_proj.weight"),
-    ("attention.wo.weight", "self_attn.o_proj.weight"),
-    ("feed_forward.w1.weight", "mlp.gate_proj.weight"),
-    ("feed_forward.w2.weight", "mlp.down_proj.weight"),
-    ("feed_forward.w3.weight", "mlp.up_proj.weight"),
-    ("attention_norm.weight", "input_layernorm.weight"),
-    ("ffn_norm.weight", "post_attention_layernorm.weight"),
-]
-_TOP = [("tok_embeddings.weight", "model.embed_tokens.weight"), ("norm.weight", "model.norm.weight"),
-        ("output.weight", "lm_head.weight")]
-_TO_HF = dict(_LAYER)
-_FROM_HF = {v: k for k, v in _LAYER}
+__all__ = ["adapter", "config_from_hf", "load_hf", "save_hf"]
 
 
-def to_hf_name(name: str) -> str:
-    for ours, theirs in _TOP:
-        if name == ours:
-            return theirs
-    m = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
-    if m and m.group(2) in _TO_HF:
-        return f"model.layers.{m.group(1)}.{_TO_HF[m.group(2)]}"
-    raise KeyError(f"parameter {name!r} has no Hugging Face Llama name")
+def adapter(cfg):
+    """The Hugging Face adapter of a model config (its registry entry's `hf`)."""
+    hf = models.entry(cfg).hf
+    if hf is None:
+        raise ValueError(f"{type(cfg).__name__} has no Hugging Face adapter in the model registry")
+    return hf
 
 
-def from_hf_name(name: str) -> str:
-    for ours, theirs in _TOP:
-        if name == theirs:
-            return ours
-    m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
-    if m and m.group(2) in _FROM_HF:
-        return f"layers.{m.group(1)}.{_FROM_HF[m.group(2)]}"
-    raise KeyError(f"Hugging Face tensor {name!r} has no counterpart in models/llama.py")
-
-
-# ---------------------------------------------------------------------------------------------- config.json
-def hf_config(cfg, dtype: torch.dtype = torch.float32) -> dict:
-    """config.json for transformers' LlamaForCausalLM from a models.llama.LlamaConfig."""
-    dt = str(dtype).removeprefix("torch.")
-    return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "hidden_size": cfg.dim, "intermediate_size": cfg.ffn_dim, "num_hidden_layers": cfg.n_layers,
-        "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
-        "vocab_size": cfg.vocab_size, "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps,
-        "rope_theta": cfg.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-        "rope_scaling": None, "tie_word_embeddings": cfg.tie_embeddings, "hidden_act": "silu",
-        "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0, "initializer_range": 0.02,
-        "torch_dtype": dt, "dtype": dt,
-    }
-
-
-def llama_config_from_hf(hf: dict | str | Path):
-    """models.llama.LlamaConfig from an HF config.json (dict or path/dir); rejects what our model lacks."""
-    from models.llama import LlamaConfig
+def config_from_hf(hf: dict | str | Path):
+    """The model config of an HF config.json (dict or path/dir), by its model_type; rejects what the model lacks."""
     if not isinstance(hf, dict):
         path = Path(hf)
         path = path / "config.json" if path.is_dir() else path
         if not path.is_file():
-            raise ValueError(f"{path} does not exist; --init-from-hf needs a Hugging Face Llama directory "
+            raise ValueError(f"{path} does not exist; --init-from-hf needs a Hugging Face directory "
                              "with config.json and *.safetensors")
         hf = json.loads(path.read_text())
-    if hf.get("model_type") not in ("llama", None):
-        raise ValueError(f"model_type {hf.get('model_type')!r} is not 'llama'; only Llama checkpoints load")
-    rope = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling") or ({} if rope.get("rope_type", "default") == "default" else rope)
-    if scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
-        raise ValueError(f"rope scaling {scaling} is not implemented by models/llama.py; "
-                         "use a checkpoint with plain RoPE (no rope_scaling)")
-    unsupported = [k for k in ("attention_bias", "mlp_bias") if hf.get(k)]
-    if hf.get("hidden_act", "silu") != "silu":
-        unsupported.append(f"hidden_act={hf['hidden_act']}")
-    dim, heads = hf["hidden_size"], hf["num_attention_heads"]
-    if hf.get("head_dim") not in (None, dim // heads):
-        unsupported.append(f"head_dim={hf['head_dim']} != hidden_size/heads")
-    if unsupported:
-        raise ValueError(f"the Hugging Face config uses {unsupported}, which models/llama.py does not implement")
-    return LlamaConfig(dim=dim, n_layers=hf["num_hidden_layers"], n_heads=heads,
-                       n_kv_heads=hf.get("num_key_value_heads") or heads, vocab_size=hf["vocab_size"],
-                       ffn_dim=hf["intermediate_size"], max_seq_len=hf.get("max_position_embeddings", 2048),
-                       norm_eps=hf.get("rms_norm_eps", 1e-6),
-                       rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
-                       tie_embeddings=bool(hf.get("tie_word_embeddings", False)))
+    known = [e.hf for e in models.MODELS.values() if e.hf is not None]
+    match = next((a for a in known if a.MODEL_TYPE == hf.get("model_type")), models.entry(models.DEFAULT).hf)
+    return match.config_from_hf(hf)
 
 
 # ---------------------------------------------------------------------------------------------- weights
@@ -125,12 +56,13 @@ def _weight_map(hf_dir: Path) -> dict[str, str]:
 
 
 def load_hf(model: torch.nn.Module, hf_dir: str | Path, strict: bool = True) -> list[str]:
-    """Fill `model`'s parameters from a Hugging Face Llama directory; returns the HF names read.
+    """Fill `model`'s parameters from a Hugging Face directory; returns the HF names read.
 
     Works on any mesh: each rank reads only the slice of each tensor its (DTensor) parameters hold. An
     untied model loading a tied checkpoint takes `lm_head` from `embed_tokens`.
     """
     hf_dir = Path(hf_dir)
+    hf = adapter(model.cfg)
     weights = _weight_map(hf_dir)
     files: dict[str, object] = {}
 
@@ -141,9 +73,9 @@ def load_hf(model: torch.nn.Module, hf_dir: str | Path, strict: bool = True) -> 
 
     read, missing = [], []
     for name, target in checkpoint.model_state(model).items():
-        key = to_hf_name(name)
-        if key not in weights and key == "lm_head.weight":
-            key = "model.embed_tokens.weight"  # tied in the checkpoint, untied here
+        key = hf.to_hf_name(name)
+        if key not in weights and key in hf.TIED_SOURCE:
+            key = hf.TIED_SOURCE[key]  # tied in the checkpoint, untied here
         if key not in weights:
             missing.append(key)
             continue
@@ -153,12 +85,11 @@ def load_hf(model: torch.nn.Module, hf_dir: str | Path, strict: bool = True) -> 
                              open_file, shape, name=f"{key} -> {name}")
         read.append(key)
     if strict:
-        used = set(read) | ({"lm_head.weight"} if "lm_head.weight" in weights and
-                            getattr(getattr(model, "cfg", None), "tie_embeddings", False) else set())
+        used = set(read) | {hf.to_hf_name(n) for n in hf.tied(model.cfg)}
         unused = [k for k in weights if k not in used and not k.endswith("rotary_emb.inv_freq")]
         if missing or unused:
             raise KeyError(f"{hf_dir} does not match the model: missing {missing[:8]}, unused {unused[:8]}; "
-                           "build the model from the directory's config.json (launch.hf.llama_config_from_hf)")
+                           "build the model from the directory's config.json (launch.hf.config_from_hf)")
     return read
 
 
@@ -171,8 +102,9 @@ def save_hf(tensors, model_cfg, out_dir: str | Path, max_shard_bytes: int = 5 * 
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    hf = adapter(model_cfg)
     fetch = getattr(tensors, "fetch", None) or tensors.__getitem__
-    names = [n for n in tensors if not (model_cfg.tie_embeddings and n == "output.weight")]
+    names = [n for n in tensors if n not in hf.tied(model_cfg)]
     sizes = {}
     for n in names:
         shape, dt = (tensors[n].shape, tensors[n].dtype) if isinstance(tensors[n], torch.Tensor) else tensors[n]
@@ -187,15 +119,15 @@ def save_hf(tensors, model_cfg, out_dir: str | Path, max_shard_bytes: int = 5 * 
     groups.append(current)
     out_dtype = dtype or next((tensors[n].dtype if isinstance(tensors[n], torch.Tensor) else tensors[n][1])
                               for n in names)
-    (out / "config.json").write_text(json.dumps(hf_config(model_cfg, out_dtype), indent=2))
+    (out / "config.json").write_text(json.dumps(hf.hf_config(model_cfg, out_dtype), indent=2))
     written, weight_map = [], {}
     for i, group in enumerate(groups):
         fname = "model.safetensors" if len(groups) == 1 else f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
         shard = {}
         for n in group:
             t = fetch(n).detach().to("cpu")
-            shard[to_hf_name(n)] = (t.to(dtype) if dtype else t).contiguous()
-            weight_map[to_hf_name(n)] = fname
+            shard[hf.to_hf_name(n)] = (t.to(dtype) if dtype else t).contiguous()
+            weight_map[hf.to_hf_name(n)] = fname
         save_file(shard, str(out / fname), metadata={"format": "pt"})
         written.append(out / fname)
     if len(groups) > 1:

@@ -1,11 +1,11 @@
 """Per-step metrics: FLOPs per token, MFU, a rank-0 progress bar, a JSONL file and optional tensorboard.
 
-FLOPs per token = 6 * N_non_embedding + 12 * L * H * Q * T (DESIGN.md: no recompute, no causal discount;
-L layers, H heads, Q head dim, T sequence length). MFU = tokens/s * FLOPs per token / (peak * devices).
+FLOPs per token are the model's own count (its config's `flops_per_token`; for Llama 6 * N_non_embedding +
+12 * L * H * Q * T). MFU = tokens/s * FLOPs per token / (peak * devices).
 
-Peak FLOP/s per device: a table of dense tensor-core peaks for known GPUs (H100/H200 SXM bf16 989e12,
-A100 312e12, ...; fp32 uses the TF32 figure when `torch.backends.cuda.matmul.allow_tf32` is on, else the
-plain fp32 one). Anywhere else (CPU, unknown GPUs) the peak is the best GEMM FLOP/s measured on this
+Peak FLOP/s per device: spmd's device table of dense tensor-core peaks for known GPUs (H100/H200 SXM bf16
+989e12, A100 312e12, ...; fp32 uses the TF32 figure when `torch.backends.cuda.matmul.allow_tf32` is on, else
+the plain fp32 one). Anywhere else (CPU, unknown GPUs) the peak is the best GEMM FLOP/s measured on this
 machine at this dtype and thread count, measured once and cached in `<cache>/peak_flops.json`
 ($SPMD_CACHE_DIR or ~/.cache/spmd). On CPU a "device" is one process with its torch thread count.
 
@@ -22,27 +22,18 @@ import os
 import platform
 import resource
 import sys
-import time
 from pathlib import Path
 
 import torch
 
-KEYS = ("step", "loss", "grad_norm", "lr", "tokens_per_s", "mfu", "step_time_s", "peak_mem_bytes", "comm_bytes")
+from spmd.analysis.devices import gpu_peaks, measure_gemm_flops
+from spmd.layout.dtypes import DTYPES
 
-# (name fragment, {dtype: dense peak FLOP/s}); the first fragment found in the device name wins
-GPU_PEAKS = [
-    ("H200", {"bf16": 989e12, "fp16": 989e12, "tf32": 494.5e12, "fp32": 67e12}),
-    ("H100 PCIe", {"bf16": 756e12, "fp16": 756e12, "tf32": 378e12, "fp32": 51e12}),
-    ("H100", {"bf16": 989e12, "fp16": 989e12, "tf32": 494.5e12, "fp32": 67e12}),  # SXM
-    ("A100", {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12, "fp32": 19.5e12}),
-    ("L40S", {"bf16": 362e12, "fp16": 362e12, "tf32": 183e12, "fp32": 91.6e12}),
-]
-_TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+KEYS = ("step", "loss", "grad_norm", "lr", "tokens_per_s", "mfu", "step_time_s", "peak_mem_bytes", "comm_bytes")
 
 
 def flops_per_token(model_cfg, seq_len: int) -> int:
-    L, H, Q = model_cfg.n_layers, model_cfg.n_heads, model_cfg.head_dim
-    return 6 * model_cfg.num_params(non_embedding=True) + 12 * L * H * Q * seq_len
+    return model_cfg.flops_per_token(seq_len)
 
 
 def _cache_file() -> Path:
@@ -60,38 +51,17 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def measure_gemm_flops(dtype: torch.dtype = torch.float32, device: str = "cpu", budget_s: float = 1.0) -> float:
-    """Best FLOP/s of square matmuls (n = 256..2048) on `device`, within about `budget_s` seconds."""
-    best = 0.0
-    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
-    sizes = (256, 512, 1024, 2048) if device.startswith("cuda") or dtype == torch.float32 else (256, 512)
-    per_size = budget_s / len(sizes)
-    for n in sizes:
-        a = torch.randn(n, n, device=device).to(dtype)
-        b = torch.randn(n, n, device=device).to(dtype)
-        torch.mm(a, b)
-        sync()
-        t_end = time.perf_counter() + per_size
-        while time.perf_counter() < t_end:
-            t0 = time.perf_counter()
-            torch.mm(a, b)
-            sync()
-            dt = time.perf_counter() - t0
-            best = max(best, 2 * n ** 3 / dt)
-    return best
-
-
 def peak_flops(dtype: str = "fp32", device: str | torch.device = "cpu") -> tuple[float, str]:
     """(peak FLOP/s per device, where the number came from)."""
-    if dtype not in _TORCH_DTYPES:
-        raise ValueError(f"dtype {dtype!r} is not one of {tuple(_TORCH_DTYPES)}")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not one of {tuple(DTYPES)}")
     device = torch.device(device)
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         key = "tf32" if dtype == "fp32" and torch.backends.cuda.matmul.allow_tf32 else dtype
-        for fragment, peaks in GPU_PEAKS:
-            if fragment in name:
-                return peaks[key], f"table: {fragment} {key}"
+        known = gpu_peaks(name)
+        if known is not None:
+            return known[1][key], f"table: {known[0]} {key}"
     else:
         name = f"{cpu_name()} x{torch.get_num_threads()} threads"
     key = f"{name}|{dtype}|torch {torch.__version__.split('+')[0]}"
@@ -101,7 +71,7 @@ def peak_flops(dtype: str = "fp32", device: str | torch.device = "cpu") -> tuple
         fcntl.flock(lock, fcntl.LOCK_EX)  # one process measures while the others wait
         cache = json.loads(path.read_text()) if path.is_file() else {}
         if key not in cache:
-            cache[key] = measure_gemm_flops(_TORCH_DTYPES[dtype], str(device))
+            cache[key] = measure_gemm_flops(DTYPES[dtype], str(device))
             tmp = path.with_suffix(f".tmp{os.getpid()}")
             tmp.write_text(json.dumps(cache, indent=1, sort_keys=True))
             os.replace(tmp, path)

@@ -33,16 +33,17 @@ import time
 import torch
 import torch.distributed as dist
 
+import models
 import spmd
 from spmd import checkpoint
 from spmd.analysis.record import CollectiveRecorder
+from spmd.layout.dtypes import DTYPES
 
 from . import schedule
 from .config import TrainConfig, load_config
 from .data import build_loader
 from .metrics import MetricsLogger, flops_per_token, peak_flops, peak_mem_bytes
 
-_TORCH_DTYPE = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 # --------------------------------------------------------------------------------------------- pieces
@@ -114,32 +115,30 @@ def _world() -> tuple[int, int, int]:
 def build_model(cfg: TrainConfig, model_cfg, world: int, device: torch.device):
     """(model, mesh, dp_rank, dp_size, pipe). World 1: plain PyTorch, no process group. With a pp axis,
     `pipe` is the spmd.Pipeline running this rank's stages and `model` holds their parameters."""
-    from models.llama import Llama
     sizes = cfg.mesh_sizes(world)
+    param_dtype = None if cfg.dtype == "fp32" else DTYPES[cfg.dtype]
     # on a mesh the model is built on the meta device and each rank materialises only its shards (of its
     # pipeline stages), one full tensor at a time, with the values a one-device build has
     torch.manual_seed(cfg.seed)
     with torch.device("meta" if world > 1 else device):
-        model = Llama(model_cfg)
+        model = model_cfg.build()
     if world == 1:
         return model, None, 0, 1, None
     mesh = spmd.make_mesh(sizes, device_type=device.type)
-    rules = spmd.Rules.default(sequence_parallel=cfg.sequence_parallel())
+    rules = cfg.rules()
     pipe = None
     if sizes.get("pp", 1) > 1:
         with torch.device(device):
             pipe = spmd.build_pipeline(model, mesh, rules, schedule=cfg.pp_schedule,
                                        microbatches=cfg.pipeline_microbatches(world),
-                                       virtual_stages=cfg.virtual_stages, param_dtype=_TORCH_DTYPE[cfg.dtype],
+                                       virtual_stages=cfg.virtual_stages, param_dtype=param_dtype,
                                        ac=cfg.ac, param_init=model.initializer(cfg.seed))
         mesh, model = pipe.mesh, pipe.module
     else:
         with torch.device(device):
-            spmd.parallelize(model, mesh, rules, param_dtype=_TORCH_DTYPE[cfg.dtype],
+            spmd.parallelize(model, mesh, rules, param_dtype=param_dtype,
                              param_init=model.initializer(cfg.seed))
-    coord = dict(zip(mesh.mesh_dim_names, mesh.get_coordinate()))
-    dp_rank = coord.get("dp", 0) * sizes.get("fsdp", 1) + coord.get("fsdp", 0)  # batch -> (dp, fsdp)
-    return model, mesh, dp_rank, cfg.dp_size(world), pipe
+    return model, mesh, rules.data_parallel_rank(mesh), rules.data_parallel_size(mesh), pipe
 
 
 def _stop_everywhere(flag: bool, device) -> bool:
@@ -155,8 +154,8 @@ def train(cfg: TrainConfig, log=True) -> list[dict]:
     """Runs the training loop described in the module docstring; returns rank's metric rows."""
     rank, world, local_rank = _world()
     if cfg.init_from_hf:
-        from .hf import llama_config_from_hf
-        model_cfg = llama_config_from_hf(cfg.init_from_hf)
+        from .hf import config_from_hf
+        model_cfg = config_from_hf(cfg.init_from_hf)
         model_cfg.kernels = cfg.kernels
     else:
         model_cfg = cfg.model_config()
@@ -232,7 +231,7 @@ def train(cfg: TrainConfig, log=True) -> list[dict]:
                             / len(micro)
                         continue
                     sync = contextlib.nullcontext() if (last or mesh is None) else spmd.no_sync(model)
-                    amp = torch.autocast(device.type, dtype=_TORCH_DTYPE[cfg.dtype]) if single_autocast \
+                    amp = torch.autocast(device.type, dtype=DTYPES[cfg.dtype]) if single_autocast \
                         else contextlib.nullcontext()
                     with sync, amp:
                         loss = model(x, y) / len(micro)
@@ -264,6 +263,7 @@ def train(cfg: TrainConfig, log=True) -> list[dict]:
                 path = checkpoint.save(cfg.ckpt_dir, step, checkpoint.model_state(model),
                                        checkpoint.optim_state(model, opt),
                                        meta={"config": cfg.to_dict(), "model_config": model_cfg.to_dict(),
+                                             "model": models.entry(model_cfg).name,
                                              "data": loader.state_dict(), "loss_scale": scaler.state_dict(),
                                              "mesh": cfg.mesh_sizes(world)},
                                        keep=cfg.ckpt_keep or None)

@@ -42,6 +42,24 @@ class LlamaConfig:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def build(self) -> "Llama":
+        return Llama(self)
+
+    def flops_per_token(self, seq_len: int) -> int:
+        """6 N_non_embedding + 12 L H Q T: no recompute, no causal discount (L layers, H heads, Q head dim)."""
+        return 6 * self.num_params(non_embedding=True) + 12 * self.n_layers * self.n_heads * self.head_dim * seq_len
+
+    def mesh_problem(self, sizes: dict) -> str | None:
+        """Why a mesh of these axis sizes cannot lay this model out, or None. Tensor parallelism gives every
+        rank whole heads; a tp that splits a head would fail deep inside DTensor's view propagation."""
+        tp = sizes.get("tp", 1)
+        counts = {"n_heads": self.n_heads, "n_kv_heads": self.n_kv_heads}
+        if tp <= 1 or all(n % tp == 0 for n in counts.values()):
+            return None
+        fits = [d for d in range(1, max(counts.values()) + 1) if all(n % d == 0 for n in counts.values())]
+        return (f"tp={tp} would split attention heads ({', '.join(f'{a}={n}' for a, n in counts.items())}); "
+                f"tensor parallelism shards whole heads: use tp in {fits}")
+
     def num_params(self, non_embedding: bool = False) -> int:
         d, hd = self.dim, self.head_dim
         attn = d * hd * (2 * self.n_heads + 2 * self.n_kv_heads)

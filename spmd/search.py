@@ -4,6 +4,8 @@ and its command line:
     python -m spmd.search --model 8b --world 64 --device h100
 """
 import argparse
+import importlib
+import json
 import os
 import sys
 
@@ -17,7 +19,9 @@ __all__ = ["search", "main", "Row", "SearchResult", "candidate_specs", "flops_pe
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m spmd.search", description=sys.modules["spmd.analysis.search"].__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="8b", help="LlamaConfig preset: tiny|small|1b|8b|70b")
+    ap.add_argument("--model", default="8b", help="PRESET of the registry's default model (Llama: "
+                    "tiny|small|1b|8b|70b) or MODEL:PRESET")
+    ap.add_argument("--registry", default="models", help="the module whose preset(name) gives model configs")
     ap.add_argument("--world", type=int, default=64, help="number of devices")
     ap.add_argument("--device", default="h100", help="h100|h200|a100|cpu")
     ap.add_argument("--batch", type=int, default=None, help="global batch in sequences (default: world)")
@@ -29,14 +33,12 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default="", help="also write the rows to this JSON file")
     ap.add_argument("--workers", type=int, default=min(os.cpu_count() or 1, 8), help="planning processes")
     a = ap.parse_args(argv)
-    from models.llama import LlamaConfig
-    cfg = LlamaConfig.preset(a.model)
+    cfg = importlib.import_module(a.registry).preset(a.model)  # models are named, never imported, by spmd
     seq = a.seq or min(cfg.max_seq_len, 4096)
     rows = search(cfg, a.world, a.device, None if a.budget_gib is None else a.budget_gib * 2**30,
                   (a.batch or a.world, seq), a.dtype, a.top, a.overlap, workers=a.workers)
     print(rows.table())
     if a.json:
-        import json
         with open(a.json, "w") as f:
             json.dump(rows.to_dict(), f, indent=1)
     return 0

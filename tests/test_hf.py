@@ -11,6 +11,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from launch import hf
+from models import llama_hf
 from models.llama import Llama, LlamaConfig
 from spmd import checkpoint
 from dist_utils import run_distributed
@@ -39,11 +40,11 @@ def _hf_logits(hf_dir, tokens):
 def test_names_round_trip():
     model = _model(tied=False)
     names = [n for n, _ in model.named_parameters()]
-    hf_names = [hf.to_hf_name(n) for n in names]
+    hf_names = [llama_hf.to_hf_name(n) for n in names]
     assert "model.layers.1.self_attn.k_proj.weight" in hf_names and "lm_head.weight" in hf_names
-    assert [hf.from_hf_name(n) for n in hf_names] == names
+    assert [llama_hf.from_hf_name(n) for n in hf_names] == names
     with pytest.raises(KeyError, match="no Hugging Face Llama name"):
-        hf.to_hf_name("layers.0.attention.rotary.weight")
+        llama_hf.to_hf_name("layers.0.attention.rotary.weight")
 
 
 @pytest.mark.parametrize("tied", [False, True])
@@ -68,7 +69,7 @@ def test_export_matches_transformers_logits(tmp_path, tied):
     torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-5)
 
     # and back: a fresh model loads the HF directory exactly
-    assert hf.llama_config_from_hf(out) == LlamaConfig(**{**model.cfg.to_dict(), "kernels": "auto"})
+    assert hf.config_from_hf(out) == LlamaConfig(**{**model.cfg.to_dict(), "kernels": "auto"})
     fresh = _model(tied, seed=1)
     hf.load_hf(fresh, out)
     for (n, a), (_, b) in zip(model.named_parameters(), fresh.named_parameters()):
@@ -88,7 +89,7 @@ def test_untied_model_from_tied_checkpoint_and_errors(tmp_path):
         hf.load_hf(untied, tmp_path / "nowhere")
     config = json.loads((tmp_path / "config.json").read_text())
     with pytest.raises(ValueError, match="rope scaling"):
-        hf.llama_config_from_hf({**config, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}})
+        hf.config_from_hf({**config, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}})
 
 
 def _load_hf_sharded(rank, world, hf_dir):

@@ -1,4 +1,8 @@
-"""A small table of accelerators for `spmd.search`: peak FLOP/s, memory, link bandwidths and latencies.
+"""The table of accelerators: dense peak FLOP/s per dtype (read by `spmd.search` and by launch's MFU), memory,
+link bandwidths and latencies, and the GEMM probe that measures a peak where the table has none.
+
+Peaks are dense tensor-core figures; fp32 matmuls run as TF32 where `torch.backends.cuda.matmul.allow_tf32`
+is on (the search assumes it is), else at the plain fp32 figure.
 
 Bandwidths are what a rank can push through one link in one direction with a ring collective (NCCL bus
 bandwidth as measured by nccl-tests, a little under the nominal figure), in bytes/s, so that a collective's
@@ -21,6 +25,24 @@ from dataclasses import dataclass
 
 import torch
 
+from ..layout.dtypes import dtype_name
+
+__all__ = ["Device", "GPU_PEAKS", "gpu_peaks", "DEVICES", "measure_gemm_flops", "cpu_device", "get_device"]
+
+# (name fragment, {dtype: dense peak FLOP/s}); the first fragment found in a device name wins
+GPU_PEAKS = [
+    ("H200", {"bf16": 989e12, "fp16": 989e12, "tf32": 494.5e12, "fp32": 67e12}),
+    ("H100 PCIe", {"bf16": 756e12, "fp16": 756e12, "tf32": 378e12, "fp32": 51e12}),
+    ("H100", {"bf16": 989e12, "fp16": 989e12, "tf32": 494.5e12, "fp32": 67e12}),  # SXM
+    ("A100", {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12, "fp32": 19.5e12}),
+    ("L40S", {"bf16": 362e12, "fp16": 362e12, "tf32": 183e12, "fp32": 91.6e12}),
+]
+
+
+def gpu_peaks(name: str) -> tuple[str, dict] | None:
+    """(fragment, peaks) of the first GPU_PEAKS entry whose fragment is in the device name `name`."""
+    return next(((f, peaks) for f, peaks in GPU_PEAKS if f in name), None)
+
 
 @dataclass(frozen=True)
 class Device:
@@ -35,8 +57,10 @@ class Device:
     efficiency: float = 0.5   # fraction of peak reached by the step's compute
     shared_memory: bool = False  # CPU: all processes share memory_bytes
 
-    def peak(self, dtype: str) -> float:
-        key = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(dtype, dtype)
+    def peak(self, dtype) -> float:
+        key = dtype_name(dtype)
+        if key == "fp32" and "tf32" in self.peak_flops:
+            key = "tf32"
         return self.peak_flops.get(key) or self.peak_flops["fp32"]
 
     def memory_per_rank(self, world: int) -> float:
@@ -46,13 +70,12 @@ class Device:
         return dataclasses.replace(self, **changes)
 
 
-# fp32 entries assume TF32 matmuls (PyTorch's default for cuDNN; `torch.backends.cuda.matmul.allow_tf32`)
 DEVICES = {
-    "h100": Device("H100 SXM 80GB", {"bf16": 989e12, "fp16": 989e12, "fp32": 494.5e12}, 80e9,
+    "h100": Device("H100 SXM 80GB", gpu_peaks("H100")[1], 80e9,
                    intra_bw=360e9, inter_bw=45e9, intra_latency=15e-6, inter_latency=30e-6),
-    "h200": Device("H200 SXM 141GB", {"bf16": 989e12, "fp16": 989e12, "fp32": 494.5e12}, 141e9,
+    "h200": Device("H200 SXM 141GB", gpu_peaks("H200")[1], 141e9,
                    intra_bw=360e9, inter_bw=45e9, intra_latency=15e-6, inter_latency=30e-6),
-    "a100": Device("A100 SXM 80GB", {"bf16": 312e12, "fp16": 312e12, "fp32": 156e12}, 80e9,
+    "a100": Device("A100 SXM 80GB", gpu_peaks("A100")[1], 80e9,
                    intra_bw=230e9, inter_bw=22e9, intra_latency=15e-6, inter_latency=30e-6),
 }
 
@@ -62,23 +85,31 @@ CPU_LATENCY = 150e-6
 _measured: dict = {}
 
 
-def measure_gemm_flops(dtype: torch.dtype = torch.float32, threads: int | None = None, budget_s: float = 0.6) -> float:
-    """Best FLOP/s of square fp32/bf16 matmuls (n = 256..1024) on this CPU with `threads` threads."""
-    key = (dtype, threads)
+def measure_gemm_flops(dtype: torch.dtype = torch.float32, device: str = "cpu", budget_s: float = 1.0,
+                       threads: int | None = None, sizes=None) -> float:
+    """Best FLOP/s of square matmuls on `device` (with `threads` CPU threads), within about `budget_s` seconds;
+    n = 256..2048 on CUDA and for fp32, 256..512 for reduced precision on CPU, unless `sizes` says."""
+    key = (dtype, str(device), threads, tuple(sizes or ()))
     if key in _measured:
         return _measured[key]
+    cuda = str(device).startswith("cuda")
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    sizes = sizes or ((256, 512, 1024, 2048) if cuda or dtype == torch.float32 else (256, 512))
     old = torch.get_num_threads()
     if threads:
         torch.set_num_threads(threads)
     try:
         best = 0.0
-        for n in (256, 512, 1024):
-            a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+        for n in sizes:
+            a = torch.randn(n, n, device=device).to(dtype)
+            b = torch.randn(n, n, device=device).to(dtype)
             torch.mm(a, b)
-            end = time.perf_counter() + budget_s / 3
+            sync()
+            end = time.perf_counter() + budget_s / len(sizes)
             while time.perf_counter() < end:
                 t0 = time.perf_counter()
                 torch.mm(a, b)
+                sync()
                 best = max(best, 2 * n ** 3 / (time.perf_counter() - t0))
     finally:
         torch.set_num_threads(old)
@@ -91,7 +122,7 @@ def cpu_device(world: int = 1, threads_per_rank: int = 1, peak_per_thread: float
     """This machine as a device for `world` processes of `threads_per_rank` threads each (torchrun's default
     is 1). When the processes want more threads than there are cores, each gets its share."""
     cores = os.cpu_count() or 1
-    per_thread = peak_per_thread or measure_gemm_flops(torch.float32, threads=1)
+    per_thread = peak_per_thread or measure_gemm_flops(torch.float32, threads=1, budget_s=0.6, sizes=(256, 512, 1024))
     share = min(1.0, cores / max(1, world * threads_per_rank))
     peak = per_thread * threads_per_rank * share
     try:

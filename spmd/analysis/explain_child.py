@@ -7,6 +7,8 @@ import torch
 
 from spmd.analysis.explain import dry_run
 
+__all__: list[str] = []  # run as a program
+
 if __name__ == "__main__":
     model, rules, sizes, batch_shape, dtype, optimizer, *pipeline = torch.load(sys.argv[1], weights_only=False)
     plan = dry_run(model, rules, sizes, batch_shape, dtype, optimizer, *pipeline)

@@ -54,6 +54,29 @@ def explain_pipeline(model, rules, mesh, batch_shape, dtype, optimizer, fake, sc
     tokens = (mb_global[0] // n_dp,) + mb_global[1:]
 
     fake_model = fake_copy(model, fake)
+    runs, decisions, saved = _run_stages(split, fake_model, stage_mesh, rules, param_dtype, fake, tokens, hidden,
+                                         hidden_dtype, m)
+
+    ranks = []
+    for r in range(pp):
+        mine = split.stages_of_rank(r)
+        records = []
+        for info in mine:
+            records += runs[info.index][False] * (m - 1) + runs[info.index].get(True, [])
+            records += _p2p(split, info, m, hidden_bytes, hidden, hidden_dtype)
+        in_flight = m if schedule == "gpipe" else min(m, pp)
+        local = LocalModel(fake_model, split, [s.index for s in mine])
+        memory = memory_per_rank(local, optimizer, in_flight * sum(saved[s.index] for s in mine))
+        ranks.append({"rank": r, "stages": [s.index for s in mine], "records": records, "memory": memory,
+                      "comm_bytes_per_step": sum(c.bytes for c in records)})
+    worst = max(ranks, key=lambda x: x["memory"]["total"])
+    section = _section(split, schedule, pp, m, v, hidden_bytes, hidden, runs, ranks, worst)
+    return worst["records"], decisions, worst["memory"], section
+
+
+def _run_stages(split, fake_model, stage_mesh, rules, param_dtype, fake, tokens, hidden, hidden_dtype, m):
+    """Each stage laid out and run for one micro-batch, with gradient reduction off and on: ({stage: {sync:
+    records}}, decisions, {stage: bytes autograd saved})."""
     runs, decisions, saved = {}, [], {}
     for info in split.stages:
         with fake:
@@ -77,21 +100,12 @@ def explain_pipeline(model, rules, mesh, batch_shape, dtype, optimizer, fake, sc
             saved[info.index] = sum(seen.values())
         state.sync = True
         decisions.extend(state.decisions.values())
+    return runs, decisions, saved
 
-    ranks = []
-    for r in range(pp):
-        mine = split.stages_of_rank(r)
-        records = []
-        for info in mine:
-            records += runs[info.index][False] * (m - 1) + runs[info.index].get(True, [])
-            records += _p2p(split, info, m, hidden_bytes, hidden, hidden_dtype)
-        in_flight = m if schedule == "gpipe" else min(m, pp)
-        local = LocalModel(fake_model, split, [s.index for s in mine])
-        memory = memory_per_rank(local, optimizer, in_flight * sum(saved[s.index] for s in mine))
-        ranks.append({"rank": r, "stages": [s.index for s in mine], "records": records, "memory": memory,
-                      "comm_bytes_per_step": sum(c.bytes for c in records)})
-    worst = max(ranks, key=lambda x: x["memory"]["total"])
-    section = {
+
+def _section(split, schedule, pp, m, v, hidden_bytes, hidden, runs, ranks, worst) -> dict:
+    """The `pipeline` section of the plan."""
+    return {
         "schedule": schedule, "pp": pp, "microbatches": m, "virtual_stages": v,
         "bubble": bubble_fraction(schedule, pp, m, v), "split_cost": split.cost,
         "imbalance": split.imbalance(), "imbalance_flops": split.imbalance("flops"),
@@ -105,7 +119,6 @@ def explain_pipeline(model, rules, mesh, batch_shape, dtype, optimizer, fake, sc
                   for x in ranks],
         "reported_rank": worst["rank"], "block_path": split.block_path, "pre": split.pre, "post": split.post,
     }
-    return worst["records"], decisions, worst["memory"], section
 
 
 def _p2p(split, info, m, nbytes, shape, dtype):

@@ -1,6 +1,6 @@
 """`spmd.search(model, world_size, device="h100")`: which spec to run, ranked by predicted step time.
 
-    rows = spmd.search(LlamaConfig.preset("8b"), 64, device="h100", batch_shape=(64, 4096))
+    rows = spmd.search(LlamaConfig.preset("8b"), 64, device="h100", batch_shape=(64, 4096))  # or an nn.Module
     print(rows.table())                      # or: python -m spmd.search --model 8b --world 64 --device h100
 
 1. Enumerate the meshes of the world size: every dp x fsdp x tp = world (tp at most one node, 8 devices),
@@ -12,15 +12,16 @@
 3. Drop the specs that do not fit the memory budget (default 90% of the device's memory: the rest is for
    the transient gathered parameters, workspaces and the allocator) or do not divide (batch, heads, ...).
 4. Rank the rest by predicted step time:
-       compute   = FLOPs per rank / (peak FLOP/s x efficiency), FLOPs = 6 N_non_embedding + 12 L H Q T per
-                   token (DESIGN.md), the same for every spec;
+       compute   = FLOPs per rank / (peak FLOP/s x efficiency), FLOPs per token as the model's config counts
+                   them (Llama: 6 N_non_embedding + 12 L H Q T), the same for every spec;
        each collective = latency + bytes / bandwidth of its link: within a node (NVLink) when the ranks of
                    its mesh axis sit in one node of 8 (tp is innermost, then fsdp, then dp), else across
                    nodes (InfiniBand);
        overlap   = a fraction `overlap` (0..1) of the parameter traffic (FSDP gathers, gradient
                    reductions) hides behind compute; activation traffic (TP/SP) is on the critical path.
-                   spmd's eager step waits for every collective where it is issued, so the default is 0;
-                   1 models a runtime that prefetches parameters and reduces gradients in the background;
+                   The default 0 puts all of it on the critical path, an upper bound: eager spmd issues
+                   each block's gather while the block before computes, which hides part of it;
+                   1 models a runtime that hides all parameter traffic behind compute;
        step      = compute + activation comm + parameter comm - min(parameter comm, compute) x overlap.
 """
 from __future__ import annotations
@@ -32,9 +33,13 @@ from dataclasses import dataclass, field, asdict
 import torch.nn as nn
 
 from ..layout.mesh import MESH_AXES, parse_spec
-from ..layout.rules import Rules, heads_problem
+from ..layout.rules import Rules
 from .devices import Device, get_device
-from .summaries import Summary, _as_model, frozen, model_state_bytes, plan_all
+from .summaries import Summary, as_model, frozen, model_state_bytes, plan_all
+
+__all__ = ["Row", "SearchResult", "candidate_specs", "spec_name", "links", "flops_per_token", "predict", "search",
+           "model_state_bytes"]
+
 
 @dataclass
 class Row:
@@ -136,12 +141,18 @@ def links(sizes: dict, per_node: int) -> dict:
 
 # ------------------------------------------------------------------------------------------ the model
 def flops_per_token(model: nn.Module, seq: int) -> float:
-    """DESIGN.md's 6 N_non_embedding + 12 L H Q T when the model carries a Llama-like `cfg`, else 6 N_non_embedding."""
+    """The model config's own count (`cfg.flops_per_token(seq)`) where it has one, else 6 N_non_embedding."""
     cfg = getattr(model, "cfg", None)
-    if cfg is not None and all(hasattr(cfg, a) for a in ("n_layers", "n_heads", "dim")) and hasattr(cfg, "num_params"):
-        return 6 * cfg.num_params(non_embedding=True) + 12 * cfg.n_layers * cfg.n_heads * (cfg.dim // cfg.n_heads) * seq
+    if hasattr(cfg, "flops_per_token"):
+        return cfg.flops_per_token(seq)
     emb = {id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
     return 6 * sum(p.numel() for p in model.parameters() if id(p) not in emb)
+
+
+def _mesh_problem(model: nn.Module, sizes: dict) -> str | None:
+    """Why the model says a mesh cannot lay it out (its config's `mesh_problem`), or None."""
+    check = getattr(getattr(model, "cfg", None), "mesh_problem", None)
+    return check(sizes) if check is not None else None
 
 
 # ------------------------------------------------------------------------------------------ the search
@@ -165,7 +176,8 @@ def search(model, world_size: int, device="h100", memory_budget_bytes: float | N
            batch_shape=None, dtype: str = "bf16", top: int | None = None, overlap: float = 0.0,
            max_tp: int | None = None, sequence_parallel=(False, True), specs=None,
            workers: int | None = None) -> SearchResult:
-    """Ranks the specs of `world_size` ranks for `model` (an nn.Module, or a LlamaConfig) by predicted step time.
+    """Ranks the specs of `world_size` ranks for `model` by predicted step time. `model`: an nn.Module (the
+    meta device will do), or a model config with `build()` (e.g. a LlamaConfig).
 
     `device`: "h100" | "h200" | "a100" | "cpu" or a `spmd.analysis.devices.Device`. `memory_budget_bytes`: per rank
     (default 90% of the device's memory). `batch_shape`: global (batch, seq), default (world_size,
@@ -177,81 +189,87 @@ def search(model, world_size: int, device="h100", memory_budget_bytes: float | N
     `.table()` and `.to_dict()`.
     """
     dev = get_device(device, world_size)
-    net = _as_model(model)
+    net = as_model(model)
     cfg = getattr(net, "cfg", None)
-    if batch_shape is None:
-        seq = min(getattr(cfg, "max_seq_len", 2048), 4096)
-        batch_shape = (world_size, seq)
-    batch, seq = batch_shape
+    batch, seq = batch_shape or (world_size, min(getattr(cfg, "max_seq_len", 2048), 4096))
     budget = memory_budget_bytes if memory_budget_bytes is not None else 0.9 * dev.memory_per_rank(world_size)
-    if specs is None:
-        candidates = candidate_specs(world_size, max_tp or dev.per_node, sequence_parallel)
-    else:
-        candidates = []
-        for s in specs:
-            sizes, flags = parse_spec(s)
-            candidates.append(({a: v for a, v in sizes.items() if v > 1} or {"dp": 1}, "sp" in flags))
+    candidates = _candidates(world_size, specs, max_tp or dev.per_node, sequence_parallel)
     compute_s = flops_per_token(net, seq) * batch * seq / world_size / (dev.peak(dtype) * dev.efficiency)
-    ranked, dropped = [], []
+    unplanned = _screen(net, candidates, world_size, budget)
+    jobs = [(frozen(sizes), sp, (batch, seq), str(dtype)) for sizes, sp in candidates if frozen(sizes) not in unplanned]
     quiet = logging.getLogger("torch.distributed.tensor._redistribute")
     level = quiet.level
     quiet.setLevel(logging.ERROR)
-    floors = {frozen(sizes): model_state_bytes(net, sizes, Rules.default()) for sizes, _ in candidates
-              if math.prod(sizes.values()) == world_size}
-    heads = {frozen(sizes): heads_problem(getattr(net, "cfg", None), sizes.get("tp", 1)) for sizes, _ in candidates}
-    jobs = [(frozen(sizes), sp, (batch, seq), str(dtype)) for sizes, sp in candidates
-            if frozen(sizes) in floors and floors[frozen(sizes)] <= budget and not heads[frozen(sizes)]]
-    workers = workers or 1
     try:
-        planned = plan_all(net, model, jobs, workers)
+        planned = plan_all(net, model, jobs, workers or 1)
     finally:
         quiet.setLevel(level)
+    ranked, dropped = [], []
     for sizes, sp in candidates:
         row = Row(spec_name(sizes, sp), dict(sizes), sp, budget=budget)
-        if math.prod(sizes.values()) != world_size:
-            row.fits, row.note = False, f"mesh has {math.prod(sizes.values())} ranks, not {world_size}"
-            dropped.append(row)
-            continue
-        if floors[frozen(sizes)] > budget:
-            row.fits = False
-            row.memory = {"states": floors[frozen(sizes)], "total": floors[frozen(sizes)]}
-            row.note = (f"parameters, gradients and optimizer states alone need {floors[frozen(sizes)] / 2**30:,.1f} "
-                        f"GiB per rank > budget {budget / 2**30:,.1f} GiB (not planned)")
-            dropped.append(row)
-            continue
-        if heads[frozen(sizes)]:
-            row.fits, row.note = False, heads[frozen(sizes)]
-            dropped.append(row)
-            continue
-        s = planned[(frozen(sizes), sp, (batch, seq), str(dtype))]
-        if isinstance(s, Exception):
-            row.fits, row.note = False, f"does not lay out: {str(s).splitlines()[0]}"
-            dropped.append(row)
-            continue
-        row.memory = s.memory
-        row.collectives = sum(c for c, _ in s.groups.values())
-        row.comm_bytes = sum(b for _, b in s.groups.values())
-        by_axis: dict = {}
-        for (axes, _), (_, b) in s.groups.items():
-            by_axis[axes] = by_axis.get(axes, 0) + b
-        row.bytes_by_axis = by_axis
-        p = predict(s, sizes, dev, compute_s, overlap)
-        row.compute_s, row.activation_comm_s, row.param_comm_s = compute_s, p["activation_comm_s"], p["param_comm_s"]
-        row.hidden_s, row.step_s, row.links = p["hidden_s"], p["step_s"], p["links"]
-        row.tokens_per_s = batch * seq / row.step_s
-        row.mfu = row.tokens_per_s * flops_per_token(net, seq) / (dev.peak(dtype) * world_size)
-        if s.memory["total"] > budget:
-            row.fits = False
-            row.note = f"needs {s.memory['total'] / 2**30:,.1f} GiB per rank > budget {budget / 2**30:,.1f} GiB"
-            dropped.append(row)
+        if frozen(sizes) in unplanned:
+            row.fits, (row.note, row.memory) = False, unplanned[frozen(sizes)]
         else:
-            ranked.append(row)
+            _fill(row, planned[(frozen(sizes), sp, (batch, seq), str(dtype))], dev, compute_s, overlap,
+                  batch * seq, flops_per_token(net, seq) / (dev.peak(dtype) * world_size))
+        (ranked if row.fits else dropped).append(row)
     ranked.sort(key=lambda r: (r.step_s, r.memory.get("total", 0)))
     meta = {"model": type(net).__name__ if cfg is None else _model_label(cfg),
             "world": world_size, "device": dev.name, "batch_shape": [batch, seq], "dtype": str(dtype),
             "budget": budget, "overlap": overlap, "compute_s": compute_s, "efficiency": dev.efficiency,
             "peak_flops": dev.peak(dtype), "candidates": len(candidates)}
     return SearchResult(ranked[:top] if top else ranked, dropped, meta)
+
+
+def _candidates(world_size: int, specs, max_tp: int, sequence_parallel) -> list[tuple[dict, bool]]:
+    if specs is None:
+        return candidate_specs(world_size, max_tp, sequence_parallel)
+    out = []
+    for s in specs:
+        sizes, flags = parse_spec(s)
+        out.append(({a: v for a, v in sizes.items() if v > 1} or {"dp": 1}, "sp" in flags))
+    return out
+
+
+def _screen(net: nn.Module, candidates, world_size: int, budget: float) -> dict:
+    """{frozen sizes: (why, memory)} of the meshes not worth a dry run: wrong size, model states alone over
+    the budget, or a mesh the model says it cannot take."""
+    out = {}
+    for sizes, _ in candidates:
+        n = math.prod(sizes.values())
+        if n != world_size:
+            out[frozen(sizes)] = (f"mesh has {n} ranks, not {world_size}", {})
+            continue
+        floor = model_state_bytes(net, sizes, Rules.default())
+        problem = _mesh_problem(net, sizes)
+        if floor > budget:
+            out[frozen(sizes)] = (f"parameters, gradients and optimizer states alone need {floor / 2**30:,.1f} "
+                                  f"GiB per rank > budget {budget / 2**30:,.1f} GiB (not planned)",
+                                  {"states": floor, "total": floor})
+        elif problem:
+            out[frozen(sizes)] = (problem, {})
+    return out
+
+
+def _fill(row: Row, s, dev: Device, compute_s: float, overlap: float, tokens: int, mfu_per_token_s: float):
+    """Fills `row` from its plan summary (or the error planning it raised); `row.fits` says whether it stays.
+    `tokens`: per step; `mfu_per_token_s`: FLOPs per token / (peak x world), MFU per token/s."""
+    if isinstance(s, Exception):
+        row.fits, row.note = False, f"does not lay out: {str(s).splitlines()[0]}"
+        return
+    row.memory = s.memory
+    row.collectives = sum(c for c, _ in s.groups.values())
+    row.comm_bytes = sum(b for _, b in s.groups.values())
+    for (axes, _), (_, b) in s.groups.items():
+        row.bytes_by_axis[axes] = row.bytes_by_axis.get(axes, 0) + b
+    p = predict(s, row.sizes, dev, compute_s, overlap)
+    row.compute_s, row.activation_comm_s, row.param_comm_s = compute_s, p["activation_comm_s"], p["param_comm_s"]
+    row.hidden_s, row.step_s, row.links = p["hidden_s"], p["step_s"], p["links"]
+    row.tokens_per_s = tokens / row.step_s
+    row.mfu = row.tokens_per_s * mfu_per_token_s
+    if s.memory["total"] > row.budget:
+        row.fits = False
+        row.note = f"needs {s.memory['total'] / 2**30:,.1f} GiB per rank > budget {row.budget / 2**30:,.1f} GiB"
 
 
 def _model_label(cfg) -> str:

@@ -15,7 +15,7 @@ from ..layout.blocks import find_blocks
 from ..layout.rules import Rules
 from .explain import explain
 
-__all__ = ["Summary", "summarize", "plan_summary", "plan_all", "model_state_bytes", "frozen"]
+__all__ = ["Summary", "summarize", "plan_summary", "plan_all", "model_state_bytes", "frozen", "as_model"]
 
 PARAM_REASONS = ("gather ", "regather ", "reduce gradient ")
 
@@ -24,14 +24,14 @@ def frozen(sizes: dict) -> tuple:
     return tuple(sorted(sizes.items()))
 
 
-def _as_model(model_or_cfg) -> nn.Module:
+def as_model(model_or_cfg) -> nn.Module:
+    """The module itself, or a model config's `build()` on the meta device."""
     if isinstance(model_or_cfg, nn.Module):
         return model_or_cfg
-    if type(model_or_cfg).__name__ == "LlamaConfig":
-        from models.llama import Llama  # a config names its model; spmd itself does not depend on models/
+    if hasattr(model_or_cfg, "build"):
         with torch.device("meta"):
-            return Llama(model_or_cfg)
-    raise TypeError(f"search takes an nn.Module or a LlamaConfig, got {type(model_or_cfg).__name__}")
+            return model_or_cfg.build()
+    raise TypeError(f"search takes an nn.Module or a model config with build(), got {type(model_or_cfg).__name__}")
 
 
 def _truncated(model: nn.Module, name: str, k: int) -> nn.Module:
@@ -140,7 +140,7 @@ def _first_line(e: Exception) -> str:
 def _worker_init(model_or_cfg):
     global _worker_model
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
-    _worker_model = _as_model(model_or_cfg)
+    _worker_model = as_model(model_or_cfg)
 
 
 def _plan_or_error(job):

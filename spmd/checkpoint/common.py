@@ -8,6 +8,9 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+__all__ = ["FORMAT", "LATEST", "RNG_CPU", "RNG_CUDA", "all_gather", "barrier", "dtype_name", "fsync_dir",
+           "rank_file", "rank_world", "region"]
+
 FORMAT = "spmd-safetensors/1"
 LATEST = "latest"
 RNG_CPU, RNG_CUDA = "__rng__.cpu", "__rng__.cuda"

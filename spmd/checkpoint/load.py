@@ -9,6 +9,8 @@ from safetensors import safe_open
 
 from .common import FORMAT, LATEST, RNG_CPU, RNG_CUDA, rank_file, rank_world, region
 
+__all__ = ["latest", "load", "read_full", "read_into", "read_meta", "resolve", "tensor_names"]
+
 
 def latest(ckpt_dir: str | os.PathLike) -> Path | None:
     """The checkpoint `ckpt_dir/latest` points at, or None when there is none yet."""

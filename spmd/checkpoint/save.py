@@ -11,6 +11,8 @@ from safetensors.torch import save_file
 from .common import FORMAT, LATEST, RNG_CPU, RNG_CUDA, all_gather, barrier, dtype_name, fsync_dir, rank_file, \
     rank_world, region
 
+__all__ = ["save"]
+
 
 def save(ckpt_dir: str | os.PathLike, step: int, model_state: dict[str, torch.Tensor],
          optim_state: dict[str, torch.Tensor] | None = None, meta: dict | None = None,
@@ -39,6 +41,21 @@ def save(ckpt_dir: str | os.PathLike, step: int, model_state: dict[str, torch.Te
                         "dicts/lists/numbers/strings") from None
 
     # 1. Agree on who writes what: the lowest rank proposing a given (name, box) writes it.
+    proposals, locals_, index, writer = _assign_writers(tensors)
+    # 2. Every rank writes its file into the temporary directory.
+    tmp = ckpt_dir / f".tmp-step-{step}"
+    _write_rank_files(ckpt_dir, tmp, step, rank, locals_, proposals, writer)
+    # 3. Rank 0 commits: index + meta, rename, pointer.
+    final = ckpt_dir / f"step-{step}"
+    if rank == 0:
+        _commit(ckpt_dir, tmp, final, step, world, index, meta_json, keep)
+    barrier()  # nobody returns before the checkpoint is committed
+    return final
+
+
+def _assign_writers(tensors: dict) -> tuple[dict, dict, dict, dict]:
+    """(proposals, local tensors, index, writer): each rank's (shape, dtype, box) per tensor, the global index
+    of shards, and which rank writes each box (the lowest that holds it)."""
     proposals, locals_ = {}, {}
     for key, t in tensors.items():
         offsets, lengths, local = region(t)
@@ -62,9 +79,13 @@ def save(ckpt_dir: str | os.PathLike, step: int, model_state: dict[str, torch.Te
         if covered != math.prod(entry["shape"]):
             raise ValueError(f"the shards of {key} cover {covered} of {math.prod(entry['shape'])} elements; "
                              "ranks passed overlapping or incomplete pieces of it")
+    return proposals, locals_, index, writer
 
-    # 2. Every rank writes its file into the temporary directory.
-    tmp = ckpt_dir / f".tmp-step-{step}"
+
+def _write_rank_files(ckpt_dir: Path, tmp: Path, step: int, rank: int, locals_: dict, proposals: dict,
+                      writer: dict) -> None:
+    """Collective: every rank writes the boxes it was assigned (and its RNG state) into `tmp`; a failure on
+    any rank raises on every rank."""
     if rank == 0:
         ckpt_dir.mkdir(parents=True, exist_ok=True)
         for stale in ckpt_dir.glob(".tmp-step-*"):
@@ -94,30 +115,29 @@ def save(ckpt_dir: str | os.PathLike, step: int, model_state: dict[str, torch.Te
         raise RuntimeError(f"checkpoint save of step {step} to {tmp} failed: " + "; ".join(errors)
                            + ". The previous checkpoint is untouched.")
 
-    # 3. Rank 0 commits: index + meta, rename, pointer.
-    final = ckpt_dir / f"step-{step}"
-    if rank == 0:
-        (tmp / "index.json").write_text(json.dumps(
-            {"format": FORMAT, "step": step, "world_size": world, "tensors": index}, indent=1))
-        (tmp / "meta.json").write_text(json.dumps({**json.loads(meta_json), "step": step, "world_size": world},
-                                                  indent=1, sort_keys=True))
-        fsync_dir(tmp)
-        if final.exists():  # re-saving a step (e.g. after a resume): move the old one aside first
-            old = ckpt_dir / f".tmp-old-step-{step}"
-            shutil.rmtree(old, ignore_errors=True)
-            os.rename(final, old)
-            os.rename(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, final)
-        pointer = ckpt_dir / f".{LATEST}.tmp"
-        pointer.write_text(final.name + "\n")
-        os.replace(pointer, ckpt_dir / LATEST)
-        fsync_dir(ckpt_dir)
-        if keep:
-            steps = sorted((int(p.name[5:]), p) for p in ckpt_dir.glob("step-*") if p.name[5:].isdigit())
-            for s, p in steps[:-keep]:
-                if p != final:
-                    shutil.rmtree(p, ignore_errors=True)
-    barrier()  # nobody returns before the checkpoint is committed
-    return final
+
+def _commit(ckpt_dir: Path, tmp: Path, final: Path, step: int, world: int, index: dict, meta_json: str,
+            keep: int | None) -> None:
+    """Rank 0: index and meta into `tmp`, `tmp` renamed to `final`, `latest` pointed at it, old ones pruned."""
+    (tmp / "index.json").write_text(json.dumps(
+        {"format": FORMAT, "step": step, "world_size": world, "tensors": index}, indent=1))
+    (tmp / "meta.json").write_text(json.dumps({**json.loads(meta_json), "step": step, "world_size": world},
+                                              indent=1, sort_keys=True))
+    fsync_dir(tmp)
+    if final.exists():  # re-saving a step (e.g. after a resume): move the old one aside first
+        old = ckpt_dir / f".tmp-old-step-{step}"
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(final, old)
+        os.rename(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, final)
+    pointer = ckpt_dir / f".{LATEST}.tmp"
+    pointer.write_text(final.name + "\n")
+    os.replace(pointer, ckpt_dir / LATEST)
+    fsync_dir(ckpt_dir)
+    if keep:
+        steps = sorted((int(p.name[5:]), p) for p in ckpt_dir.glob("step-*") if p.name[5:].isdigit())
+        for s, p in steps[:-keep]:
+            if p != final:
+                shutil.rmtree(p, ignore_errors=True)

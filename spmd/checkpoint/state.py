@@ -1,6 +1,8 @@
 """State dicts for checkpoints: a model's parameters and persistent buffers, an optimizer's state by name."""
 import torch
 
+__all__ = ["model_state", "optim_state"]
+
 
 def model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Parameters (tied ones once, under their first name) and persistent buffers, by name."""

@@ -1,6 +1,8 @@
 """Finding a model's repeated blocks: the largest nn.ModuleList whose entries share one type."""
 import torch.nn as nn
 
+__all__ = ["find_blocks"]
+
 
 def find_blocks(model: nn.Module, name: str | None = None) -> tuple[str, nn.ModuleList]:
     """(qualified name, ModuleList) of the repeated blocks, or of the ModuleList called `name`."""

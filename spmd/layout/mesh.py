@@ -11,6 +11,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+__all__ = ["MESH_AXES", "SPEC_FLAGS", "parse_spec", "check_sizes", "format_sizes", "init_distributed",
+           "exit_process", "make_mesh", "mesh_sizes"]
+
 MESH_AXES = ("pp", "dp", "fsdp", "tp")  # outermost first
 SPEC_FLAGS = ("sp",)
 

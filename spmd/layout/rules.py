@@ -12,7 +12,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from .mesh import MESH_AXES
 
-__all__ = ["Rules", "placements_for", "local_shape", "heads_problem"]
+__all__ = ["Rules", "placements_for", "local_shape"]
 
 MeshAxes = tuple[str, ...]
 
@@ -139,17 +139,3 @@ def local_shape(global_shape, axes, mesh: DeviceMesh, rules: Rules, name: str = 
     placements = placements_for(mesh, dims, global_shape, name)
     shape, _ = compute_local_shape_and_global_offset(global_shape, mesh, placements)
     return tuple(shape)
-
-
-def heads_problem(model_cfg, tp: int) -> str | None:
-    """Why `tp` cannot shard the attention of a model config with `n_heads` (and `n_kv_heads`), or None.
-
-    Tensor parallelism gives every rank whole heads; a tp that splits a head would fail deep inside
-    DTensor's view propagation, so specs are checked against the head counts up front."""
-    counts = {a: getattr(model_cfg, a) for a in ("n_heads", "n_kv_heads") if isinstance(getattr(model_cfg, a, None), int)}
-    bad = {a: n for a, n in counts.items() if tp > 1 and n % tp}
-    if not bad:
-        return None
-    fits = [d for d in range(1, max(counts.values()) + 1) if all(n % d == 0 for n in counts.values())]
-    return (f"tp={tp} would split attention heads ({', '.join(f'{a}={n}' for a, n in counts.items())}); "
-            f"tensor parallelism shards whole heads: use tp in {fits}")

@@ -96,9 +96,6 @@ class PipelineRuntime:
         self.module.train(mode)
         return self
 
-    def bubble(self) -> float:
-        return bubble_fraction(self.schedule_name, self.pp, self.microbatches, self.split.virtual_stages)
-
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clips by the norm of all gradients of the whole model (every stage, every mesh axis); returns it."""
         grads = [p.grad for p in self.parameters() if p.grad is not None]

@@ -19,6 +19,8 @@ import torch.nn as nn
 from ..layout.annotate import fake_copy
 from ..layout.blocks import find_blocks
 
+__all__ = ["COSTS", "StageInfo", "StageSplit", "split_stages", "min_max_partition", "stage_ranks"]
+
 COSTS = ("flops", "params")
 
 
@@ -187,6 +189,53 @@ def _path_of(model: nn.Module, target: nn.Module) -> str:
     raise ValueError("the block list is not a submodule of the model")
 
 
+def _block_list(model: nn.Module, blocks: str | None, n_stages: int):
+    try:
+        path, block_list = find_blocks(model, blocks)
+    except (ValueError, AttributeError) as e:
+        raise ValueError(f"cannot split {type(model).__name__} into pipeline stages: {e}") from None
+    if len({type(b) for b in block_list}) != 1:
+        raise ValueError(f"cannot split {type(model).__name__}: {path!r} holds blocks of different types "
+                         f"{sorted({type(b).__name__ for b in block_list})}; name a list of identical blocks")
+    n = len(block_list)
+    if n_stages > n:
+        raise ValueError(f"cannot split {type(model).__name__} into {n_stages} stages: it has {n} blocks in "
+                         f"{path!r} and each stage needs at least one (use fewer stages or virtual stages)")
+    return path, block_list
+
+
+def _outside_blocks(model: nn.Module, block_list) -> tuple[list, list, int, int]:
+    """(pre, post, pre_params, post_params): the modules with parameters outside the blocks, by position
+    (registered before the blocks -> first stage, after -> last)."""
+    inside = {id(m) for m in block_list.modules()}
+    pre, post, pre_params, post_params, seen_blocks = [], [], 0, 0, False
+    for name, m in model.named_modules():
+        if m is block_list:
+            seen_blocks = True
+            continue
+        if id(m) in inside or not _own_params(m):
+            continue
+        if seen_blocks:
+            post.append(name)
+            post_params += _own_params(m)
+        else:
+            pre.append(name)
+            pre_params += _own_params(m)
+    return pre, post, pre_params, post_params
+
+
+def _flops(model: nn.Module, block_list, cost: str, example_inputs):
+    """_count_flops on the example inputs; balanced by parameters, FLOPs are only reported, when the default
+    input runs the model (else None: "not counted")."""
+    if cost == "flops" or example_inputs is not None:
+        return _count_flops(model, block_list, example_inputs if example_inputs is not None
+                            else _default_example(model))
+    try:
+        return _count_flops(model, block_list, _default_example(model))
+    except Exception:  # noqa: BLE001  (a model that takes other inputs)
+        return None
+
+
 def split_stages(model: nn.Module, n_stages: int, cost: str = "flops", blocks: str | None = None, *,
                  pp: int | None = None, style: str = "loop", example_inputs=None) -> StageSplit:
     """Cuts the model's block list into `n_stages` stages (see the module docstring).
@@ -202,46 +251,13 @@ def split_stages(model: nn.Module, n_stages: int, cost: str = "flops", blocks: s
     if n_stages % pp:
         raise ValueError(f"{n_stages} stages do not divide evenly over {pp} pipeline ranks")
     ranks = stage_ranks(n_stages, pp, style)
-    try:
-        path, block_list = find_blocks(model, blocks)
-    except (ValueError, AttributeError) as e:
-        raise ValueError(f"cannot split {type(model).__name__} into pipeline stages: {e}") from None
-    if len({type(b) for b in block_list}) != 1:
-        raise ValueError(f"cannot split {type(model).__name__}: {path!r} holds blocks of different types "
-                         f"{sorted({type(b).__name__ for b in block_list})}; name a list of identical blocks")
+    path, block_list = _block_list(model, blocks, n_stages)
     n = len(block_list)
-    if n_stages > n:
-        raise ValueError(f"cannot split {type(model).__name__} into {n_stages} stages: it has {n} blocks in "
-                         f"{path!r} and each stage needs at least one (use fewer stages or virtual stages)")
-
-    # parameters: the blocks, and the rest by position (registered before the blocks -> first stage)
     block_params = [sum(p.numel() for p in b.parameters()) for b in block_list]
-    inside = {id(m) for m in block_list.modules()}
-    pre, post, pre_params, post_params, seen_blocks = [], [], 0, 0, False
-    for name, m in model.named_modules():
-        if m is block_list:
-            seen_blocks = True
-            continue
-        if id(m) in inside or not _own_params(m):
-            continue
-        if seen_blocks:
-            post.append(name)
-            post_params += _own_params(m)
-        else:
-            pre.append(name)
-            pre_params += _own_params(m)
-
+    pre, post, pre_params, post_params = _outside_blocks(model, block_list)
     flops_pre = flops_post = 0
     block_flops = [0] * n
-    counted = None
-    if cost == "flops" or example_inputs is not None:
-        counted = _count_flops(model, block_list, example_inputs if example_inputs is not None
-                               else _default_example(model))
-    else:  # balanced by parameters: FLOPs are only reported, when the default input runs the model
-        try:
-            counted = _count_flops(model, block_list, _default_example(model))
-        except Exception:  # noqa: BLE001  (a model that takes other inputs: FLOPs stay 0, "not counted")
-            pass
+    counted = _flops(model, block_list, cost, example_inputs)
     if counted is not None:
         flops_pre, block_flops, flops_post, order = counted
         ran_after = {name for name, after in order if after}

@@ -16,6 +16,8 @@ from torch.distributed.tensor import DTensor
 
 from ..runtime.activations import constrain
 
+__all__ = ["PARTS", "StageModule", "LocalModel", "has_parts"]
+
 PARTS = ("embed", "block_inputs", "head")
 
 

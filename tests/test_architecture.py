@@ -1,0 +1,116 @@
+"""The shape of the package: spmd's rooms import downward only, with no cycles (imports inside functions
+counted), never import models/ or launch/, and stay small: files of at most 300 lines, functions of at most 60,
+a docstring saying what each module owns and an explicit `__all__`. Models are found through their registry."""
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+ROOMS = ("layout", "runtime", "pipeline", "analysis")  # each may import only the ones before it
+MAX_FILE_LINES, MAX_FUNCTION_LINES = 300, 60
+
+
+def _modules(package: str) -> dict[str, Path]:
+    out = {}
+    for f in sorted((ROOT / package).rglob("*.py")):
+        name = ".".join(f.relative_to(ROOT).with_suffix("").parts)
+        out[name.removesuffix(".__init__")] = f
+    return out
+
+
+def _imports(name: str, path: Path) -> set[str]:
+    """Every module `path` imports, at any depth of the file (inside functions too), as absolute names."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parts + ([base] if base else []))
+            out.add(base)
+            out.update(f"{base}.{a.name}" for a in node.names)
+    return out
+
+
+MODULES = _modules("spmd")
+EDGES = {m: {t for t in _imports(m, f) if t in MODULES and t != m} for m, f in MODULES.items()}
+
+
+def _related(a: str, b: str) -> bool:  # a package and its own modules
+    return a.startswith(b + ".") or b.startswith(a + ".")
+
+
+def test_no_import_cycles():
+    color, stack, cycles = {}, [], []
+
+    def visit(u):
+        color[u] = 1
+        stack.append(u)
+        for v in sorted(EDGES[u]):
+            if _related(u, v):
+                continue
+            if color.get(v) == 1:
+                cycles.append(" -> ".join(stack[stack.index(v):] + [v]))
+            elif not color.get(v):
+                visit(v)
+        stack.pop()
+        color[u] = 2
+
+    for m in MODULES:
+        if not color.get(m):
+            visit(m)
+    assert not cycles, "import cycles:\n" + "\n".join(cycles)
+
+
+def test_rooms_import_downward_only():
+    def room(m):
+        part = m.split(".")[1] if m.count(".") else ""
+        return ROOMS.index(part) if part in ROOMS else None
+
+    upward = [f"{m} imports {t}" for m, targets in EDGES.items() for t in targets
+              if room(m) is not None and room(t) is not None and room(t) > room(m)]
+    assert not upward, "\n".join(upward)
+
+
+def test_spmd_never_imports_models_or_launch():
+    bad = [f"{m} imports {t}" for m, f in MODULES.items() for t in _imports(m, f)
+           if t.split(".")[0] in ("models", "launch")]
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_module_is_small_and_says_what_it_owns(name):
+    path = MODULES[name]
+    text = path.read_text()
+    tree = ast.parse(text)
+    assert len(text.splitlines()) <= MAX_FILE_LINES, f"{path} has {len(text.splitlines())} lines"
+    long = [(f.name, f.end_lineno - f.lineno + 1) for f in ast.walk(tree)
+            if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)) and f.end_lineno - f.lineno + 1 > MAX_FUNCTION_LINES]
+    assert not long, f"{path}: functions over {MAX_FUNCTION_LINES} lines: {long}"
+    assert ast.get_docstring(tree), f"{path} has no module docstring"
+    names = [t.id for node in tree.body if isinstance(node, (ast.Assign, ast.AnnAssign))
+             for t in (node.targets if isinstance(node, ast.Assign) else [node.target]) if isinstance(t, ast.Name)]
+    assert "__all__" in names, f"{path} has no __all__"
+
+
+def test_all_names_exist():
+    import importlib
+    for name in MODULES:
+        if name.endswith("explain_child"):
+            continue
+        module = importlib.import_module(name)
+        missing = [n for n in module.__all__ if n != "search" and not hasattr(module, n)]
+        assert not missing, f"{name}.__all__ names {missing}, which it lacks"
+
+
+def test_models_are_found_through_the_registry():
+    import models
+    for entry in models.MODELS.values():
+        for method in ("preset", "build", "flops_per_token", "mesh_problem", "num_params", "to_dict"):
+            assert hasattr(entry.config, method), f"{entry.name}: its config lacks {method}"
+    cfg = models.preset("tiny")
+    assert models.entry(cfg).model is type(cfg.build()) and models.preset("llama:tiny") == cfg
