@@ -290,17 +290,12 @@ def zero_model_states(psi: int, n: int, stage: int, mixed_precision: bool = True
     return (p / n if stage >= 3 else p) + (g / n if stage >= 2 else g) + (s / n if stage >= 1 else s)
 
 
-def flops_per_token(cfg, seq: int) -> int:
-    """DESIGN.md: 6 N_non_embedding + 12 L H Q T (no recompute, no causal discount)."""
-    return 6 * cfg.num_params(non_embedding=True) + 12 * cfg.n_layers * cfg.n_heads * (cfg.dim // cfg.n_heads) * seq
-
-
 def summary(cfg, spec: Spec | str, batch: int, seq: int, dtype: str = "fp32") -> dict:
     spec = Spec.parse(spec) if isinstance(spec, str) else spec
     c = comm(cfg, spec, batch, seq, dtype)
     return {"spec": str(spec), "comm": c.to_dict(), "textbook": textbook_comm(cfg, spec, batch, seq, dtype),
             "model_states": model_states(cfg, spec),
-            "flops_per_rank": flops_per_token(cfg, seq) * batch * seq / spec.world}
+            "flops_per_rank": cfg.flops_per_token(seq) * batch * seq / spec.world}
 
 
 if __name__ == "__main__":
