@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..layout.annotate import fake_copy
+from ..layout.dtypes import as_dtype
 from ..layout.mesh import MESH_AXES, check_sizes, mesh_sizes
 from ..runtime.parallelize import parallelize
 from ..runtime.reshard import observe_saved
@@ -26,8 +27,6 @@ from .memory import memory_per_rank
 from .plan import Plan
 
 __all__ = ["explain", "dry_run"]
-
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def explain(model: nn.Module, rules, mesh_or_sizes, batch_shape=(8, 2048), dtype=torch.float32,
@@ -48,7 +47,7 @@ def explain(model: nn.Module, rules, mesh_or_sizes, batch_shape=(8, 2048), dtype
     sizes = mesh_or_sizes if isinstance(mesh_or_sizes, dict) else dict(
         zip(mesh_or_sizes.mesh_dim_names, mesh_or_sizes.shape))
     check_sizes(sizes)
-    dtype = _DTYPES.get(dtype, dtype)
+    dtype = as_dtype(dtype)
     if dist.is_initialized() and dist.get_backend() != "fake":
         return _explain_in_child(model, rules, sizes, batch_shape, dtype, optimizer, pipeline)
     return dry_run(model, rules, sizes, tuple(batch_shape), dtype, optimizer, pipeline)

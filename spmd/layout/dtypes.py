@@ -8,12 +8,15 @@ _NAMES = {v: k for k, v in DTYPES.items()}
 
 
 def as_dtype(dtype) -> torch.dtype:
-    """A torch dtype from a name ("bf16") or a dtype (returned as it is)."""
+    """A torch dtype from a name ("bf16", "bfloat16", "torch.bfloat16") or a dtype (returned as it is)."""
     if isinstance(dtype, torch.dtype):
         return dtype
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype {dtype!r} is not one of {tuple(DTYPES)}")
-    return DTYPES[dtype]
+    if dtype in DTYPES:
+        return DTYPES[dtype]
+    found = getattr(torch, str(dtype).removeprefix("torch."), None)
+    if not isinstance(found, torch.dtype):
+        raise ValueError(f"dtype {dtype!r} is not one of {tuple(DTYPES)} (or a torch dtype)")
+    return found
 
 
 def dtype_name(dtype) -> str:
