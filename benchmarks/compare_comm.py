@@ -87,15 +87,13 @@ def worker(args: dict) -> None:
         mesh = spmd.make_mesh(sizes)
         meshes.append(mesh)
         torch.manual_seed(0)
-        model = spmd.parallelize(Llama(cfg), mesh, spmd.Rules.default(sequence_parallel="sp" in flags),
-                                 param_dtype=param_dtype)
+        rules = spmd.Rules.default(sequence_parallel="sp" in flags)
+        model = spmd.parallelize(Llama(cfg), mesh, rules, param_dtype=param_dtype)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         g = torch.Generator().manual_seed(1)
         tokens = torch.randint(0, cfg.vocab_size, (args["batch"], args["seq"] + 1), generator=g)
-        coords = dict(zip(mesh.mesh_dim_names, mesh.get_coordinate()))
-        full = spmd.mesh_sizes(mesh)
-        dp_rank = coords.get("dp", 0) * full["fsdp"] + coords.get("fsdp", 0)
-        per = args["batch"] // (full["dp"] * full["fsdp"])
+        dp_rank = rules.data_parallel_rank(mesh)
+        per = args["batch"] // rules.data_parallel_size(mesh)
         rows = tokens[dp_rank * per:(dp_rank + 1) * per]
         x, y = rows[:, :-1].contiguous(), rows[:, 1:].contiguous()  # own storage, as explain's inputs have
         recorder, saved = CollectiveRecorder(mesh), {}

@@ -217,7 +217,7 @@ def from_toml(path: str | Path, base: TrainConfig | None = None) -> TrainConfig:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="torchrun --standalone --nproc-per-node N -m launch.train",
-        description="Train a Llama with spmd. Defaults < --config TOML < command-line flags.",
+        description="Train a model of models.MODELS with spmd. Defaults < --config TOML < command-line flags.",
         argument_default=argparse.SUPPRESS)
     p.add_argument("--config", help="TOML file with the keys below (underscores: batch_size = 16)")
     helps = {
