@@ -40,10 +40,22 @@ def today() -> str:
     return datetime.date.today().isoformat()
 
 
+def git_commit() -> dict:
+    """The commit the results were made at, and whether the work tree differed from it."""
+    def git(*args):
+        return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True).stdout.strip()
+    try:
+        commit = git("rev-parse", "HEAD")
+        dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
+    except OSError:  # no git on this machine
+        commit, dirty = "", False
+    return {"commit": commit or "unknown", "dirty": dirty}
+
+
 def environment() -> dict:
-    """What a reader needs to weigh timings: the machine, its load, the software."""
+    """What a reader needs to weigh timings: the machine, its load, the software and its commit."""
     env = {"device": device_name(), "torch": torch.__version__, "python": sys.version.split()[0],
-           "cpu_count": os.cpu_count(), "date": today()}
+           "cpu_count": os.cpu_count(), "date": today(), **git_commit()}
     try:
         env["loadavg_1m"] = os.getloadavg()[0]
     except OSError:
@@ -90,11 +102,19 @@ def steady(rows: list[dict], warmup: int) -> dict:
                                 max(med("step_time_s"), 1e-12)}
 
 
+def portable(text: str) -> str:
+    """`text` with this checkout's and this user's paths made relative: results name no machine's paths."""
+    return text.replace(str(ROOT) + os.sep, "").replace(str(ROOT), ".").replace(str(Path.home()), "~")
+
+
 def write(stem: Path, report: dict, markdown: str) -> tuple[Path, Path]:
+    """Writes `stem`.json and `stem`.md; the report must carry `environment()` (device, load, commit)."""
+    if "commit" not in report.get("environment", {}):
+        raise ValueError("a results report needs its 'environment' (benchmarks.common.environment())")
     stem.parent.mkdir(parents=True, exist_ok=True)
     js, md = stem.with_suffix(".json"), stem.with_suffix(".md")
-    js.write_text(json.dumps(report, indent=1, default=str) + "\n")
-    md.write_text(markdown.rstrip() + "\n")
+    js.write_text(portable(json.dumps(report, indent=1, default=str)) + "\n")
+    md.write_text(portable(markdown.rstrip()) + "\n")
     return js, md
 
 

@@ -7,9 +7,7 @@ small shape, with the plain-torch chunked version. Writes benchmarks/results/<da
 All ratios come from one run on one machine.
 """
 import argparse
-import datetime
 import json
-import re
 import statistics
 import sys
 import time
@@ -23,6 +21,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import kernels
+from benchmarks import common
 from kernels import reference
 from launch.metrics import cpu_name
 
@@ -188,8 +187,9 @@ def _markdown(report: dict) -> str:
     for r in rows[1:]:
         keys += [k for k in r if k not in keys and k not in ("shape", "measure")]
     fmt = lambda v: f"{v:.4g}" if isinstance(v, float) else ("" if v is None else str(v))
-    lines = [f"# Kernel benchmarks: {report['device']}", "", f"{report['date']}, torch {report['torch']}, "
-             f"triton {report.get('triton', '-')}", ""]
+    env = report["environment"]
+    lines = [f"# Kernel benchmarks: {report['device']}", "", f"{env['date']}, torch {env['torch']}, "
+             f"triton {env.get('triton', '-')}, commit {env['commit'][:12]}", ""]
     lines += [f"- {r['kernel']}: {r['shape']}" + (f" ({r['measure']})" if "measure" in r else "") for r in rows]
     lines += ["", "| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
     lines += ["| " + " | ".join(fmt(r.get(k)) for k in keys) + " |" for r in rows]
@@ -207,20 +207,15 @@ def main(argv=None):
     else:
         print("no CUDA device: GPU timings need CUDA; measuring linear_cross_entropy memory on CPU only")
         report = run_cpu()
-    report["date"] = datetime.date.today().isoformat()
-    report["torch"] = torch.__version__
+    report["environment"] = common.environment()
     try:
         import triton
-        report["triton"] = triton.__version__
+        report["environment"]["triton"] = triton.__version__
     except ImportError:
         pass
-    slug = re.sub(r"[^a-z0-9]+", "-", report["device"].lower()).strip("-")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"{report['date']}-{slug}-kernels"
-    stem.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
-    stem.with_suffix(".md").write_text(_markdown(report))
-    print(f"wrote {stem}.json and {stem}.md")
+    js, md = common.write(Path(args.out) / f"{common.today()}-{common.device_slug()}-kernels", report,
+                          _markdown(report))
+    print(f"wrote {js} and {md}")
 
 
 if __name__ == "__main__":

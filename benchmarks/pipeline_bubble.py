@@ -10,11 +10,7 @@ so it sits above the formula. One thread per process; the first step (warm-up, s
 Writes benchmarks/results/<date>-<device>-pipeline-bubble.{json,md}.
 """
 import argparse
-import datetime
-import json
 import os
-import platform
-import re
 import socket
 import statistics
 import sys
@@ -27,6 +23,8 @@ if __package__ in (None, ""):
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from benchmarks import common
 
 CONFIGS = [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zero-bubble", 2), ("zbv", 2)]
 
@@ -102,16 +100,6 @@ def _worker(rank, world, port, args, out):
     dist.destroy_process_group()
 
 
-def _device_name() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return re.sub(r"[^a-z0-9]+", "-", cpu.lower()).strip("-")[:40]
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pp", type=int, default=2)
@@ -129,20 +117,16 @@ def main(argv=None) -> int:
     queue = ctx.SimpleQueue()
     mp.start_processes(_worker, args=(args.pp, _free_port(), args, queue), nprocs=args.pp, start_method="spawn")
     rows = queue.get()
-    stamp = datetime.date.today().isoformat()
-    name = f"{stamp}-cpu-{_device_name()}-pipeline-bubble"
-    meta = {"date": stamp, "device": f"cpu {_device_name()}", "cores": os.cpu_count(), "torch": torch.__version__,
-            "model": {"dim": args.dim, "layers": args.layers, "seq": args.seq, "mb_size": args.mb_size},
-            "steps_timed": args.steps, "load_average_1min": [load_before, os.getloadavg()[0]]}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{name}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    lines = [f"# Pipeline bubble: measured idle vs theory ({meta['device']}, {meta['cores']} cores, "
-             f"torch {meta['torch']})", "",
+    env = {**common.environment(), "load_average_1min_before": load_before}
+    report = {"environment": env, "steps_timed": args.steps,
+              "model": {"dim": args.dim, "layers": args.layers, "seq": args.seq, "mb_size": args.mb_size},
+              "rows": rows}
+    lines = [f"# Pipeline bubble: measured idle vs theory ({env['device']}, {env['cpu_count']} cores, "
+             f"torch {env['torch']}, commit {env['commit'][:12]})", "",
              f"Llama dim {args.dim}, {args.layers} layers, seq {args.seq}, {args.mb_size} sequences per micro-batch, "
              f"fp32, pp={args.pp} gloo processes with one thread each; median of {args.steps} steps after a warm-up. "
              "Idle = 1 - (time in stage forward/backward) / (step wall time), per rank, then averaged. "
-             f"Load average before/after: {meta['load_average_1min'][0]:.1f}/{meta['load_average_1min'][1]:.1f} "
+             f"Load average before/after: {load_before:.1f}/{os.getloadavg()[0]:.1f} "
              "(other work on the machine slows both busy and idle time).", "",
              "| schedule | m | v | theoretical bubble | measured idle (mean) | per rank | step ms |",
              "|---|---|---|---|---|---|---|"]
@@ -151,8 +135,9 @@ def main(argv=None) -> int:
                      f"{100 * r['theoretical_bubble']:.1f}% | {100 * r['measured_idle_mean']:.1f}% | "
                      f"{' / '.join(f'{100 * f:.1f}%' for f in r['measured_idle_per_rank'])} | "
                      f"{1e3 * r['step_time_s']:.0f} |")
-    (out / f"{name}.md").write_text("\n".join(lines) + "\n")
-    print(f"wrote {out / name}.json and .md")
+    js, md = common.write(Path(args.out) / f"{common.today()}-{common.device_slug()}-pipeline-bubble", report,
+                          "\n".join(lines))
+    print(f"wrote {js} and {md}")
     return 0
 
 
