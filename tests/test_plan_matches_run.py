@@ -13,7 +13,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 import spmd
 from spmd.analysis.record import CollectiveRecorder
 from tests.dist_utils import run_distributed
-from tests.spmd_cases import BATCH, SEQ, global_batch, local_slice, tiny_model
+from tests.spmd_cases import BATCH, SEQ, global_batch, local_slice, plan_for, tiny_model
 
 SPECS = ["fsdp=2,tp=2,sp", "dp=2,fsdp=2", "tp=4"]
 _COMM_DEBUG_KIND = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
@@ -51,9 +51,7 @@ def _run_step(rank, world, spec, expected):
 @pytest.mark.slow
 @pytest.mark.parametrize("spec", SPECS)
 def test_plan_lists_exactly_the_collectives_of_a_real_step(spec):
-    sizes, flags = spmd.parse_spec(spec)
-    plan = spmd.explain(tiny_model(), spmd.Rules.default(sequence_parallel="sp" in flags), sizes,
-                        batch_shape=(BATCH, SEQ))
+    plan = plan_for(spec)
     assert not [c for c in plan.collectives if c.origin == "implicit"], "the pass left a layout change to DTensor"
     expected = Counter(_key(c) for c in plan.collectives)
     run_distributed(_run_step, 4, spec, expected, timeout_s=240)
