@@ -235,9 +235,10 @@ def train(cfg: TrainConfig, log=True) -> list[dict]:
                     sync = contextlib.nullcontext() if (last or mesh is None) else spmd.no_sync(model)
                     amp = torch.autocast(device.type, dtype=DTYPES[cfg.dtype]) if single_autocast \
                         else contextlib.nullcontext()
-                    with sync, amp:
-                        loss = model(x, y) / len(micro)
-                    (loss * scaler.scale).backward()
+                    with sync:  # no_sync covers the backward: that is where gradients are reduced
+                        with amp:
+                            loss = model(x, y) / len(micro)
+                        (loss * scaler.scale).backward()
                     loss_sum += loss.detach().float()
                 if scaler.enabled:
                     for p in params:
