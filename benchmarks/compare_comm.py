@@ -75,6 +75,7 @@ def worker(args: dict) -> None:
 
     import spmd
     from models.llama import Llama
+    from spmd.analysis.memory import activation_bytes
     from spmd.analysis.record import CollectiveRecorder
     from spmd.runtime.reshard import observe_saved
 
@@ -131,7 +132,7 @@ def worker(args: dict) -> None:
                     "recorder_count": len(recorder.records),
                     "comm_debug_counts": dict(counts), "wire_bytes": w1 - w0, "gloo_expected_wire": gloo_expected,
                     "optimizer_bytes": sum(c.bytes for c in opt_rec.records), "optimizer_count": len(opt_rec.records),
-                    "optimizer_wire": w3 - w2, "states": states, "saved_bytes": sum(saved.values())})
+                    "optimizer_wire": w3 - w2, "states": states, "saved_bytes": activation_bytes(saved, model)})
         del model, opt
         dist.barrier()
     Path(args["out"]).joinpath(f"rank{rank}.json").write_text(json.dumps(out))

@@ -11,8 +11,9 @@ machine at this dtype and thread count, measured once and cached in `<cache>/pea
 
 JSONL lines carry exactly: step, loss, grad_norm, lr, tokens_per_s, mfu, step_time_s, peak_mem_bytes,
 comm_bytes. `step` counts completed optimizer steps (1 is the first); `comm_bytes` is bytes on the wire
-per rank for the step (spmd.analysis.record's ring convention); `peak_mem_bytes` is the CUDA allocator's peak
-during the step, or the process's peak resident memory on CPU.
+per rank for a step (spmd.analysis.record's ring convention), measured on the run's first and last steps only
+(recording slows a small CPU step by a fifth or more); the rows between carry the first step's figure;
+`peak_mem_bytes` is the CUDA allocator's peak during the step, or the process's peak resident memory on CPU.
 """
 from __future__ import annotations
 

@@ -6,7 +6,6 @@
 """
 import datetime
 import os
-import socket
 import time
 
 import torch
@@ -16,18 +15,13 @@ import torch.multiprocessing as mp
 from spmd.layout.mesh import exit_process
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker(rank: int, fn, world_size: int, port: int, args, timeout_s: float):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)  # N processes share a few cores
-    dist.init_process_group("gloo", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=timeout_s))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
     try:
         fn(rank, world_size, *args)
         dist.barrier()
@@ -37,7 +31,11 @@ def _worker(rank: int, fn, world_size: int, port: int, args, timeout_s: float):
 
 
 def run_distributed(fn, world_size: int, *args, timeout_s: float = 120.0):
-    ctx = mp.start_processes(_worker, args=(fn, world_size, free_port(), args, timeout_s),
+    # the store's server listens here, on a port the OS picks and holds: a port probed free and bound later
+    # by rank 0 could be taken in between by another test run on the machine
+    server = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
+                           timeout=datetime.timedelta(seconds=timeout_s))
+    ctx = mp.start_processes(_worker, args=(fn, world_size, server.port, args, timeout_s),
                              nprocs=world_size, join=False, start_method="spawn")
     deadline = time.monotonic() + timeout_s
     try:

@@ -1,4 +1,7 @@
-"""Shared pieces of the SPMD tests: the tiny model, its deterministic batches, and the data-parallel slice."""
+"""Shared pieces of the SPMD tests: the tiny model, its deterministic batches, the data-parallel slice, and
+explain's plan for the tiny model."""
+import functools
+
 import torch
 
 import spmd
@@ -10,6 +13,15 @@ BATCH, SEQ = 8, 16
 def tiny_model(seed: int = 0, **overrides) -> Llama:
     torch.manual_seed(seed)
     return Llama(LlamaConfig.preset("tiny", kernels="torch", **overrides))
+
+
+@functools.lru_cache(maxsize=None)
+def plan_for(spec: str, ac: str = "none") -> spmd.Plan:
+    """explain's plan for the tiny model and batch on a fake world of `spec` (cached: a fake world takes
+    seconds, and several tests hold real runs against the same plan). Read it, never change it."""
+    sizes, flags = spmd.parse_spec(spec)
+    return spmd.explain(tiny_model(), spmd.Rules.default(sequence_parallel="sp" in flags), sizes,
+                        batch_shape=(BATCH, SEQ), ac=ac)
 
 
 def global_batch(step: int, vocab: int = 512):

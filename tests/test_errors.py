@@ -1,9 +1,12 @@
 """Bad input fails fast with an error that names the problem and the fix, on every rank, before any
-collective: the multi-process cases run under a timeout, so a rank left waiting in a collective fails
-the test instead of hanging it."""
+collective: the multi-process cases count collectives with torch's CommDebugMode around each failing
+call, and run under a timeout, so a rank left waiting in a collective fails the test instead of hanging
+it. Ranks that disagree (a different mesh or different rules on one rank) fail on every rank after one
+agreement exchange, before any collective of the layout."""
 import pytest
 import torch
 import torch.nn as nn
+from torch.distributed.tensor.debug import CommDebugMode
 
 import spmd
 from tests.dist_utils import run_distributed
@@ -64,10 +67,18 @@ class Odd(nn.Module):
         spmd.annotate(self.proj.weight, "mlp", "embed")
 
 
-def _every_rank_raises(rank, world):
-    def expect(fn, pattern):
+def _raises_after(fn, pattern, collectives: dict):
+    """fn raises ValueError matching `pattern` after exactly these collectives ({kind: count}) ran."""
+    with CommDebugMode() as comm:
         with pytest.raises(ValueError, match=pattern):
             fn()
+    ran = {op.__name__: n for op, n in comm.get_comm_counts().items() if n}
+    assert ran == collectives, f"{pattern!r}: collectives before the error {ran}, expected {collectives}"
+
+
+def _every_rank_raises(rank, world):
+    def expect(fn, pattern):
+        _raises_after(fn, pattern, {})
 
     expect(lambda: spmd.make_mesh({"fsdp": 4}), "has 4 devices but the world size is 2")
     expect(lambda: spmd.make_mesh({"fsd": 2}), "unknown mesh axis")
@@ -82,9 +93,19 @@ def _every_rank_raises(rank, world):
     model = spmd.parallelize(tiny_model(), mesh, rules)
     expect(lambda: spmd.parallelize(model, mesh, rules), "already parallelized")
 
+    # ranks that disagree: each rank's call is valid alone; the agreement exchange (one all-gather) is all
+    # that runs before every rank raises
+    agreement = {"allgather_": 1}
+    other_rules = spmd.Rules.default(sequence_parallel=rank == 1)
+    _raises_after(lambda: spmd.parallelize(tiny_model(), mesh, other_rules),
+                  r"ranks disagree with rank 0 on rank 1: rules;.*Start every rank with the same", agreement)
+    other_mesh = spmd.make_mesh({"fsdp": 2} if rank == 0 else {"tp": 2})
+    _raises_after(lambda: spmd.parallelize(tiny_model(), other_mesh, rules),
+                  r"rank 1: mesh, parameters; mesh here \(rank \d\): \{'(fsdp|tp)': 2\}", agreement)
+
 
 @pytest.mark.slow
-def test_bad_configs_raise_on_every_rank_before_any_collective():
+def test_bad_configs_and_disagreeing_ranks_raise_on_every_rank_before_any_collective():
     run_distributed(_every_rank_raises, 2, timeout_s=60)
 
 

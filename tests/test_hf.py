@@ -17,7 +17,6 @@ from spmd import checkpoint
 from dist_utils import run_distributed
 
 REPO = Path(__file__).resolve().parents[1]
-transformers = pytest.importorskip("transformers")
 
 
 def _model(tied: bool, seed: int = 0) -> Llama:
@@ -30,7 +29,7 @@ def _model(tied: bool, seed: int = 0) -> Llama:
     return model
 
 
-def _hf_logits(hf_dir, tokens):
+def _hf_logits(transformers, hf_dir, tokens):
     ref = transformers.LlamaForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32, attn_implementation="eager")
     ref.eval()
     with torch.no_grad():
@@ -49,6 +48,7 @@ def test_names_round_trip():
 
 @pytest.mark.parametrize("tied", [False, True])
 def test_export_matches_transformers_logits(tmp_path, tied):
+    transformers = pytest.importorskip("transformers")  # only this test needs it
     model = _model(tied)
     ckpt_dir = tmp_path / "ckpt"
     checkpoint.save(ckpt_dir, 5, checkpoint.model_state(model), meta={"model_config": model.cfg.to_dict()})
@@ -65,7 +65,7 @@ def test_export_matches_transformers_logits(tmp_path, tied):
     tokens = torch.randint(0, model.cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         ours = model(tokens)
-    theirs = _hf_logits(out, tokens)
+    theirs = _hf_logits(transformers, out, tokens)
     torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-5)
 
     # and back: a fresh model loads the HF directory exactly

@@ -21,7 +21,7 @@ from ..runtime.parallelize import parallelize
 from ..runtime.reshard import observe_saved
 from ..runtime.state import STATE_ATTR
 from . import record
-from .memory import memory_per_rank
+from .memory import activation_bytes, memory_per_rank
 
 __all__ = ["explain_pipeline"]
 
@@ -97,7 +97,7 @@ def _run_stages(split, fake_model, stage_mesh, rules, param_dtype, fake, tokens,
                 with recorder:
                     out.backward(None if info.last else torch.ones_like(out))
             runs[info.index][sync] = recorder.records
-            saved[info.index] = sum(seen.values())
+            saved[info.index] = activation_bytes(seen, stage)
         state.sync = True
         decisions.extend(state.decisions.values())
     return runs, decisions, saved

@@ -1,10 +1,24 @@
-"""Memory per rank of a laid-out model: parameters, gradients and optimizer states from the local shards."""
+"""Memory per rank of a laid-out model: parameters, gradients and optimizer states from the local shards, and
+the activations: the storages autograd keeps for backward that are not the model's own."""
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-__all__ = ["local_bytes", "memory_per_rank", "OPTIMIZER_STATES"]
+__all__ = ["activation_bytes", "local_bytes", "memory_per_rank", "OPTIMIZER_STATES"]
 
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 0}  # states per parameter element
+
+
+def storage_key(t) -> int:
+    local = t._local_tensor if isinstance(t, DTensor) else t
+    return local.untyped_storage()._cdata
+
+
+def activation_bytes(saved: dict, model: nn.Module) -> int:
+    """Bytes of the storages autograd saved ({storage: bytes}, see runtime.reshard.observe_saved), less the
+    model's own parameters and buffers: a weight or a RoPE table that autograd saves is held anyway (counted
+    under parameters), so it costs no activation memory."""
+    own = {storage_key(t) for t in list(model.parameters()) + list(model.buffers())}
+    return sum(n for key, n in saved.items() if key not in own)
 
 
 def local_bytes(t) -> int:

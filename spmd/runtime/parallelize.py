@@ -20,6 +20,7 @@ from . import ops  # noqa: F401  (registers sharding strategies)
 from . import state as active
 from . import tags
 from .activations import finish_output, move_linear_input
+from .agree import check_layout_agrees
 from .buckets import make_buckets
 from .params import gather_block, gather_module_params, release_module_params
 from .state import STATE_ATTR, SPMDState
@@ -77,6 +78,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, rules: Rules, *, param_dtype
     meta = next((n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta), None)
     if meta is not None and param_init is None:
         raise _needs_param_init(meta)
+    check_layout_agrees(model, mesh, rules, layouts, param_dtype=param_dtype, reduce_dtype=reduce_dtype, bucket=bucket)
     converted: dict[int, nn.Parameter] = {}
     uses = Counter()
     for mod_name, module in model.named_modules():
