@@ -50,7 +50,8 @@ class TrainConfig:
     compile: bool = False          # torch.compile each block (spmd.compile_blocks); checkpointed blocks stay eager
     kernels: str = "auto"          # auto | torch | triton: the model's RMSNorm/SwiGLU/RoPE/CE implementation
     # data
-    data: str = "stdlib"           # stdlib | PATH_OR_GLOB of text files | FILE.bin (pre-tokenised)
+    data: str = "stdlib"           # stdlib | PATH_OR_GLOB of text/.jsonl/.parquet files | datasets dir | FILE.bin
+    data_field: str = "text"       # the text field of .jsonl/.parquet/datasets records
     tokenizer: str = "bytes"       # bytes | path/to/tokenizer.json
     seed: int = 0
     # checkpoints
@@ -225,7 +226,8 @@ def parser() -> argparse.ArgumentParser:
         "sp": "sequence parallelism", "steps": "optimizer steps", "batch_size": "global batch in sequences",
         "seq_len": "tokens per sequence", "grad_accum": "micro-batches per step", "lr": "peak learning rate",
         "warmup": "warmup steps", "dtype": "fp32|bf16|fp16", "ac": "none|full|selective:N",
-        "data": "stdlib | PATH_OR_GLOB | FILE.bin", "tokenizer": "bytes | tokenizer.json",
+        "data": "stdlib | PATH_OR_GLOB (text, .jsonl, .parquet) | datasets.save_to_disk DIR | FILE.bin",
+        "data_field": "text field of .jsonl/.parquet/datasets records", "tokenizer": "bytes | tokenizer.json",
         "ckpt_dir": "checkpoint directory", "ckpt_every": "checkpoint every N steps (0: at the end)",
         "resume": "resume from CKPT_DIR/latest if present", "init_from_hf": "initialise from a Hugging Face directory",
         "metrics": "JSONL metrics file", "tensorboard": "tensorboard log directory", "seed": "data/init seed",
