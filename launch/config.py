@@ -27,6 +27,8 @@ from spmd.layout.rules import Rules
 from spmd.pipeline.runtime import default_microbatches, validate_pipeline
 from spmd.runtime.checkpointing import parse_mode as parse_ac_mode
 
+from .profile import parse_steps as parse_profile_steps
+
 CONFIG_DIR = Path(__file__).parent / "configs"
 
 
@@ -64,6 +66,9 @@ class TrainConfig:
     metrics: str = ""              # JSONL file, one line per step
     tensorboard: str = ""          # tensorboard log directory
     log_every: int = 1             # steps between JSONL/tensorboard records
+    # profiling (launch/profile.py)
+    profile_steps: str = ""        # "A:B": torch.profiler trace (+ CUDA memory snapshot) of steps A..B
+    profile_dir: str = "profile"   # where the rank-tagged trace files go
     # pipeline parallelism (a pp axis in --mesh)
     pp_schedule: str = "1f1b"      # gpipe | 1f1b | interleaved-1f1b | zero-bubble | zbv
     microbatches: int = 0          # pipeline micro-batches per step (per --grad-accum micro-batch); 0: a default
@@ -130,6 +135,12 @@ class TrainConfig:
         need(self.kernels in IMPLS, f"--kernels {self.kernels!r} is not one of {'|'.join(IMPLS)}; pick one "
                                       f"(triton on CPU needs TRITON_INTERPRET=1)")
         need(not self.resume or self.ckpt_dir, "--resume needs --ckpt-dir DIR to resume from")
+        try:
+            profiled = parse_profile_steps(self.profile_steps)
+            need(not profiled or profiled[1] <= self.steps, f"--profile-steps {self.profile_steps} ends after the "
+                                                            f"last step ({self.steps}); end at step {self.steps} or before")
+        except ValueError as e:
+            problems.append(str(e))
         need(not (self.ckpt_every and not self.ckpt_dir), "--ckpt-every needs --ckpt-dir DIR to write to")
         sizes, flags = self._parse_mesh()
         sizes = sizes or {"fsdp": world_size}
@@ -233,6 +244,8 @@ def parser() -> argparse.ArgumentParser:
         "metrics": "JSONL metrics file", "tensorboard": "tensorboard log directory", "seed": "data/init seed",
         "pp_schedule": "gpipe|1f1b|interleaved-1f1b|zero-bubble|zbv", "microbatches": "pipeline micro-batches (0: 1 or 2 per pp rank)",
         "virtual_stages": "pipeline stages per pp rank",
+        "profile_steps": "A:B: profiler trace (+ CUDA memory snapshot) of steps A..B, counted from 1",
+        "profile_dir": "directory for the profiler's rank-tagged files",
     }
     for f in fields(TrainConfig):
         flag = "--" + _flag(f.name)
