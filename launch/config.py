@@ -65,7 +65,8 @@ class TrainConfig:
     # metrics
     metrics: str = ""              # JSONL file, one line per step
     tensorboard: str = ""          # tensorboard log directory
-    log_every: int = 1             # steps between JSONL/tensorboard records
+    log_every: int = 1             # steps between JSONL/tensorboard/W&B records
+    wandb: str = ""                # Weights & Biases project (offline unless WANDB_MODE is set)
     # profiling (launch/profile.py)
     profile_steps: str = ""        # "A:B": torch.profiler trace (+ CUDA memory snapshot) of steps A..B
     profile_dir: str = "profile"   # where the rank-tagged trace files go
@@ -242,6 +243,7 @@ def parser() -> argparse.ArgumentParser:
         "ckpt_dir": "checkpoint directory", "ckpt_every": "checkpoint every N steps (0: at the end)",
         "resume": "resume from CKPT_DIR/latest if present", "init_from_hf": "initialise from a Hugging Face directory",
         "metrics": "JSONL metrics file", "tensorboard": "tensorboard log directory", "seed": "data/init seed",
+        "wandb": "Weights & Biases project (offline unless WANDB_MODE is set; needs spmd[wandb])",
         "pp_schedule": "gpipe|1f1b|interleaved-1f1b|zero-bubble|zbv", "microbatches": "pipeline micro-batches (0: 1 or 2 per pp rank)",
         "virtual_stages": "pipeline stages per pp rank",
         "profile_steps": "A:B: profiler trace (+ CUDA memory snapshot) of steps A..B, counted from 1",

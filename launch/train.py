@@ -191,7 +191,8 @@ def train(cfg: TrainConfig, log=True) -> list[dict]:
     fpt = flops_per_token(model_cfg, cfg.seq_len)
     peak, peak_source = peak_flops(cfg.dtype, device) if rank == 0 else (0.0, "")
     metrics = MetricsLogger(cfg.steps, cfg.batch_size * cfg.seq_len, fpt, peak, world, cfg.metrics,
-                            cfg.tensorboard, cfg.log_every, enabled=rank == 0, start_step=start, console=log)
+                            cfg.tensorboard, cfg.log_every, enabled=rank == 0, start_step=start, console=log,
+                            wandb=cfg.wandb, run_config=cfg.to_dict())
     if rank == 0:
         n = model_cfg.num_params()
         metrics.write(f"[launch.train] model {cfg.model if not cfg.init_from_hf else cfg.init_from_hf}: "
