@@ -136,13 +136,13 @@ class TrainConfig:
         need(self.kernels in IMPLS, f"--kernels {self.kernels!r} is not one of {'|'.join(IMPLS)}; pick one "
                                       f"(triton on CPU needs TRITON_INTERPRET=1)")
         need(not self.resume or self.ckpt_dir, "--resume needs --ckpt-dir DIR to resume from")
+        need(not (self.ckpt_every and not self.ckpt_dir), "--ckpt-every needs --ckpt-dir DIR to write to")
         try:
             profiled = parse_profile_steps(self.profile_steps)
             need(not profiled or profiled[1] <= self.steps, f"--profile-steps {self.profile_steps} ends after the "
                                                             f"last step ({self.steps}); end at step {self.steps} or before")
         except ValueError as e:
             problems.append(str(e))
-        need(not (self.ckpt_every and not self.ckpt_dir), "--ckpt-every needs --ckpt-dir DIR to write to")
         sizes, flags = self._parse_mesh()
         sizes = sizes or {"fsdp": world_size}
         product = 1

@@ -14,9 +14,8 @@ Corpora (`--data`):
 
 Documents are encoded and each is followed by the tokenizer's eos id. The stream of a text corpus is cached
 as `<cache>/tokens/<sha256 of tokenizer + file names + contents (+ the field of records)>.bin` (+ `.json`),
-where `<cache>` is
-$SPMD_CACHE_DIR or ~/.cache/spmd, and memory-mapped; processes on one machine share one copy, and a
-file lock makes one of them build it while the others wait.
+where `<cache>` is $SPMD_CACHE_DIR or ~/.cache/spmd, and memory-mapped; processes on one machine share one
+copy, and a file lock makes one of them build it while the others wait.
 
 Batches. Step k's global batch is B windows of T+1 tokens whose start offsets are drawn by
 `numpy.random.default_rng([seed, k])` - a function of (seed, k) alone, whatever the mesh. Row i is

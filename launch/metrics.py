@@ -100,7 +100,7 @@ def wandb_run(project: str, config: dict | None = None):
 
 
 class MetricsLogger:
-    """Rank 0 (`enabled`) writes JSONL/tensorboard and, with `console`, shows a tqdm bar and messages;
+    """Rank 0 (`enabled`) writes JSONL/tensorboard/W&B and, with `console`, shows a tqdm bar and messages;
     other ranks only compute the row."""
 
     def __init__(self, total_steps: int, tokens_per_step: int, flops_per_token: int, peak: float,
