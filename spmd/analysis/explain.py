@@ -17,6 +17,7 @@ import torch.nn as nn
 from ..layout.annotate import fake_copy
 from ..layout.dtypes import as_dtype
 from ..layout.mesh import MESH_AXES, check_sizes, mesh_sizes
+from ..runtime.checkpointing import apply_activation_checkpointing
 from ..runtime.parallelize import parallelize
 from ..runtime.reshard import observe_saved
 from ..runtime.state import STATE_ATTR
@@ -31,14 +32,16 @@ __all__ = ["explain", "dry_run"]
 
 def explain(model: nn.Module, rules, mesh_or_sizes, batch_shape=(8, 2048), dtype=torch.float32,
             optimizer: str = "adamw", *, schedule: str = "1f1b", microbatches: int | None = None,
-            virtual_stages: int = 1, split_cost: str = "flops") -> Plan:
+            virtual_stages: int = 1, split_cost: str = "flops", ac: str = "none") -> Plan:
     """Plans one training step of `model` (forward, backward, gradient reduction) on a mesh of any size.
 
     `mesh_or_sizes`: a DeviceMesh or a dict like {"fsdp": 8, "tp": 8}. `batch_shape`: the global
     (batch, seq) of token ids. `dtype`: the compute dtype (parameters are gathered in it; master weights,
     gradients and optimizer states stay fp32). With a `pp` axis, the step is spmd.build_pipeline's with
     these `schedule`, `microbatches`, `virtual_stages` and `split_cost`, and the plan has a `pipeline`
-    section (stages, bubble, send/recv bytes; see spmd/analysis/explain_pipeline.py).
+    section (stages, bubble, send/recv bytes; see spmd/analysis/explain_pipeline.py). `ac`: activation
+    checkpointing of the blocks as the trainer applies it (`none`, `full`, `selective:N`): saved activations
+    shrink, and the recomputation's collectives join the backward.
     """
     pipeline = dict(schedule=schedule, microbatches=microbatches, virtual_stages=virtual_stages,
                     split_cost=split_cost)
@@ -49,11 +52,11 @@ def explain(model: nn.Module, rules, mesh_or_sizes, batch_shape=(8, 2048), dtype
     check_sizes(sizes)
     dtype = as_dtype(dtype)
     if dist.is_initialized() and dist.get_backend() != "fake":
-        return _explain_in_child(model, rules, sizes, batch_shape, dtype, optimizer, pipeline)
-    return dry_run(model, rules, sizes, tuple(batch_shape), dtype, optimizer, pipeline)
+        return _explain_in_child(model, rules, sizes, batch_shape, dtype, optimizer, pipeline, ac)
+    return dry_run(model, rules, sizes, tuple(batch_shape), dtype, optimizer, pipeline, ac)
 
 
-def dry_run(model, rules, sizes, batch_shape, dtype, optimizer, pipeline=None) -> Plan:
+def dry_run(model, rules, sizes, batch_shape, dtype, optimizer, pipeline=None, ac="none") -> Plan:
     """The plan of one step, laid out and run in a fake world of `sizes` (this process's group is replaced)."""
     with fake_world(sizes) as (mesh, fake):
         full = mesh_sizes(mesh)
@@ -61,11 +64,12 @@ def dry_run(model, rules, sizes, batch_shape, dtype, optimizer, pipeline=None) -
                       dtype=str(dtype).replace("torch.", ""))
         if full["pp"] > 1:
             records, decisions, memory, section = explain_pipeline(model, rules, mesh, batch_shape, dtype, optimizer,
-                                                                   fake, **(pipeline or {}))
+                                                                   fake, **(pipeline or {}), ac=ac)
             return Plan(**common, collectives=records, decisions=decisions, memory=memory, pipeline=section)
         model = fake_copy(model, fake)
         with fake:
             parallelize(model, mesh, rules, param_dtype=None if dtype == torch.float32 else dtype)
+        apply_activation_checkpointing(model, ac)
         data_parallel = rules.data_parallel_size(mesh)
         batch, seq = batch_shape[0], batch_shape[1]
         if batch % data_parallel:
@@ -84,11 +88,11 @@ def dry_run(model, rules, sizes, batch_shape, dtype, optimizer, pipeline=None) -
                     memory=memory_per_rank(model, optimizer, activations))
 
 
-def _explain_in_child(model, rules, sizes, batch_shape, dtype, optimizer, pipeline=None) -> Plan:
+def _explain_in_child(model, rules, sizes, batch_shape, dtype, optimizer, pipeline=None, ac="none") -> Plan:
     # a real process group owns this process; the fake world runs in a fresh interpreter next door
     with tempfile.TemporaryDirectory() as tmp:
         job, out = os.path.join(tmp, "job.pt"), os.path.join(tmp, "plan.json")
-        torch.save((fake_copy(model, None), rules, sizes, tuple(batch_shape), dtype, optimizer, pipeline), job)
+        torch.save((fake_copy(model, None), rules, sizes, tuple(batch_shape), dtype, optimizer, pipeline, ac), job)
         env = {k: v for k, v in os.environ.items()
                if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
         subprocess.run([sys.executable, "-m", "spmd.analysis.explain_child", job, out], check=True, env=env)
