@@ -27,6 +27,8 @@ from spmd.layout.rules import Rules
 from spmd.pipeline.runtime import default_microbatches, validate_pipeline
 from spmd.runtime.checkpointing import parse_mode as parse_ac_mode
 
+from .profile import parse_steps as parse_profile_steps
+
 CONFIG_DIR = Path(__file__).parent / "configs"
 
 
@@ -50,7 +52,8 @@ class TrainConfig:
     compile: bool = False          # torch.compile each block (spmd.compile_blocks); checkpointed blocks stay eager
     kernels: str = "auto"          # auto | torch | triton: the model's RMSNorm/SwiGLU/RoPE/CE implementation
     # data
-    data: str = "stdlib"           # stdlib | PATH_OR_GLOB of text files | FILE.bin (pre-tokenised)
+    data: str = "stdlib"           # stdlib | PATH_OR_GLOB of text/.jsonl/.parquet files | datasets dir | FILE.bin
+    data_field: str = "text"       # the text field of .jsonl/.parquet/datasets records
     tokenizer: str = "bytes"       # bytes | path/to/tokenizer.json
     seed: int = 0
     # checkpoints
@@ -62,7 +65,11 @@ class TrainConfig:
     # metrics
     metrics: str = ""              # JSONL file, one line per step
     tensorboard: str = ""          # tensorboard log directory
-    log_every: int = 1             # steps between JSONL/tensorboard records
+    log_every: int = 1             # steps between JSONL/tensorboard/W&B records
+    wandb: str = ""                # Weights & Biases project (offline unless WANDB_MODE is set)
+    # profiling (launch/profile.py)
+    profile_steps: str = ""        # "A:B": torch.profiler trace (+ CUDA memory snapshot) of steps A..B
+    profile_dir: str = "profile"   # where the rank-tagged trace files go
     # pipeline parallelism (a pp axis in --mesh)
     pp_schedule: str = "1f1b"      # gpipe | 1f1b | interleaved-1f1b | zero-bubble | zbv
     microbatches: int = 0          # pipeline micro-batches per step (per --grad-accum micro-batch); 0: a default
@@ -130,6 +137,12 @@ class TrainConfig:
                                       f"(triton on CPU needs TRITON_INTERPRET=1)")
         need(not self.resume or self.ckpt_dir, "--resume needs --ckpt-dir DIR to resume from")
         need(not (self.ckpt_every and not self.ckpt_dir), "--ckpt-every needs --ckpt-dir DIR to write to")
+        try:
+            profiled = parse_profile_steps(self.profile_steps)
+            need(not profiled or profiled[1] <= self.steps, f"--profile-steps {self.profile_steps} ends after the "
+                                                            f"last step ({self.steps}); end at step {self.steps} or before")
+        except ValueError as e:
+            problems.append(str(e))
         sizes, flags = self._parse_mesh()
         sizes = sizes or {"fsdp": world_size}
         product = 1
@@ -225,12 +238,16 @@ def parser() -> argparse.ArgumentParser:
         "sp": "sequence parallelism", "steps": "optimizer steps", "batch_size": "global batch in sequences",
         "seq_len": "tokens per sequence", "grad_accum": "micro-batches per step", "lr": "peak learning rate",
         "warmup": "warmup steps", "dtype": "fp32|bf16|fp16", "ac": "none|full|selective:N",
-        "data": "stdlib | PATH_OR_GLOB | FILE.bin", "tokenizer": "bytes | tokenizer.json",
+        "data": "stdlib | PATH_OR_GLOB (text, .jsonl, .parquet) | datasets.save_to_disk DIR | FILE.bin",
+        "data_field": "text field of .jsonl/.parquet/datasets records", "tokenizer": "bytes | tokenizer.json",
         "ckpt_dir": "checkpoint directory", "ckpt_every": "checkpoint every N steps (0: at the end)",
         "resume": "resume from CKPT_DIR/latest if present", "init_from_hf": "initialise from a Hugging Face directory",
         "metrics": "JSONL metrics file", "tensorboard": "tensorboard log directory", "seed": "data/init seed",
+        "wandb": "Weights & Biases project (offline unless WANDB_MODE is set; needs spmd[wandb])",
         "pp_schedule": "gpipe|1f1b|interleaved-1f1b|zero-bubble|zbv", "microbatches": "pipeline micro-batches (0: 1 or 2 per pp rank)",
         "virtual_stages": "pipeline stages per pp rank",
+        "profile_steps": "A:B: profiler trace (+ CUDA memory snapshot) of steps A..B, counted from 1",
+        "profile_dir": "directory for the profiler's rank-tagged files",
     }
     for f in fields(TrainConfig):
         flag = "--" + _flag(f.name)

@@ -1,4 +1,4 @@
-"""Per-step metrics: FLOPs per token, MFU, a rank-0 progress bar, a JSONL file and optional tensorboard.
+"""Per-step metrics: FLOPs per token, MFU, a rank-0 progress bar, a JSONL file, optional tensorboard and W&B.
 
 FLOPs per token are the model's own count (its config's `flops_per_token`; for Llama 6 * N_non_embedding +
 12 * L * H * Q * T). MFU = tokens/s * FLOPs per token / (peak * devices).
@@ -14,6 +14,10 @@ comm_bytes. `step` counts completed optimizer steps (1 is the first); `comm_byte
 per rank for a step (spmd.analysis.record's ring convention), measured on the run's first and last steps only
 (recording slows a small CPU step by a fifth or more); the rows between carry the first step's figure;
 `peak_mem_bytes` is the CUDA allocator's peak during the step, or the process's peak resident memory on CPU.
+
+`--wandb PROJECT` logs the same rows to Weights & Biases, offline unless WANDB_MODE says otherwise (training
+machines often have no network): the run lands in `./wandb/offline-run-*` (or under $WANDB_DIR), and
+`wandb sync` uploads it later; WANDB_MODE=online streams it live.
 """
 from __future__ import annotations
 
@@ -86,16 +90,27 @@ def peak_mem_bytes(device: torch.device) -> int:
     return int(rss if sys.platform == "darwin" else rss * 1024)
 
 
+def wandb_run(project: str, config: dict | None = None):
+    """A W&B run of `project`, offline unless WANDB_MODE is set (module docstring)."""
+    try:
+        import wandb
+    except ImportError:
+        raise ImportError("--wandb needs the wandb package: pip install 'spmd[wandb]' (or drop --wandb)") from None
+    os.environ.setdefault("WANDB_MODE", "offline")
+    return wandb.init(project=project, config=config)
+
+
 class MetricsLogger:
-    """Rank 0 (`enabled`) writes JSONL/tensorboard and, with `console`, shows a tqdm bar and messages;
+    """Rank 0 (`enabled`) writes JSONL/tensorboard/W&B and, with `console`, shows a tqdm bar and messages;
     other ranks only compute the row."""
 
     def __init__(self, total_steps: int, tokens_per_step: int, flops_per_token: int, peak: float,
                  n_devices: int, jsonl: str = "", tensorboard: str = "", log_every: int = 1,
-                 enabled: bool = True, start_step: int = 0, console: bool = True):
+                 enabled: bool = True, start_step: int = 0, console: bool = True, wandb: str = "",
+                 run_config: dict | None = None):
         self.tokens_per_step, self.flops_per_token = tokens_per_step, flops_per_token
         self.peak, self.n_devices, self.log_every, self.enabled = peak, n_devices, log_every, enabled
-        self.jsonl = self.tb = self.bar = None
+        self.jsonl = self.tb = self.bar = self.wandb = None
         self.first_loss = self.last_loss = None
         self.steps_done = 0
         if not enabled:
@@ -107,6 +122,8 @@ class MetricsLogger:
                 raise ImportError("--tensorboard needs the tensorboard package: pip install tensorboard "
                                   "(or drop --tensorboard)") from None
             self.tb = SummaryWriter(tensorboard)
+        if wandb:
+            self.wandb = wandb_run(wandb, run_config)
         if jsonl:
             Path(jsonl).parent.mkdir(parents=True, exist_ok=True)
             self.jsonl = open(jsonl, "a" if start_step else "w")
@@ -140,6 +157,8 @@ class MetricsLogger:
                 for k, v in row.items():
                     if k != "step":
                         self.tb.add_scalar(f"train/{k}", v, step)
+            if self.wandb:
+                self.wandb.log({f"train/{k}": v for k, v in row.items() if k != "step"}, step=step)
         return row
 
     def write(self, message: str) -> None:
@@ -150,6 +169,8 @@ class MetricsLogger:
         for thing in (self.bar, self.jsonl, self.tb):
             if thing is not None:
                 thing.close()
+        if self.wandb is not None:
+            self.wandb.finish()
         if self.bar is not None and self.steps_done:
             print(self.summary(), flush=True)
 

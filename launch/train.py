@@ -43,6 +43,7 @@ from . import schedule
 from .config import TrainConfig, load_config
 from .data import build_loader
 from .metrics import MetricsLogger, flops_per_token, peak_flops, peak_mem_bytes
+from .profile import StepProfiler
 
 
 
@@ -190,7 +191,8 @@ def train(cfg: TrainConfig, log=True) -> list[dict]:
     fpt = flops_per_token(model_cfg, cfg.seq_len)
     peak, peak_source = peak_flops(cfg.dtype, device) if rank == 0 else (0.0, "")
     metrics = MetricsLogger(cfg.steps, cfg.batch_size * cfg.seq_len, fpt, peak, world, cfg.metrics,
-                            cfg.tensorboard, cfg.log_every, enabled=rank == 0, start_step=start, console=log)
+                            cfg.tensorboard, cfg.log_every, enabled=rank == 0, start_step=start, console=log,
+                            wandb=cfg.wandb, run_config=cfg.to_dict())
     if rank == 0:
         n = model_cfg.num_params()
         metrics.write(f"[launch.train] model {cfg.model if not cfg.init_from_hf else cfg.init_from_hf}: "
@@ -209,10 +211,12 @@ def train(cfg: TrainConfig, log=True) -> list[dict]:
     max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else math.inf
     stop = _Stop()
     stop.install()
+    profiler = StepProfiler(cfg.profile_steps, cfg.profile_dir, rank, device)
     rows: list[dict] = []
     step = start
     try:
         while step < cfg.steps:
+            profiler.before(step + 1)
             lr = schedule.lr_at(step, cfg.lr, cfg.warmup, cfg.steps)
             schedule.set_lr(opt, lr)
             if device.type == "cuda":
@@ -260,6 +264,8 @@ def train(cfg: TrainConfig, log=True) -> list[dict]:
             step += 1
             rows.append(metrics.record(step, loss_value, float(grad_norm), lr, step_time,
                                        peak_mem_bytes(device), comm))
+            for path in profiler.after(step):
+                metrics.write(f"[launch.train] profile: {path}" + (" (one per rank)" if world > 1 else ""))
             stopping = _stop_everywhere(stop.requested, device)
             due = cfg.ckpt_dir and (step == cfg.steps or stopping or (cfg.ckpt_every and step % cfg.ckpt_every == 0))
             if due:
@@ -276,6 +282,7 @@ def train(cfg: TrainConfig, log=True) -> list[dict]:
                               + ("" if cfg.ckpt_dir else " (no --ckpt-dir: nothing saved)"))
                 break
     finally:
+        profiler.close()
         stop.uninstall()
         metrics.close()
     return rows

@@ -4,13 +4,12 @@ and its command line:
     python -m spmd.search --model 8b --world 64 --device h100
 """
 import argparse
-import importlib
-import json
 import os
 import sys
 
 from .analysis.search import (Row, SearchResult, candidate_specs, flops_per_token, links, model_state_bytes,
                               predict, search, spec_name)
+from .cli import add_model_args, batch_shape, model_config, write_json
 
 __all__ = ["search", "main", "Row", "SearchResult", "candidate_specs", "flops_per_token", "links",
            "model_state_bytes", "predict", "spec_name"]
@@ -19,28 +18,23 @@ __all__ = ["search", "main", "Row", "SearchResult", "candidate_specs", "flops_pe
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m spmd.search", description=sys.modules["spmd.analysis.search"].__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="8b", help="PRESET of the registry's default model (Llama: "
-                    "tiny|small|1b|8b|70b) or MODEL:PRESET")
-    ap.add_argument("--registry", default="models", help="the module whose preset(name) gives model configs")
     ap.add_argument("--world", type=int, default=64, help="number of devices")
     ap.add_argument("--device", default="h100", help="h100|h200|a100|cpu")
-    ap.add_argument("--batch", type=int, default=None, help="global batch in sequences (default: world)")
-    ap.add_argument("--seq", type=int, default=None, help="sequence length (default: min(max_seq_len, 4096))")
-    ap.add_argument("--dtype", default="bf16")
+    add_model_args(ap, batch_default="world")
     ap.add_argument("--budget-gib", type=float, default=None, help="memory budget per rank (default 90%% of device)")
     ap.add_argument("--overlap", type=float, default=0.0, help="fraction of parameter traffic hidden behind compute")
     ap.add_argument("--top", type=int, default=None)
-    ap.add_argument("--json", default="", help="also write the rows to this JSON file")
     ap.add_argument("--workers", type=int, default=min(os.cpu_count() or 1, 8), help="planning processes")
     a = ap.parse_args(argv)
-    cfg = importlib.import_module(a.registry).preset(a.model)  # models are named, never imported, by spmd
-    seq = a.seq or min(cfg.max_seq_len, 4096)
-    rows = search(cfg, a.world, a.device, None if a.budget_gib is None else a.budget_gib * 2**30,
-                  (a.batch or a.world, seq), a.dtype, a.top, a.overlap, workers=a.workers)
+    try:
+        cfg = model_config(a)
+        rows = search(cfg, a.world, a.device, None if a.budget_gib is None else a.budget_gib * 2**30,
+                      batch_shape(a, cfg, a.world), a.dtype, a.top, a.overlap, workers=a.workers)
+    except ValueError as e:
+        print(f"spmd.search: error: {e}", file=sys.stderr)
+        return 2
     print(rows.table())
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(rows.to_dict(), f, indent=1)
+    write_json(a.json, rows.to_dict())
     return 0
 
 

@@ -37,10 +37,11 @@ def explain(model: nn.Module, rules, mesh_or_sizes, batch_shape=(8, 2048), dtype
 
     `mesh_or_sizes`: a DeviceMesh or a dict like {"fsdp": 8, "tp": 8}. `batch_shape`: the global
     (batch, seq) of token ids. `dtype`: the compute dtype (parameters are gathered in it; master weights,
-    gradients and optimizer states stay fp32). `ac`: activation checkpointing of the blocks, as
-    spmd.apply_activation_checkpointing (`none`, `full`, `selective:N`). With a `pp` axis, the step is
-    spmd.build_pipeline's with these `schedule`, `microbatches`, `virtual_stages` and `split_cost`, and the
-    plan has a `pipeline` section (stages, bubble, send/recv bytes; see spmd/analysis/explain_pipeline.py).
+    gradients and optimizer states stay fp32). With a `pp` axis, the step is spmd.build_pipeline's with
+    these `schedule`, `microbatches`, `virtual_stages` and `split_cost`, and the plan has a `pipeline`
+    section (stages, bubble, send/recv bytes; see spmd/analysis/explain_pipeline.py). `ac`: activation
+    checkpointing of the blocks as the trainer applies it (`none`, `full`, `selective:N`): saved activations
+    shrink, and the recomputation's collectives join the backward.
     """
     pipeline = dict(schedule=schedule, microbatches=microbatches, virtual_stages=virtual_stages,
                     split_cost=split_cost)
@@ -51,8 +52,6 @@ def explain(model: nn.Module, rules, mesh_or_sizes, batch_shape=(8, 2048), dtype
     check_sizes(sizes)
     dtype = as_dtype(dtype)
     parse_mode(ac)
-    if ac not in ("none", "", None) and sizes.get("pp", 1) > 1:
-        raise ValueError("explain with a pp axis plans without activation checkpointing; pass ac='none'")
     if dist.is_initialized() and dist.get_backend() != "fake":
         return _explain_in_child(model, rules, sizes, batch_shape, dtype, optimizer, pipeline, ac)
     return dry_run(model, rules, sizes, tuple(batch_shape), dtype, optimizer, pipeline, ac)
@@ -66,7 +65,7 @@ def dry_run(model, rules, sizes, batch_shape, dtype, optimizer, pipeline=None, a
                       dtype=str(dtype).replace("torch.", ""))
         if full["pp"] > 1:
             records, decisions, memory, section = explain_pipeline(model, rules, mesh, batch_shape, dtype, optimizer,
-                                                                   fake, **(pipeline or {}))
+                                                                   fake, **(pipeline or {}), ac=ac)
             return Plan(**common, collectives=records, decisions=decisions, memory=memory, pipeline=section)
         model = fake_copy(model, fake)
         with fake:

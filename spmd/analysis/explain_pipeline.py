@@ -13,10 +13,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from ..layout.annotate import fake_copy
 from ..layout.blocks import find_blocks
 from ..layout.rules import local_shape
-from ..pipeline.build import without_pp
+from ..pipeline.build import checkpoint_stage, without_pp
 from ..pipeline.runtime import bubble_fraction, default_microbatches, validate_pipeline
 from ..pipeline.split import split_stages
 from ..pipeline.stage import LocalModel, StageModule, has_parts
+from ..runtime.checkpointing import parse_mode
 from ..runtime.parallelize import parallelize
 from ..runtime.reshard import observe_saved
 from ..runtime.state import STATE_ATTR
@@ -29,7 +30,7 @@ HIDDEN_AXES, TOKEN_AXES = ("batch", "seq", "embed"), ("batch", None)
 
 
 def explain_pipeline(model, rules, mesh, batch_shape, dtype, optimizer, fake, schedule="1f1b", microbatches=None,
-                  virtual_stages=1, split_cost="flops", blocks=None):
+                  virtual_stages=1, split_cost="flops", blocks=None, ac="none"):
     """(collectives, decisions, memory, pipeline section) of the pp rank whose memory is largest."""
     _, stage_mesh = without_pp(mesh)
     # the stage group of pp rank 0 as a mesh of its own: a sliced mesh computes its rank layout with ops
@@ -55,7 +56,7 @@ def explain_pipeline(model, rules, mesh, batch_shape, dtype, optimizer, fake, sc
 
     fake_model = fake_copy(model, fake)
     runs, decisions, saved = _run_stages(split, fake_model, stage_mesh, rules, param_dtype, fake, tokens, hidden,
-                                         hidden_dtype, m)
+                                         hidden_dtype, m, parse_mode(ac))
 
     ranks = []
     for r in range(pp):
@@ -74,7 +75,7 @@ def explain_pipeline(model, rules, mesh, batch_shape, dtype, optimizer, fake, sc
     return worst["records"], decisions, worst["memory"], section
 
 
-def _run_stages(split, fake_model, stage_mesh, rules, param_dtype, fake, tokens, hidden, hidden_dtype, m):
+def _run_stages(split, fake_model, stage_mesh, rules, param_dtype, fake, tokens, hidden, hidden_dtype, m, every):
     """Each stage laid out and run for one micro-batch, with gradient reduction off and on: ({stage: {sync:
     records}}, decisions, {stage: bytes autograd saved})."""
     runs, decisions, saved = {}, [], {}
@@ -83,6 +84,7 @@ def _run_stages(split, fake_model, stage_mesh, rules, param_dtype, fake, tokens,
             stage = StageModule(fake_model, split, info.index, HIDDEN_AXES)
             parallelize(stage, stage_mesh, rules, param_dtype=param_dtype,
                         input_axes={0: TOKEN_AXES if info.first else HIDDEN_AXES, "targets": TOKEN_AXES})
+            checkpoint_stage(stage, info, every)
             x = torch.zeros(tokens, dtype=torch.long) if info.first else \
                 torch.zeros(hidden, dtype=hidden_dtype, requires_grad=True)
             targets = torch.zeros(tokens, dtype=torch.long)

@@ -29,7 +29,7 @@ from .runtime import PipelineRuntime, default_microbatches, validate_pipeline
 from .split import split_stages
 from .stage import LocalModel, StageModule, has_parts
 
-__all__ = ["Pipeline", "build_pipeline", "without_pp"]
+__all__ = ["Pipeline", "build_pipeline", "checkpoint_stage", "without_pp"]
 
 
 def without_pp(mesh: DeviceMesh) -> tuple[DeviceMesh, DeviceMesh]:
@@ -153,13 +153,18 @@ def build_pipeline(model: nn.Module, mesh: DeviceMesh, rules, schedule: str = "1
         parallelize(stage, stage_mesh, rules, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
                     input_axes={0: hidden_axes if not info.first else token_axes, "targets": token_axes},
                     param_init=param_init)
-        if every:
-            for i, block in zip(info.blocks, stage.__dict__["_blocks"]):
-                if i % every == 0:
-                    checkpoint_block(stage, block)
+        checkpoint_stage(stage, info, every)
         modules.append(stage)
     _release_others(model, split, rank)
     return Pipeline(model, full_mesh, stage_mesh, rules, split, schedule, microbatches, modules, param_dtype, meta)
+
+
+def checkpoint_stage(stage: nn.Module, info, every: int) -> None:
+    """Checkpoints the stage's blocks whose index in the whole model is a multiple of `every` (0: none), the
+    blocks apply_activation_checkpointing picks on the unsplit model."""
+    for i, block in zip(info.blocks, stage.__dict__["_blocks"]):
+        if every and i % every == 0:
+            checkpoint_block(stage, block)
 
 
 def _check_no_shared_params(model, split):

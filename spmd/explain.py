@@ -1,0 +1,70 @@
+"""`spmd.explain`: the plan of one training step (spmd.analysis.explain), callable as
+`spmd.explain(model, rules, {"fsdp": 8, "tp": 8}, batch_shape=(8, 4096))`, and its command line:
+
+    python -m spmd.explain --model 8b --mesh fsdp=8,tp=8,sp --batch 8 --seq 4096 --dtype bf16 [--json FILE]
+
+prints `plan.table()` of a registry model (meta tensors, no devices) laid out by the default rules.
+"""
+import argparse
+import sys
+
+import torch
+
+from .analysis.explain import explain
+from .cli import add_model_args, batch_shape, model_config, write_json
+from .layout.mesh import parse_spec
+from .layout.rules import Rules
+
+__all__ = ["explain", "main", "parser", "plan_from_args"]
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m spmd.explain", description="Prints the plan of one training "
+                                 "step (collectives, layout decisions, memory per rank) of a registry model on a "
+                                 "mesh of any size, without devices.")
+    ap.add_argument("--mesh", default="fsdp=8,tp=8,sp", help="mesh spec, e.g. fsdp=8,tp=8,sp or pp=2,fsdp=4,tp=8")
+    add_model_args(ap, batch_default="the mesh's size")
+    ap.add_argument("--ac", default="none", help="activation checkpointing: none|full|selective:N")
+    ap.add_argument("--pp-schedule", default="1f1b", help="with a pp axis: gpipe|1f1b|interleaved-1f1b|zero-bubble|zbv")
+    ap.add_argument("--microbatches", type=int, default=None, help="pipeline micro-batches (default: the schedule's)")
+    ap.add_argument("--virtual-stages", type=int, default=1, help="pipeline stages per pp rank")
+    return ap
+
+
+def plan_from_args(a: argparse.Namespace):
+    sizes, flags = parse_spec(a.mesh)
+    cfg = model_config(a)
+    with torch.device("meta"):
+        model = cfg.build()
+    world = 1
+    for s in sizes.values():
+        world *= s
+    return explain(model, Rules.default(sequence_parallel="sp" in flags), sizes, batch_shape(a, cfg, world),
+                   a.dtype, ac=a.ac, schedule=a.pp_schedule, microbatches=a.microbatches,
+                   virtual_stages=a.virtual_stages)
+
+
+def main(argv=None) -> int:
+    a = parser().parse_args(argv)
+    try:
+        plan = plan_from_args(a)
+    except ValueError as e:
+        print(f"spmd.explain: error: {e}", file=sys.stderr)
+        return 2
+    print(plan.table())
+    write_json(a.json, plan.to_dict())
+    return 0
+
+
+class _CallableModule(type(argparse)):
+    """`spmd.explain` is this module and also the function: importing the module leaves it in place of the
+    function as the package's attribute, and `spmd.explain(model, rules, sizes)` still plans."""
+
+    def __call__(self, *args, **kwargs):
+        return explain(*args, **kwargs)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
+else:
+    sys.modules[__name__].__class__ = _CallableModule
