@@ -41,12 +41,12 @@ def today() -> str:
 
 
 def git_commit() -> dict:
-    """The commit the results were made at, and whether the work tree differed from it."""
+    """The commit the results were made at, and whether the code differed from it (results files aside)."""
     def git(*args):
         return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True).stdout.strip()
     try:
         commit = git("rev-parse", "HEAD")
-        dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
+        dirty = bool(git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!benchmarks/results"))
     except OSError:  # no git on this machine
         commit, dirty = "", False
     return {"commit": commit or "unknown", "dirty": dirty}
