@@ -1,4 +1,5 @@
-"""spmd.checkpoint: sharded safetensors checkpoints written on one mesh load exactly on another, and saving is atomic.
+"""spmd.checkpoint: sharded safetensors checkpoints written on one mesh load exactly on another, saving is atomic
+(a kill at any file of a save leaves the previous checkpoint), and checksums catch damaged files.
 
 Distributed tests run 4 gloo CPU processes; values are compared exactly against the single-process tensors.
 """
@@ -8,7 +9,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -187,44 +187,76 @@ def test_clear_errors(tmp_path):
     assert ckpt.latest(tmp_path).name == "step-3"  # failed saves left the pointer alone
 
 
-_SAVE_LOOP = textwrap.dedent("""
+_SAVE_THREE = textwrap.dedent("""
     import sys, torch
     from spmd import checkpoint as ckpt
-    root = sys.argv[1]
-    big = torch.empty(24 * 1024 * 1024)  # 96 MiB per save, so a save takes a while
-    step = 0
-    while True:
-        step += 1
-        big.fill_(step)
-        ckpt.save(root, step, {"big": big, "small": torch.full((3,), float(step))}, meta={"n": step}, keep=2)
+    for step in (1, 2, 3):  # one process writes 3 files a save: its rank file, meta.json, index.json
+        ckpt.save(sys.argv[1], step, {"w": torch.full((64, 32), float(step)), "b": torch.arange(5.0) * step},
+                  meta={"n": step})
 """)
 
 
-def test_sigkill_mid_save_leaves_previous_checkpoint(tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    proc = subprocess.Popen([sys.executable, "-c", _SAVE_LOOP, str(tmp_path)], env=env)
-    killed_mid_save = False
-    try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and not killed_mid_save:
-            assert proc.poll() is None, "the saving process died on its own"
-            latest = ckpt.latest(tmp_path) if (tmp_path / "latest").exists() else None
-            tmp = [p for p in tmp_path.glob(".tmp-step-*") if any(p.iterdir())]
-            if latest is not None and int(latest.name[5:]) >= 2 and tmp:
-                proc.send_signal(signal.SIGKILL)  # a rank file is being written right now
-                killed_mid_save = True
-            time.sleep(0.002)
-    finally:
-        proc.kill()
-        proc.wait()
-    assert killed_mid_save, "never caught the process in the middle of a save"
-    assert list(tmp_path.glob(".tmp-step-*")), "expected the interrupted save's temporary directory"
-    target = ckpt.latest(tmp_path)
-    step = int(target.name[5:])
-    state = {"big": torch.zeros(24 * 1024 * 1024), "small": torch.zeros(3)}
-    meta = ckpt.load(tmp_path, state)
-    assert meta["n"] == step and meta["step"] == step
-    assert bool((state["big"] == step).all()) and state["small"].tolist() == [step] * 3
+@pytest.mark.parametrize("files", [7, 8, 9], ids=["after-rank-file", "after-meta", "after-index"])
+def test_a_kill_at_each_point_of_a_save_leaves_the_previous_checkpoint(tmp_path, files):
+    """SPMD_TEST_KILL_AFTER_FILES=N kills the saver right after its N-th file: 7, 8, 9 are the rank file,
+    meta.json and index.json of the third save (the last one before the rename)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "SPMD_TEST_KILL_AFTER_FILES": str(files)}
+    proc = subprocess.run([sys.executable, "-c", _SAVE_THREE, str(tmp_path)], env=env, timeout=120)
+    assert proc.returncode == -signal.SIGKILL
+    written = ["rank-00000.safetensors", "meta.json", "index.json"][:files - 6]
+    assert sorted(os.listdir(tmp_path / ".tmp-step-3")) == sorted(written)
+    assert ckpt.latest(tmp_path).name == "step-2" and not (tmp_path / "step-3").exists()
+    state = {"w": torch.zeros(64, 32), "b": torch.zeros(5)}
+    assert ckpt.load(tmp_path, state)["n"] == 2
+    assert torch.equal(state["w"], torch.full((64, 32), 2.0)) and torch.equal(state["b"], torch.arange(5.0) * 2)
     # the next save clears the debris and commits normally
-    ckpt.save(tmp_path, step + 1, {"big": torch.ones(2), "small": torch.ones(3)})
-    assert not list(tmp_path.glob(".tmp-step-*")) and ckpt.latest(tmp_path).name == f"step-{step + 1}"
+    ckpt.save(tmp_path, 3, {"w": torch.ones(2), "b": torch.ones(3)})
+    assert not list(tmp_path.glob(".tmp-step-*")) and ckpt.latest(tmp_path).name == "step-3"
+
+
+def _three_checkpoints(root):
+    for step in (1, 2, 3):
+        ckpt.save(root, step, {"w": torch.full((256,), float(step))}, meta={"n": step})
+
+
+def _flip_a_byte(path, tensor="model.w"):
+    """Alter one byte of `tensor`'s data in a safetensors file: the file stays loadable."""
+    data = bytearray(path.read_bytes())
+    header = int.from_bytes(data[:8], "little")
+    begin, _ = json.loads(data[8:8 + header])[tensor]["data_offsets"]
+    data[8 + header + begin + 1] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_checksums_catch_truncated_and_altered_files_and_resume_falls_back(tmp_path):
+    _three_checkpoints(tmp_path)
+    index = json.loads((tmp_path / "step-3" / "index.json").read_text())
+    assert set(index["files"]) == {"rank-00000.safetensors", "meta.json"}
+    assert all(len(r["sha256"]) == 64 and r["bytes"] > 0 for r in index["files"].values())
+    assert ckpt.verify(tmp_path / "step-3") == []
+    assert ckpt.newest_intact(tmp_path) == (tmp_path / "step-3", [])
+
+    rank_file = tmp_path / "step-3" / "rank-00000.safetensors"
+    rank_file.write_bytes(rank_file.read_bytes()[:-100])  # truncated
+    assert ckpt.verify(tmp_path / "step-3") == [
+        f"rank-00000.safetensors has {index['files']['rank-00000.safetensors']['bytes'] - 100} bytes, the index "
+        f"says {index['files']['rank-00000.safetensors']['bytes']} (truncated or extended)"]
+    found, rejected = ckpt.newest_intact(tmp_path)
+    assert found == tmp_path / "step-2" and [p.name for p, _ in rejected] == ["step-3"]
+
+    _flip_a_byte(tmp_path / "step-2" / "rank-00000.safetensors")  # altered: same size, still loads without a check
+    assert ckpt.verify(tmp_path / "step-2") == ["rank-00000.safetensors does not match its SHA-256 in the index "
+                                                "(altered)"]
+    state = {"w": torch.zeros(256)}
+    ckpt.load(tmp_path / "step-2", state)
+    assert not torch.equal(state["w"], torch.full((256,), 2.0)), "the alteration should change a value"
+    found, rejected = ckpt.newest_intact(tmp_path)
+    assert found == tmp_path / "step-1" and [p.name for p, _ in rejected] == ["step-3", "step-2"]
+
+    meta = tmp_path / "step-1" / "meta.json"
+    meta.write_text(meta.read_text().replace('"n": 1', '"n": 7'))
+    assert ckpt.verify(tmp_path / "step-1") == ["meta.json does not match its SHA-256 in the index (altered)"]
+    assert ckpt.newest_intact(tmp_path)[0] is None
+    (tmp_path / "step-1" / "index.json").write_text("{")
+    assert ckpt.verify(tmp_path / "step-1")[0].startswith("index.json is unreadable")

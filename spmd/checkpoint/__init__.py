@@ -5,7 +5,7 @@ A checkpoint is a directory `<ckpt_dir>/step-N/`:
     rank-00000.safetensors ...   each rank's LOCAL shards (one writer per distinct slice; replicas skip)
                                  plus that rank's RNG states under `__rng__.cpu` / `__rng__.cuda`
     index.json                   every tensor's global shape and dtype, and per file the slice it holds
-                                 (`offsets` and `lengths` per dim)
+                                 (`offsets` and `lengths` per dim); every file's size and SHA-256
     meta.json                    step, world size and whatever the caller passes (config, data position)
 
 Tensor names are `model.<parameter name>` and `optim.<parameter name>.<state key>` (AdamW: `exp_avg`,
@@ -14,9 +14,10 @@ that overlap it (`safe_open(...).get_slice`), so a checkpoint written on `fsdp=4
 or into plain tensors in one process.
 
 Atomic commit: every rank writes into `<ckpt_dir>/.tmp-step-N`; once all ranks report success, rank 0
-writes the index, renames the directory to `step-N`, and replaces the `latest` pointer file with
+writes meta.json and the index, renames the directory to `step-N`, and replaces the `latest` pointer file with
 `os.replace`. A process killed mid-save leaves only a `.tmp-*` directory behind (cleared by the next save);
-`latest` keeps pointing at the previous complete checkpoint.
+`latest` keeps pointing at the previous complete checkpoint. `verify(step_dir)` recomputes the checksums;
+`newest_intact(ckpt_dir)` finds the newest checkpoint that passes, for a resume.
 
     save(ckpt_dir, step, model_state(model), optim_state(model, opt), meta={...})
     meta = load(ckpt_dir, model_state(model), optim_state(model, opt, init=True))
@@ -24,6 +25,7 @@ writes the index, renames the directory to `step-N`, and replaces the `latest` p
 from .load import latest, load, read_full, read_into, read_meta, resolve, tensor_names
 from .save import save
 from .state import model_state, optim_state
+from .verify import newest_intact, verify
 
 __all__ = ["save", "load", "resolve", "latest", "model_state", "optim_state", "read_full", "read_into",
-           "tensor_names", "read_meta"]
+           "tensor_names", "read_meta", "verify", "newest_intact"]

@@ -1,8 +1,14 @@
-"""Writing a checkpoint: every rank its own shards, one writer per slice, committed atomically."""
+"""Writing a checkpoint: every rank its own shards, one writer per slice, committed atomically.
+
+For the tests of interrupted saves, SPMD_TEST_KILL_AFTER_FILES=N makes a process SIGKILL itself right after
+it has written its N-th checkpoint file (counting rank files, meta.json and index.json, in that order, over
+the life of the process).
+"""
 import json
 import math
 import os
 import shutil
+import signal
 from pathlib import Path
 
 import torch
@@ -10,8 +16,18 @@ from safetensors.torch import save_file
 
 from .common import FORMAT, LATEST, RNG_CPU, RNG_CUDA, all_gather, barrier, dtype_name, fsync_dir, rank_file, \
     rank_world, region
+from .verify import file_record
 
 __all__ = ["save"]
+
+_files_written = 0
+
+
+def _written() -> None:
+    global _files_written
+    _files_written += 1
+    if str(_files_written) == os.environ.get("SPMD_TEST_KILL_AFTER_FILES"):
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def save(ckpt_dir: str | os.PathLike, step: int, model_state: dict[str, torch.Tensor],
@@ -44,11 +60,11 @@ def save(ckpt_dir: str | os.PathLike, step: int, model_state: dict[str, torch.Te
     proposals, locals_, index, writer = _assign_writers(tensors)
     # 2. Every rank writes its file into the temporary directory.
     tmp = ckpt_dir / f".tmp-step-{step}"
-    _write_rank_files(ckpt_dir, tmp, step, rank, locals_, proposals, writer)
-    # 3. Rank 0 commits: index + meta, rename, pointer.
+    files = _write_rank_files(ckpt_dir, tmp, step, rank, locals_, proposals, writer)
+    # 3. Rank 0 commits: meta, index (with every file's checksum), rename, pointer.
     final = ckpt_dir / f"step-{step}"
     if rank == 0:
-        _commit(ckpt_dir, tmp, final, step, world, index, meta_json, keep)
+        _commit(ckpt_dir, tmp, final, step, world, index, files, meta_json, keep)
     barrier()  # nobody returns before the checkpoint is committed
     return final
 
@@ -83,9 +99,9 @@ def _assign_writers(tensors: dict) -> tuple[dict, dict, dict, dict]:
 
 
 def _write_rank_files(ckpt_dir: Path, tmp: Path, step: int, rank: int, locals_: dict, proposals: dict,
-                      writer: dict) -> None:
+                      writer: dict) -> dict[str, dict]:
     """Collective: every rank writes the boxes it was assigned (and its RNG state) into `tmp`; a failure on
-    any rank raises on every rank."""
+    any rank raises on every rank. Returns every rank file's size and SHA-256."""
     if rank == 0:
         ckpt_dir.mkdir(parents=True, exist_ok=True)
         for stale in ckpt_dir.glob(".tmp-step-*"):
@@ -108,21 +124,29 @@ def _write_rank_files(ckpt_dir: Path, tmp: Path, step: int, rank: int, locals_: 
         save_file(out, str(path), metadata={"format": "pt", "spmd": FORMAT})
         with open(path, "rb+") as f:
             os.fsync(f.fileno())
+        _written()
+        record = {path.name: file_record(path)}  # of the bytes on disk: a short write shows up here already
     except Exception as e:  # report instead of leaving the other ranks waiting at a barrier
-        error = f"rank {rank}: {type(e).__name__}: {e}"
-    errors = [e for e in all_gather(error) if e]
+        error, record = f"rank {rank}: {type(e).__name__}: {e}", {}
+    gathered = all_gather((error, record))
+    errors = [e for e, _ in gathered if e]
     if errors:
         raise RuntimeError(f"checkpoint save of step {step} to {tmp} failed: " + "; ".join(errors)
                            + ". The previous checkpoint is untouched.")
+    return {name: rec for _, r in gathered for name, rec in r.items()}
 
 
-def _commit(ckpt_dir: Path, tmp: Path, final: Path, step: int, world: int, index: dict, meta_json: str,
-            keep: int | None) -> None:
-    """Rank 0: index and meta into `tmp`, `tmp` renamed to `final`, `latest` pointed at it, old ones pruned."""
-    (tmp / "index.json").write_text(json.dumps(
-        {"format": FORMAT, "step": step, "world_size": world, "tensors": index}, indent=1))
+def _commit(ckpt_dir: Path, tmp: Path, final: Path, step: int, world: int, index: dict, files: dict,
+            meta_json: str, keep: int | None) -> None:
+    """Rank 0: meta and index (with `files`' and meta's checksums) into `tmp`, `tmp` renamed to `final`,
+    `latest` pointed at it, old ones pruned."""
     (tmp / "meta.json").write_text(json.dumps({**json.loads(meta_json), "step": step, "world_size": world},
                                               indent=1, sort_keys=True))
+    _written()
+    files = {**files, "meta.json": file_record(tmp / "meta.json")}
+    (tmp / "index.json").write_text(json.dumps(
+        {"format": FORMAT, "step": step, "world_size": world, "files": files, "tensors": index}, indent=1))
+    _written()
     fsync_dir(tmp)
     if final.exists():  # re-saving a step (e.g. after a resume): move the old one aside first
         old = ckpt_dir / f".tmp-old-step-{step}"
