@@ -47,6 +47,7 @@ class TrainConfig:
     warmup: int = 15               # linear warmup steps, then cosine decay to 10% of lr at `steps`
     weight_decay: float = 0.1
     max_grad_norm: float = 1.0     # global-norm clipping; 0 disables
+    max_bad_steps: int = 5         # stop after this many consecutive non-finite steps (skipped); 0: never stop
     dtype: str = "fp32"            # fp32 | bf16 | fp16 (compute dtype; master weights stay fp32)
     ac: str = "none"               # activation checkpointing: none | full | selective:N (every N-th block)
     compile: bool = False          # torch.compile each block (spmd.compile_blocks); checkpointed blocks stay eager
@@ -74,6 +75,8 @@ class TrainConfig:
     pp_schedule: str = "1f1b"      # gpipe | 1f1b | interleaved-1f1b | zero-bubble | zbv
     microbatches: int = 0          # pipeline micro-batches per step (per --grad-accum micro-batch); 0: a default
     virtual_stages: int = 1        # stages per pp rank (interleaved schedules)
+    # failures
+    collective_timeout: float = 600.0  # seconds a collective waits for a dead or stuck rank before failing
 
     # ------------------------------------------------------------------ derived
     def mesh_sizes(self, world_size: int) -> dict[str, int]:
@@ -124,9 +127,11 @@ class TrainConfig:
 
         for name in ("steps", "batch_size", "seq_len", "grad_accum", "log_every"):
             need(getattr(self, name) >= 1, f"--{_flag(name)} must be >= 1, got {getattr(self, name)}")
-        for name in ("warmup", "ckpt_every", "ckpt_keep", "max_grad_norm", "weight_decay", "seed"):
+        for name in ("warmup", "ckpt_every", "ckpt_keep", "max_grad_norm", "weight_decay", "seed", "max_bad_steps"):
             need(getattr(self, name) >= 0, f"--{_flag(name)} must be >= 0, got {getattr(self, name)}")
         need(self.lr > 0, f"--lr must be positive, got {self.lr}")
+        need(self.collective_timeout > 0, f"--collective-timeout must be a positive number of seconds, got "
+                                          f"{self.collective_timeout}")
         need(self.dtype in DTYPES, f"--dtype {self.dtype!r} is not one of {'|'.join(DTYPES)}; pick one of them")
         try:
             parse_ac_mode(self.ac)
@@ -248,6 +253,8 @@ def parser() -> argparse.ArgumentParser:
         "virtual_stages": "pipeline stages per pp rank",
         "profile_steps": "A:B: profiler trace (+ CUDA memory snapshot) of steps A..B, counted from 1",
         "profile_dir": "directory for the profiler's rank-tagged files",
+        "max_bad_steps": "stop after N consecutive non-finite steps (0: never)",
+        "collective_timeout": "seconds a collective waits for a dead or stuck rank",
     }
     for f in fields(TrainConfig):
         flag = "--" + _flag(f.name)

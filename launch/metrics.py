@@ -10,10 +10,13 @@ machine at this dtype and thread count, measured once and cached in `<cache>/pea
 ($SPMD_CACHE_DIR or ~/.cache/spmd). On CPU a "device" is one process with its torch thread count.
 
 JSONL lines carry exactly: step, loss, grad_norm, lr, tokens_per_s, mfu, step_time_s, peak_mem_bytes,
-comm_bytes. `step` counts completed optimizer steps (1 is the first); `comm_bytes` is bytes on the wire
-per rank for a step (spmd.analysis.record's ring convention), measured on the run's first and last steps only
-(recording slows a small CPU step by a fifth or more); the rows between carry the first step's figure;
-`peak_mem_bytes` is the CUDA allocator's peak during the step, or the process's peak resident memory on CPU.
+comm_bytes, skipped_steps. `step` counts completed optimizer steps (1 is the first); `comm_bytes` is bytes on
+the wire per rank for a step (spmd.analysis.record's ring convention), measured on the run's first and last
+steps only (recording slows a small CPU step by a fifth or more); the rows between carry the first step's
+figure; `peak_mem_bytes` is the CUDA allocator's peak during the step, or the process's peak resident memory
+on CPU; `skipped_steps` counts the steps so far whose update was skipped for a non-finite loss or gradient
+norm. A resumed run first drops the lines after the step it resumes from (written after that checkpoint by
+the run that stopped), so the file holds each step once.
 
 `--wandb PROJECT` logs the same rows to Weights & Biases, offline unless WANDB_MODE says otherwise (training
 machines often have no network): the run lands in `./wandb/offline-run-*` (or under $WANDB_DIR), and
@@ -34,7 +37,8 @@ import torch
 from spmd.analysis.devices import gpu_peaks, measure_gemm_flops
 from spmd.layout.dtypes import DTYPES
 
-KEYS = ("step", "loss", "grad_norm", "lr", "tokens_per_s", "mfu", "step_time_s", "peak_mem_bytes", "comm_bytes")
+KEYS = ("step", "loss", "grad_norm", "lr", "tokens_per_s", "mfu", "step_time_s", "peak_mem_bytes", "comm_bytes",
+        "skipped_steps")
 
 
 def flops_per_token(model_cfg, seq_len: int) -> int:
@@ -126,7 +130,10 @@ class MetricsLogger:
             self.wandb = wandb_run(wandb, run_config)
         if jsonl:
             Path(jsonl).parent.mkdir(parents=True, exist_ok=True)
-            self.jsonl = open(jsonl, "a" if start_step else "w")
+            tmp = Path(f"{jsonl}.tmp")
+            tmp.write_text("".join(_lines_up_to(Path(jsonl), start_step) if start_step else []))
+            os.replace(tmp, jsonl)
+            self.jsonl = open(jsonl, "a")
         if not console:
             return
         from tqdm import tqdm
@@ -134,12 +141,12 @@ class MetricsLogger:
                         mininterval=0.5 if sys.stdout.isatty() else 10.0, file=sys.stdout)
 
     def record(self, step: int, loss: float, grad_norm: float, lr: float, step_time_s: float,
-               peak_mem_bytes: int, comm_bytes: int) -> dict:
+               peak_mem_bytes: int, comm_bytes: int, skipped_steps: int = 0) -> dict:
         tokens_per_s = self.tokens_per_step / step_time_s if step_time_s > 0 else 0.0
         mfu = tokens_per_s * self.flops_per_token / (self.peak * self.n_devices) if self.peak else 0.0
         row = dict(step=step, loss=float(loss), grad_norm=float(grad_norm), lr=float(lr),
                    tokens_per_s=tokens_per_s, mfu=mfu, step_time_s=step_time_s,
-                   peak_mem_bytes=int(peak_mem_bytes), comm_bytes=int(comm_bytes))
+                   peak_mem_bytes=int(peak_mem_bytes), comm_bytes=int(comm_bytes), skipped_steps=int(skipped_steps))
         if not self.enabled:
             return row
         if self.first_loss is None:
@@ -177,3 +184,18 @@ class MetricsLogger:
     def summary(self) -> str:
         """One line with the loss at the first and the last step this run trained (CI reads it)."""
         return f"[launch.train] done: {self.steps_done} steps, loss {self.first_loss:.4f} -> {self.last_loss:.4f}"
+
+
+def _lines_up_to(path: Path, step: int) -> list[str]:
+    """The JSONL lines of steps <= `step` (an unreadable line ends the kept part: a killed writer's last)."""
+    if not path.is_file():
+        return []
+    kept = []
+    for line in path.read_text().splitlines(keepends=True):
+        try:
+            if json.loads(line)["step"] > step:
+                break
+        except (ValueError, KeyError):
+            break
+        kept.append(line if line.endswith("\n") else line + "\n")
+    return kept

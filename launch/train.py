@@ -14,6 +14,11 @@ gathered (`parallelize(param_dtype=...)`; autocast in a single process) and grad
 `fp16` adds dynamic loss scaling: a step whose gradient norm is inf/nan is skipped and the scale halves;
 after 1000 good steps it doubles.
 
+Failures (README, "Failure behaviour"): ranks first agree on config and code (`launch.startup`), every
+collective is bounded by --collective-timeout, a step with a non-finite loss or gradient norm is skipped
+and --max-bad-steps of them in a row stop the run (`launch.nonfinite`), and --resume starts from the newest
+checkpoint whose checksums verify.
+
 `--compile`: each block runs as one compiled graph with its collectives inside (`spmd.compile_blocks`);
 blocks under activation checkpointing stay eager. `--kernels triton` selects the fused Triton kernels.
 
@@ -39,10 +44,11 @@ from spmd import checkpoint
 from spmd.analysis.record import CollectiveRecorder
 from spmd.layout.dtypes import DTYPES
 
-from . import schedule
+from . import faults, schedule, startup
 from .config import TrainConfig, load_config
 from .data import build_loader
 from .metrics import MetricsLogger, flops_per_token, peak_flops, peak_mem_bytes
+from .nonfinite import BadSteps, Diverged
 from .profile import StepProfiler
 
 
@@ -142,6 +148,23 @@ def build_model(cfg: TrainConfig, model_cfg, world: int, device: torch.device):
     return model, mesh, rules.data_parallel_rank(mesh), rules.data_parallel_size(mesh), pipe
 
 
+def _resume_point(cfg: TrainConfig, rank: int):
+    """The newest checkpoint in --ckpt-dir whose files match their checksums (collective), or None."""
+    found, rejected = checkpoint.newest_intact(cfg.ckpt_dir)
+    if rank == 0:
+        for path, problems in rejected:
+            print(f"[launch.train] --resume: checkpoint {path} is damaged ({'; '.join(problems)}); "
+                  f"{'falling back to ' + str(found) if found else 'looking further back'}", file=sys.stderr,
+                  flush=True)
+        if found is None and not rejected:
+            print(f"[launch.train] --resume: no checkpoint in {cfg.ckpt_dir} yet, starting from step 0", flush=True)
+    if found is None and rejected:
+        raise ValueError(f"--resume: no intact checkpoint in {cfg.ckpt_dir}: "
+                         + "; ".join(f"{p.name}: {', '.join(pr)}" for p, pr in rejected)
+                         + f". Restore the damaged files, or move {cfg.ckpt_dir} aside to start from step 0")
+    return found
+
+
 def _stop_everywhere(flag: bool, device) -> bool:
     if dist.is_initialized() and dist.get_world_size() > 1:
         t = torch.tensor([1.0 if flag else 0.0], device=device)
@@ -164,8 +187,12 @@ def train(cfg: TrainConfig, log=True) -> list[dict]:
     device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    if world > 1:
+        startup.start_process_group(cfg.collective_timeout, device)
+        startup.agree(cfg, model_cfg)  # the first collective: same config and code on every rank, or none trains
     model, mesh, dp_rank, dp_size, pipe = build_model(cfg, model_cfg, world, device)
-    resuming = cfg.resume and checkpoint.latest(cfg.ckpt_dir) is not None
+    resume_from = _resume_point(cfg, rank) if cfg.resume else None
+    resuming = resume_from is not None
     if cfg.init_from_hf and not resuming:  # a checkpoint, when there is one, overrides the HF weights
         from .hf import load_hf
         load_hf(model, cfg.init_from_hf, **({"strict": False} if pipe else {}))
@@ -174,18 +201,19 @@ def train(cfg: TrainConfig, log=True) -> list[dict]:
     compiled = spmd.compile_blocks(model) if cfg.compile else []
     opt = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
     scaler = LossScaler(cfg.dtype == "fp16")
+    bad = BadSteps(cfg.max_bad_steps, loss_scaling=scaler.enabled)
     loader, tokenizer = build_loader(cfg, dp_rank, dp_size, model_cfg.vocab_size, device)
 
     start = 0
     if resuming:
         # under pp this rank holds only its stages' tensors of the global checkpoint
-        meta = checkpoint.load(cfg.ckpt_dir, checkpoint.model_state(model),
+        meta = checkpoint.load(resume_from, checkpoint.model_state(model),
                                checkpoint.optim_state(model, opt, init=True), rng=True, strict=pipe is None)
         start = int(meta["step"])
         loader.load_state_dict(meta["data"])
         scaler.load_state_dict(meta.get("loss_scale"))
-    elif cfg.resume and rank == 0:
-        print(f"[launch.train] --resume: no checkpoint in {cfg.ckpt_dir} yet, starting from step 0", flush=True)
+        bad.last_good = start
+        bad.load_state_dict(meta.get("bad_steps"))
 
     single_autocast = world == 1 and cfg.dtype != "fp32"
     fpt = flops_per_token(model_cfg, cfg.seq_len)
@@ -204,7 +232,7 @@ def train(cfg: TrainConfig, log=True) -> list[dict]:
                       f"data {cfg.data} ({len(loader.tokens):,} tokens, {cfg.tokenizer}) | "
                       f"peak {peak / 1e12:.3g} TFLOP/s per device ({peak_source})")
         if start:
-            metrics.write(f"[launch.train] resumed from {checkpoint.latest(cfg.ckpt_dir)} at step {start}")
+            metrics.write(f"[launch.train] resumed from {resume_from} at step {start}")
 
     comm = 0
     params = [p for p in model.parameters() if p.requires_grad]
@@ -214,8 +242,10 @@ def train(cfg: TrainConfig, log=True) -> list[dict]:
     profiler = StepProfiler(cfg.profile_steps, cfg.profile_dir, rank, device)
     rows: list[dict] = []
     step = start
+    nan_steps = faults.nan_steps()
     try:
         while step < cfg.steps:
+            faults.before_step(step + 1, rank)
             profiler.before(step + 1)
             lr = schedule.lr_at(step, cfg.lr, cfg.warmup, cfg.steps)
             schedule.set_lr(opt, lr)
@@ -242,6 +272,8 @@ def train(cfg: TrainConfig, log=True) -> list[dict]:
                     with sync:  # no_sync covers the backward: that is where gradients are reduced
                         with amp:
                             loss = model(x, y) / len(micro)
+                        if step + 1 in nan_steps:
+                            loss = loss * float("nan")
                         (loss * scaler.scale).backward()
                     loss_sum += loss.detach().float()
                 if scaler.enabled:
@@ -252,31 +284,36 @@ def train(cfg: TrainConfig, log=True) -> list[dict]:
                     grad_norm = _full(pipe.clip_grad_norm_(max_norm))
                 else:
                     grad_norm = _full(torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=None))
-                finite = bool(torch.isfinite(grad_norm))
-                if finite or not scaler.enabled:
+                loss_value = float(loss_sum)  # synchronises with the device
+                good = bad.check(step + 1, loss_value, float(grad_norm))
+                if good:
                     opt.step()
-                scaler.update(finite)
+                scaler.update(good)
                 opt.zero_grad(set_to_none=True)
-            loss_value = float(loss_sum)  # synchronises with the device
             step_time = time.perf_counter() - t0
             if recorder is not None:
                 comm = sum(r.bytes for r in recorder.records)
             step += 1
             rows.append(metrics.record(step, loss_value, float(grad_norm), lr, step_time,
-                                       peak_mem_bytes(device), comm))
+                                       peak_mem_bytes(device), comm, skipped_steps=bad.skipped))
             for path in profiler.after(step):
                 metrics.write(f"[launch.train] profile: {path}" + (" (one per rank)" if world > 1 else ""))
             stopping = _stop_everywhere(stop.requested, device)
-            due = cfg.ckpt_dir and (step == cfg.steps or stopping or (cfg.ckpt_every and step % cfg.ckpt_every == 0))
+            diverged = bad.exhausted
+            due = cfg.ckpt_dir and (step == cfg.steps or stopping or diverged
+                                    or (cfg.ckpt_every and step % cfg.ckpt_every == 0))
+            path = None
             if due:
                 path = checkpoint.save(cfg.ckpt_dir, step, checkpoint.model_state(model),
                                        checkpoint.optim_state(model, opt),
                                        meta={"config": cfg.to_dict(), "model_config": model_cfg.to_dict(),
                                              "model": models.entry(model_cfg).name,
                                              "data": loader.state_dict(), "loss_scale": scaler.state_dict(),
-                                             "mesh": cfg.mesh_sizes(world)},
+                                             "bad_steps": bad.state_dict(), "mesh": cfg.mesh_sizes(world)},
                                        keep=cfg.ckpt_keep or None)
                 metrics.write(f"[launch.train] step {step}: checkpoint {path}")
+            if diverged:
+                raise Diverged(bad.message(step, str(path) if path else None))
             if stopping:
                 metrics.write(f"[launch.train] stopped by signal after step {step}"
                               + ("" if cfg.ckpt_dir else " (no --ckpt-dir: nothing saved)"))
@@ -288,16 +325,40 @@ def train(cfg: TrainConfig, log=True) -> list[dict]:
     return rows
 
 
+EXIT_BAD_INPUT, EXIT_RANK_LOST, EXIT_DIVERGED = 2, 3, 4
+
+
+def _rank_lost(e: BaseException) -> bool:
+    """A collective failed because another rank is gone or stuck (closed connection or timeout)."""
+    text = str(e).lower()
+    return isinstance(e, dist.DistError) or any(s in text for s in (
+        "connection closed by peer", "connection reset", "timed out", "timeout", "broken pipe", "gloo", "nccl"))
+
+
 def main(argv: list[str] | None = None) -> int:
     # clip_grad_norm_ over a 2-D mesh reduces the norm axis by axis; DTensor warns about it on every rank
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     cfg = load_config(argv)
+    rank, world, _ = _world()
+    prefix = f"launch.train{f' [rank {rank}]' if world > 1 else ''}: error:"
     try:
         train(cfg)
     except (ValueError, FileNotFoundError, KeyError, ImportError) as e:  # bad input: the message says the fix
-        rank, world, _ = _world()
-        print(f"launch.train{f' [rank {rank}]' if world > 1 else ''}: error: {e}", file=sys.stderr)
-        return 2
+        print(f"{prefix} {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except Diverged as e:
+        print(f"{prefix} {e}", file=sys.stderr)
+        return EXIT_DIVERGED
+    except Exception as e:
+        if world == 1 or not _rank_lost(e):
+            raise
+        print(f"{prefix} a collective failed ({type(e).__name__}: {str(e).strip().splitlines()[0][:300]}): another "
+              f"rank died, was killed or stopped responding (collectives wait at most --collective-timeout "
+              f"{cfg.collective_timeout:g} s), so this rank stops too. The rank that failed first says why in "
+              f"its own output; with --ckpt-dir, --resume continues from the last checkpoint", file=sys.stderr,
+              flush=True)
+        sys.stdout.flush()
+        os._exit(EXIT_RANK_LOST)  # not destroy_process_group: tearing down a group with a lost peer can block
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
