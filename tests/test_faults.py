@@ -201,6 +201,29 @@ def test_survivors_of_a_dead_or_stuck_rank_exit_in_bounded_time_and_say_why(tmp_
     assert waited < 60
 
 
+def _subgroup_collective_times_out(rank, world, done):
+    import torch
+    import torch.distributed as dist
+    from launch.startup import start_process_group
+    start_process_group(3.0, torch.device("cpu"))  # the group is up already: this sets the sub-groups' timeout
+    group = dist.new_group([0, 1])  # how DeviceMesh and the pipeline make theirs
+    if rank == 1:  # stays alive but never joins the collective, until rank 0 is done with it
+        while not Path(done).exists():
+            time.sleep(0.05)
+        return
+    began = time.monotonic()
+    with pytest.raises(RuntimeError, match="Timed out"):
+        dist.all_reduce(torch.ones(1), group=group)
+    Path(done).touch()
+    assert time.monotonic() - began < 60  # torch's own default for a sub-group would be 30 minutes
+
+
+@pytest.mark.slow
+def test_sub_groups_get_the_collective_timeout(tmp_path):
+    from dist_utils import run_distributed
+    run_distributed(_subgroup_collective_times_out, 2, str(tmp_path / "done"), timeout_s=120)
+
+
 @pytest.mark.slow
 def test_a_killed_rank_restarted_by_torchrun_resumes_and_matches_an_uninterrupted_run(tmp_path):
     """Rank 1 SIGKILLs itself before step 5 on torchrun's first attempt; torchrun restarts the group, which
