@@ -6,7 +6,8 @@
                                      hang: stops responding (sleeps until killed)
                                      Fires on torchrun's first attempt only (TORCHELASTIC_RESTART_COUNT unset
                                      or 0), so a restarted group runs through.
-    SPMD_TEST_NAN_STEPS=3,4          the loss of these steps is multiplied by NaN on every rank
+    SPMD_TEST_NAN_STEPS=3,4          the loss of these steps is multiplied by NaN on every rank (meshes
+                                     without pp)
 
 The checkpoint writer has its own: SPMD_TEST_KILL_AFTER_FILES (spmd.checkpoint.save).
 """

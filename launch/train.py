@@ -187,9 +187,10 @@ def train(cfg: TrainConfig, log=True) -> list[dict]:
     device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    code, agreed = startup.code_version(), None
     if world > 1:
         startup.start_process_group(cfg.collective_timeout, device)
-        startup.agree(cfg, model_cfg)  # the first collective: same config and code on every rank, or none trains
+        agreed = startup.agree(cfg, model_cfg)  # the first collective: same config and code on every rank
     model, mesh, dp_rank, dp_size, pipe = build_model(cfg, model_cfg, world, device)
     resume_from = _resume_point(cfg, rank) if cfg.resume else None
     resuming = resume_from is not None
@@ -230,7 +231,8 @@ def train(cfg: TrainConfig, log=True) -> list[dict]:
                       f"micro-batch(es) | {cfg.dtype} | ac {cfg.ac}{ac_blocks if ac_blocks else ''} | "
                       f"compiled blocks {compiled if cfg.compile else 'none'} | kernels {model_cfg.kernels} | "
                       f"data {cfg.data} ({len(loader.tokens):,} tokens, {cfg.tokenizer}) | "
-                      f"peak {peak / 1e12:.3g} TFLOP/s per device ({peak_source})")
+                      f"peak {peak / 1e12:.3g} TFLOP/s per device ({peak_source}) | code {code}"
+                      f"{f' | config {agreed} on every rank' if agreed else ''}")
         if start:
             metrics.write(f"[launch.train] resumed from {resume_from} at step {start}")
 
@@ -309,7 +311,8 @@ def train(cfg: TrainConfig, log=True) -> list[dict]:
                                        meta={"config": cfg.to_dict(), "model_config": model_cfg.to_dict(),
                                              "model": models.entry(model_cfg).name,
                                              "data": loader.state_dict(), "loss_scale": scaler.state_dict(),
-                                             "bad_steps": bad.state_dict(), "mesh": cfg.mesh_sizes(world)},
+                                             "bad_steps": bad.state_dict(), "mesh": cfg.mesh_sizes(world),
+                                             "code_version": code},
                                        keep=cfg.ckpt_keep or None)
                 metrics.write(f"[launch.train] step {step}: checkpoint {path}")
             if diverged:

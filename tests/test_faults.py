@@ -17,6 +17,7 @@ import pytest
 
 import launch.train as T
 from launch.config import load_config
+from launch.startup import code_version
 from spmd import checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
@@ -127,7 +128,9 @@ def test_consecutive_nonfinite_steps_stop_the_run_with_the_last_good_state(tmp_p
     assert f"those after step 2, the last good step, saved in {ck / 'step-5'}" in err
     assert [r["skipped_steps"] for r in _jsonl(m)] == [0, 0, 1, 2, 3]
     assert checkpoint.latest(ck).name == "step-5" and _same_tensors(ck / "step-5", ck / "step-2")
-    assert checkpoint.read_meta(ck)["bad_steps"] == {"skipped": 3, "streak": 3, "last_good": 2}
+    meta = checkpoint.read_meta(ck)
+    assert meta["bad_steps"] == {"skipped": 3, "streak": 3, "last_good": 2}
+    assert meta["code_version"] == code_version()
 
 
 # ------------------------------------------------------------------------------ several processes
