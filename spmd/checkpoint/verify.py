@@ -11,6 +11,8 @@ from pathlib import Path
 
 from .common import FORMAT, LATEST, all_gather, rank_world
 
+__all__ = ["file_record", "verify", "newest_intact"]
+
 _CHUNK = 8 << 20
 
 
