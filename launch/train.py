@@ -192,7 +192,9 @@ def train(cfg: TrainConfig, log=True) -> list[dict]:
         startup.start_process_group(cfg.collective_timeout, device)
         agreed = startup.agree(cfg, model_cfg)  # the first collective: same config and code on every rank
     model, mesh, dp_rank, dp_size, pipe = build_model(cfg, model_cfg, world, device)
-    resume_from = _resume_point(cfg, rank) if cfg.resume else None
+    # a group torchrun restarted resumes even without --resume: starting over would overwrite the checkpoints
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 and bool(cfg.ckpt_dir)
+    resume_from = _resume_point(cfg, rank) if cfg.resume or restarted else None
     resuming = resume_from is not None
     if cfg.init_from_hf and not resuming:  # a checkpoint, when there is one, overrides the HF weights
         from .hf import load_hf
@@ -234,7 +236,8 @@ def train(cfg: TrainConfig, log=True) -> list[dict]:
                       f"peak {peak / 1e12:.3g} TFLOP/s per device ({peak_source}) | code {code}"
                       f"{f' | config {agreed} on every rank' if agreed else ''}")
         if start:
-            metrics.write(f"[launch.train] resumed from {resume_from} at step {start}")
+            metrics.write(f"[launch.train] resumed from {resume_from} at step {start}"
+                          + (f" (torchrun restart {os.environ['TORCHELASTIC_RESTART_COUNT']})" if restarted else ""))
 
     comm = 0
     params = [p for p in model.parameters() if p.requires_grad]

@@ -230,17 +230,18 @@ def test_sub_groups_get_the_collective_timeout(tmp_path):
 @pytest.mark.slow
 def test_a_killed_rank_restarted_by_torchrun_resumes_and_matches_an_uninterrupted_run(tmp_path):
     """Rank 1 SIGKILLs itself before step 5 on torchrun's first attempt; torchrun restarts the group, which
-    resumes from step-4 and ends where an uninterrupted run ends, loss for loss and tensor for tensor."""
+    resumes from step-4 (a restart resumes without --resume) and ends where an uninterrupted run ends, loss for
+    loss and tensor for tensor."""
     def run(name, **fault):
         ck, m = tmp_path / name / "ck", tmp_path / name / "m.jsonl"
         out = _torchrun("-m", "launch.train", *SMALL, "--steps", "6", "--ckpt-dir", str(ck), "--ckpt-every", "2",
-                        "--resume", "--metrics", str(m), env=_env(**fault), restarts=1)
+                        "--metrics", str(m), env=_env(**fault), restarts=1)
         assert out.returncode == 0, out.stderr[-3000:]
         return out, ck, _jsonl(m)
 
     _, ref_ck, ref = run("straight")
     out, ck, rows = run("killed", SPMD_TEST_FAULT="1:5:kill")
-    assert "rank 1: kill before step 5" in out.stderr and f"resumed from {ck / 'step-4'} at step 4" in out.stdout
+    assert "rank 1: kill before step 5" in out.stderr and f"resumed from {ck / 'step-4'} at step 4 (torchrun restart 1)" in out.stdout
     assert [(r["step"], r["loss"], r["grad_norm"]) for r in rows] == \
         [(r["step"], r["loss"], r["grad_norm"]) for r in ref]
     assert _same_tensors(ck / "step-6", ref_ck / "step-6")
