@@ -134,6 +134,17 @@ def test_consecutive_nonfinite_steps_stop_the_run_with_the_last_good_state(tmp_p
 
 
 # ------------------------------------------------------------------------------ several processes
+def test_the_config_diff_names_each_differing_field_with_its_ranks():
+    from launch.startup import describe, differences
+    same = {"mesh": "fsdp=2", "steps": 10}
+    per_rank = [dict(same, batch_size=16)] * 9 + [dict(same, batch_size=32, seed=1)]
+    diff = differences(per_rank)
+    assert list(diff) == ["batch_size", "seed"]
+    assert describe(diff) == ("batch_size: 16 on ranks 0..8 (9 ranks), 32 on rank 9\n"
+                              "  - seed: '<missing>' on ranks 0..8 (9 ranks), 1 on rank 9")
+    assert differences([same, dict(same)]) == {}
+
+
 def _torchrun(*args, env=None, restarts=0):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "--max-restarts", str(restarts), *args]
