@@ -169,17 +169,19 @@ def test_ranks_with_different_configs_all_fail_naming_the_fields(tmp_path):
 
 
 def _two_ranks(tmp_path, *flags, fault):
-    """Two trainer processes joined as torchrun would join them, but with no agent to stop the survivor:
-    what the survivor does is the trainer's own doing."""
-    from dist_utils import free_port
-    port, procs, logs = free_port(), [], []
+    """Two trainer processes joined as torchrun joins them (the test serves the store, as torchrun's agent
+    does, on a port the OS assigns and holds), but with no agent to stop the survivor: what the survivor does
+    is the trainer's own doing. Returns (store, processes, stderr files); keep the store until they end."""
+    import torch.distributed as dist
+    store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False)
+    procs, logs = [], []
     for rank in (0, 1):
         logs.append(tmp_path / f"rank{rank}.err")
         env = _env(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), SPMD_TEST_FAULT=fault)
+                   MASTER_PORT=str(store.port), TORCHELASTIC_USE_AGENT_STORE="True", SPMD_TEST_FAULT=fault)
         procs.append(subprocess.Popen([sys.executable, "-m", "launch.train", *SMALL, "--steps", "6", *flags],
                                       cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=open(logs[-1], "w")))
-    return procs, logs
+    return store, procs, logs
 
 
 def _wait_for(path, text, limit_s=240):
@@ -195,7 +197,7 @@ def _wait_for(path, text, limit_s=240):
 def test_survivors_of_a_dead_or_stuck_rank_exit_in_bounded_time_and_say_why(tmp_path, kind):
     """Rank 1 crashes (exit) or stops responding (hang) before step 3. Rank 0 must not wait for ever: a crash
     closes the connection at once, a hang hits --collective-timeout (5 s here)."""
-    procs, logs = _two_ranks(tmp_path, "--collective-timeout", "5", fault=f"1:3:{kind}")
+    _store, procs, logs = _two_ranks(tmp_path, "--collective-timeout", "5", fault=f"1:3:{kind}")
     try:
         fault_at = _wait_for(logs[1], f"rank 1: {kind} before step 3")
         code = procs[0].wait(timeout=120)
