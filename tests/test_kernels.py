@@ -6,10 +6,6 @@ per op, so outputs agree to a rounding or two (1/rsqrt differences can flip one 
 we allow 2 bf16 ulps relative (2**-6) plus a small absolute term for values near zero, and 3e-2 for
 gradients that the reference sums in bf16 in another order.
 """
-import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
-
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
