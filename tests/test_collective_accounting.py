@@ -54,7 +54,7 @@ def test_tensor_parallel_is_two_all_reduces_forward_and_two_backward_per_block(t
         block_bytes = sum(c.bytes for c in per_block(fwd + bwd, layer))
         report(f"tp={t} block {layer} bytes (Megatron 8bsh(t-1)/t)", block_bytes, 8 * S * (t - 1) // t)
     # outside the blocks: the vocab-parallel embedding's all-reduce, the output head's backward all-reduce
-    report("tp embedding all-reduce", len([c for c in fwd if c.module == ""]), 1)
+    report("tp embedding all-reduce", len([c for c in fwd if c.module == "tok_embeddings"]), 1)
     report("tp output backward all-reduce", len([c for c in bwd if c.module == "output"]), 1)
     assert not [c for c in plan.collectives if c.origin == "implicit"]
 

@@ -4,6 +4,7 @@ It lays a meta-tensor copy of the model out on a fake process group of the reque
 one forward and backward with the collective recorder on, and returns the `Plan`: the same code path
 as a real run, so the plan lists the collectives a real step issues, no more and no fewer.
 """
+import inspect
 import json
 import os
 import subprocess
@@ -27,7 +28,7 @@ from .fake import fake_world
 from .memory import activation_bytes, memory_per_rank
 from .plan import Plan
 
-__all__ = ["explain", "dry_run"]
+__all__ = ["explain", "dry_run", "training_loss"]
 
 
 def explain(model: nn.Module, rules, mesh_or_sizes, batch_shape=(8, 2048), dtype=torch.float32,
@@ -80,13 +81,28 @@ def dry_run(model, rules, sizes, batch_shape, dtype, optimizer, pipeline=None, a
         with fake:
             tokens = torch.zeros(batch // data_parallel, seq, dtype=torch.long)
             with recorder, observe_saved(saved):
-                loss = model(tokens, tokens)
+                loss = training_loss(model, tokens)
             activations = activation_bytes(saved, model)
             with recorder:
                 loss.backward()
         return Plan(**common, collectives=recorder.records,
                     decisions=list(getattr(model, STATE_ATTR).decisions.values()),
                     memory=memory_per_rank(model, optimizer, activations))
+
+
+def training_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """The loss of a language model on `tokens` as its own targets: `model(input_ids=, labels=)` for a model
+    whose forward takes those (Hugging Face, which shifts the labels itself), else `model(tokens, targets)`;
+    the scalar is found in a returned ModelOutput, dict or tuple."""
+    params = inspect.signature(model.forward).parameters
+    out = model(input_ids=tokens, labels=tokens) if "input_ids" in params and "labels" in params \
+        else model(tokens, tokens)
+    values = out.values() if isinstance(out, dict) else out if isinstance(out, (tuple, list)) else [out]
+    loss = next((v for v in values if isinstance(v, torch.Tensor) and v.ndim == 0), None)
+    if loss is None:
+        raise ValueError(f"{type(model).__name__}'s forward returned no scalar loss; explain needs a forward "
+                         f"that takes (tokens, targets), or input_ids= and labels=, and returns the loss")
+    return loss
 
 
 def _explain_in_child(model, rules, sizes, batch_shape, dtype, optimizer, pipeline=None, ac="none") -> Plan:

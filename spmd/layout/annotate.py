@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import Placement
 
-__all__ = ["P", "annotate", "annotate_by_name", "get_axes", "get_pin", "copy_annotations", "infer_axes", "fake_copy"]
+__all__ = ["P", "annotate", "annotate_by_name", "get_axes", "get_pin", "copy_annotations", "infer_axes", "fake_copy", "out_dim"]
 
 AXES_ATTR = "_spmd_axes"   # tuple of logical names / None, one per dim
 PIN_ATTR = "_spmd_pin"     # P(...) over mesh axes, or a list of DTensor placements
@@ -81,11 +81,12 @@ def copy_annotations(src: torch.Tensor, dst: torch.Tensor) -> None:
             setattr(dst, attr, getattr(src, attr))
 
 
-def infer_axes(model: nn.Module) -> dict[str, tuple]:
+def infer_axes(model: nn.Module, failed: list | None = None) -> dict[str, tuple]:
     """Logical axes of every parameter: its annotation, or inferred where unambiguous.
 
     A bias follows its weight's output axis; a 1-d weight of a norm layer follows `embed`.
-    Anything else unannotated is an error that names the parameter and how to annotate it.
+    Anything else unannotated is an error that names the parameter and how to annotate it, or, given a
+    list `failed`, is appended to it.
     """
     result: dict[str, tuple] = {}
     embed_sizes = set()
@@ -100,9 +101,25 @@ def infer_axes(model: nn.Module) -> dict[str, tuple]:
                 continue
             axes = get_axes(p)
             if axes is None:
-                axes = _infer_one(module, p_name, p, embed_sizes, full)
+                try:
+                    axes = _infer_one(module, p_name, p, embed_sizes, full)
+                except ValueError:
+                    if failed is None:
+                        raise
+                    failed.append(f"{full} {tuple(p.shape)}")
+                    continue
             result[full] = axes
     return result
+
+
+def out_dim(module: nn.Module) -> int | None:
+    """The weight dim that holds a layer's output features: 0 for nn.Linear, 1 for nn.Embedding and for
+    transformers' Conv1D (stored [in, out]); None for other modules."""
+    if isinstance(module, nn.Linear):
+        return 0
+    if isinstance(module, nn.Embedding) or type(module).__name__ == "Conv1D":
+        return 1
+    return None
 
 
 def _infer_one(module, p_name, p, embed_sizes, full):
@@ -110,7 +127,7 @@ def _infer_one(module, p_name, p, embed_sizes, full):
         return ()
     weight = getattr(module, "weight", None)
     if p_name == "bias" and isinstance(weight, torch.Tensor) and get_axes(weight):
-        return (get_axes(weight)[0],)
+        return (get_axes(weight)[out_dim(module) or 0],)
     if p.dim() == 1 and "norm" in type(module).__name__.lower() and p.shape[0] in embed_sizes:
         return ("embed",)
     raise ValueError(

@@ -5,7 +5,8 @@ decides at the points where a layout must change, and makes each change an expli
 
 * a `constrain` point: the activation goes to the layout the rules give its logical axes, which turns
   tensor-parallel partial sums into an all-reduce, or a reduce-scatter under sequence parallelism;
-* a linear layer: the input must fit the weight's compute layout. When both are sharded over one mesh
+* a linear layer: the input must fit the weight's compute layout; a weight whole over a mesh axis takes
+  an input whole along all but the batch dim over it. When both are sharded over one mesh
   axis on different dims (a sequence-sharded activation meets a column-parallel weight, or a pinned
   weight meets a batch-sharded activation), one of the two is gathered: the one with fewer bytes.
 
@@ -21,7 +22,8 @@ from ..layout.rules import placements_for
 from . import tags
 from .state import active_state
 
-__all__ = ["Decision", "constrain", "move", "grad_layout", "linear_layouts", "move_linear_input", "finish_output"]
+__all__ = ["Decision", "constrain", "move", "grad_layout", "linear_layouts", "move_linear_input", "finish_output",
+           "map_tensors"]
 
 
 @dataclass
@@ -89,7 +91,9 @@ def linear_layouts(x: DTensor, w_shape, w_placements, w_element_size: int, modul
                 decisions.append(Decision(module, axis, "gather activation", act, wb, why))
         elif wp == Shard(1) and not xp.is_shard():
             x_target[m] = Shard(last)  # a local slice, no communication
-        elif wp.is_replicate() and xp.is_shard() and xp.dim == last:
+        elif wp.is_replicate() and xp.is_shard() and xp.dim != 0:
+            # split along its features, or along the sequence, which attention after a weight that is whole
+            # over this axis (a fused qkv projection) needs whole: gathered before the matmul
             x_target[m] = Replicate()
     return tuple(x_target), tuple(w_target), decisions
 
@@ -133,17 +137,17 @@ def move(x: DTensor, placements, module: str, why: str, grad_placements=None) ->
     return _Move.apply(x, placements, grad_placements, module, why)
 
 
-def move_linear_input(state, name, mod, args):
-    """(args with the input moved to the layout the weight needs, the weight's compute layout if it differs
-    from its usual one, else None) for a linear layer's forward."""
-    x = args[0]
-    w = mod._parameters["weight"]
+def move_linear_input(state, name, w, x, transposed: bool = False):
+    """(x moved to the layout weight `w` needs, the weight's compute layout if it must differ, else None).
+    `transposed`: `w` is stored [in, out] (transformers' Conv1D) rather than nn.Linear's [out, in]."""
     el = torch.finfo(state.param_dtype).bits // 8 if state.param_dtype else w.element_size()
+    compute = _transpose(w._spmd_compute) if transposed else tuple(w._spmd_compute)
+    shape = tuple(reversed(w.shape)) if transposed else tuple(w.shape)
     if torch.compiler.is_compiling():
         # the same decision without its bookkeeping: a graph that names its module serves only that module
-        x_target, w_target, _ = linear_layouts(x, w.shape, w._spmd_compute, el, "")
+        x_target, w_target, _ = linear_layouts(x, shape, compute, el, "")
     else:
-        x_target, w_target, decisions = linear_layouts(x, w.shape, w._spmd_compute, el, name)
+        x_target, w_target, decisions = linear_layouts(x, shape, compute, el, name)
         for d in decisions:
             state.decisions[(name, d.mesh_axis)] = d
     key = (id(x), x_target)
@@ -152,7 +156,13 @@ def move_linear_input(state, name, mod, args):
         moved = move(x, x_target, name, why, grad_placements=grad_layout(x.placements)) if x.requires_grad \
             else move(x, x_target, name, why)
         state.move_cache[key] = (x, moved)
-    return (state.move_cache[key][1],) + tuple(args[1:]), (w_target if w_target != tuple(w._spmd_compute) else None)
+    if w_target == compute:
+        return state.move_cache[key][1], None
+    return state.move_cache[key][1], (_transpose(w_target) if transposed else w_target)
+
+
+def _transpose(placements) -> tuple:
+    return tuple(Shard(1 - p.dim) if p.is_shard() else p for p in placements)
 
 
 def constrain(x: torch.Tensor, *axes) -> torch.Tensor:
@@ -171,7 +181,27 @@ def constrain(x: torch.Tensor, *axes) -> torch.Tensor:
 
 
 def finish_output(output, name):
-    if isinstance(output, DTensor) and output.ndim == 0:
-        replicated = move(output, grad_layout(output.placements), name, "make the loss whole on every rank")
-        return replicated.to_local()
+    """A scalar (the loss), alone or in a ModelOutput, dict or tuple, made whole on every rank and plain."""
+    def whole(t):
+        if isinstance(t, DTensor) and t.ndim == 0:
+            return move(t, grad_layout(t.placements), name, "make the loss whole on every rank").to_local()
+        return t
+    return map_tensors(output, whole)
+
+
+def map_tensors(output, fn):
+    """`fn` applied to the tensors of a model output (a tensor, a mapping such as ModelOutput, a tuple or
+    list), one level deep, keeping the container's type."""
+    if isinstance(output, torch.Tensor):
+        return fn(output)
+    if isinstance(output, dict):
+        for k in list(output.keys()):
+            if isinstance(output[k], torch.Tensor):
+                output[k] = fn(output[k])
+        return output
+    if isinstance(output, (tuple, list)):
+        items = [fn(v) if isinstance(v, torch.Tensor) else v for v in output]
+        if isinstance(output, list):
+            return items
+        return type(output)(*items) if hasattr(output, "_fields") else type(output)(items)
     return output

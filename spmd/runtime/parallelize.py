@@ -14,15 +14,17 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from ..layout.annotate import copy_annotations, get_pin, infer_axes
+from ..layout.annotate import copy_annotations, get_pin, infer_axes, out_dim
 from ..layout.rules import Rules, _as_axes, placements_for
 from . import ops  # noqa: F401  (registers sharding strategies)
 from . import state as active
 from . import tags
-from .activations import finish_output, move_linear_input
+from .activations import finish_output, map_tensors, move_linear_input
 from .agree import check_layout_agrees
 from .buckets import make_buckets
 from .params import gather_block, gather_module_params, release_module_params
+from .partials import reduce_partials
+from .plain import GlobalView
 from .state import STATE_ATTR, SPMDState
 
 __all__ = ["parallelize", "no_sync", "param_layouts"]
@@ -60,8 +62,9 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, rules: Rules, *, param_dtype
 
     Plain-tensor inputs (positional or keyword) are this rank's slice of the batch (as with DDP);
     `input_axes` names their logical axes: one tuple for every input, or a dict from argument position
-    or keyword to a tuple (default: `batch` first, the rest whole). A scalar output (the loss) comes back
-    as a plain tensor, the same on every rank.
+    or keyword to a tuple (default: `batch` first, the rest whole); tensors made in forward are replicated.
+    A scalar (the loss), alone or in a dict, tuple or ModelOutput, comes back plain and equal on every
+    rank; logits stay DTensors in the pass's layout (`.full_tensor()` gathers them).
 
     `bucket`: the parameters of each repeated block (spmd.find_blocks) gather in one collective per mesh
     axis and their gradients reduce in one (spmd.runtime.buckets); False moves every parameter on its own.
@@ -147,7 +150,8 @@ def _pre_hook(state: SPMDState, name: str, module: nn.Module, is_root: bool):
     # parameters are read from the module at call time, not captured here, so that a compiled block's
     # graph takes them as inputs and serves every block of the same type
     param_names = [n for n, p in module._parameters.items() if isinstance(p, DTensor)]
-    is_linear = isinstance(module, nn.Linear)
+    kind = out_dim(module)  # 0: nn.Linear, 1: Conv1D (transposed), or an embedding / other layer
+    is_linear = kind is not None and not isinstance(module, nn.Embedding)
 
     def hook(mod, args, kwargs):
         active.push(state)
@@ -158,10 +162,15 @@ def _pre_hook(state: SPMDState, name: str, module: nn.Module, is_root: bool):
             state.prefetched.clear()  # left over only if a forward stopped early
             args = tuple(_to_dtensor(state, a, i) for i, a in enumerate(args))
             kwargs = {k: _to_dtensor(state, v, k) for k, v in kwargs.items()}
+        if (is_root or not state.global_view) and not torch.compiler.is_compiling():
+            # the root's forward, or a checkpointed block recomputing in backward
+            state.global_view.append((mod, GlobalView(state)))
+            state.global_view[-1][1].__enter__()
         gather_block(state, mod)
         weight_layout = None
-        if is_linear and isinstance(args[0], DTensor):
-            args, weight_layout = move_linear_input(state, name, mod, args)
+        if is_linear and args and isinstance(args[0], DTensor):
+            x, weight_layout = move_linear_input(state, name, mod._parameters["weight"], args[0], kind == 1)
+            args = (x,) + tuple(args[1:])
         state.saved_hooks.append(gather_module_params(state, mod, name, param_names, weight_layout))
         return args, kwargs
 
@@ -176,6 +185,10 @@ def _post_hook(state: SPMDState, module: nn.Module, is_root: bool):
         release_module_params(state, mod, param_names, state.saved_hooks.pop() if state.saved_hooks else None)
         if has_children:
             state.move_cache.clear()
+        else:
+            output = map_tensors(output, lambda t: reduce_partials(t, state.rules, mod, tags.current_module()))
+        if state.global_view and state.global_view[-1][0] is mod:
+            state.global_view.pop()[1].__exit__(None, None, None)
         if is_root:
             state.shared_gathers.clear()
             output = finish_output(output, tags.current_module())

@@ -26,7 +26,7 @@ from .buckets import gather_bucket
 from .gradients import join_unreduced, reduce_to
 from .reshard import CHECKPOINTED_ATTR, reshard_after_forward, storage_key
 
-__all__ = ["gather_param", "gather_block", "gather_module_params", "release_module_params"]
+__all__ = ["gather_param", "gather_block", "gather_module_params", "release_module_params", "gather_shared"]
 
 
 class _GatherParam(torch.autograd.Function):
@@ -103,13 +103,19 @@ def gather_module_params(state, mod, name: str, param_names, weight_layout=None)
     return hooks
 
 
+def gather_shared(state, p, compute, module: str) -> DTensor:
+    """`p` in layout `compute`, gathered once per forward however many modules use it (its gradient
+    contributions then sum before one reduction)."""
+    key = (id(p), tuple(compute))
+    if key not in state.shared_gathers:
+        state.shared_gathers[key] = gather_param(p, compute, state.param_dtype, state.reduce_dtype, state,
+                                                 module, p._spmd_name)
+    return state.shared_gathers[key]
+
+
 def _gathered(state, p, compute, module: str, compiling: bool) -> DTensor:
     if getattr(p, "_spmd_shared", False):
-        key = (id(p), tuple(compute))
-        if key not in state.shared_gathers:
-            state.shared_gathers[key] = gather_param(p, compute, state.param_dtype, state.reduce_dtype, state,
-                                                     module, p._spmd_name)
-        return state.shared_gathers[key]
+        return gather_shared(state, p, compute, module)
     if state.bucket_values and not compiling and compute is p._spmd_compute:
         g = state.bucket_values.get(id(p))  # gathered with its block
         if g is not None:

@@ -24,6 +24,7 @@ class SPMDState:
         self.bucket_of: dict = {}              # id(param) -> its Bucket
         self.bucket_values: dict = {}          # id(param) -> gathered value, while its block runs forward
         self.prefetched: dict = {}             # id(bucket) -> its gather, issued while the block before ran
+        self.global_view: list = []            # (module, plain.GlobalView) entered by the root or a recomputed block
 
 
 _active: list[SPMDState] = []
