@@ -7,7 +7,9 @@ A model is one file here plus one entry in `MODELS`. Its config class carries wh
 """
 from dataclasses import dataclass
 
-from . import llama, llama_hf
+import torch.nn as nn
+
+from . import llama, llama_hf, transformers_lm
 
 __all__ = ["ModelEntry", "MODELS", "DEFAULT", "entry", "preset", "config_from_dict"]
 
@@ -23,6 +25,8 @@ class ModelEntry:
 
 MODELS = {
     "llama": ModelEntry("llama", llama.LlamaConfig, llama.Llama, hf=llama_hf),
+    # transformers' own class, whichever config.json names: `--model hf:DIR`
+    "hf": ModelEntry("hf", transformers_lm.TransformersConfig, nn.Module, hf=transformers_lm),
 }
 DEFAULT = "llama"
 

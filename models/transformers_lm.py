@@ -1,0 +1,151 @@
+"""Any transformers causal LM in a local directory, through the registry: `--model hf:DIR`.
+
+DIR holds config.json and, optionally, safetensors weights; with config.json alone the model starts from
+transformers' own initialisation under the run's seed. Nothing is downloaded. The model is transformers'
+class, unchanged: `spmd.annotate_hf` names its axes and its forward takes `(tokens, targets)` as the
+trainer calls it. This module is also the model's Hugging Face adapter (launch.hf): its names are
+transformers' own, so export writes them as they are.
+"""
+import json
+import types
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from spmd import annotate_hf
+
+__all__ = ["TransformersConfig", "MODEL_TYPE", "TIED_SOURCE", "tied", "to_hf_name", "from_hf_name", "hf_config",
+           "config_from_hf"]
+
+MODEL_TYPE = None   # matches no config.json by type: a directory is named with --model hf:DIR
+TIED_SOURCE: dict = {}
+
+
+@dataclass
+class TransformersConfig:
+    path: str = ""
+    kernels: str = "auto"  # taken for the trainer's sake; transformers' own code runs
+
+    @classmethod
+    def preset(cls, name: str, **overrides) -> "TransformersConfig":
+        if not (Path(name) / "config.json").is_file():
+            raise ValueError(f"hf:{name}: {name} has no config.json; --model hf:DIR takes a local Hugging Face "
+                             f"directory (config.json, optional *.safetensors); nothing is downloaded")
+        return cls(path=str(name), **{k: v for k, v in overrides.items() if k == "kernels"})
+
+    @property
+    def hf(self) -> dict:
+        return json.loads((Path(self.path) / "config.json").read_text())
+
+    def _get(self, *keys):
+        hf = self.hf
+        return next(hf[k] for k in keys if k in hf)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._get("vocab_size")
+
+    @property
+    def max_seq_len(self) -> int:
+        return self._get("max_position_embeddings", "n_positions")
+
+    @property
+    def n_layers(self) -> int:
+        return self._get("num_hidden_layers", "n_layer")
+
+    @property
+    def tie_embeddings(self) -> bool:
+        return bool(self.hf.get("tie_word_embeddings", True))
+
+    def build(self) -> nn.Module:
+        """The transformers model (weights from DIR when it has them and the build is not on meta)."""
+        import transformers
+        on_meta = torch.empty(()).device.type == "meta"
+        if _has_weights(self.path) and not on_meta:
+            model = transformers.AutoModelForCausalLM.from_pretrained(self.path, local_files_only=True,
+                                                                      dtype=torch.float32)
+        else:
+            model = transformers.AutoModelForCausalLM.from_config(
+                transformers.AutoConfig.from_pretrained(self.path, local_files_only=True))
+        annotate_hf(model)
+        model.cfg, model.initializer = self, self.initializer  # what the trainer asks of a registered model
+        model.forward = types.MethodType(_train_forward, model)
+        return model
+
+    def initializer(self, seed: int | None = None):
+        """fn(name, tensor) -> the value `build()` gives that parameter or buffer under `seed`; it builds one
+        whole copy on the CPU, once."""
+        values = {}
+
+        def init(name: str, t: torch.Tensor) -> torch.Tensor:
+            if not values:
+                if seed is not None:
+                    torch.manual_seed(seed)
+                with torch.device("cpu"):
+                    full = self.build()
+                values.update(full.named_parameters(remove_duplicate=False))
+                values.update(full.named_buffers())
+            return values[name].detach()
+
+        return init
+
+    def num_params(self, non_embedding: bool = False) -> int:
+        with torch.device("meta"):
+            model = self.build()
+        total = sum(p.numel() for p in model.parameters())
+        if non_embedding:
+            total -= sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Embedding))
+        return total
+
+    def flops_per_token(self, seq_len: int) -> float:
+        heads = self._get("num_attention_heads", "n_head")
+        head_dim = self._get("hidden_size", "n_embd") // heads
+        return 6 * self.num_params(non_embedding=True) + 12 * self.n_layers * heads * head_dim * seq_len
+
+    def mesh_problem(self, sizes: dict) -> str | None:
+        if sizes.get("pp", 1) > 1:
+            return "--model hf:DIR does not run pipeline parallelism; use a mesh without pp"
+        tp = sizes.get("tp", 1)
+        heads = {k: v for k in ("num_attention_heads", "num_key_value_heads", "n_head")
+                 if isinstance(v := self.hf.get(k), int)}
+        bad = {k: v for k, v in heads.items() if v % tp}
+        return f"tp={tp} would split attention heads ({bad}); use a tp that divides them" if bad else None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _has_weights(path: str) -> bool:
+    return any(Path(path).glob("*.safetensors"))
+
+
+def _train_forward(self, tokens, targets=None):
+    """The trainer's call: the mean cross-entropy of `targets` (already shifted), or the logits."""
+    cls_forward = type(self).forward
+    if targets is None:
+        return cls_forward(self, input_ids=tokens).logits
+    return cls_forward(self, input_ids=tokens, labels=targets, shift_labels=targets.contiguous()).loss
+
+
+# ------------------------------------------------------------------------------ Hugging Face adapter
+def tied(cfg: TransformersConfig) -> set:
+    return set()  # a tied weight is one parameter here: it is written once, under its own name
+
+
+def to_hf_name(name: str) -> str:
+    return name
+
+
+def from_hf_name(name: str) -> str:
+    return name
+
+
+def hf_config(cfg: TransformersConfig, dtype: torch.dtype = torch.float32) -> dict:
+    dt = str(dtype).removeprefix("torch.")
+    return {**cfg.hf, "torch_dtype": dt, "dtype": dt}
+
+
+def config_from_hf(hf: dict) -> TransformersConfig:
+    raise ValueError("a transformers directory is trained with --model hf:DIR, not --init-from-hf")

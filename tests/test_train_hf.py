@@ -1,0 +1,61 @@
+"""`launch.train --model hf:DIR`: a transformers model from a local directory trains on a mesh like one
+process does, from config.json alone or from its weights, and its checkpoint exports to a directory
+transformers loads with the same logits. Nothing is downloaded."""
+import pytest
+import torch
+
+import launch.train as T
+from launch.config import load_config
+from launch.export import export
+from spmd import checkpoint
+from tests.test_train import SMALL, _isolated, _jsonl, _torchrun  # noqa: F401  (fixture)
+
+transformers = pytest.importorskip("transformers")
+
+
+def _tiny_llama_dir(path, weights: bool):
+    config = transformers.LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                      bos_token_id=0, eos_token_id=0)
+    if weights:
+        torch.manual_seed(7)
+        transformers.LlamaForCausalLM(config).save_pretrained(path)
+    else:
+        config.save_pretrained(path)
+    return path
+
+
+def test_config_alone_builds_a_fresh_model_and_the_loss_falls(tmp_path):
+    rows = T.train(load_config([*SMALL, "--model", f"hf:{_tiny_llama_dir(tmp_path / 'cfg', False)}",
+                                "--steps", "12"]), log=False)
+    assert rows[-1]["loss"] < rows[0]["loss"] - 1.0
+
+
+def test_unknown_directory_is_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match="has no config.json; --model hf:DIR takes a local"):
+        T.train(load_config([*SMALL, "--model", f"hf:{tmp_path / 'nowhere'}", "--steps", "1"]), log=False)
+
+
+@pytest.mark.slow
+def test_four_processes_match_one_and_the_export_loads_into_transformers(tmp_path):
+    hf_dir = _tiny_llama_dir(tmp_path / "w", True)
+    common = [*SMALL, "--model", f"hf:{hf_dir}", "--steps", "4"]
+    ref = T.train(load_config(common), log=False)
+    ck, m = tmp_path / "ck", tmp_path / "m.jsonl"
+    _torchrun(4, *common, "--mesh", "fsdp=2,tp=2,sp", "--ckpt-dir", str(ck), "--metrics", str(m))
+    rows = _jsonl(m)
+    for a, b in zip(ref, rows):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
+    out = tmp_path / "export"
+    export(str(ck), str(out))
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(out, local_files_only=True, dtype=torch.float32)
+    trained = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, local_files_only=True, dtype=torch.float32)
+    step = ck / "step-4"
+    with torch.no_grad():
+        for name, p in trained.named_parameters():
+            p.copy_(checkpoint.read_full(step, "model." + name))
+        tokens = torch.randint(0, 320, (2, 24), generator=torch.Generator().manual_seed(3))
+        torch.testing.assert_close(loaded(tokens).logits, trained(tokens).logits, rtol=0, atol=0)
+        assert not torch.equal(trained(tokens).logits, transformers.AutoModelForCausalLM.from_pretrained(
+            hf_dir, local_files_only=True, dtype=torch.float32)(tokens).logits)  # it did train
