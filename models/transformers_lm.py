@@ -3,8 +3,8 @@
 DIR holds config.json and, optionally, safetensors weights; with config.json alone the model starts from
 transformers' own initialisation under the run's seed. Nothing is downloaded. The model is transformers'
 class, unchanged: `spmd.annotate_hf` names its axes and its forward takes `(tokens, targets)` as the
-trainer calls it. This module is also the model's Hugging Face adapter (launch.hf): its names are
-transformers' own, so export writes them as they are.
+trainer calls it, with the loss of `kernels` (vocab-parallel on sharded logits). This module is also the
+model's Hugging Face adapter (launch.hf): its names are transformers' own, so export writes them as they are.
 """
 import json
 import types
@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+import kernels
 from spmd import annotate_hf
 
 __all__ = ["TransformersConfig", "MODEL_TYPE", "TIED_SOURCE", "tied", "to_hf_name", "from_hf_name", "hf_config",
@@ -26,7 +27,7 @@ TIED_SOURCE: dict = {}
 @dataclass
 class TransformersConfig:
     path: str = ""
-    kernels: str = "auto"  # taken for the trainer's sake; transformers' own code runs
+    kernels: str = "auto"  # the loss's implementation; the layers are transformers' own code
 
     @classmethod
     def preset(cls, name: str, **overrides) -> "TransformersConfig":
@@ -122,11 +123,12 @@ def _has_weights(path: str) -> bool:
 
 
 def _train_forward(self, tokens, targets=None):
-    """The trainer's call: the mean cross-entropy of `targets` (already shifted), or the logits."""
-    cls_forward = type(self).forward
+    """The trainer's call: the mean cross-entropy of `targets` (already shifted), or the logits. The loss is
+    kernels' (vocab-parallel on sharded logits) rather than transformers', which would gather the logits."""
+    logits = type(self).forward(self, input_ids=tokens).logits
     if targets is None:
-        return cls_forward(self, input_ids=tokens).logits
-    return cls_forward(self, input_ids=tokens, labels=targets, shift_labels=targets.contiguous()).loss
+        return logits
+    return kernels.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), impl=self.cfg.kernels)
 
 
 # ------------------------------------------------------------------------------ Hugging Face adapter

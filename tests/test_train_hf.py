@@ -59,3 +59,15 @@ def test_four_processes_match_one_and_the_export_loads_into_transformers(tmp_pat
         torch.testing.assert_close(loaded(tokens).logits, trained(tokens).logits, rtol=0, atol=0)
         assert not torch.equal(trained(tokens).logits, transformers.AutoModelForCausalLM.from_pretrained(
             hf_dir, local_files_only=True, dtype=torch.float32)(tokens).logits)  # it did train
+
+
+def test_explain_plans_an_hf_directory_with_no_implicit_collective(tmp_path):
+    """The trainer's model of `hf:DIR` (transformers' Llama, the vocab-parallel loss) on a fake fsdp x tp x sp
+    world: the pass decides every collective; DTensor inserts none on its own."""
+    import models
+    import spmd
+    model = models.preset(f"hf:{_tiny_llama_dir(tmp_path / 'cfg', False)}").build()
+    plan = spmd.explain(model, spmd.Rules.default(sequence_parallel=True), {"fsdp": 2, "tp": 2},
+                        batch_shape=(4, 32))
+    assert plan.comm_bytes() > 0
+    assert not [c for c in plan.collectives if c.origin == "implicit"]
