@@ -208,3 +208,30 @@ def test_transformers_llama_moves_what_models_llama_moves(spec):
                       if c.origin == "planned" and "loss" not in c.reason)
     expected = moved(ours)
     assert expected and moved(theirs) == expected
+
+
+def _real_step_records(rank, world, spec, expected):
+    from collections import Counter
+    from spmd.analysis.record import CollectiveRecorder
+    sizes, flags = spmd.parse_spec(spec)
+    mesh = spmd.make_mesh(sizes)
+    model, loss_fn = build("llama")
+    spmd.parallelize(model, mesh, spmd.Rules.default(sequence_parallel="sp" in flags))
+    recorder = CollectiveRecorder(mesh)
+    with recorder:
+        loss_fn(model, _local(batch(0), mesh)).backward()
+    got = Counter((c.module, c.kind, c.axes, c.bytes, c.phase, c.origin) for c in recorder.records)
+    assert got == expected, f"{spec}: real run minus plan {got - expected}, plan minus real run {expected - got}"
+
+
+@pytest.mark.slow
+def test_plan_lists_the_collectives_of_a_real_step_of_transformers_llama():
+    """explain on a fake world and a real 4-process step of transformers' LlamaForCausalLM issue the same
+    collectives, record for record (module, kind, mesh axes, bytes, phase, origin)."""
+    from collections import Counter
+    spec = "fsdp=2,tp=2,sp"
+    sizes, flags = spmd.parse_spec(spec)
+    model, _ = build("llama")
+    plan = spmd.explain(model, spmd.Rules.default(sequence_parallel=True), sizes, batch_shape=(BATCH, SEQ))
+    expected = Counter((c.module, c.kind, c.axes, c.bytes, c.phase, c.origin) for c in plan.collectives)
+    run_distributed(_real_step_records, 4, spec, expected, timeout_s=240)

@@ -63,8 +63,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, rules: Rules, *, param_dtype
     Plain-tensor inputs (positional or keyword) are this rank's slice of the batch (as with DDP);
     `input_axes` names their logical axes: one tuple for every input, or a dict from argument position
     or keyword to a tuple (default: `batch` first, the rest whole); tensors made in forward are replicated.
-    A scalar (the loss), alone or in a dict, tuple or ModelOutput, comes back plain and equal on every
-    rank; logits stay DTensors in the pass's layout (`.full_tensor()` gathers them).
+    A scalar (the loss), alone or in a dict, tuple or ModelOutput, comes back plain, equal on every rank.
 
     `bucket`: the parameters of each repeated block (spmd.find_blocks) gather in one collective per mesh
     axis and their gradients reduce in one (spmd.runtime.buckets); False moves every parameter on its own.
