@@ -1,9 +1,12 @@
-"""The flags `python -m spmd.explain` and `python -m spmd.search` share, read the same way by both."""
+"""What `python -m spmd.explain` and `python -m spmd.search` share: their model flags, how a result is printed and
+saved, and the module that is also a function."""
 import argparse
 import importlib
 import json
+import sys
+import types
 
-__all__ = ["add_model_args", "model_config", "batch_shape", "write_json"]
+__all__ = ["add_model_args", "model_config", "batch_shape", "write_json", "report", "make_callable"]
 
 
 def add_model_args(ap: argparse.ArgumentParser, batch_default: str) -> None:
@@ -34,3 +37,26 @@ def write_json(path: str, data: dict) -> None:
     if path:
         with open(path, "w") as f:
             json.dump(data, f, indent=1)
+
+
+def report(prog: str, path: str, produce) -> int:
+    """Prints `produce()`'s table and writes its dict to `path` (if given): status 0. Bad input (a ValueError)
+    is one line on stderr: status 2."""
+    try:
+        result = produce()
+    except ValueError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    print(result.table())
+    write_json(path, result.to_dict())
+    return 0
+
+
+def make_callable(module_name: str, fn) -> None:
+    """Makes module `module_name` callable as `fn`: importing `spmd.explain` (or `spmd.search`) replaces the
+    package's function of that name with the module, and `spmd.explain(model, ...)` must still plan."""
+    class CallableModule(types.ModuleType):
+        def __call__(self, *args, **kwargs):
+            return fn(*args, **kwargs)
+
+    sys.modules[module_name].__class__ = CallableModule

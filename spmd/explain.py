@@ -6,12 +6,11 @@
 prints `plan.table()` of a registry model (meta tensors, no devices) laid out by the default rules.
 """
 import argparse
-import sys
 
 import torch
 
 from .analysis.explain import explain
-from .cli import add_model_args, batch_shape, model_config, write_json
+from .cli import add_model_args, batch_shape, make_callable, model_config, report
 from .layout.mesh import parse_spec
 from .layout.rules import Rules
 
@@ -46,25 +45,10 @@ def plan_from_args(a: argparse.Namespace):
 
 def main(argv=None) -> int:
     a = parser().parse_args(argv)
-    try:
-        plan = plan_from_args(a)
-    except ValueError as e:
-        print(f"spmd.explain: error: {e}", file=sys.stderr)
-        return 2
-    print(plan.table())
-    write_json(a.json, plan.to_dict())
-    return 0
-
-
-class _CallableModule(type(argparse)):
-    """`spmd.explain` is this module and also the function: importing the module leaves it in place of the
-    function as the package's attribute, and `spmd.explain(model, rules, sizes)` still plans."""
-
-    def __call__(self, *args, **kwargs):
-        return explain(*args, **kwargs)
+    return report("spmd.explain", a.json, lambda: plan_from_args(a))
 
 
 if __name__ == "__main__":
     raise SystemExit(main())
 else:
-    sys.modules[__name__].__class__ = _CallableModule
+    make_callable(__name__, explain)

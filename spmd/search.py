@@ -9,7 +9,7 @@ import sys
 
 from .analysis.search import (Row, SearchResult, candidate_specs, flops_per_token, links, model_state_bytes,
                               predict, search, spec_name)
-from .cli import add_model_args, batch_shape, model_config, write_json
+from .cli import add_model_args, batch_shape, make_callable, model_config, report
 
 __all__ = ["search", "main", "Row", "SearchResult", "candidate_specs", "flops_per_token", "links",
            "model_state_bytes", "predict", "spec_name"]
@@ -26,27 +26,15 @@ def main(argv=None) -> int:
     ap.add_argument("--top", type=int, default=None)
     ap.add_argument("--workers", type=int, default=min(os.cpu_count() or 1, 8), help="planning processes")
     a = ap.parse_args(argv)
-    try:
+
+    def ranked():
         cfg = model_config(a)
-        rows = search(cfg, a.world, a.device, None if a.budget_gib is None else a.budget_gib * 2**30,
+        return search(cfg, a.world, a.device, None if a.budget_gib is None else a.budget_gib * 2**30,
                       batch_shape(a, cfg, a.world), a.dtype, a.top, a.overlap, workers=a.workers)
-    except ValueError as e:
-        print(f"spmd.search: error: {e}", file=sys.stderr)
-        return 2
-    print(rows.table())
-    write_json(a.json, rows.to_dict())
-    return 0
-
-
-class _CallableModule(type(argparse)):
-    """`spmd.search` is this module and also the function: `spmd.search(model, 64)`, and
-    `from spmd.search import candidate_specs` both work."""
-
-    def __call__(self, *args, **kwargs):
-        return search(*args, **kwargs)
+    return report("spmd.search", a.json, ranked)
 
 
 if __name__ == "__main__":
     raise SystemExit(main())
 else:
-    sys.modules[__name__].__class__ = _CallableModule
+    make_callable(__name__, search)
