@@ -16,25 +16,11 @@ from pathlib import Path
 import pytest
 
 import launch.train as T
-from launch.config import load_config
 from launch.startup import code_version
+from tests.test_train import SMALL, _isolated, _train  # noqa: F401  (_isolated: an autouse fixture)
 from spmd import checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
-SMALL = ["--batch-size", "8", "--seq-len", "64", "--warmup", "3", "--lr", "3e-3"]
-
-
-@pytest.fixture(autouse=True)
-def _isolated(tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("SPMD_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "spmd-cache"))
-    monkeypatch.setattr(T, "peak_flops", lambda dtype, device: (1e11, "test"))
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SPMD_TEST_FAULT", "SPMD_TEST_NAN_STEPS",
-                "SPMD_TEST_KILL_AFTER_FILES"):
-        monkeypatch.delenv(var, raising=False)
-
-
-def _train(*flags):
-    return T.train(load_config(list(SMALL) + list(flags)), log=False)
 
 
 def _env(**extra):
