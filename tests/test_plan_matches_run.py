@@ -24,10 +24,11 @@ def _key(c):
     return (c.module, c.kind, c.axes, c.bytes, c.phase, c.reason)
 
 
-def _run_step(rank, world, spec, expected):
+def _run_step(rank, world, spec, expected, ac="none"):
     sizes, flags = spmd.parse_spec(spec)
     mesh = spmd.make_mesh(sizes)
     model = spmd.parallelize(tiny_model(), mesh, spmd.Rules.default(sequence_parallel="sp" in flags))
+    spmd.apply_activation_checkpointing(model, ac)  # after parallelize, as launch.train does
     tokens, targets = global_batch(0)
     recorder = CollectiveRecorder(mesh)
     with CommDebugMode() as comm, recorder:
@@ -41,7 +42,7 @@ def _run_step(rank, world, spec, expected):
     for key, n in expected.items():
         planned_kinds[key[1]] += n
     assert by_kind == planned_kinds, f"{spec}: CommDebugMode saw {by_kind}, plan has {planned_kinds}"
-    if rank == 0 and spec == SPECS[0]:
+    if rank == 0 and spec == SPECS[0] and ac == "none":
         # inside a real process group, explain runs its fake world in a fresh interpreter: same plan
         again = spmd.explain(tiny_model(), spmd.Rules.default(sequence_parallel="sp" in flags), sizes,
                              batch_shape=(BATCH, SEQ))
@@ -55,3 +56,11 @@ def test_plan_lists_exactly_the_collectives_of_a_real_step(spec):
     assert not [c for c in plan.collectives if c.origin == "implicit"], "the pass left a layout change to DTensor"
     expected = Counter(_key(c) for c in plan.collectives)
     run_distributed(_run_step, 4, spec, expected, timeout_s=240)
+
+
+@pytest.mark.slow
+def test_ac_plan_lists_exactly_the_collectives_of_a_real_checkpointed_step():
+    spec = "fsdp=2,tp=2,sp"
+    plan = spmd.explain(tiny_model(), spmd.Rules.default(sequence_parallel=True), spmd.parse_spec(spec)[0],
+                        batch_shape=(BATCH, SEQ), ac="full")
+    run_distributed(_run_step, 4, spec, Counter(_key(c) for c in plan.collectives), "full", timeout_s=240)
