@@ -1,10 +1,11 @@
-"""Models spmd has never seen, laid out from parameter annotations alone: transformers' Llama, Mistral and
-GPT-2 (tiny configs built here, nothing downloaded) and a nanoGPT written without spmd in mind (positions
-from `arange`, fused qkv, a head tied through `F.linear`).
+"""Models spmd has never seen, laid out from parameter annotations alone: transformers' Llama, Mistral,
+Qwen2, Gemma, Phi-3, GPT-2, GPT-NeoX and OPT (tiny configs built here, nothing downloaded) and a nanoGPT
+written without spmd in mind (positions from `arange`, fused qkv, a head tied through `F.linear`).
 
 Each model trains 3 AdamW steps under every spec on 4 gloo processes, next to the same model in one
 process: loss, every gradient and every parameter agree within 1e-5, norm-relative (the tolerance and
-its reasoning are those of test_spmd_numerics). One launch per model runs all its specs.
+its reasoning are those of test_spmd_numerics; OPT is compared in float64, see its test). One launch per
+model runs all its specs.
 """
 import pytest
 import torch
@@ -41,12 +42,13 @@ def build(kind: str):
                                          resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                                          attn_implementation="sdpa", bos_token_id=0, eos_token_id=0)
         model = transformers.GPT2LMHeadModel(config)
-    elif kind == "opt":
-        model = _tiny_hf("opt")
-        for layer in model.model.decoder.layers:
-            # the key bias shifts every score of a query alike, which softmax ignores: its gradient is zero
-            # but for roundoff, which Adam would blow up into steps of size lr on both sides
-            layer.self_attn.k_proj.bias = None
+    elif kind in ("opt", "qwen2", "gemma", "phi3", "gpt_neox"):
+        model = _tiny_hf(kind)
+        for name, module in model.named_modules():
+            if name.endswith("k_proj") and module.bias is not None:
+                # the key bias shifts every score of a query alike, which softmax ignores: its gradient is
+                # zero but for roundoff, which Adam would blow up into steps of size lr on both sides
+                module.bias = None
     else:
         cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
                "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM)}[kind]
@@ -101,7 +103,7 @@ def _matches_one_device(rank, world, kind, specs, tol=TOL):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["llama", "mistral", "gpt2", "nanogpt"])
+@pytest.mark.parametrize("kind", ["llama", "mistral", "gpt2", "nanogpt", "qwen2", "gemma", "phi3", "gpt_neox"])
 def test_model_matches_one_device_on_every_spec(kind):
     run_distributed(_matches_one_device, 4, kind, SPECS, timeout_s=600)
 
@@ -175,14 +177,15 @@ def test_presets_lay_out_each_family_on_a_fake_world(model_type):
 def test_opt_flattening_its_tokens_matches_one_device_under_sequence_parallel():
     """OPT's blocks flatten (batch, seq) into one dim, which a sequence-sharded activation cannot follow:
     the pass gathers the sequence first (explain lists the all-gather against the block, none implicit
-    inside it), and loss, gradients and parameters after 3 steps match one process within 1e-6 in float64."""
+    inside it), and on every spec loss, gradients and parameters after 3 steps match one process within 1e-6
+    in float64."""
     model = _tiny_hf("opt")
     spmd.annotate_hf(model)
     plan = spmd.explain(model, spmd.Rules.default(sequence_parallel=True), {"tp": 4}, batch_shape=(BATCH, SEQ))
     gathers = [c for c in plan.collectives if c.reason.startswith("gather a sharded dim the model's view merges")]
     assert sorted(c.module for c in gathers) == ["model.decoder.layers.0", "model.decoder.layers.1"]
     assert not [c for c in plan.collectives if c.origin == "implicit" and c.module.startswith("model.decoder.")]
-    run_distributed(_opt_in_float64, 4, ["tp=4,sp", "fsdp=2,tp=2,sp"], timeout_s=300)
+    run_distributed(_opt_in_float64, 4, SPECS, timeout_s=600)
 
 
 def _opt_in_float64(rank, world, specs):

@@ -122,3 +122,9 @@ def test_init_from_hf_reads_each_ranks_slices_on_fsdp_and_tp(tmp_path):
     from tests.dist_utils import run_distributed
     weights, fresh = _tiny_llama_dir(tmp_path / "a", True), _tiny_llama_dir(tmp_path / "b", False)
     run_distributed(_loads_slices, 4, str(fresh), str(weights), timeout_s=120)
+
+
+def test_pipeline_parallel_is_a_config_error_for_hf_models(tmp_path):
+    cfg = load_config([*SMALL, "--model", f"hf:{_tiny_llama_dir(tmp_path / 'cfg', False)}", "--mesh", "pp=2,fsdp=2"])
+    with pytest.raises(ValueError, match="does not run pipeline parallelism; use a mesh without pp"):
+        cfg.validate(4, cfg.model_config())
