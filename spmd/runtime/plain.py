@@ -73,7 +73,7 @@ def _merged_dims(shape, new, inner_only: bool = False) -> set:
     last dim (a split of features into heads, merged back in backward)."""
     if new is None:
         return set()
-    starts = {math.prod(new[:k]) for k in range(len(new) + 1)}
+    starts = [math.prod(new[:k]) for k in range(len(new) + 1)]
     return {d for d in range(1, len(shape) - inner_only) if math.prod(shape[:d]) not in starts}
 
 
