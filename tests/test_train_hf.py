@@ -128,3 +128,12 @@ def test_pipeline_parallel_is_a_config_error_for_hf_models(tmp_path):
     cfg = load_config([*SMALL, "--model", f"hf:{_tiny_llama_dir(tmp_path / 'cfg', False)}", "--mesh", "pp=2,fsdp=2"])
     with pytest.raises(ValueError, match="does not run pipeline parallelism; use a mesh without pp"):
         cfg.validate(4, cfg.model_config())
+
+
+def test_init_from_hf_alone_of_an_unregistered_family_points_to_model_hf(tmp_path):
+    from launch.hf import config_from_hf
+    gpt2 = tmp_path / "gpt2"
+    transformers.GPT2Config(vocab_size=320, n_embd=64, n_layer=2, n_head=4).save_pretrained(gpt2)
+    with pytest.raises(ValueError, match=rf"no registered model has model_type 'gpt2' .*--model hf:{gpt2}, or "
+                                         rf"--model hf:DIR2 --init-from-hf {gpt2}"):
+        config_from_hf(gpt2)
