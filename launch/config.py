@@ -167,11 +167,14 @@ class TrainConfig:
         if (self.sp or "sp" in flags) and tp > 1:
             need(self.seq_len % tp == 0, f"--seq-len {self.seq_len} must divide by tp={tp} with sequence "
                                          f"parallelism; pick a multiple of {tp}")
-        if model_cfg is None and not self.init_from_hf:
+        if model_cfg is None and (not self.init_from_hf or self.model.startswith("hf:")):
             try:
                 model_cfg = self.model_config()
             except ValueError as e:
                 problems.append(f"--model: {e}")
+        if model_cfg is not None and self.init_from_hf and hasattr(model_cfg, "init_problem"):
+            problem = model_cfg.init_problem(self.init_from_hf)
+            need(problem is None, f"--init-from-hf {self.init_from_hf}: {problem}")
         if model_cfg is not None:
             problem = model_cfg.mesh_problem(sizes)
             need(problem is None, f"--mesh {format_sizes(sizes)}: {problem}")

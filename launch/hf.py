@@ -30,16 +30,23 @@ def adapter(cfg):
 
 def config_from_hf(hf: dict | str | Path):
     """The model config of an HF config.json (dict or path/dir), by its model_type; rejects what the model lacks."""
+    where = "DIR"
     if not isinstance(hf, dict):
         path = Path(hf)
         path = path / "config.json" if path.is_dir() else path
+        where = path.parent
         if not path.is_file():
             raise ValueError(f"{path} does not exist; --init-from-hf needs a Hugging Face directory "
                              "with config.json and *.safetensors")
         hf = json.loads(path.read_text())
     known = [e.hf for e in models.MODELS.values() if e.hf is not None]
-    match = next((a for a in known if a.MODEL_TYPE == hf.get("model_type")), models.entry(models.DEFAULT).hf)
-    return match.config_from_hf(hf)
+    match = next((a for a in known if a.MODEL_TYPE == hf.get("model_type")), None)
+    if match is None and hf.get("model_type") is not None:
+        raise ValueError(f"no registered model has model_type {hf['model_type']!r} (those with an adapter: "
+                         f"{sorted(a.MODEL_TYPE for a in known if a.MODEL_TYPE)}); train transformers' own class "
+                         f"with --model hf:{where}, or --model hf:DIR2 --init-from-hf {where} to start a model "
+                         f"of the same architecture from these weights")
+    return (match or models.entry(models.DEFAULT).hf).config_from_hf(hf)
 
 
 # ---------------------------------------------------------------------------------------------- weights

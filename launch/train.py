@@ -177,7 +177,7 @@ def _stop_everywhere(flag: bool, device) -> bool:
 def train(cfg: TrainConfig, log=True) -> list[dict]:
     """Runs the training loop described in the module docstring; returns rank's metric rows."""
     rank, world, local_rank = _world()
-    if cfg.init_from_hf:
+    if cfg.init_from_hf and not cfg.model.startswith("hf:"):
         from .hf import config_from_hf
         model_cfg = config_from_hf(cfg.init_from_hf)
         model_cfg.kernels = cfg.kernels

@@ -4,7 +4,9 @@ DIR holds config.json and, optionally, safetensors weights; with config.json alo
 transformers' own initialisation under the run's seed. Nothing is downloaded. The model is transformers'
 class, unchanged: `spmd.annotate_hf` names its axes and its forward takes `(tokens, targets)` as the
 trainer calls it, with the loss of `kernels` (vocab-parallel on sharded logits). This module is also the
-model's Hugging Face adapter (launch.hf): its names are transformers' own, so export writes them as they are.
+model's Hugging Face adapter (launch.hf): its names are transformers' own, so export writes them as they are,
+and `--init-from-hf DIR2` loads another directory of the same architecture into it, each rank reading
+its slices.
 """
 import json
 import types
@@ -13,9 +15,10 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
+from safetensors import safe_open
 
 import kernels
-from spmd import annotate_hf
+from spmd import annotate_hf, checkpoint
 
 __all__ = ["TransformersConfig", "MODEL_TYPE", "TIED_SOURCE", "tied", "to_hf_name", "from_hf_name", "hf_config",
            "config_from_hf"]
@@ -114,6 +117,29 @@ class TransformersConfig:
         bad = {k: v for k, v in heads.items() if v % tp}
         return f"tp={tp} would split attention heads ({bad}); use a tp that divides them" if bad else None
 
+    def init_problem(self, hf_dir: str) -> str | None:
+        """Why `--init-from-hf hf_dir` cannot initialise this model, or None: the architecture and every
+        tensor's name and shape, from config.json and the safetensors headers alone (no weights read)."""
+        path = Path(hf_dir)
+        if not (path / "config.json").is_file() or not _has_weights(hf_dir):
+            return f"{hf_dir} needs config.json and *.safetensors weights (nothing is downloaded)"
+        theirs, ours = json.loads((path / "config.json").read_text()).get("model_type"), self.hf.get("model_type")
+        if theirs != ours:
+            return (f"{hf_dir} holds a {theirs!r} model but --model hf:{self.path} is {ours!r}; pass a directory "
+                    f"of the same architecture, or train --model hf:{hf_dir} itself")
+        shapes = {}
+        for f in sorted(path.glob("*.safetensors")):
+            with safe_open(str(f), framework="pt") as h:
+                shapes.update({k: tuple(h.get_slice(k).get_shape()) for k in h.keys()})
+        with torch.device("meta"):
+            want = {n: tuple(t.shape) for n, t in checkpoint.model_state(self.build()).items()}
+        wrong = [f"{n} {shapes.get(n, 'missing')} (model {s})" for n, s in want.items() if shapes.get(n) != s]
+        wrong += [f"{n} (not in the model)" for n in shapes if n not in want and not n.endswith("inv_freq")]
+        if wrong:
+            return (f"its tensors do not fit --model hf:{self.path}: {wrong[:6]}; pass a directory whose "
+                    f"config.json has the same sizes as {self.path}/config.json")
+        return None
+
     def to_dict(self) -> dict:
         return asdict(self)
 
@@ -150,4 +176,5 @@ def hf_config(cfg: TransformersConfig, dtype: torch.dtype = torch.float32) -> di
 
 
 def config_from_hf(hf: dict) -> TransformersConfig:
-    raise ValueError("a transformers directory is trained with --model hf:DIR, not --init-from-hf")
+    raise ValueError("a transformers directory is trained with --model hf:DIR (and --init-from-hf DIR2 loads "
+                     "the weights of DIR2 into it)")

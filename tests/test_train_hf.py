@@ -71,3 +71,69 @@ def test_explain_plans_an_hf_directory_with_no_implicit_collective(tmp_path):
                         batch_shape=(4, 32))
     assert plan.comm_bytes() > 0
     assert not [c for c in plan.collectives if c.origin == "implicit"]
+
+
+def test_init_from_hf_loads_a_directory_into_an_hf_model(tmp_path):
+    """`--model hf:B --init-from-hf A` starts from A's weights: its first loss is that of `--model hf:A`
+    (bit for bit: the same weights, data and seed), not that of B's own initialisation."""
+    weights, fresh = _tiny_llama_dir(tmp_path / "a", True), _tiny_llama_dir(tmp_path / "b", False)
+    first = {name: T.train(load_config([*SMALL, "--steps", "1", *args]), log=False)[0]["loss"] for name, args in {
+        "a": ["--model", f"hf:{weights}"], "b": ["--model", f"hf:{fresh}"],
+        "b from a": ["--model", f"hf:{fresh}", "--init-from-hf", str(weights)]}.items()}
+    assert first["b from a"] == first["a"] and first["b"] != first["a"]
+
+
+def test_init_from_hf_of_another_architecture_is_a_config_error(tmp_path):
+    fresh = _tiny_llama_dir(tmp_path / "b", False)
+    gpt2 = tmp_path / "gpt2"
+    transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=320, n_embd=64, n_layer=2, n_head=4)
+                                 ).save_pretrained(gpt2)
+    wider = tmp_path / "wider"
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=320, hidden_size=128, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128)).save_pretrained(wider)
+    for source, message in [(gpt2, "holds a 'gpt2' model but --model hf:.* is 'llama'; pass a directory of the same"),
+                            (wider, r"do not fit --model hf:.*model\.embed_tokens\.weight \(320, 128\) \(model \(320, 64\)\)"),
+                            (tmp_path / "none", "needs config.json and \\*.safetensors")]:
+        cfg = load_config([*SMALL, "--model", f"hf:{fresh}", "--init-from-hf", str(source)])
+        with pytest.raises(ValueError, match=message):
+            cfg.validate(4, cfg.model_config())
+
+
+def _loads_slices(rank, world, model_dir, weights_dir):
+    import models
+    import spmd
+    from safetensors.torch import load_file
+    from launch.hf import load_hf
+    model = models.preset(f"hf:{model_dir}").build()
+    spmd.parallelize(model, spmd.make_mesh({"fsdp": 2, "tp": 2}), spmd.Rules.default(sequence_parallel=True))
+    load_hf(model, weights_dir)
+    expected = load_file(f"{weights_dir}/model.safetensors")
+    state = checkpoint.model_state(model)
+    assert set(state) == set(expected), (set(state) ^ set(expected))
+    for name, t in state.items():
+        assert t.ndim == 1 or any(p.is_shard() for p in t.placements), (name, t.placements)  # slices, not copies
+        assert torch.equal(t.full_tensor(), expected[name]), name
+
+
+def test_init_from_hf_reads_each_ranks_slices_on_fsdp_and_tp(tmp_path):
+    """On fsdp=2 x tp=2, `load_hf` fills transformers' model (laid out by the pass) with exactly the
+    directory's tensors."""
+    from tests.dist_utils import run_distributed
+    weights, fresh = _tiny_llama_dir(tmp_path / "a", True), _tiny_llama_dir(tmp_path / "b", False)
+    run_distributed(_loads_slices, 4, str(fresh), str(weights), timeout_s=120)
+
+
+def test_pipeline_parallel_is_a_config_error_for_hf_models(tmp_path):
+    cfg = load_config([*SMALL, "--model", f"hf:{_tiny_llama_dir(tmp_path / 'cfg', False)}", "--mesh", "pp=2,fsdp=2"])
+    with pytest.raises(ValueError, match="does not run pipeline parallelism; use a mesh without pp"):
+        cfg.validate(4, cfg.model_config())
+
+
+def test_init_from_hf_alone_of_an_unregistered_family_points_to_model_hf(tmp_path):
+    from launch.hf import config_from_hf
+    gpt2 = tmp_path / "gpt2"
+    transformers.GPT2Config(vocab_size=320, n_embd=64, n_layer=2, n_head=4).save_pretrained(gpt2)
+    with pytest.raises(ValueError, match=rf"no registered model has model_type 'gpt2' .*--model hf:{gpt2}, or "
+                                         rf"--model hf:DIR2 --init-from-hf {gpt2}"):
+        config_from_hf(gpt2)

@@ -6,13 +6,22 @@ block recomputes in backward), a torch-function mode turns every plain tensor th
 op into a replicated DTensor before the op runs. Autograd then saves DTensors, so the backward never mixes
 the two either. The same mode hands parameters used outside their own module their compute layout
 (spmd.runtime.direct). Code outside the model keeps DTensor's strict mixing check.
+
+A block that flattens its tokens into one dim (OPT: `x.reshape(-1, hidden)`) merges a sequence-sharded
+dim into the batch dim before it, which no DTensor layout holds evenly. Inside a layer, such a view first
+gathers the merged dim (an all-gather over its mesh axis, listed by explain against the module), and the
+block runs on whole sequences from there on. The view back to tokens keeps its gradient in its forward
+layout, so that the backward's reverse view never merges a sharded dim either.
 """
+import math
+
 import torch
 from torch.distributed.tensor import DTensor, Replicate
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from . import direct
+from . import direct, tags
+from .activations import grad_layout, move
 
 __all__ = ["GlobalView"]
 
@@ -35,6 +44,44 @@ class GlobalView(TorchFunctionMode):
                 return DTensor.from_local(t, mesh, [Replicate()] * mesh.ndim, run_check=False) if _plain(t) else t
             args, kwargs = tree_map(replicate, args), tree_map(replicate, kwargs)
             flat, _ = tree_flatten((args, kwargs))
+        if func in _VIEWS and isinstance(args[0], DTensor) and tags.current_module():
+            x = _gather_merged(args[0], args[0].shape, _shape(args[0], args[1:]))
+            out = func(x, *args[1:], **kwargs)
+            if out.requires_grad and _merged_dims(out.shape, x.shape, inner_only=True):
+                out = move(out, out.placements, tags.current_module(), "keep the gradient of a view back to tokens "
+                           "in its forward layout", grad_placements=grad_layout(out.placements))
+            return out
         if func in direct.FUNCS and any(direct.stored(a) for a in flat):
             return direct.call(self.state, func, args, kwargs)
         return func(*args, **kwargs)
+
+
+_VIEWS = {torch.Tensor.reshape, torch.Tensor.view, torch.reshape}
+
+
+def _shape(x: torch.Tensor, shape) -> list | None:
+    """The target shape of `x.view(*shape)` / `x.reshape(shape)`, -1 resolved; None for a view as a dtype."""
+    shape = shape[0] if len(shape) == 1 and isinstance(shape[0], (tuple, list, torch.Size)) else shape
+    if not shape or not all(isinstance(s, int) for s in shape):
+        return None
+    known = math.prod(s for s in shape if s != -1)
+    return [x.numel() // max(known, 1) if s == -1 else s for s in shape]
+
+
+def _merged_dims(shape, new, inner_only: bool = False) -> set:
+    """Dims of `shape` that the view to `new` merges into the dim before them. `inner_only`: not counting the
+    last dim (a split of features into heads, merged back in backward)."""
+    if new is None:
+        return set()
+    starts = [math.prod(new[:k]) for k in range(len(new) + 1)]
+    return {d for d in range(1, len(shape) - inner_only) if math.prod(shape[:d]) not in starts}
+
+
+def _gather_merged(x: DTensor, shape, new) -> DTensor:
+    """`x`, gathered over each mesh axis that shards a dim the view to `new` merges into the dim before it."""
+    dims = _merged_dims(shape, new)
+    merged = [p.is_shard() and p.dim in dims for p in x.placements]
+    if not any(merged):
+        return x
+    target = [Replicate() if m else p for p, m in zip(x.placements, merged)]
+    return move(x, target, tags.current_module(), "gather a sharded dim the model's view merges into the dim before it")
