@@ -1,5 +1,5 @@
 """Steps with a non-finite loss or gradient norm: skipped (no optimizer step), counted, and a stop after
-`limit` consecutive ones.
+`limit` consecutive ones; and fp16's dynamic loss scaling, which answers an overflow by halving the scale.
 
 The loss and the gradient norm the trainer passes are global values (reduced over every mesh axis), so
 every rank takes the same decision without another collective. Under fp16 loss scaling a finite loss with an
@@ -52,3 +52,27 @@ class BadSteps:
         if state:
             self.skipped, self.streak, self.last_good = int(state["skipped"]), int(state["streak"]), \
                 int(state["last_good"])
+
+
+class LossScaler:
+    """Dynamic loss scaling for fp16 (state is JSON, kept in checkpoint meta)."""
+
+    def __init__(self, enabled: bool, scale: float = 2.0 ** 16, interval: int = 1000):
+        self.enabled, self.scale, self.interval, self.good = enabled, scale if enabled else 1.0, interval, 0
+
+    def update(self, finite: bool) -> None:
+        if not self.enabled:
+            return
+        if not finite:
+            self.scale, self.good = max(self.scale / 2, 1.0), 0
+        else:
+            self.good += 1
+            if self.good % self.interval == 0:
+                self.scale *= 2
+
+    def state_dict(self):
+        return {"scale": self.scale, "good": self.good}
+
+    def load_state_dict(self, s):
+        if self.enabled and s:
+            self.scale, self.good = float(s["scale"]), int(s["good"])

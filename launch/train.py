@@ -31,7 +31,6 @@ import contextlib
 import logging
 import math
 import os
-import signal
 import sys
 import time
 
@@ -48,9 +47,9 @@ from . import faults, schedule, startup
 from .config import TrainConfig, load_config
 from .data import build_loader
 from .metrics import MetricsLogger, flops_per_token, peak_flops, peak_mem_bytes
-from .nonfinite import BadSteps, Diverged
+from .nonfinite import BadSteps, Diverged, LossScaler
 from .profile import StepProfiler
-
+from .stopping import StopRequest, stop_everywhere
 
 
 # --------------------------------------------------------------------------------------------- pieces
@@ -65,53 +64,6 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
 
 def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
-
-
-class _Stop:
-    """Signal flag: the first SIGTERM/SIGINT asks for a clean stop, a second one interrupts."""
-
-    def __init__(self):
-        self.requested = False
-        self.previous = {}
-
-    def install(self):
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            self.previous[sig] = signal.signal(sig, self.handle)
-
-    def handle(self, signum, frame):
-        if self.requested:
-            raise KeyboardInterrupt
-        self.requested = True
-        print(f"\n[launch.train] got {signal.Signals(signum).name}: finishing the step, then checkpoint and exit",
-              file=sys.stderr, flush=True)
-
-    def uninstall(self):
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
-
-
-class LossScaler:
-    """Dynamic loss scaling for fp16 (state is JSON, kept in checkpoint meta)."""
-
-    def __init__(self, enabled: bool, scale: float = 2.0 ** 16, interval: int = 1000):
-        self.enabled, self.scale, self.interval, self.good = enabled, scale if enabled else 1.0, interval, 0
-
-    def update(self, finite: bool) -> None:
-        if not self.enabled:
-            return
-        if not finite:
-            self.scale, self.good = max(self.scale / 2, 1.0), 0
-        else:
-            self.good += 1
-            if self.good % self.interval == 0:
-                self.scale *= 2
-
-    def state_dict(self):
-        return {"scale": self.scale, "good": self.good}
-
-    def load_state_dict(self, s):
-        if self.enabled and s:
-            self.scale, self.good = float(s["scale"]), int(s["good"])
 
 
 # --------------------------------------------------------------------------------------------- setup
@@ -163,14 +115,6 @@ def _resume_point(cfg: TrainConfig, rank: int):
                          + "; ".join(f"{p.name}: {', '.join(pr)}" for p, pr in rejected)
                          + f". Restore the damaged files, or move {cfg.ckpt_dir} aside to start from step 0")
     return found
-
-
-def _stop_everywhere(flag: bool, device) -> bool:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        t = torch.tensor([1.0 if flag else 0.0], device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return bool(t.item())
-    return flag
 
 
 # --------------------------------------------------------------------------------------------- loop
@@ -242,7 +186,7 @@ def train(cfg: TrainConfig, log=True) -> list[dict]:
     comm = 0
     params = [p for p in model.parameters() if p.requires_grad]
     max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else math.inf
-    stop = _Stop()
+    stop = StopRequest()
     stop.install()
     profiler = StepProfiler(cfg.profile_steps, cfg.profile_dir, rank, device)
     rows: list[dict] = []
@@ -303,7 +247,7 @@ def train(cfg: TrainConfig, log=True) -> list[dict]:
                                        peak_mem_bytes(device), comm, skipped_steps=bad.skipped))
             for path in profiler.after(step):
                 metrics.write(f"[launch.train] profile: {path}" + (" (one per rank)" if world > 1 else ""))
-            stopping = _stop_everywhere(stop.requested, device)
+            stopping = stop_everywhere(stop.requested, device)
             diverged = bad.exhausted
             due = cfg.ckpt_dir and (step == cfg.steps or stopping or diverged
                                     or (cfg.ckpt_every and step % cfg.ckpt_every == 0))
