@@ -3,9 +3,11 @@
 
 Each model is laid out as the trainer lays it out (`launch.train.build_model`, fsdp over `nproc` gloo CPU
 processes) with AdamW state, and saved `repeats` times (after one untimed save) the way the trainer saves it.
+Modes: `sync` (`spmd.checkpoint.save`) and `async` (`AsyncSaver.save`, the trainer's default).
 Blocked: the time from calling the save to its return, the loop's cost; per repeat the slowest rank counts
 (the next step's collectives wait for it), reported as the median over repeats. Committed: until `latest`
-names the checkpoint. Writes benchmarks/results/<date>-<device>-checkpoint-blocking[-T].{json,md}.
+names the checkpoint (for `async`, the benchmark waits for it before the next repeat, as a loop whose steps
+between saves outlast the writing would find it done). Writes benchmarks/results/<date>-<device>-checkpoint-blocking[-T].{json,md}.
 """
 import argparse
 import contextlib
@@ -21,7 +23,7 @@ if __package__ in (None, ""):
 
 from benchmarks import common
 
-MODES = ("sync",)
+MODES = ("sync", "async")
 
 
 def _worker(a) -> None:
@@ -46,12 +48,17 @@ def _worker(a) -> None:
         for mode in a.modes:
             ckpt_dir = Path(root[0]) / mode
             blocked, committed = [], []
+            saver = checkpoint.AsyncSaver() if mode == "async" else None
             for i in range(a.repeats + 1):
                 dist.barrier()
                 t0 = time.perf_counter()
-                path = checkpoint.save(ckpt_dir, i, checkpoint.model_state(model),
-                                       checkpoint.optim_state(model, opt), meta={"repeat": i}, keep=2)
-                blocked_s = committed_s = time.perf_counter() - t0
+                path = (saver.save if saver else checkpoint.save)(
+                    ckpt_dir, i, checkpoint.model_state(model), checkpoint.optim_state(model, opt),
+                    meta={"repeat": i}, keep=2)
+                blocked_s = time.perf_counter() - t0
+                if saver:
+                    saver.wait()
+                committed_s = time.perf_counter() - t0
                 times = [None] * world
                 dist.all_gather_object(times, (blocked_s, committed_s))
                 if i:  # the first save creates the directory and warms the allocator
