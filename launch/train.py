@@ -196,7 +196,7 @@ def train(cfg: TrainConfig, log=True) -> list[dict]:
     rows: list[dict] = []
     step = start
     nan_steps = faults.nan_steps()
-    saver = checkpoint.AsyncSaver() if cfg.ckpt_async else None
+    saver = checkpoint.AsyncSaver() if cfg.ckpt_dir and cfg.ckpt_async else None
     try:
         while step < cfg.steps:
             faults.before_step(step + 1, rank, settle=saver.wait if saver else None)
