@@ -7,7 +7,8 @@ Modes: `sync` (`spmd.checkpoint.save`) and `async` (`AsyncSaver.save`, the train
 Blocked: the time from calling the save to its return, the loop's cost; per repeat the slowest rank counts
 (the next step's collectives wait for it), reported as the median over repeats. Committed: until `latest`
 names the checkpoint (for `async`, the benchmark waits for it before the next repeat, as a loop whose steps
-between saves outlast the writing would find it done). Writes benchmarks/results/<date>-<device>-checkpoint-blocking[-T].{json,md}.
+between saves outlast the writing would find it done).
+Writes benchmarks/results/<date>-<device>-checkpoint-blocking[-T].{json,md}.
 """
 import argparse
 import contextlib
