@@ -61,6 +61,7 @@ class TrainConfig:
     ckpt_dir: str = ""             # empty: no checkpoints
     ckpt_every: int = 0            # steps between checkpoints; 0: only at the end (and on SIGTERM/SIGINT)
     ckpt_keep: int = 3             # newest checkpoints kept; 0 keeps all
+    ckpt_async: bool = True        # the loop waits for the copy to host memory only; a thread writes and commits
     resume: bool = False           # continue from ckpt_dir/latest when there is one
     init_from_hf: str = ""         # Hugging Face directory to initialise weights from
     # metrics
@@ -249,6 +250,7 @@ def parser() -> argparse.ArgumentParser:
         "data": "stdlib | PATH_OR_GLOB (text, .jsonl, .parquet) | datasets.save_to_disk DIR | FILE.bin",
         "data_field": "text field of .jsonl/.parquet/datasets records", "tokenizer": "bytes | tokenizer.json",
         "ckpt_dir": "checkpoint directory", "ckpt_every": "checkpoint every N steps (0: at the end)",
+        "ckpt_async": "write checkpoints in a background thread (--no-ckpt-async: the loop waits for the files)",
         "resume": "resume from CKPT_DIR/latest if present", "init_from_hf": "initialise from a Hugging Face directory",
         "metrics": "JSONL metrics file", "tensorboard": "tensorboard log directory", "seed": "data/init seed",
         "wandb": "Weights & Biases project (offline unless WANDB_MODE is set; needs spmd[wandb])",

@@ -5,7 +5,9 @@
                                      kill: sends itself SIGKILL
                                      hang: stops responding (sleeps until killed)
                                      Fires on torchrun's first attempt only (TORCHELASTIC_RESTART_COUNT unset
-                                     or 0), so a restarted group runs through.
+                                     or 0), so a restarted group runs through; and once that rank's
+                                     checkpoint in flight (--ckpt-async) is committed, so the fault lands
+                                     between steps, never inside a save.
     SPMD_TEST_NAN_STEPS=3,4          the loss of these steps is multiplied by NaN on every rank (meshes
                                      without pp)
 
@@ -23,14 +25,16 @@ def _first_attempt() -> bool:
     return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
 
 
-def before_step(step: int, rank: int) -> None:
-    """Called with the number of the step about to run."""
+def before_step(step: int, rank: int, settle=None) -> None:
+    """Called with the number of the step about to run; `settle()` (if given) runs before a fault fires."""
     spec = os.environ.get("SPMD_TEST_FAULT")
     if not spec or not _first_attempt():
         return
     want_rank, want_step, kind = spec.split(":")
     if int(want_rank) != rank or int(want_step) != step:
         return
+    if settle is not None:
+        settle()
     print(f"[launch.faults] rank {rank}: {kind} before step {step} (SPMD_TEST_FAULT)", file=sys.stderr, flush=True)
     if kind == "exit":
         os._exit(1)

@@ -32,10 +32,12 @@ class StopRequest:
             signal.signal(sig, handler)
 
 
-def stop_everywhere(flag: bool, device) -> bool:
-    """True on every rank when any rank's flag is set (one all-reduce of a float)."""
+def stop_everywhere(flag: bool, device, *more: bool) -> bool | tuple[bool, ...]:
+    """True on every rank when any rank's flag is set (one all-reduce); with `more` flags, one answer per flag
+    from the same all-reduce."""
+    flags = (flag, *more)
     if dist.is_initialized() and dist.get_world_size() > 1:
-        t = torch.tensor([1.0 if flag else 0.0], device=device)
+        t = torch.tensor([1.0 if f else 0.0 for f in flags], device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return bool(t.item())
-    return flag
+        flags = tuple(bool(v) for v in t.tolist())
+    return flags if more else flags[0]

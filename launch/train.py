@@ -22,6 +22,10 @@ checkpoint whose checksums verify.
 `--compile`: each block runs as one compiled graph with its collectives inside (`spmd.compile_blocks`);
 blocks under activation checkpointing stay eager. `--kernels triton` selects the fused Triton kernels.
 
+Checkpoints (`--ckpt-async`, the default): the loop waits only while the state is copied to host memory; a
+thread writes, hashes and commits it (spmd.checkpoint.AsyncSaver). The next save and the end of training wait
+for it; its failure stops every rank at the next step.
+
 SIGTERM/SIGINT: the step in flight finishes, a checkpoint is written (with --ckpt-dir) and the process
 exits 0. A second signal interrupts at once.
 """
@@ -192,9 +196,10 @@ def train(cfg: TrainConfig, log=True) -> list[dict]:
     rows: list[dict] = []
     step = start
     nan_steps = faults.nan_steps()
+    saver = checkpoint.AsyncSaver() if cfg.ckpt_dir and cfg.ckpt_async else None
     try:
         while step < cfg.steps:
-            faults.before_step(step + 1, rank)
+            faults.before_step(step + 1, rank, settle=saver.wait if saver else None)
             profiler.before(step + 1)
             lr = schedule.lr_at(step, cfg.lr, cfg.warmup, cfg.steps)
             schedule.set_lr(opt, lr)
@@ -247,27 +252,34 @@ def train(cfg: TrainConfig, log=True) -> list[dict]:
                                        peak_mem_bytes(device), comm, skipped_steps=bad.skipped))
             for path in profiler.after(step):
                 metrics.write(f"[launch.train] profile: {path}" + (" (one per rank)" if world > 1 else ""))
-            stopping = stop_everywhere(stop.requested, device)
+            # one all-reduce: a stop asked on any rank, a background save failed on any rank
+            stopping, save_failed = stop_everywhere(stop.requested, device, saver is not None and saver.failed())
+            if save_failed:
+                saver.wait()  # raises the writer's error, on every rank at this same step
             diverged = bad.exhausted
             due = cfg.ckpt_dir and (step == cfg.steps or stopping or diverged
                                     or (cfg.ckpt_every and step % cfg.ckpt_every == 0))
             path = None
             if due:
-                path = checkpoint.save(cfg.ckpt_dir, step, checkpoint.model_state(model),
-                                       checkpoint.optim_state(model, opt),
-                                       meta={"config": cfg.to_dict(), "model_config": model_cfg.to_dict(),
-                                             "model": models.entry(model_cfg).name,
-                                             "data": loader.state_dict(), "loss_scale": scaler.state_dict(),
-                                             "bad_steps": bad.state_dict(), "mesh": cfg.mesh_sizes(world),
-                                             "code_version": code},
-                                       keep=cfg.ckpt_keep or None)
-                metrics.write(f"[launch.train] step {step}: checkpoint {path}")
+                path = (saver.save if saver else checkpoint.save)(
+                    cfg.ckpt_dir, step, checkpoint.model_state(model), checkpoint.optim_state(model, opt),
+                    meta={"config": cfg.to_dict(), "model_config": model_cfg.to_dict(),
+                          "model": models.entry(model_cfg).name, "data": loader.state_dict(),
+                          "loss_scale": scaler.state_dict(), "bad_steps": bad.state_dict(),
+                          "mesh": cfg.mesh_sizes(world), "code_version": code},
+                    keep=cfg.ckpt_keep or None)
+                metrics.write(f"[launch.train] step {step}: checkpoint {path}"
+                              + (" (writing in the background)" if saver else ""))
             if diverged:
+                if saver:
+                    saver.wait()  # the message names the checkpoint: it must be there
                 raise Diverged(bad.message(step, str(path) if path else None))
             if stopping:
                 metrics.write(f"[launch.train] stopped by signal after step {step}"
                               + ("" if cfg.ckpt_dir else " (no --ckpt-dir: nothing saved)"))
                 break
+        if saver:
+            saver.close()  # the end of training waits for the last checkpoint (and raises its error)
     finally:
         profiler.close()
         stop.uninstall()

@@ -11,7 +11,8 @@ __all__ = ["add_model_args", "model_config", "batch_shape", "write_json", "repor
 
 def add_model_args(ap: argparse.ArgumentParser, batch_default: str) -> None:
     ap.add_argument("--model", default="8b", help="PRESET of the registry's default model (Llama: "
-                    "tiny|small|1b|8b|70b) or MODEL:PRESET")
+                    "tiny|small|1b|8b|70b), MODEL:PRESET, or hf:DIR (a local Hugging Face directory with "
+                    "config.json: transformers' own model, built on the meta device)")
     ap.add_argument("--registry", default="models", help="the module whose preset(name) gives model configs")
     ap.add_argument("--batch", type=int, default=None, help=f"global batch in sequences (default: {batch_default})")
     ap.add_argument("--seq", type=int, default=None, help="sequence length (default: min(max_seq_len, 4096))")

@@ -3,7 +3,8 @@
 
     python -m spmd.explain --model 8b --mesh fsdp=8,tp=8,sp --batch 8 --seq 4096 --dtype bf16 [--json FILE]
 
-prints `plan.table()` of a registry model (meta tensors, no devices) laid out by the default rules.
+prints `plan.table()` of a registry model (meta tensors, no devices) laid out by the default rules;
+`--model hf:DIR` plans the transformers model of a local Hugging Face directory (config.json is enough).
 """
 import argparse
 

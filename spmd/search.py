@@ -2,6 +2,7 @@
 and its command line:
 
     python -m spmd.search --model 8b --world 64 --device h100
+    python -m spmd.search --model hf:DIR --world 8 --device h100   # a local Hugging Face directory
 """
 import argparse
 import os

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 import models
@@ -55,3 +56,36 @@ def test_bad_arguments_are_one_line_errors(capsys):
         err = capsys.readouterr().err
         assert err.startswith("spmd.explain: error: ") and message in err and err.count("\n") == 1, err
     assert callable(spmd.explain)  # importing the command's module leaves spmd.explain usable
+
+
+def test_explain_and_search_take_a_local_hugging_face_directory(tmp_path, capsys):
+    """`--model hf:DIR` (a tiny LlamaForCausalLM's config.json, nothing downloaded): each command prints exactly
+    the table of the same call made in code; a directory without config.json is a one-line error."""
+    transformers = pytest.importorskip("transformers")
+    hf_dir = tmp_path / "llama"
+    transformers.LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2,
+                             max_position_embeddings=64).save_pretrained(hf_dir)
+    from spmd.explain import main as explain_main
+    from spmd.search import main as search_main
+
+    assert explain_main(["--model", f"hf:{hf_dir}", "--mesh", "fsdp=2,tp=2,sp", "--batch", "4", "--seq", "16",
+                         "--dtype", "fp32"]) == 0
+    with torch.device("meta"):
+        model = models.preset(f"hf:{hf_dir}").build()
+    plan = spmd.explain(model, spmd.Rules.default(sequence_parallel=True), {"fsdp": 2, "tp": 2},
+                        batch_shape=(4, 16), dtype=torch.float32)
+    assert capsys.readouterr().out == plan.table() + "\n"
+    assert "model.layers.*.self_attn.q_proj" in plan.table()  # transformers' own module names
+
+    assert search_main(["--model", f"hf:{hf_dir}", "--world", "2", "--device", "a100", "--batch", "4",
+                        "--seq", "16", "--workers", "1"]) == 0
+    ranked = spmd.search(models.preset(f"hf:{hf_dir}"), 2, device="a100", batch_shape=(4, 16), workers=1)
+    out = capsys.readouterr().out
+    assert out == ranked.table() + "\n" and "TransformersConfig(layers=2," in out
+    assert sorted(r.spec for r in ranked) == ["dp=2", "fsdp=2", "tp=2", "tp=2,sp"]
+
+    for main in (explain_main, search_main):
+        assert main(["--model", f"hf:{tmp_path / 'empty'}"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "has no config.json; --model hf:DIR takes a local Hugging Face" in err

@@ -273,5 +273,8 @@ def _fill(row: Row, s, dev: Device, compute_s: float, overlap: float, tokens: in
 
 
 def _model_label(cfg) -> str:
+    """`LlamaConfig(dim=4096, layers=32, 8.03B params)`; a config without `dim` (`--model hf:DIR`) omits it."""
     n = cfg.num_params() if hasattr(cfg, "num_params") else 0
-    return f"{type(cfg).__name__}(dim={cfg.dim}, layers={cfg.n_layers}, {n / 1e9:.2f}B params)"
+    shape = [f"{label}={getattr(cfg, attr)}" for attr, label in (("dim", "dim"), ("n_layers", "layers"))
+             if hasattr(cfg, attr)]
+    return f"{type(cfg).__name__}({', '.join([*shape, f'{n / 1e9:.2f}B params'])})"

@@ -41,17 +41,18 @@ def rank_world() -> tuple[int, int]:
     return 0, 1
 
 
-def all_gather(obj):
+def all_gather(obj, group=None):
+    """Every rank's `obj`, over `group` (default: the default group)."""
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         out = [None] * dist.get_world_size()
-        dist.all_gather_object(out, obj)  # pickles over the wire only; nothing pickled reaches the disk
+        dist.all_gather_object(out, obj, group=group)  # pickles over the wire only; nothing pickled reaches the disk
         return out
     return [obj]
 
 
-def barrier():
+def barrier(group=None):
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
+        dist.barrier(group=group)
 
 
 def fsync_dir(path: Path):

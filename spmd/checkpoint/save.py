@@ -1,5 +1,8 @@
 """Writing a checkpoint: every rank its own shards, one writer per slice, committed atomically.
 
+`save` = `prepare` (collective on the default group: who writes what, this rank's boxes copied to the host)
+then `write` (files, checksums, commit: collective over the group it is given, so it can run in a thread).
+
 For the tests of interrupted saves, SPMD_TEST_KILL_AFTER_FILES=N makes a process SIGKILL itself right after
 it has written its N-th checkpoint file (counting rank files, meta.json and index.json, in that order, over
 the life of the process).
@@ -9,6 +12,7 @@ import math
 import os
 import shutil
 import signal
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -18,7 +22,7 @@ from .common import FORMAT, LATEST, RNG_CPU, RNG_CUDA, all_gather, barrier, dtyp
     rank_world, region
 from .verify import file_record
 
-__all__ = ["save"]
+__all__ = ["Job", "save", "prepare", "write"]
 
 _files_written = 0
 
@@ -30,6 +34,27 @@ def _written() -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+@dataclass
+class Job:
+    """One save, taken at the moment of the call: what this rank writes (on the host) and the global index."""
+    ckpt_dir: Path
+    step: int
+    rank: int
+    world: int
+    out: dict[str, torch.Tensor]   # the boxes this rank writes and its RNG states, as host tensors
+    index: dict
+    meta_json: str
+    keep: int | None
+
+    @property
+    def tmp(self) -> Path:
+        return self.ckpt_dir / f".tmp-step-{self.step}"
+
+    @property
+    def final(self) -> Path:
+        return self.ckpt_dir / f"step-{self.step}"
+
+
 def save(ckpt_dir: str | os.PathLike, step: int, model_state: dict[str, torch.Tensor],
          optim_state: dict[str, torch.Tensor] | None = None, meta: dict | None = None,
          keep: int | None = None) -> Path:
@@ -38,11 +63,16 @@ def save(ckpt_dir: str | os.PathLike, step: int, model_state: dict[str, torch.Te
     `model_state` / `optim_state` map names to plain tensors or DTensors (any mesh, Shard/Replicate
     placements). A plain tensor is taken to be the whole tensor; if several ranks hold it, the lowest writes.
     `meta` must be JSON-serialisable. `keep` (if set) deletes all but the newest `keep` checkpoints.
-    Returns the committed directory.
+    Returns the committed directory. (`AsyncSaver.save` does the writing in the background.)
     """
+    return write(prepare(ckpt_dir, step, model_state, optim_state, meta, keep, stage=_host_copy))
+
+
+def prepare(ckpt_dir, step: int, model_state: dict, optim_state: dict | None, meta: dict | None,
+            keep: int | None, stage) -> Job:
+    """Collective: checks the state, agrees on who writes each box (the lowest rank proposing it), and copies
+    this rank's boxes off the device with `stage` (a dict of tensors to a dict of host tensors)."""
     rank, world = rank_world()
-    ckpt_dir = Path(ckpt_dir)
-    step = int(step)
     tensors: dict[str, torch.Tensor] = {}
     for prefix, state in (("model.", model_state), ("optim.", optim_state or {})):
         for name, t in state.items():
@@ -55,18 +85,46 @@ def save(ckpt_dir: str | os.PathLike, step: int, model_state: dict[str, torch.Te
     except TypeError as e:
         raise TypeError(f"checkpoint meta must be JSON-serialisable ({e}); convert it to plain "
                         "dicts/lists/numbers/strings") from None
-
-    # 1. Agree on who writes what: the lowest rank proposing a given (name, box) writes it.
     proposals, locals_, index, writer = _assign_writers(tensors)
-    # 2. Every rank writes its file into the temporary directory.
-    tmp = ckpt_dir / f".tmp-step-{step}"
-    files = _write_rank_files(ckpt_dir, tmp, step, rank, locals_, proposals, writer)
-    # 3. Rank 0 commits: meta, index (with every file's checksum), rename, pointer.
-    final = ckpt_dir / f"step-{step}"
-    if rank == 0:
-        _commit(ckpt_dir, tmp, final, step, world, index, files, meta_json, keep)
-    barrier()  # nobody returns before the checkpoint is committed
-    return final
+    mine = {key: local.detach() for key, local in locals_.items()
+            if writer.get((key, tuple(proposals[key][2]), tuple(proposals[key][3]))) == rank}
+    out = dict(stage(mine))
+    out[RNG_CPU] = torch.get_rng_state()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out[RNG_CUDA] = torch.cuda.get_rng_state()
+    return Job(Path(ckpt_dir), int(step), rank, world, out, index, meta_json, keep)
+
+
+def write(job: Job, group=None) -> Path:
+    """Collective over `group`: every rank writes its file into the temporary directory, rank 0 commits (meta,
+    index with every file's checksum, rename, pointer). An error on any rank raises on every rank."""
+    files = _write_rank_files(job, group)
+    error = None
+    if job.rank == 0:
+        try:
+            _commit(job, files)
+        except Exception as e:  # report instead of leaving the other ranks waiting
+            error = f"rank 0: {type(e).__name__}: {e}"
+    errors = [e for e in all_gather(error, group) if e]  # nobody returns before the checkpoint is committed
+    if errors:
+        raise RuntimeError(f"checkpoint save of step {job.step}: committing {job.tmp} failed: {errors[0]}. "
+                           "The previous checkpoint is untouched.")
+    return job.final
+
+
+def _host_copy(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: x.to("cpu") if x.device.type != "cpu" else x.clone() for k, x in tensors.items()}
+
+
+def _writable(out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Contiguous tensors sharing no storage, as safetensors writes them."""
+    seen, ready = set(), {}
+    for key, x in out.items():
+        ptr = x.untyped_storage().data_ptr()
+        ready[key] = x.contiguous() if x.is_contiguous() and ptr not in seen else x.clone(
+            memory_format=torch.contiguous_format)
+        seen.add(ptr)
+    return ready
 
 
 def _assign_writers(tensors: dict) -> tuple[dict, dict, dict, dict]:
@@ -98,54 +156,43 @@ def _assign_writers(tensors: dict) -> tuple[dict, dict, dict, dict]:
     return proposals, locals_, index, writer
 
 
-def _write_rank_files(ckpt_dir: Path, tmp: Path, step: int, rank: int, locals_: dict, proposals: dict,
-                      writer: dict) -> dict[str, dict]:
-    """Collective: every rank writes the boxes it was assigned (and its RNG state) into `tmp`; a failure on
-    any rank raises on every rank. Returns every rank file's size and SHA-256."""
-    if rank == 0:
-        ckpt_dir.mkdir(parents=True, exist_ok=True)
-        for stale in ckpt_dir.glob(".tmp-step-*"):
+def _write_rank_files(job: Job, group) -> dict[str, dict]:
+    """Collective: every rank writes its boxes (and its RNG state) into `job.tmp`; a failure on any rank raises
+    on every rank. Returns every rank file's size and SHA-256."""
+    if job.rank == 0:
+        job.ckpt_dir.mkdir(parents=True, exist_ok=True)
+        for stale in job.ckpt_dir.glob(".tmp-step-*"):
             shutil.rmtree(stale, ignore_errors=True)
-        tmp.mkdir()
-    barrier()
+        job.tmp.mkdir()
+    barrier(group)
     error = None
     try:
-        out: dict[str, torch.Tensor] = {}
-        for key, local in locals_.items():
-            offsets, lengths = proposals[key][2], proposals[key][3]
-            if writer.get((key, tuple(offsets), tuple(lengths))) == rank:
-                x = local.detach()
-                x = x.to("cpu") if x.device.type != "cpu" else x.clone()
-                out[key] = x.contiguous()
-        out[RNG_CPU] = torch.get_rng_state()
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            out[RNG_CUDA] = torch.cuda.get_rng_state()
-        path = tmp / rank_file(rank)
-        save_file(out, str(path), metadata={"format": "pt", "spmd": FORMAT})
+        path = job.tmp / rank_file(job.rank)
+        save_file(_writable(job.out), str(path), metadata={"format": "pt", "spmd": FORMAT})
         with open(path, "rb+") as f:
             os.fsync(f.fileno())
         _written()
         record = {path.name: file_record(path)}  # of the bytes on disk: a short write shows up here already
     except Exception as e:  # report instead of leaving the other ranks waiting at a barrier
-        error, record = f"rank {rank}: {type(e).__name__}: {e}", {}
-    gathered = all_gather((error, record))
+        error, record = f"rank {job.rank}: {type(e).__name__}: {e}", {}
+    gathered = all_gather((error, record), group)
     errors = [e for e, _ in gathered if e]
     if errors:
-        raise RuntimeError(f"checkpoint save of step {step} to {tmp} failed: " + "; ".join(errors)
+        raise RuntimeError(f"checkpoint save of step {job.step} to {job.tmp} failed: " + "; ".join(errors)
                            + ". The previous checkpoint is untouched.")
     return {name: rec for _, r in gathered for name, rec in r.items()}
 
 
-def _commit(ckpt_dir: Path, tmp: Path, final: Path, step: int, world: int, index: dict, files: dict,
-            meta_json: str, keep: int | None) -> None:
-    """Rank 0: meta and index (with `files`' and meta's checksums) into `tmp`, `tmp` renamed to `final`,
+def _commit(job: Job, files: dict) -> None:
+    """Rank 0: meta and index (with `files`' and meta's checksums) into `job.tmp`, renamed to `job.final`,
     `latest` pointed at it, old ones pruned."""
-    (tmp / "meta.json").write_text(json.dumps({**json.loads(meta_json), "step": step, "world_size": world},
+    ckpt_dir, tmp, final, step, world = job.ckpt_dir, job.tmp, job.final, job.step, job.world
+    (tmp / "meta.json").write_text(json.dumps({**json.loads(job.meta_json), "step": step, "world_size": world},
                                               indent=1, sort_keys=True))
     _written()
     files = {**files, "meta.json": file_record(tmp / "meta.json")}
     (tmp / "index.json").write_text(json.dumps(
-        {"format": FORMAT, "step": step, "world_size": world, "files": files, "tensors": index}, indent=1))
+        {"format": FORMAT, "step": step, "world_size": world, "files": files, "tensors": job.index}, indent=1))
     _written()
     fsync_dir(tmp)
     if final.exists():  # re-saving a step (e.g. after a resume): move the old one aside first
@@ -160,8 +207,8 @@ def _commit(ckpt_dir: Path, tmp: Path, final: Path, step: int, world: int, index
     pointer.write_text(final.name + "\n")
     os.replace(pointer, ckpt_dir / LATEST)
     fsync_dir(ckpt_dir)
-    if keep:
+    if job.keep:
         steps = sorted((int(p.name[5:]), p) for p in ckpt_dir.glob("step-*") if p.name[5:].isdigit())
-        for s, p in steps[:-keep]:
+        for s, p in steps[:-job.keep]:
             if p != final:
                 shutil.rmtree(p, ignore_errors=True)

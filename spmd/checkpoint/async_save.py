@@ -1,0 +1,84 @@
+"""Checkpoints written in the background: the caller waits only while its state is copied to host memory.
+
+    saver = AsyncSaver()
+    saver.save(ckpt_dir, step, model_state(model), optim_state(model, opt), meta={...})  # returns after the copy
+    ...                                      # training goes on while a thread writes, hashes and commits
+    saver.wait()                             # committed (the next save and the end of training wait too)
+
+The copy goes into host buffers kept from one save to the next (pinned when CUDA is there), by torch's
+`DefaultStager`. A thread then does what `save` does after that copy (`save.write`): the rank files, their
+SHA-256, rank 0's index and rename, and the atomic `latest`, so a kill mid-save leaves the previous checkpoint
+as `latest`. Its collectives run on a gloo group of their own, created by the first save, so they never
+interleave with the training's. A failed save raises on every rank: from `wait()`, from the next `save()`,
+and (`failed()`) from the trainer's next step.
+Choice: this thread over DCP's `async_save` with `HuggingFaceStorageWriter`, which would replace the rank
+files, the per-file SHA-256 index, the atomic `latest` and the interrupted-save points rather than keep them.
+"""
+import os
+import threading
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+from .save import Job, prepare, write
+
+__all__ = ["AsyncSaver"]
+
+
+class AsyncSaver:
+    """Saves like `spmd.checkpoint.save`, with the writing in a background thread; one save in flight at a time."""
+
+    def __init__(self):
+        cuda = torch.cuda.is_available()
+        self._stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
+                                                    use_async_staging=False, use_non_blocking_copy=cuda))
+        self._group = None
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._pending: Path | None = None
+
+    def save(self, ckpt_dir: str | os.PathLike, step: int, model_state: dict[str, torch.Tensor],
+             optim_state: dict[str, torch.Tensor] | None = None, meta: dict | None = None,
+             keep: int | None = None) -> Path:
+        """Collective, arguments as `save`'s. Waits for the previous save (raising its error), copies this rank's
+        shards to host buffers, starts the writer and returns the directory the checkpoint will be committed to."""
+        self.wait()
+        job = prepare(ckpt_dir, step, model_state, optim_state, meta, keep, stage=self._stager.stage)
+        if self._group is None and dist.is_initialized() and dist.get_world_size() > 1:
+            self._group = dist.new_group(backend="gloo")  # collective: every rank is here, in the same order
+        self._pending = job.final
+        self._thread = threading.Thread(target=self._write, args=(job,), name=f"spmd-checkpoint-{job.step}",
+                                        daemon=True)
+        self._thread.start()
+        return job.final
+
+    def _write(self, job: Job) -> None:
+        try:
+            write(job, self._group)
+        except BaseException as e:  # noqa: BLE001  (kept for the caller's thread: wait() raises it)
+            self._error = e
+
+    def failed(self) -> bool:
+        """Whether the save in flight has ended in an error (without waiting for it)."""
+        return self._thread is not None and not self._thread.is_alive() and self._error is not None
+
+    def wait(self) -> Path | None:
+        """Blocks until the save in flight is committed and returns its directory (None when there was none);
+        raises its error, naming the step, on the caller's thread."""
+        if self._thread is None:
+            return None
+        self._thread.join()
+        error, done = self._error, self._pending
+        self._thread = self._error = self._pending = None
+        if error is not None:
+            raise RuntimeError(f"background checkpoint save to {done} failed: {error}") from error
+        return done
+
+    def close(self) -> None:
+        """Waits for the save in flight, then frees the host buffers."""
+        try:
+            self.wait()
+        finally:
+            self._stager.close()
