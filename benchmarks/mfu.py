@@ -1,15 +1,17 @@
 """MFU per sharding spec, with the baselines measured in the same run.
 
     python -m benchmarks.mfu --model tiny --nproc 4 --specs "fsdp=4" "fsdp=2,tp=2,sp" "tp=4" \
-        [--steps 10] [--warmup 3] [--dtype fp32] [--compile] [--seq-len 128] [--batch-size 8] [--repeats 1]
+        [--steps 10] [--warmup 3] [--dtype fp32] [--compile] [--seq-len 128] [--batch-size 8] [--rounds 5]
 
-For every spec, in turn (so slow drifts of the machine hit every row alike):
+Interleaved rounds (A B A B ...): each round runs, in turn,
   spmd     torchrun -m launch.train --mesh SPEC          (our trainer; JSONL metrics)
   native   torchrun -m benchmarks.native_train --mesh SPEC  (fully_shard + parallelize_module, torchtitan's way)
-and once: `single`, plain PyTorch on one device (launch.train with one process), same model, global batch,
-data, initialisation and optimizer. Warmup steps are discarded; step time, tokens/s and MFU are medians
-of the rest, peak memory the maximum. Every row shows spmd / native tokens/s; speed claims are these
-ratios from one run, never absolute numbers across runs. Losses must agree across the three (same data,
+and `single`, plain PyTorch on one device (launch.train with one process), same model, global batch,
+data, initialisation and optimizer. Warmup steps are discarded; a run's step time, tokens/s and MFU are
+medians of the rest, peak memory the maximum; a row shows the run of median tokens/s over the rounds.
+spmd / native tokens/s is computed per round and reported as its median and range over the rounds: a
+range that covers 1.0 is "even", not a win or a loss. Speed claims are these ratios from one run, never
+absolute numbers across runs. Losses must agree across the three (same data,
 same initial weights): the report shows the largest difference.
 
 Writes benchmarks/results/<date>-<device>-<model>.{json,md,png} (the PNG needs matplotlib).
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -85,6 +88,32 @@ def planned_collectives(a, spec: str) -> int:
     return len(plan.collectives)
 
 
+def _schedule(a) -> list[tuple[str, str | None]]:
+    """One round's runs, in order: the single-device baseline, then per spec spmd (eager), native."""
+    order = [] if a.no_single else [("single", None)]
+    for spec in a.specs:
+        order.append(("spmd", spec))
+        if a.compile:
+            order.append(("eager", spec))
+        if not a.no_native:
+            order.append(("native", spec))
+    return order
+
+
+def _median_run(summaries: list[dict]) -> dict:
+    """The round with the median tokens/s (its losses, memory and comm come with it)."""
+    ranked = sorted(summaries, key=lambda s: s["tokens_per_s"])
+    return {**ranked[len(ranked) // 2], "rounds": len(ranked)}
+
+
+def ratio_stats(ratios: list[float]) -> dict:
+    """Median and range of per-round ratios; "even" when the range covers 1.0, as no ordering is shown then."""
+    lo, hi = min(ratios), max(ratios)
+    verdict = "even" if lo <= 1.0 <= hi else ("faster" if lo > 1.0 else "slower")
+    return {"median": statistics.median(ratios), "min": lo, "max": hi, "rounds": len(ratios), "verdict": verdict,
+            "per_round": ratios}
+
+
 def summarize(result: dict, warmup: int) -> dict:
     s = common.steady(result["rows"], warmup)
     s["losses"] = [r["loss"] for r in result["rows"]]
@@ -101,8 +130,8 @@ def markdown(rep: dict) -> str:
              f"{env.get('loadavg_1m', float('nan')):.1f} at start, {rep.get('loadavg_1m_at_end') or float('nan'):.1f} "
              f"at the end; one CPU device = one process with one thread (the single-device baseline too); global batch {a['batch_size']} x {a['seq_len']}, "
              f"{a['dtype']}{', --compile' if a['compile'] else ''}; {a['steps']} steps, first {a['warmup']} discarded; "
-             f"medians of the rest. Peak FLOP/s per device: {rep.get('peak', 'n/a')}.", "",
-             "| spec | impl | tokens/s | MFU | step time s | peak mem/rank MiB | comm bytes/rank/step | collectives/step | spmd / native tok/s | spmd / single tok/s |",
+             f"medians of the rest; {a['rounds']} interleaved rounds. Peak FLOP/s per device: {rep.get('peak', 'n/a')}.", "",
+             "| spec | impl | tokens/s | MFU | step time s | peak mem/rank MiB | comm bytes/rank/step | collectives/step | spmd / native tok/s: median [range] over rounds | spmd / single tok/s |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     single = rep.get("single")
     if single:
@@ -110,7 +139,8 @@ def markdown(rep: dict) -> str:
                      f"{single['step_time_s']:.4f} | {single['peak_mem_bytes'] / 2**20:,.0f} | 0 | 0 | | |")
     for r in rep["rows"]:
         ours, nat = r["spmd"], r.get("native")
-        ratio_n = f"{ours['tokens_per_s'] / nat['tokens_per_s']:.3f}" if nat else "n/a"
+        v = r.get("vs_native")
+        ratio_n = f"{v['median']:.3f} [{v['min']:.3f}, {v['max']:.3f}] {v['verdict']}" if v else "n/a"
         ratio_s = f"{ours['tokens_per_s'] / single['tokens_per_s']:.3f}" if single else "n/a"
         note = f" ({'; '.join(ours['notes'])})" if ours["notes"] else ""
         lines.append(f"| {r['spec']} | spmd{note} | {ours['tokens_per_s']:,.0f} | {100 * ours['mfu']:.3f}% | "
@@ -180,7 +210,8 @@ def main(argv=None) -> int:
     ap.add_argument("--kernels", default="", help="auto|torch|triton, passed where supported")
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--batch-size", type=int, default=8)
-    ap.add_argument("--repeats", type=int, default=1, help="run each row this many times, keep the median")
+    ap.add_argument("--rounds", type=int, default=5,
+                    help="interleaved rounds: each round runs every implementation of every spec once")
     ap.add_argument("--no-native", action="store_true")
     ap.add_argument("--no-single", action="store_true")
     ap.add_argument("--timeout", type=float, default=1800)
@@ -194,34 +225,30 @@ def main(argv=None) -> int:
         ap.error(f"--nproc {a.nproc} but only {torch.cuda.device_count()} GPUs")
     flags = common.trainer_flags()
     rep = {"environment": common.environment(), "args": vars(a), "rows": [], "trainer_flags": sorted(flags)}
+    rep["rows"] = [{"spec": spec, "planned_collectives": planned_collectives(a, spec)} for spec in a.specs]
+    runs = {}  # (kind, spec) -> one summary per round
     with tempfile.TemporaryDirectory() as tmp:
-        def repeat(kind: str, spec):
-            results = []
-            for i in range(a.repeats):
-                path = Path(tmp, f"{kind}-{i}.jsonl")
+        for round_ in range(a.rounds):
+            # A B A B: every implementation of every spec runs once per round, so a drift of the machine's
+            # load hits each alike, and each round gives one spmd / native ratio measured minutes apart at most
+            for kind, spec in _schedule(a):
+                print(f"[mfu] round {round_ + 1}/{a.rounds}: {spec or 'single device'}: {kind}", flush=True)
+                path = Path(tmp, f"{kind}-{round_}.jsonl")
                 res = run_native(a, spec, path) if kind == "native" else \
                     run_spmd(a, spec, path, flags, False if kind == "eager" else None)
-                results.append(summarize(res, a.warmup))
-            results.sort(key=lambda s: s["tokens_per_s"])
-            return results[len(results) // 2]
-
-        if not a.no_single:
-            print("[mfu] single device, plain PyTorch", flush=True)
-            rep["single"] = repeat("single", None)
-        for spec in a.specs:
-            print(f"[mfu] {spec}: spmd", flush=True)
-            row = {"spec": spec, "spmd": repeat("spmd", spec), "planned_collectives": planned_collectives(a, spec)}
-            if a.compile:
-                print(f"[mfu] {spec}: spmd eager", flush=True)
-                row["spmd_eager"] = repeat("eager", spec)
-            if not a.no_native:
-                print(f"[mfu] {spec}: native", flush=True)
-                row["native"] = repeat("native", spec)
-            o = row["spmd"]
-            print(f"[mfu] {spec}: spmd {o['tokens_per_s']:,.0f} tok/s MFU {100 * o['mfu']:.3f}%"
-                  + (f", native {row['native']['tokens_per_s']:,.0f} tok/s, ratio "
-                     f"{o['tokens_per_s'] / row['native']['tokens_per_s']:.3f}" if "native" in row else ""), flush=True)
-            rep["rows"].append(row)
+                runs.setdefault((kind, spec), []).append(summarize(res, a.warmup))
+    if not a.no_single:
+        rep["single"] = _median_run(runs[("single", None)])
+    for row in rep["rows"]:
+        for kind, key in (("spmd", "spmd"), ("eager", "spmd_eager"), ("native", "native")):
+            if (kind, row["spec"]) in runs:
+                row[key] = _median_run(runs[(kind, row["spec"])])
+        if "native" in row:
+            row["vs_native"] = ratio_stats([o["tokens_per_s"] / n["tokens_per_s"] for o, n in
+                                            zip(runs[("spmd", row["spec"])], runs[("native", row["spec"])])])
+            v = row["vs_native"]
+            print(f"[mfu] {row['spec']}: spmd / native tokens/s {v['median']:.3f} "
+                  f"[{v['min']:.3f}, {v['max']:.3f}] over {v['rounds']} rounds: {v['verdict']}", flush=True)
     losses = [r[k]["losses"] for r in rep["rows"] for k in ("spmd", "spmd_eager", "native") if k in r]
     if rep.get("single"):
         losses.append(rep["single"]["losses"])

@@ -60,12 +60,20 @@ def test_mfu_markdown_shows_ratios():
            "notes": [], "losses": [1.0], "step_time_spread": 0.1}
     rep = {"environment": {"device": "cpu x", "date": "d", "torch": "t", "cpu_count": 2},
            "args": {"model": "tiny", "nproc": 4, "batch_size": 8, "seq_len": 16, "dtype": "fp32", "compile": False,
-                    "steps": 4, "warmup": 1},
-           "single": {**row, "tokens_per_s": 100.0}, "rows": [{"spec": "fsdp=4", "spmd": row,
-                                                              "native": {**row, "tokens_per_s": 400.0}}],
+                    "steps": 4, "warmup": 1, "rounds": 3},
+           "single": {**row, "tokens_per_s": 100.0},
+           "rows": [{"spec": "fsdp=4", "spmd": row, "native": {**row, "tokens_per_s": 400.0},
+                     "vs_native": mfu.ratio_stats([0.5, 0.45, 0.55])}],
            "max_loss_diff": 0.0, "max_spread": 0.1}
     md = mfu.markdown(rep)
-    assert "| fsdp=4 | spmd | 200 |" in md and "| 0.500 | 2.000 |" in md
+    assert "| fsdp=4 | spmd | 200 |" in md and "| 0.500 [0.450, 0.550] slower | 2.000 |" in md
+
+
+def test_ratio_over_rounds_is_even_when_its_range_covers_one():
+    assert mfu.ratio_stats([0.97, 1.02, 1.05])["verdict"] == "even"
+    assert mfu.ratio_stats([1.01, 1.2, 1.1])["verdict"] == "faster"
+    s = mfu.ratio_stats([0.6, 0.9, 0.7, 0.8, 0.75])
+    assert (s["verdict"], s["median"], s["min"], s["max"], s["rounds"]) == ("slower", 0.75, 0.6, 0.9, 5)
 
 
 @pytest.mark.slow

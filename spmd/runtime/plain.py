@@ -18,7 +18,7 @@ import math
 import torch
 from torch.distributed.tensor import DTensor, Replicate
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_map
 
 from . import direct, tags
 from .activations import grad_layout, move
@@ -37,13 +37,13 @@ class GlobalView(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        flat, _ = tree_flatten((args, kwargs))
+        flat = _tensors(args, kwargs)
         mesh = next((a.device_mesh for a in flat if isinstance(a, DTensor)), None)
         if mesh is not None and any(_plain(a) for a in flat):
             def replicate(t):
                 return DTensor.from_local(t, mesh, [Replicate()] * mesh.ndim, run_check=False) if _plain(t) else t
             args, kwargs = tree_map(replicate, args), tree_map(replicate, kwargs)
-            flat, _ = tree_flatten((args, kwargs))
+            flat = _tensors(args, kwargs)
         if func in _VIEWS and isinstance(args[0], DTensor) and tags.current_module():
             x = _gather_merged(args[0], args[0].shape, _shape(args[0], args[1:]))
             out = func(x, *args[1:], **kwargs)
@@ -54,6 +54,22 @@ class GlobalView(TorchFunctionMode):
         if func in direct.FUNCS and any(direct.stored(a) for a in flat):
             return direct.call(self.state, func, args, kwargs)
         return func(*args, **kwargs)
+
+
+def _tensors(args, kwargs) -> list:
+    """The tensors among an op's arguments, at any depth of lists, tuples and dicts. Runs on every op of the
+    model's forward, so it walks the arguments itself: pytree's generic flatten costs more than many ops."""
+    found = []
+    stack = [args, tuple(kwargs.values())]
+    while stack:
+        for a in stack.pop():
+            if isinstance(a, torch.Tensor):
+                found.append(a)
+            elif isinstance(a, (list, tuple)):
+                stack.append(a)
+            elif isinstance(a, dict):
+                stack.append(tuple(a.values()))
+    return found
 
 
 _VIEWS = {torch.Tensor.reshape, torch.Tensor.view, torch.reshape}
