@@ -74,6 +74,9 @@ class MoEConfig:
     def mesh_problem(self, sizes: dict) -> str | None:
         """Why a mesh cannot lay this model out, or None: tp splits whole heads, ep whole experts."""
         tp, ep = sizes.get("tp", 1), sizes.get("ep", 1)
+        if sizes.get("pp", 1) > 1:
+            return ("pipeline parallelism is not supported for the mixture of experts yet (the stages would drop "
+                    "the router losses of their layers); use a mesh without pp, e.g. fsdp=2,ep=2")
         if tp > 1 and (self.n_heads % tp or self.n_kv_heads % tp):
             return (f"tp={tp} would split attention heads (n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}); "
                     f"tensor parallelism shards whole heads: use a tp dividing both")
