@@ -139,8 +139,10 @@ class RoutedExperts(nn.Module):
         """x [B, T, dim], weights and chosen (expert ids) [B, T, k] -> [B, T, dim]."""
         k = chosen.shape[-1]
         flat = x.reshape(-1, x.shape[-1])
-        order = chosen.reshape(-1).argsort(stable=True)  # (token, choice) pairs grouped by expert
-        counts = torch.bincount(chosen.reshape(-1), minlength=self.n_experts)
+        ids = chosen.reshape(-1)
+        order = ids.argsort(stable=True)  # (token, choice) pairs grouped by expert
+        # a scatter rather than bincount: its shape does not depend on the data, so fake tensors run it
+        counts = torch.zeros(self.n_experts, dtype=ids.dtype, device=ids.device).scatter_add_(0, ids, torch.ones_like(ids))
         y = self.experts(flat[order // k], counts) * weights.reshape(-1)[order].unsqueeze(-1)
         return torch.zeros_like(flat).index_add(0, order // k, y).view(x.shape)
 

@@ -7,16 +7,23 @@ every layer router rows 1 and 3 are the negatives of rows 0 and 2 and row 7 is z
 logits are >= expert 7's and expert 7 gets no token in the first step; the other experts get unequal
 counts. The distributed run's tokens per expert equal the one-process run's in every step.
 """
+import contextlib
+
 import pytest
 import torch
+import torch.distributed as dist
 
 import models
 import spmd
+from spmd.analysis.record import CollectiveRecorder
 from tests.dist_utils import run_distributed
-from tests.spmd_cases import global_batch, norm_rel_err
+from tests.spmd_cases import BATCH, SEQ, global_batch, norm_rel_err
 
 TOL = 1e-5
 SPECS = ["ep=4", "fsdp=2,ep=2", "ep=2,tp=2"]
+PLANNED = "fsdp=2,ep=2"
+BALANCED = " (balanced routing assumed)"
+DISPATCH, COMBINE = "dispatch tokens to their experts' ranks", "combine expert outputs on their tokens' ranks"
 
 
 def moe_tiny(seed: int = 0):
@@ -50,20 +57,56 @@ def _reference(steps: int = 3) -> list[dict]:
     return out
 
 
-def _train_and_compare(spec, reference):
+def _token_exchanges(records) -> dict:
+    """{(module, phase, why): bytes} of the all-to-alls that move tokens (not the counts' exchange)."""
+    return {(r.module, r.phase, r.reason.replace(BALANCED, "")): r.bytes for r in records
+            if r.kind == "all_to_all" and "tokens per expert" not in r.reason}
+
+
+def _exchanges_of_routing(model, mesh) -> dict:
+    """{(module, phase, why): bytes} that this rank must send, from the routing of the last forward: the rows
+    bound for experts on other ranks (dispatch, and the backward of combine) and the rows other ranks sent
+    here (combine, and the backward of dispatch)."""
+    group, ep = mesh.get_group("ep"), mesh.size(mesh.mesh_dim_names.index("ep"))
+    me, row = dist.get_rank(group), models.preset("moe-tiny").dim * 4
+    out = {}
+    for i, layer in enumerate(model.layers):
+        mine = layer.feed_forward.tokens_per_expert.to_local().view(ep, -1)  # this rank's tokens per expert
+        every = [torch.empty_like(mine) for _ in range(ep)]
+        dist.all_gather(every, mine, group=group)
+        sent = (mine.sum() - mine[me].sum()).item() * row
+        returned = sum(every[s][me].sum().item() for s in range(ep) if s != me) * row
+        name = f"layers.{i}.feed_forward.routed.experts"
+        out[(name, "forward", DISPATCH)] = out[(name, "backward", f"backward of {COMBINE}")] = sent
+        out[(name, "forward", COMBINE)] = out[(name, "backward", f"backward of {DISPATCH}")] = returned
+    return out
+
+
+def _train_and_compare(spec, reference, planned=None):
     mesh = spmd.make_mesh(spmd.parse_spec(spec)[0])
     rules = spmd.Rules.default()
     model = spmd.parallelize(moe_tiny(), mesh, rules)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
     for step, ref in enumerate(reference):
         tokens, targets = global_batch(step)
-        loss = model(_data_slice(tokens, mesh, rules), _data_slice(targets, mesh, rules))
+        recorder = CollectiveRecorder(mesh) if planned and step == 0 else contextlib.nullcontext()
+        with recorder:
+            loss = model(_data_slice(tokens, mesh, rules), _data_slice(targets, mesh, rules))
+            loss.backward()
+        if planned and step == 0:
+            measured = _token_exchanges(recorder.records)
+            assert measured == _exchanges_of_routing(model, mesh), measured
+            assert len(set(measured.values())) > 1, measured  # uneven routing: the exchanges differ
+            # explain plans the same exchanges, at the balanced-routing figure: k*b*s*h*(ep-1)/ep bytes each
+            assert planned.keys() == measured.keys()
+            cfg, ep = models.preset("moe-tiny"), 2
+            tokens_here = BATCH * SEQ // rules.data_parallel_size(mesh)
+            assert set(planned.values()) == {cfg.top_k * tokens_here * cfg.dim * 4 * (ep - 1) // ep}, planned
         assert abs(loss.item() - ref["loss"]) <= TOL * abs(ref["loss"]), (spec, step, loss, ref["loss"])
         counts = model.router_stats()["tokens_per_expert"].full_tensor()
         assert torch.equal(counts, ref["counts"]), (spec, step, counts, ref["counts"])
         if step == 0:
             assert (counts == 0).any() and counts.max() > 2 * counts[counts > 0].min(), counts
-        loss.backward()
         for name, p in model.named_parameters():
             err = norm_rel_err(p.grad.full_tensor(), ref["grads"][name])
             assert err <= TOL, f"{spec} step {step}: gradient of {name} off by {err:.2e}"
@@ -73,12 +116,34 @@ def _train_and_compare(spec, reference):
             assert err <= TOL, f"{spec} step {step}: parameter {name} off by {err:.2e}"
 
 
-def _all_specs(rank, world):
+def _all_specs(rank, world, planned):
     reference = _reference()
     for spec in SPECS:
-        _train_and_compare(spec, reference)
+        _train_and_compare(spec, reference, planned if spec == PLANNED else None)
 
 
 @pytest.mark.slow
-def test_expert_parallel_matches_one_process():
-    run_distributed(_all_specs, 4, timeout_s=300)
+def test_expert_parallel_matches_one_process_and_explain():
+    """Also, on PLANNED: the all-to-alls of a real step move exactly the bytes the routing that occurred
+    implies (uneven: they differ from rank to rank), and explain lists the same exchanges at the
+    balanced-routing figure, labelled so."""
+    plan = spmd.explain(moe_tiny(), spmd.Rules.default(), spmd.parse_spec(PLANNED)[0], batch_shape=(BATCH, SEQ))
+    assert all(BALANCED in c.reason for c in plan.collectives if c.kind == "all_to_all")
+    run_distributed(_all_specs, 4, _token_exchanges(plan.collectives), timeout_s=300)
+
+
+@pytest.mark.parametrize("rules, sizes, match", [
+    (spmd.Rules({"batch": ("dp", "fsdp", "ep"), "experts": "tp"}), {"tp": 2}, "experts may be split over the ep"),
+    (spmd.Rules({"batch": ("dp", "fsdp"), "experts": "ep"}), {"ep": 2}, "add 'ep' to the batch rule"),
+    (spmd.Rules.default(), {"ep": 3}, "8 experts do not divide by ep=3"),
+])
+def test_unsupported_expert_layouts_are_named(rules, sizes, match):
+    """Checked with the parameters' layouts, before parallelize's first collective (here on a fake world)."""
+    with pytest.raises(ValueError, match=match):
+        spmd.explain(moe_tiny(), rules, sizes, batch_shape=(12, SEQ))
+
+
+def test_pipeline_with_experts_is_a_config_error():
+    from launch.config import load_config
+    with pytest.raises(ValueError, match="pipeline parallelism is not supported for the mixture of experts"):
+        load_config(["--model", "moe-tiny", "--mesh", "pp=2,ep=2"]).validate(4)

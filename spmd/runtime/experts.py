@@ -13,6 +13,8 @@ splits the data as dp and fsdp do and each rank holds E/ep experts. The expert m
 * computes with its local experts (under tp each rank holds a slice of `mlp`, so outputs and input
   gradients are partial sums over tp, reduced after the region as a row-parallel layer's are);
 * sends the outputs back by the reverse all-to-all. Backward mirrors each all-to-all.
+Under `explain` (fake tensors, no data) the routing is taken to be balanced: every expert gets an equal
+share of each rank's tokens, and the plan's all-to-all records say so.
 An expert's gradient is this rank's share of the tokens: a partial sum over the batch axes that hold the
 expert whole (dp, fsdp), reduced into its storage layout as every parameter's is.
 """
@@ -20,6 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
+from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from ..layout.annotate import get_axes
@@ -150,29 +153,44 @@ class _Dispatch:
             grads = [Partial() if pl.is_replicate() and m in self.batch_dims else pl for m, pl in enumerate(g.placements)]
             module.__dict__[p_name] = g.to_local(grad_placements=grads)
         x, counts = args[0], args[1]
+        balanced = is_fake(x)  # explain: no data, so the plan assumes balanced routing
+        if balanced:
+            counts = _balanced_counts(x.shape[0], counts.shape[0])
         if self.group is None:
             self.pending.append(None)
-            return args
-        n = self.ep
-        with tags.reason(self.name, "exchange tokens per expert"):
+            return x, counts
+        n, note = self.ep, " (balanced routing assumed)" if balanced else ""
+        with tags.reason(self.name, "exchange tokens per expert" + note):
             received = torch.empty_like(counts)
             dist.all_to_all_single(received, counts, group=self.group)
-        send = counts.view(n, -1).sum(1).tolist()
-        per_source = received.view(n, -1)           # [source rank, local expert]
-        recv = per_source.sum(1).tolist()
-        x = _AllToAll.apply(x, recv, send, self.group, self.name, "dispatch tokens to their experts' ranks")
-        local_expert = torch.arange(per_source.shape[1]).repeat(n).repeat_interleave(per_source.reshape(-1))
-        order = local_expert.argsort(stable=True)    # arrived grouped by source rank: regroup by expert
-        self.pending.append((order, send, recv))
-        return x[order], per_source.sum(0)
+        with unset_fake_temporarily():
+            if balanced:  # every rank sends what this one does
+                received = counts.view(n, -1)[dist.get_rank(self.group)].repeat(n)
+            send = counts.view(n, -1).sum(1).tolist()
+            per_source = received.view(n, -1)           # [source rank, local expert]
+            recv = per_source.sum(1).tolist()
+            local_expert = torch.arange(per_source.shape[1]).repeat(n).repeat_interleave(per_source.reshape(-1))
+            order = local_expert.argsort(stable=True)    # arrived grouped by source rank: regroup by expert
+            inverse, local_counts = order.argsort(), per_source.sum(0)
+        x = _AllToAll.apply(x, recv, send, self.group, self.name, "dispatch tokens to their experts' ranks" + note)
+        self.pending.append((inverse, send, recv, note))
+        return x[order], local_counts
 
     def leave(self, module, args, output):
         pending = self.pending.pop()
         if pending is None:
             return output
-        order, send, recv = pending
-        back = output[order.argsort()]
-        return _AllToAll.apply(back, send, recv, self.group, self.name, "combine expert outputs on their tokens' ranks")
+        inverse, send, recv, note = pending
+        return _AllToAll.apply(output[inverse], send, recv, self.group, self.name,
+                               "combine expert outputs on their tokens' ranks" + note)
+
+
+def _balanced_counts(rows: int, experts: int) -> torch.Tensor:
+    """Tokens per expert when `rows` (token, choice) pairs spread evenly over the experts (a real tensor)."""
+    with unset_fake_temporarily():
+        counts = torch.full((experts,), rows // experts, dtype=torch.long)
+        counts[:rows % experts] += 1
+    return counts
 
 
 class _AllToAll(torch.autograd.Function):
