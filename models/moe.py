@@ -173,7 +173,7 @@ class MoEFeedForward(nn.Module):
         share = constrain(picks.float().mean((0, 1)), None)        # f_e, summing to k
         mean_prob = constrain(probs.mean((0, 1)), None)             # P_e
         balance = (share * mean_prob).sum() * (cfg.n_experts / cfg.top_k)
-        z = torch.logsumexp(logits, -1).square().mean()
+        z = constrain(torch.logsumexp(logits, -1).square().mean())
         self.aux_loss = cfg.aux_loss_coef * balance + cfg.z_loss_coef * z
         self.tokens_per_expert = picks.detach().sum((0, 1))
         return out

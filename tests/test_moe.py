@@ -116,8 +116,7 @@ def _train_and_compare(spec, reference, planned=None):
             assert err <= TOL, f"{spec} step {step}: parameter {name} off by {err:.2e}"
 
 
-def _all_specs(rank, world, planned):
-    reference = _reference()
+def _all_specs(rank, world, reference, planned):
     for spec in SPECS:
         _train_and_compare(spec, reference, planned if spec == PLANNED else None)
 
@@ -129,7 +128,7 @@ def test_expert_parallel_matches_one_process_and_explain():
     balanced-routing figure, labelled so."""
     plan = spmd.explain(moe_tiny(), spmd.Rules.default(), spmd.parse_spec(PLANNED)[0], batch_shape=(BATCH, SEQ))
     assert all(BALANCED in c.reason for c in plan.collectives if c.kind == "all_to_all")
-    run_distributed(_all_specs, 4, _token_exchanges(plan.collectives), timeout_s=300)
+    run_distributed(_all_specs, 4, _reference(), _token_exchanges(plan.collectives), timeout_s=300)
 
 
 @pytest.mark.parametrize("rules, sizes, match", [

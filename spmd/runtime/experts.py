@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from ..layout.annotate import get_axes
 from . import tags
-from .activations import move
+from .activations import grad_layout, move
 
 __all__ = ["EXPERTS", "expert_modules", "check_expert_layout", "install_expert_hooks"]
 
@@ -106,8 +106,9 @@ class _Region:
             if isinstance(a, DTensor):
                 target = tuple(p if p.is_shard() and p.dim == 0 else Replicate() for p in a.placements)
                 layout = layout or (a.device_mesh, target, a.shape)
-                if a.requires_grad:
-                    a = move(a, target, self.name, "bring each rank's tokens whole to its routing")
+                if a.requires_grad:  # the gradient, partial over the split dims, is reduced on the way back
+                    a = move(a, target, self.name, "bring each rank's tokens whole to its routing",
+                             grad_placements=grad_layout(a.placements))
                     grads = [Partial() if m in self.split else p for m, p in enumerate(target)]
                     a = a.to_local(grad_placements=grads)
                 else:
