@@ -3,8 +3,9 @@
 An expert module is one whose parameters carry the `experts` axis on dim 0 (stacked experts, as
 torchtitan's GroupedExperts); it is called with the tokens sorted by expert and the count per expert, and
 returns one row per token. The module that calls it routes, sorts and combines each token on its own, so
-the pass runs it on this rank's tokens as plain tensors (the *routing region*): its inputs come in with
-their batch shards and nothing else sharded, its output goes back as a DTensor of that layout.
+the pass runs it on this rank's tokens as plain tensors (the *routing region*): its tensor inputs, passed
+positionally, come in with their batch shards and nothing else sharded; its output (one tensor) goes back
+as a DTensor of that layout.
 
 Supported layout (DeepSpeed-MoE's and torchtitan's): `experts -> ep` with `ep` among the batch axes, so ep
 splits the data as dp and fsdp do and each rank holds E/ep experts. The expert module then
