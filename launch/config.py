@@ -35,7 +35,7 @@ CONFIG_DIR = Path(__file__).parent / "configs"
 @dataclass
 class TrainConfig:
     # model and layout
-    model: str = "tiny"            # preset of the default model (tiny | small | 1b | 8b | 70b) or MODEL:PRESET
+    model: str = "tiny"            # tiny | small | 1b | 8b | 70b | moe-tiny | moe-small | moe-8x7b, or MODEL:PRESET
     mesh: str = ""                 # "fsdp=2,tp=2" (may end in ",sp"); empty: fsdp over every process
     sp: bool = False               # sequence parallelism (activations sharded over tp along seq)
     # optimisation
@@ -243,7 +243,7 @@ def parser() -> argparse.ArgumentParser:
         argument_default=argparse.SUPPRESS)
     p.add_argument("--config", help="TOML file with the keys below (underscores: batch_size = 16)")
     helps = {
-        "model": "model preset: tiny|small|1b|8b|70b (or MODEL:PRESET)", "mesh": "mesh spec, e.g. fsdp=2,tp=2 (default: fsdp=N)",
+        "model": "model preset: tiny|small|1b|8b|70b, moe-tiny|moe-small|moe-8x7b (or MODEL:PRESET)", "mesh": "mesh spec, e.g. fsdp=2,tp=2 (default: fsdp=N)",
         "sp": "sequence parallelism", "steps": "optimizer steps", "batch_size": "global batch in sequences",
         "seq_len": "tokens per sequence", "grad_accum": "micro-batches per step", "lr": "peak learning rate",
         "warmup": "warmup steps", "dtype": "fp32|bf16|fp16", "ac": "none|full|selective:N",

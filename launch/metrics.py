@@ -141,12 +141,13 @@ class MetricsLogger:
                         mininterval=0.5 if sys.stdout.isatty() else 10.0, file=sys.stdout)
 
     def record(self, step: int, loss: float, grad_norm: float, lr: float, step_time_s: float,
-               peak_mem_bytes: int, comm_bytes: int, skipped_steps: int = 0) -> dict:
+               peak_mem_bytes: int, comm_bytes: int, skipped_steps: int = 0, extra: dict | None = None) -> dict:
         tokens_per_s = self.tokens_per_step / step_time_s if step_time_s > 0 else 0.0
         mfu = tokens_per_s * self.flops_per_token / (self.peak * self.n_devices) if self.peak else 0.0
         row = dict(step=step, loss=float(loss), grad_norm=float(grad_norm), lr=float(lr),
                    tokens_per_s=tokens_per_s, mfu=mfu, step_time_s=step_time_s,
-                   peak_mem_bytes=int(peak_mem_bytes), comm_bytes=int(comm_bytes), skipped_steps=int(skipped_steps))
+                   peak_mem_bytes=int(peak_mem_bytes), comm_bytes=int(comm_bytes), skipped_steps=int(skipped_steps),
+                   **(extra or {}))  # the model's own figures, e.g. a mixture of experts' router load
         if not self.enabled:
             return row
         if self.first_loss is None:
@@ -162,7 +163,7 @@ class MetricsLogger:
                 self.jsonl.flush()
             if self.tb:
                 for k, v in row.items():
-                    if k != "step":
+                    if k != "step" and isinstance(v, (int, float)):
                         self.tb.add_scalar(f"train/{k}", v, step)
             if self.wandb:
                 self.wandb.log({f"train/{k}": v for k, v in row.items() if k != "step"}, step=step)

@@ -70,6 +70,16 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
+def _router_metrics(model) -> dict:
+    """A mixture of experts' router load in the step's last micro-batch (collective): its router losses
+    summed over layers, and tokens per expert, one list per layer. Empty for other models."""
+    if not hasattr(model, "router_stats"):
+        return {}
+    stats = model.router_stats()
+    return {"aux_loss": float(_full(stats["aux_loss"])),
+            "tokens_per_expert": _full(stats["tokens_per_expert"]).tolist()}
+
+
 # --------------------------------------------------------------------------------------------- setup
 def _world() -> tuple[int, int, int]:
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0))
@@ -249,7 +259,8 @@ def train(cfg: TrainConfig, log=True) -> list[dict]:
                 comm = sum(r.bytes for r in recorder.records)
             step += 1
             rows.append(metrics.record(step, loss_value, float(grad_norm), lr, step_time,
-                                       peak_mem_bytes(device), comm, skipped_steps=bad.skipped))
+                                       peak_mem_bytes(device), comm, skipped_steps=bad.skipped,
+                                       extra=_router_metrics(model)))
             for path in profiler.after(step):
                 metrics.write(f"[launch.train] profile: {path}" + (" (one per rank)" if world > 1 else ""))
             # one all-reduce: a stop asked on any rank, a background save failed on any rank

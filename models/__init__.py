@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch.nn as nn
 
-from . import llama, llama_hf, transformers_lm
+from . import llama, llama_hf, moe, transformers_lm
 
 __all__ = ["ModelEntry", "MODELS", "DEFAULT", "entry", "preset", "config_from_dict"]
 
@@ -25,6 +25,7 @@ class ModelEntry:
 
 MODELS = {
     "llama": ModelEntry("llama", llama.LlamaConfig, llama.Llama, hf=llama_hf),
+    "moe": ModelEntry("moe", moe.MoEConfig, moe.MoE),
     # transformers' own class, whichever config.json names: `--model hf:DIR`
     "hf": ModelEntry("hf", transformers_lm.TransformersConfig, nn.Module, hf=transformers_lm),
 }
@@ -44,9 +45,11 @@ def entry(name_or_config) -> ModelEntry:
 
 
 def preset(spec: str, **overrides):
-    """The config of `MODEL:PRESET` ("llama:8b"), or of a preset of the default model ("8b")."""
+    """The config of `MODEL:PRESET` ("llama:8b"), or of a preset named alone: one of the default model's
+    ("8b") or one a model lists in its config's `PRESETS` ("moe-tiny")."""
     name, _, size = spec.rpartition(":")
-    return entry(name or DEFAULT).config.preset(size, **overrides)
+    name = name or next((n for n, e in MODELS.items() if size in getattr(e.config, "PRESETS", {})), DEFAULT)
+    return entry(name).config.preset(size, **overrides)
 
 
 def config_from_dict(d: dict, name: str = DEFAULT):

@@ -46,7 +46,7 @@ def test_missing_config_file():
 
 
 @pytest.mark.parametrize("flags,world,match", [
-    (["--batch-size", "10", "--mesh", "dp=2,fsdp=2"], 4, r"must divide by the data-parallel size \(dp\*fsdp = 4\)"),
+    (["--batch-size", "10", "--mesh", "dp=2,fsdp=2"], 4, r"must divide by the data-parallel size \(dp\*fsdp\*ep = 4\)"),
     (["--batch-size", "8", "--grad-accum", "3"], 1, "times --grad-accum 3 = 3; use a batch size that is a multiple of 3"),
     (["--seq-len", "300"], 1, "exceeds the model's max_seq_len 256; use --seq-len 256 or less"),
     (["--ac", "selective:0"], 1, "selective:N with N >= 1"),

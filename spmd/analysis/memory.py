@@ -3,6 +3,9 @@ the activations: the storages autograd keeps for backward that are not the model
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from ..layout.annotate import get_axes
+from ..runtime.experts import EXPERTS
+
 __all__ = ["activation_bytes", "local_bytes", "memory_per_rank", "OPTIMIZER_STATES"]
 
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 0}  # states per parameter element
@@ -32,4 +35,7 @@ def memory_per_rank(model: nn.Module, optimizer: str, activations: int = 0) -> d
     mem = {"parameters": params, "gradients": params, "optimizer": OPTIMIZER_STATES[optimizer] * params,
            "activations": activations}
     mem["total"] = sum(mem.values())
+    experts = sum(local_bytes(p) for p in model.parameters() if EXPERTS in (get_axes(p) or ()))
+    if experts:  # part of `parameters`: the stacked experts this rank holds (E/ep of them under ep)
+        mem["expert_parameters"] = experts
     return mem

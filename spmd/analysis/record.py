@@ -6,7 +6,8 @@ that DTensor inserts on its own inside an op is tagged `implicit` (a layout the 
 
 Bytes are per rank on the wire for ring algorithms, the convention of the reference formulas:
 all_gather and reduce_scatter move S*(n-1)/n for a full tensor of S bytes; all_reduce moves 2*S*(n-1)/n;
-a send or recv moves its tensor.
+a send or recv moves its tensor; an all_to_all with split sizes moves the rows this rank sends to the
+others (S*(n-1)/n when the splits are even).
 """
 import sys
 from dataclasses import dataclass, asdict
@@ -102,7 +103,12 @@ class CollectiveRecorder(TorchDispatchMode):
             n = dist.get_world_size(dist.distributed_c10d._resolve_process_group(group_name))
             t = args[0]
             full = t.numel() * t.element_size() * (n if kind == "all_gather" else 1)
-            self._add(kind, self._axes(group_name), wire_bytes(kind, full, n), str(func), t)
+            nbytes = wire_bytes(kind, full, n)
+            if kind == "all_to_all" and args[2]:  # variable splits: what this rank sends to the others
+                group = dist.distributed_c10d._resolve_process_group(group_name)
+                row = t[0].numel() * t.element_size() if t.shape[0] else 0
+                nbytes = (sum(args[2]) - args[2][dist.get_rank(group)]) * row
+            self._add(kind, self._axes(group_name), nbytes, str(func), t)
         elif packet in _C10D:
             kind = _C10D[packet]
             tensors = args[0] if isinstance(args[0], (list, tuple)) else [args[0]]

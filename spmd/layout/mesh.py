@@ -14,7 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 __all__ = ["MESH_AXES", "SPEC_FLAGS", "parse_spec", "check_sizes", "format_sizes", "init_distributed",
            "exit_process", "make_mesh", "mesh_sizes"]
 
-MESH_AXES = ("pp", "dp", "fsdp", "tp")  # outermost first
+MESH_AXES = ("pp", "dp", "fsdp", "ep", "tp")  # outermost first
 SPEC_FLAGS = ("sp",)
 
 

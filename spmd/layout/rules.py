@@ -43,7 +43,9 @@ class Rules:
     def default(cls, sequence_parallel: bool = False) -> "Rules":
         # Order matters for activations: when two dims of one activation claim the same mesh axis, the
         # earlier rule keeps it (logits under sequence parallelism keep vocab on tp and gather seq).
-        compute = {"batch": ("dp", "fsdp"), "vocab": "tp", "heads": "tp", "kv_heads": "tp", "mlp": "tp"}
+        # ep splits the batch as dp and fsdp do, and the experts (expert parallelism inside data parallelism)
+        compute = {"batch": ("dp", "fsdp", "ep"), "vocab": "tp", "heads": "tp", "kv_heads": "tp", "mlp": "tp",
+                   "experts": "ep"}
         if sequence_parallel:
             compute["seq"] = "tp"
         return cls(compute, params={"embed": "fsdp"})

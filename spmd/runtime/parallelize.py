@@ -22,6 +22,7 @@ from . import tags
 from .activations import finish_output, map_tensors, move_linear_input
 from .agree import check_layout_agrees
 from .buckets import make_buckets
+from .experts import check_expert_layout, install_expert_hooks
 from .params import gather_block, gather_module_params, release_module_params
 from .partials import reduce_partials
 from .plain import GlobalView
@@ -33,6 +34,7 @@ __all__ = ["parallelize", "no_sync", "param_layouts"]
 def param_layouts(model: nn.Module, mesh: DeviceMesh, rules: Rules):
     """(storage, compute) placements of every parameter, by qualified name."""
     axes = infer_axes(model)
+    check_expert_layout(model, mesh, rules)
     layouts = {}
     for name, p in model.named_parameters():
         pin = get_pin(p)
@@ -108,9 +110,9 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, rules: Rules, *, param_dtype
         uses.update(id(p) for p in module._parameters.values() if p is not None)
         module.register_forward_pre_hook(_pre_hook(state, mod_name, module, module is model), with_kwargs=True)
         module.register_forward_hook(_post_hook(state, module, module is model), always_call=True)
-    for p in converted.values():
-        if uses[id(p)] > 1:
-            p._spmd_shared = True
+    install_expert_hooks(model, state)
+    for p in (p for p in converted.values() if uses[id(p)] > 1):
+        p._spmd_shared = True
     if bucket:
         state.buckets, state.bucket_of = make_buckets(model, mesh)
     setattr(model, STATE_ATTR, state)

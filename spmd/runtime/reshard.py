@@ -25,11 +25,12 @@ def storage_key(t: DTensor) -> int:
 class _Regather:
     __slots__ = ("param", "compute", "dtype", "module", "local_view", "spec", "bucket")
 
-    def __init__(self, param, compute, dtype, module, t: DTensor, bucket=None):
+    def __init__(self, param, compute, dtype, module, t: torch.Tensor, bucket=None):
         self.param, self.compute, self.dtype, self.module, self.bucket = param, compute, dtype, module, bucket
-        local = t._local_tensor
+        local = t._local_tensor if isinstance(t, DTensor) else t
         self.local_view = (local.size(), local.stride(), local.storage_offset())
-        self.spec = (t.device_mesh, t.placements, t.shape, t.stride())
+        # a plain tensor is a view of the gathered local shard (experts compute on local tensors)
+        self.spec = (t.device_mesh, t.placements, t.shape, t.stride()) if isinstance(t, DTensor) else None
 
     def materialize(self) -> DTensor:
         if self.bucket is not None:  # the whole block's parameters, gathered once for its backward
@@ -45,6 +46,8 @@ class _Regather:
         if isinstance(local, AsyncCollectiveTensor):
             local = local.wait()
         local = local.as_strided(size, stride, offset)
+        if self.spec is None:
+            return local
         mesh, placements, shape, gstride = self.spec
         return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=gstride)
 
@@ -53,10 +56,10 @@ def reshard_after_forward(gathered: dict, state, module: str):
     """saved_tensors_hooks that swap tensors aliasing `gathered` ({storage key: (param, compute)})."""
 
     def pack(t):
-        if isinstance(t, DTensor):
-            hit = gathered.get(storage_key(t))
-            if hit is not None:
-                return _Regather(hit[0], hit[1], state.param_dtype, module, t, state.bucket_of.get(id(hit[0])))
+        local = t._local_tensor if isinstance(t, DTensor) else t
+        hit = gathered.get(local.untyped_storage()._cdata)
+        if hit is not None:
+            return _Regather(hit[0], hit[1], state.param_dtype, module, t, state.bucket_of.get(id(hit[0])))
         _observe(t)
         return t
 
