@@ -1,4 +1,5 @@
-"""The ZeRO paper's Table 1 row for 64 devices, from `spmd.explain` on a fake world of 64 ranks.
+"""The ZeRO paper's Table 1 row for 64 devices, from `spmd.explain` on a fake world of 64 ranks; bad ZeRO
+settings; a stage with no data axis to shard over.
 
 Rajbhandari et al. (2020), Table 1: model-state memory per device for Ψ = 7.5B parameters with mixed-precision
 Adam (K = 12), N = 64: 31.4 GB (stage 1: 4Ψ + KΨ/N), 16.6 GB (stage 2: 2Ψ + (2+K)Ψ/N), 1.88 GB (stage 3:
@@ -41,3 +42,31 @@ def test_explain_reproduces_zero_paper_table_1_for_64_devices():
         print(f"stage {stage}: {sum(states.values()) / 1e9:.3f} GB at Ψ={psi / 1e9:.3f}B, scaled to 7.5B "
               f"{scaled:.3f} GB, paper {paper} GB, ratio {scaled / paper:.4f}")
         assert abs(scaled - paper) <= 0.03 * paper, (stage, scaled, paper)
+
+
+def test_bad_zero_settings_fail_naming_the_fix():
+    from launch.config import TrainConfig
+    from tests.spmd_cases import tiny_model
+    with pytest.raises(ValueError, match=r"ZeRO stage 4 is not one of \(0, 1, 2, 3\)"):
+        spmd.Rules.default(zero=4)
+    with pytest.raises(ValueError, match="optimizer rule 'embed'.*may only add sharding"):
+        spmd.Rules({"embed": "tp"}, optimizer={"embed": "fsdp"})
+    with pytest.raises(ValueError, match="master='fp32' is not one of"):
+        spmd.parallelize(tiny_model(), None, spmd.Rules.default(), master="fp32")
+    problems = [(dict(zero=4), "--zero 4 is not a ZeRO stage; use 1"),
+                (dict(master="host"), "--master 'host' is not one of params|optimizer"),
+                (dict(mesh="pp=2,fsdp=2", zero=1), "--zero 1 with a pp axis is not supported.*use --zero 3")]
+    for fields, message in problems:
+        with pytest.raises(ValueError, match=message):
+            TrainConfig(**fields).validate(4)
+
+
+def test_a_stage_without_a_data_axis_to_shard_over_is_stage_3():
+    """On tp=4 (fsdp size 1) every map lays a parameter out alike: no masters, nothing gathered after the
+    step, the same bytes as the default rules."""
+    from tests.spmd_cases import BATCH, SEQ, tiny_model
+    plans = [spmd.explain(tiny_model(), spmd.Rules.default(zero=z), {"tp": 4}, batch_shape=(BATCH, SEQ))
+             for z in (1, 3)]
+    assert plans[0].comm_bytes("optimizer") == 0
+    assert plans[0].memory == plans[1].memory
+    assert [c.to_dict() for c in plans[0].collectives] == [c.to_dict() for c in plans[1].collectives]
