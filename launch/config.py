@@ -53,6 +53,7 @@ class TrainConfig:
     ac: str = "none"               # activation checkpointing: none | full | selective:N (every N-th block)
     zero: int = 3                  # ZeRO stage: 1 shards optimizer states over fsdp, 2 + gradients, 3 + parameters
     master: str = "params"         # fp32 master weights with --dtype bf16/fp16: params | optimizer (spmd.parallelize)
+    offload: str = ""              # "" | optimizer: AdamW states and fp32 masters in host memory, the step on the CPU
     compile: bool = False          # torch.compile each block (spmd.compile_blocks); checkpointed blocks stay eager
     kernels: str = "auto"          # auto | torch | triton: the model's RMSNorm/SwiGLU/RoPE/CE implementation
     # data
@@ -188,6 +189,10 @@ class TrainConfig:
         pp = sizes.get("pp", 1)
         need(pp == 1 or self.zero == 3, f"--zero {self.zero} with a pp axis is not supported (a pipeline's stages "
                                         f"shard parameters with FSDP); use --zero 3, or a mesh without pp")
+        need(pp == 1 or not self.offload, "--offload with a pp axis is not supported; leave it out, or use a mesh "
+                                          "without pp")
+        need(world_size > 1 or not self.offload, "--offload needs a mesh (torchrun with 2+ processes); one process "
+                                                 "trains plain PyTorch")
         if pp > 1 and model_cfg is not None:
             try:
                 validate_pipeline(pp, self.pp_schedule, self.pipeline_microbatches(world_size), self.virtual_stages,
@@ -210,6 +215,12 @@ class TrainConfig:
         if self.master not in MASTERS:
             problems.append(f"--master {self.master!r} is not one of {'|'.join(MASTERS)}: 'params' keeps fp32 parameters, "
                             f"'optimizer' keeps --dtype parameters and the fp32 master with the optimizer states")
+        if self.offload == "params":
+            problems.append("--offload params is not supported yet (it would keep stage-3 parameter shards on the "
+                            "host); use --offload optimizer, with any --zero")
+        elif self.offload not in ("", "optimizer"):
+            problems.append(f"--offload {self.offload!r} is not supported; use --offload optimizer (AdamW states and "
+                            f"fp32 masters in host memory, the step on the CPU) or leave it out")
         return problems
 
 
@@ -277,6 +288,7 @@ def parser() -> argparse.ArgumentParser:
         "collective_timeout": "seconds a collective waits for a dead or stuck rank",
         "zero": "ZeRO stage 0|1|2|3: which states fsdp shards (1 optimizer, 2 + gradients, 3 + parameters)",
         "master": "params|optimizer: where fp32 master weights live under --dtype bf16/fp16",
+        "offload": "optimizer: AdamW states and fp32 masters in host memory, the step on the CPU",
     }
     for f in fields(TrainConfig):
         flag = "--" + _flag(f.name)

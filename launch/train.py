@@ -101,7 +101,8 @@ def build_model(cfg: TrainConfig, model_cfg, world: int, device: torch.device):
     else:
         with torch.device(device):
             spmd.parallelize(model, mesh, rules, param_dtype=param_dtype,
-                             param_init=model.initializer(cfg.seed), master=cfg.master)
+                             param_init=model.initializer(cfg.seed), master=cfg.master,
+                             offload=cfg.offload or None)
     return model, mesh, rules.data_parallel_rank(mesh), rules.data_parallel_size(mesh), pipe
 
 

@@ -9,9 +9,11 @@ on the wire per phase and collective kind, exactly, which also equal the referen
 Ψ' = 4Ψ(n-1)/n bytes (ring convention): data parallel (zero=0) all-reduce 2Ψ'; stage 1 all-reduce 2Ψ' and
 the all-gather of updated shards Ψ' (it holds full gradients: "all-reduce, then keep the shard"); stage 2
 reduce-scatter Ψ' + all-gather Ψ'; stage 3 all-gather Ψ' forward, the regather of every weight but the
-embedding's backward, reduce-scatter Ψ' (0 and 3 as planned; real runs of them: test_spmd_numerics.py,
-test_plan_matches_run.py). The same launch checks gradient accumulation under no_sync
-(stage 2) and that a stage-1 checkpoint loads into stage 3.
+embedding's backward, reduce-scatter Ψ' (0 as planned; real runs of it: test_plan_matches_run.py).
+With `offload="optimizer"` (stage 3 on fsdp=4, stage 1 on fsdp=2,tp=2,sp, and stage 2 with no_sync
+accumulation on dp=2,fsdp=2) every master, its gradient and AdamW's moments are copies in host memory
+(pinned when there is a CUDA device; on this CPU-only machine host memory is the device), the plan's host
+bytes equal them, and the numbers equal one process the same. A stage-1 checkpoint loads into stage 3.
 """
 import collections
 
@@ -25,8 +27,9 @@ from tests.dist_utils import run_distributed
 from tests.spmd_cases import BATCH, SEQ, global_batch, local_slice, norm_rel_err, tiny_model
 
 TOL = 1e-5
-RUNS = [("fsdp=4", 1), ("fsdp=4", 2), ("dp=2,fsdp=2", 1), ("dp=2,fsdp=2", 2), ("fsdp=2,tp=2,sp", 1),
-        ("fsdp=2,tp=2,sp", 2)]  # stage 3 on these specs: tests/test_spmd_numerics.py, the default rules
+RUNS = [("fsdp=4", 1, None), ("fsdp=4", 2, None), ("dp=2,fsdp=2", 1, None), ("dp=2,fsdp=2", 2, None),
+        ("fsdp=2,tp=2,sp", 1, None), ("fsdp=2,tp=2,sp", 2, None),  # stage 3: test_spmd_numerics.py (default rules)
+        ("fsdp=4", 3, "optimizer"), ("fsdp=2,tp=2,sp", 1, "optimizer")]
 
 
 def _rules(spec, zero):
@@ -34,9 +37,9 @@ def _rules(spec, zero):
     return sizes, spmd.Rules.default(sequence_parallel="sp" in flags, zero=zero)
 
 
-def _plan(spec, zero):
+def _plan(spec, zero, offload=None):
     sizes, rules = _rules(spec, zero)
-    plan = spmd.explain(tiny_model(), rules, sizes, batch_shape=(BATCH, SEQ))
+    plan = spmd.explain(tiny_model(), rules, sizes, batch_shape=(BATCH, SEQ), offload=offload)
     return plan.memory, _comm([c for c in plan.collectives if c.origin == "planned"])
 
 
@@ -52,22 +55,38 @@ def _local_nbytes(t) -> int:
     return local.numel() * local.element_size()
 
 
-def _optimizer_bytes(model, opt) -> int:
-    """AdamW's moments, plus each master that is a copy (a view of its parameter's shard costs nothing)."""
-    total = 0
-    for group in opt.param_groups:
-        for m in group["params"]:
-            total += sum(_local_nbytes(opt.state[m][k]) for k in ("exp_avg", "exp_avg_sq"))
-            p = getattr(m, "_spmd_master_of", m)
-            if m is not p and m._local_tensor.untyped_storage()._cdata != p._local_tensor.untyped_storage()._cdata:
-                total += _local_nbytes(m)
-    return total
+def _masters(opt):
+    return [(getattr(m, "_spmd_master_of", m), m) for group in opt.param_groups for m in group["params"]]
 
 
-def _train(spec, zero, planned, accumulate=False):
+def _storage(t) -> int:
+    return t._local_tensor.untyped_storage()._cdata
+
+
+def _measured_memory(model, opt, grads: int, offload) -> dict:
+    """Bytes of the real tensors: AdamW's moments plus each master that is a copy (a view of its parameter's
+    shard costs nothing); offloaded, those and the gradient shards copied out are host bytes, and each
+    lives where it should: off the parameter's storage, in host memory, pinned when there is a CUDA device."""
+    states = masters = grads_out = 0
+    for p, m in _masters(opt):
+        states += sum(_local_nbytes(opt.state[m][k]) for k in ("exp_avg", "exp_avg_sq"))
+        masters += _local_nbytes(m) if m is not p and _storage(m) != _storage(p) else 0
+        if offload:
+            for t in (m, m.grad, opt.state[m]["exp_avg"], opt.state[m]["exp_avg_sq"]):
+                assert t.device.type == "cpu" and t._local_tensor.is_pinned() == torch.cuda.is_available()
+            assert _storage(m) != _storage(p) and _storage(m.grad) != _storage(p.grad if p.grad is not None else p)
+            grads_out += _local_nbytes(m.grad)
+    got = {"parameters": sum(_local_nbytes(p) for p in model.parameters()), "gradients": grads,
+           "optimizer": 0 if offload else states + masters}
+    if offload:
+        got.update(gradients_host=grads_out, optimizer_host=states + masters)
+    return got
+
+
+def _train(spec, zero, offload, planned, accumulate=False):
     sizes, rules = _rules(spec, zero)
     mesh = spmd.make_mesh(sizes)
-    ref, model = tiny_model(), spmd.parallelize(tiny_model(), mesh, rules)
+    ref, model = tiny_model(), spmd.parallelize(tiny_model(), mesh, rules, offload=offload)
     opt = spmd.shard_optimizer(model, torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1))
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.1)
     ref_params = dict(ref.named_parameters())
@@ -89,8 +108,7 @@ def _train(spec, zero, planned, accumulate=False):
         ref_opt.step()
         if step == 0 and planned is not None:
             memory, comm = planned
-            got = {"parameters": sum(_local_nbytes(p) for p in model.parameters()), "gradients": grads,
-                   "optimizer": _optimizer_bytes(model, opt)}
+            got = _measured_memory(model, opt, grads, offload)
             assert got == {k: memory[k] for k in got}, f"{spec} zero={zero}: measured {got}, plan {memory}"
             measured = _comm([c for c in recorder.records if c.origin == "planned"])
             assert measured == comm, f"{spec} zero={zero}: measured {measured}, plan {comm}"
@@ -131,18 +149,18 @@ def _stage1_checkpoint_loads_into_stage3(model, opt, tmp):
 
 
 def _all_runs(rank, world, plans, tmp):
-    for (spec, zero), planned in zip(RUNS, plans):
-        model, opt = _train(spec, zero, planned)
-        if (spec, zero) == ("fsdp=4", 1):
+    for (spec, zero, offload), planned in zip(RUNS, plans):
+        model, opt = _train(spec, zero, offload, planned)
+        if (spec, zero, offload) == ("fsdp=4", 1, None):
             _stage1_checkpoint_loads_into_stage3(model, opt, tmp)
-    _train("dp=2,fsdp=2", 2, None, accumulate=True)
+    _train("dp=2,fsdp=2", 2, "optimizer", None, accumulate=True)
 
 
 @pytest.mark.slow
 def test_zero_stages_match_one_device_and_their_plans(tmp_path):
-    plans = [_plan(spec, zero) for spec, zero in RUNS]
-    by_stage = {zero: comm for (spec, zero), (_, comm) in zip(RUNS, plans) if spec == "fsdp=4"}
-    by_stage.update({zero: _plan("fsdp=4", zero)[1] for zero in (0, 3)})
+    plans = [_plan(*run) for run in RUNS]
+    by_stage = {zero: comm for (spec, zero, offload), (_, comm) in zip(RUNS, plans) if spec == "fsdp=4"}
+    by_stage[0] = _plan("fsdp=4", 0)[1]
     psi = 4 * sum(p.numel() for p in tiny_model().parameters())
     ring = psi * 3 // 4
     embedding = 4 * tiny_model().tok_embeddings.weight.numel() * 3 // 4

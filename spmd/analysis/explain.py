@@ -35,7 +35,7 @@ __all__ = ["explain", "dry_run", "training_loss"]
 def explain(model: nn.Module, rules, mesh_or_sizes, batch_shape=(8, 2048), dtype=torch.float32,
             optimizer: str = "adamw", *, ac: str = "none", schedule: str = "1f1b",
             microbatches: int | None = None, virtual_stages: int = 1, split_cost: str = "flops",
-            reduce_dtype=torch.float32, master: str = "params") -> Plan:
+            reduce_dtype=torch.float32, master: str = "params", offload: str | None = None) -> Plan:
     """Plans one training step of `model` (forward, backward, gradient reduction) on a mesh of any size.
 
     `mesh_or_sizes`: a DeviceMesh or a dict like {"fsdp": 8, "tp": 8}. `batch_shape`: the global
@@ -48,8 +48,8 @@ def explain(model: nn.Module, rules, mesh_or_sizes, batch_shape=(8, 2048), dtype
 
     The ZeRO stage is the rules' (`Rules.default(zero=k)`): with optimizer or grads maps that shard beyond
     the params map the step includes spmd.shard_optimizer's AdamW step and its all-gathers (phase
-    `optimizer`). `reduce_dtype` and `master` mean what they mean to `parallelize`; `plan.memory` counts each
-    state in its layout and dtype (spmd/analysis/memory.py).
+    `optimizer`). `reduce_dtype`, `master` and `offload` mean what they mean to `parallelize`; `plan.memory`
+    counts each state in its layout and dtype, host bytes apart (spmd/analysis/memory.py).
     """
     pipeline = dict(schedule=schedule, microbatches=microbatches, virtual_stages=virtual_stages,
                     split_cost=split_cost)
@@ -60,7 +60,7 @@ def explain(model: nn.Module, rules, mesh_or_sizes, batch_shape=(8, 2048), dtype
     check_sizes(sizes)
     dtype = as_dtype(dtype)
     parse_mode(ac)
-    precision = dict(reduce_dtype=as_dtype(reduce_dtype), master=master)
+    precision = dict(reduce_dtype=as_dtype(reduce_dtype), master=master, offload=offload)
     if dist.is_initialized() and dist.get_backend() != "fake":
         return _explain_in_child(model, rules, sizes, batch_shape, dtype, optimizer, pipeline, ac, precision)
     return dry_run(model, rules, sizes, tuple(batch_shape), dtype, optimizer, pipeline, ac, precision)

@@ -39,20 +39,25 @@ def local_bytes(t) -> int:
 
 
 def memory_per_rank(model: nn.Module, optimizer: str, activations: int = 0) -> dict:
-    """Bytes per rank of parameters, gradients and optimizer states, from the local shards of each state's layout."""
+    """Bytes per rank of parameters, gradients and optimizer states, from the local shards of each state's layout.
+    Offloaded (`offload="optimizer"`): `optimizer_host` holds the masters and states, `gradients_host` the
+    gradient shards copied out for the step, and `optimizer` on the device is 0. `total` is the device's."""
     state = getattr(model, STATE_ATTR, None)
     copies = state is not None and state.master == "optimizer"
+    offload = state is not None and state.offload == "optimizer"
     states = OPTIMIZER_STATES[optimizer]
-    params = grads = opt = 0
-    unique = {id(p): p for p in model.parameters()}.values()
-    for p in unique:
+    params = grads = opt = grads_host = 0
+    for p in {id(p): p for p in model.parameters()}.values():
         params += local_bytes(p)
         grads += _numel(p, "_spmd_grads") * p.element_size()
         separate = copies and p.dtype != torch.float32 and p.dtype.is_floating_point
         master_size = 4 if separate else p.element_size()
-        opt += _numel(p, "_spmd_optim") * master_size * (states + separate)
-    mem = {"parameters": params, "gradients": grads, "optimizer": opt, "activations": activations}
+        opt += _numel(p, "_spmd_optim") * master_size * (states + (separate or offload))
+        grads_host += _numel(p, "_spmd_optim") * master_size
+    mem = {"parameters": params, "gradients": grads, "optimizer": 0 if offload else opt, "activations": activations}
     mem["total"] = sum(mem.values())
+    if offload:
+        mem.update(gradients_host=grads_host, optimizer_host=opt)
     return mem
 
 

@@ -7,6 +7,11 @@ the update lands in the parameter); under `master="optimizer"` it is an fp32 cop
 reduced gradient moves to the master (sliced to its shard: no communication); after it, the updated shards
 are all-gathered into the parameters' storage layout (the phase `optimizer` of the plan). Parameters whose
 three layouts agree (stage 3, or any stage on a mesh with no data axis) are their own master.
+
+`parallelize(offload="optimizer")`: every master is a copy in host memory (pinned when there is a CUDA
+device), so the optimizer's states are made there too and its step runs on the CPU; gradients are copied
+out before the step and the updated masters copied back to the device before the all-gather. On a CPU-only
+machine host memory is the device, and the same path runs.
 """
 import torch
 import torch.nn as nn
@@ -44,7 +49,8 @@ def shard_optimizer(model: nn.Module, opt: torch.optim.Optimizer) -> torch.optim
                 pairs.append((p, master))
                 group["params"][i] = master
     if pairs:
-        opt.register_step_pre_hook(lambda *_: _grads_to_masters(pairs))
+        copy_out = state.offload is not None  # a real copy even where host memory is the device
+        opt.register_step_pre_hook(lambda *_: _grads_to_masters(pairs, copy_out))
         opt.register_step_post_hook(lambda *_: gather_updated(opt))
         clear = opt.zero_grad
 
@@ -75,7 +81,7 @@ def refresh_masters(opt: torch.optim.Optimizer) -> None:
 def _master(p: DTensor, state) -> DTensor:
     optim = tuple(getattr(p, "_spmd_optim", None) or p.placements)
     lower = state.master == "optimizer" and p.dtype != torch.float32 and p.dtype.is_floating_point
-    if optim == tuple(p.placements) and not lower:
+    if optim == tuple(p.placements) and not lower and state.offload is None:
         return p
     if grads_layout(p) != optim and not _only_slices(grads_layout(p), optim):
         raise ValueError(f"{p._spmd_name}: the optimizer map must shard at least as much as the grads map "
@@ -83,6 +89,9 @@ def _master(p: DTensor, state) -> DTensor:
     with torch.no_grad():
         local = _local_view(p, optim)
         local = local.float().clone() if lower else local
+        if state.offload == "optimizer":
+            local = local.to("cpu", copy=True)
+            local = local.pin_memory() if torch.cuda.is_available() else local
         master = nn.Parameter(DTensor.from_local(local, p.device_mesh, optim, run_check=False,
                                                  shape=p.shape, stride=p.stride()), requires_grad=p.requires_grad)
     setattr(master, MASTER_OF_ATTR, p)
@@ -108,7 +117,7 @@ def _local_view(p: DTensor, optim) -> torch.Tensor:
     return local
 
 
-def _grads_to_masters(pairs):
+def _grads_to_masters(pairs, copy_out: bool):
     for p, master in pairs:
         g = p.grad
         if g is not None:
@@ -116,7 +125,7 @@ def _grads_to_masters(pairs):
                 raise RuntimeError(f"{p._spmd_name}: its gradient is still unreduced ({g.placements}); the last "
                                    f"backward before a step must run outside spmd.no_sync")
             g = slice_onto_shards(g, master.placements)
-            master.grad = g if g.dtype == master.dtype else g.to(master.dtype)
+            master.grad = g.to(master.device, master.dtype, copy=copy_out)
         p.grad = None
 
 
@@ -126,8 +135,7 @@ def gather_updated(opt: torch.optim.Optimizer) -> None:
     with tags.phase("optimizer"):
         for master in (m for g in opt.param_groups for m in g["params"] if hasattr(m, MASTER_OF_ATTR)):
             p = getattr(master, MASTER_OF_ATTR)
-            m = master.detach()
-            m = m if m.dtype == p.dtype else m.to(p.dtype)
+            m = master.detach().to(p.device, p.dtype)
             with tags.reason("", f"all-gather updated {p._spmd_name} to its params layout"):
                 full = m.redistribute(p.device_mesh, p.placements)
             p._local_tensor.copy_(full.to_local())

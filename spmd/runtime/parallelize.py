@@ -59,7 +59,7 @@ def param_layouts(model: nn.Module, mesh: DeviceMesh, rules: Rules):
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, rules: Rules, *, param_dtype: torch.dtype | None = None,
                 reduce_dtype: torch.dtype | None = torch.float32, input_axes=None, param_init=None,
-                bucket: bool = True, master: str = "params") -> nn.Module:
+                bucket: bool = True, master: str = "params", offload: str | None = None) -> nn.Module:
     """Lays `model` out on `mesh` following `rules`, in place, and returns it.
 
     Plain-tensor inputs (positional or keyword) are this rank's slice of the batch (as with DDP);
@@ -78,16 +78,17 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, rules: Rules, *, param_dtype
     `master`: where the fp32 master weights live when `param_dtype` is lower. "params": the parameters stay
     fp32 and are cast when gathered; "optimizer": the parameters are stored in `param_dtype` and the fp32
     copy lives with the optimizer states, in the optimizer map's layout (spmd.shard_optimizer).
+    `offload="optimizer"`: the masters and optimizer states live in host memory and the step runs there.
     """
     if hasattr(model, STATE_ATTR):
         raise ValueError("this model is already parallelized; build a fresh model to lay it out again")
-    state = SPMDState(mesh, rules, param_dtype, reduce_dtype, input_axes, master)
+    state = SPMDState(mesh, rules, param_dtype, reduce_dtype, input_axes, master, offload)
     layouts = param_layouts(model, mesh, rules)  # every check runs before anything changes
     meta = next((n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta), None)
     if meta is not None and param_init is None:
         raise _needs_param_init(meta)
     check_layout_agrees(model, mesh, rules, layouts, param_dtype=param_dtype, reduce_dtype=reduce_dtype, bucket=bucket,
-                        master=master)
+                        master=master, offload=offload)
     converted: dict[int, nn.Parameter] = {}
     uses = Counter()
     for mod_name, module in model.named_modules():

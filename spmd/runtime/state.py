@@ -5,22 +5,26 @@
 """
 import contextlib
 
-__all__ = ["STATE_ATTR", "MASTERS", "SPMDState", "active_state", "activated", "push", "pop"]
+__all__ = ["STATE_ATTR", "MASTERS", "OFFLOADS", "SPMDState", "active_state", "activated", "push", "pop"]
 
 STATE_ATTR = "_spmd_state"
 
 
 MASTERS = ("params", "optimizer")  # where fp32 master weights live under a lower compute dtype
+OFFLOADS = (None, "optimizer")     # which states live in host memory instead of on the device
 
 
 class SPMDState:
-    def __init__(self, mesh, rules, param_dtype, reduce_dtype, input_axes, master="params"):
+    def __init__(self, mesh, rules, param_dtype, reduce_dtype, input_axes, master="params", offload=None):
+        if offload not in OFFLOADS:
+            raise ValueError(f"offload={offload!r} is not supported; use None or 'optimizer' (AdamW states and fp32 "
+                             f"masters in host memory, the step on the CPU). Parameters and NVMe are not offloaded yet")
         if master not in MASTERS:
             raise ValueError(f"master={master!r} is not one of {MASTERS}: 'params' keeps fp32 parameters and casts "
                              f"them for compute, 'optimizer' stores parameters in param_dtype and the fp32 master "
                              f"with the optimizer states")
         self.mesh, self.rules = mesh, rules
-        self.param_dtype, self.reduce_dtype, self.master = param_dtype, reduce_dtype, master
+        self.param_dtype, self.reduce_dtype, self.master, self.offload = param_dtype, reduce_dtype, master, offload
         self.input_axes = input_axes
         self.sync = True                       # False under no_sync: gradients stay unreduced
         self.decisions: dict[tuple, object] = {}  # (module, mesh axis) -> activations.Decision
