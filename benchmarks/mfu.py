@@ -1,7 +1,8 @@
 """MFU per sharding spec, with the baselines measured in the same run.
 
     python -m benchmarks.mfu --model tiny --nproc 4 --specs "fsdp=4" "fsdp=2,tp=2,sp" "tp=4" \
-        [--steps 10] [--warmup 3] [--dtype fp32] [--compile] [--seq-len 128] [--batch-size 8] [--repeats 1]
+        [--steps 10] [--warmup 3] [--dtype fp32] [--compile] [--seq-len 128] [--batch-size 8] [--repeats 1] \
+        [--zero 1 2] [--offload optimizer]
 
 For every spec, in turn (so slow drifts of the machine hit every row alike):
   spmd     torchrun -m launch.train --mesh SPEC          (our trainer; JSONL metrics)
@@ -16,6 +17,8 @@ Writes benchmarks/results/<date>-<device>-<model>.{json,md,png} (the PNG needs m
 On CPU a "device" is one process; torchrun gives each process one thread; MFU uses this machine's measured
 GEMM peak (launch.metrics). `--compile` compiles every trainer's blocks (spmd.compile_blocks; torch.compile
 per block for native) and adds an eager spmd row per spec, so compiled / eager is measured in the same run.
+`--zero 1 2` adds a spmd row per spec and ZeRO stage (the `spmd` row is the trainer's default, stage 3), with
+its tokens/s and peak memory from the same run; `--offload optimizer` runs those rows offloaded.
 """
 from __future__ import annotations
 
@@ -38,9 +41,9 @@ def _args(a, spec: str | None) -> list[str]:
     return out
 
 
-def run_spmd(a, spec: str | None, jsonl: Path, flags: set, compile_: bool | None = None) -> dict:
+def run_spmd(a, spec: str | None, jsonl: Path, flags: set, compile_: bool | None = None, extra=()) -> dict:
     cmd = (common.torchrun(a.nproc) if spec else [sys.executable]) + ["-m", "launch.train"] + _args(a, spec)
-    cmd += ["--metrics", str(jsonl)]
+    cmd += ["--metrics", str(jsonl), *extra]
     notes = []
     if a.compile if compile_ is None else compile_:
         if "--compile" in flags:
@@ -116,6 +119,11 @@ def markdown(rep: dict) -> str:
         lines.append(f"| {r['spec']} | spmd{note} | {ours['tokens_per_s']:,.0f} | {100 * ours['mfu']:.3f}% | "
                      f"{ours['step_time_s']:.4f} | {ours['peak_mem_bytes'] / 2**20:,.0f} | {ours['comm_bytes']:,.0f} | "
                      f"{r.get('planned_collectives', '')}+ | {ratio_n} | {ratio_s} |")
+        for stage, z in r.get("zero", {}).items():
+            lines.append(f"| {r['spec']} | spmd --zero {stage}{' --offload ' + a['offload'] if a['offload'] else ''} | "
+                         f"{z['tokens_per_s']:,.0f} | {100 * z['mfu']:.3f}% | {z['step_time_s']:.4f} | "
+                         f"{z['peak_mem_bytes'] / 2**20:,.0f} | {z['comm_bytes']:,.0f} | | | "
+                         f"zero {stage} / 3: {z['tokens_per_s'] / ours['tokens_per_s']:.3f} |")
         eager = r.get("spmd_eager")
         if eager:
             lines.append(f"| {r['spec']} | spmd eager | {eager['tokens_per_s']:,.0f} | {100 * eager['mfu']:.3f}% | "
@@ -181,6 +189,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=1, help="run each row this many times, keep the median")
+    ap.add_argument("--zero", type=int, nargs="*", default=[], help="ZeRO stages with a row each (3: the spmd row)")
+    ap.add_argument("--offload", default="", help="optimizer: the --zero rows offload AdamW to the host")
     ap.add_argument("--no-native", action="store_true")
     ap.add_argument("--no-single", action="store_true")
     ap.add_argument("--timeout", type=float, default=1800)
@@ -195,12 +205,12 @@ def main(argv=None) -> int:
     flags = common.trainer_flags()
     rep = {"environment": common.environment(), "args": vars(a), "rows": [], "trainer_flags": sorted(flags)}
     with tempfile.TemporaryDirectory() as tmp:
-        def repeat(kind: str, spec):
+        def repeat(kind: str, spec, extra=()):
             results = []
             for i in range(a.repeats):
                 path = Path(tmp, f"{kind}-{i}.jsonl")
                 res = run_native(a, spec, path) if kind == "native" else \
-                    run_spmd(a, spec, path, flags, False if kind == "eager" else None)
+                    run_spmd(a, spec, path, flags, False if kind == "eager" else None, extra)
                 results.append(summarize(res, a.warmup))
             results.sort(key=lambda s: s["tokens_per_s"])
             return results[len(results) // 2]
@@ -211,6 +221,10 @@ def main(argv=None) -> int:
         for spec in a.specs:
             print(f"[mfu] {spec}: spmd", flush=True)
             row = {"spec": spec, "spmd": repeat("spmd", spec), "planned_collectives": planned_collectives(a, spec)}
+            for stage in (z for z in a.zero if z != 3):
+                print(f"[mfu] {spec}: spmd --zero {stage}", flush=True)
+                offload = ["--offload", a.offload] if a.offload else []
+                row.setdefault("zero", {})[stage] = repeat(f"zero{stage}", spec, ["--zero", str(stage), *offload])
             if a.compile:
                 print(f"[mfu] {spec}: spmd eager", flush=True)
                 row["spmd_eager"] = repeat("eager", spec)
@@ -223,6 +237,7 @@ def main(argv=None) -> int:
                      f"{o['tokens_per_s'] / row['native']['tokens_per_s']:.3f}" if "native" in row else ""), flush=True)
             rep["rows"].append(row)
     losses = [r[k]["losses"] for r in rep["rows"] for k in ("spmd", "spmd_eager", "native") if k in r]
+    losses += [z["losses"] for r in rep["rows"] for z in r.get("zero", {}).values()]
     if rep.get("single"):
         losses.append(rep["single"]["losses"])
     rep["max_loss_diff"] = max((abs(x - y) for l1 in losses for l2 in losses for x, y in zip(l1, l2)), default=0.0)

@@ -53,7 +53,7 @@ class TrainConfig:
     ac: str = "none"               # activation checkpointing: none | full | selective:N (every N-th block)
     zero: int = 3                  # ZeRO stage: 1 shards optimizer states over fsdp, 2 + gradients, 3 + parameters
     master: str = "params"         # fp32 master weights with --dtype bf16/fp16: params | optimizer (spmd.parallelize)
-    offload: str = ""              # "" | optimizer: AdamW states and fp32 masters in host memory, the step on the CPU
+    offload: str = ""              # "" | optimizer | nvme:DIR: AdamW states and fp32 masters on the host (or in files)
     compile: bool = False          # torch.compile each block (spmd.compile_blocks); checkpointed blocks stay eager
     kernels: str = "auto"          # auto | torch | triton: the model's RMSNorm/SwiGLU/RoPE/CE implementation
     # data
@@ -218,9 +218,10 @@ class TrainConfig:
         if self.offload == "params":
             problems.append("--offload params is not supported yet (it would keep stage-3 parameter shards on the "
                             "host); use --offload optimizer, with any --zero")
-        elif self.offload not in ("", "optimizer"):
+        elif self.offload not in ("", "optimizer") and not (self.offload.startswith("nvme:") and len(self.offload) > 5):
             problems.append(f"--offload {self.offload!r} is not supported; use --offload optimizer (AdamW states and "
-                            f"fp32 masters in host memory, the step on the CPU) or leave it out")
+                            f"fp32 masters in host memory, the step on the CPU), --offload nvme:DIR (them in files "
+                            f"under DIR) or leave it out")
         return problems
 
 
@@ -288,7 +289,7 @@ def parser() -> argparse.ArgumentParser:
         "collective_timeout": "seconds a collective waits for a dead or stuck rank",
         "zero": "ZeRO stage 0|1|2|3: which states fsdp shards (1 optimizer, 2 + gradients, 3 + parameters)",
         "master": "params|optimizer: where fp32 master weights live under --dtype bf16/fp16",
-        "offload": "optimizer: AdamW states and fp32 masters in host memory, the step on the CPU",
+        "offload": "optimizer | nvme:DIR: AdamW states and fp32 masters in host memory (or files under DIR), the step on the CPU",
     }
     for f in fields(TrainConfig):
         flag = "--" + _flag(f.name)

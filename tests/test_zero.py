@@ -15,7 +15,9 @@ accumulation on dp=2,fsdp=2) every master, its gradient and AdamW's moments are 
 (pinned when there is a CUDA device; on this CPU-only machine host memory is the device), the plan's host
 bytes equal them, and the numbers equal one process the same. With bf16 parameters and reduction and the
 fp32 master in the optimizer (`master="optimizer"`, stage 2), the bytes equal the plan's and 3 steps track
-fp32 one-process training within BF16_TOL. A stage-1 checkpoint loads into stage 3.
+fp32 one-process training within BF16_TOL. With `offload="nvme:DIR"` (stage 2 on dp=2,fsdp=2) the masters
+and moments are memory-mapped files under DIR that hold their values, counted by the plan as NVMe bytes,
+and the numbers equal one process. A stage-1 checkpoint loads into stage 3.
 """
 import collections
 import contextlib
@@ -35,12 +37,16 @@ TOL = 1e-5
 BF16_TOL = 2e-2
 RUNS = [("fsdp=4", 1, None), ("fsdp=4", 2, None), ("dp=2,fsdp=2", 1, None), ("dp=2,fsdp=2", 2, None),
         ("fsdp=2,tp=2,sp", 1, None), ("fsdp=2,tp=2,sp", 2, None),  # stage 3: test_spmd_numerics.py (default rules)
-        ("fsdp=4", 3, "optimizer"), ("fsdp=2,tp=2,sp", 1, "optimizer")]
+        ("fsdp=4", 3, "optimizer"), ("fsdp=2,tp=2,sp", 1, "optimizer"), ("dp=2,fsdp=2", 2, "nvme:")]
 
 
 def _rules(spec, zero):
     sizes, flags = spmd.parse_spec(spec)
     return sizes, spmd.Rules.default(sequence_parallel="sp" in flags, zero=zero)
+
+
+def _in(offload, tmp):
+    return f"nvme:{tmp}/nvme" if offload == "nvme:" else offload
 
 
 def _plan(spec, zero, offload=None):
@@ -77,16 +83,30 @@ def _measured_memory(model, opt, grads: int, offload) -> dict:
     for p, m in _masters(opt):
         states += sum(_local_nbytes(opt.state[m][k]) for k in ("exp_avg", "exp_avg_sq"))
         masters += _local_nbytes(m) if m is not p and _storage(m) != _storage(p) else 0
-        if offload:
+        if offload == "optimizer":
             for t in (m, m.grad, opt.state[m]["exp_avg"], opt.state[m]["exp_avg_sq"]):
                 assert t.device.type == "cpu" and t._local_tensor.is_pinned() == torch.cuda.is_available()
+        if offload and offload.startswith("nvme:"):
+            _check_in_files(m, opt.state[m], offload[len("nvme:"):])
+        if offload:
             assert _storage(m) != _storage(p) and _storage(m.grad) != _storage(p.grad if p.grad is not None else p)
             grads_out += _local_nbytes(m.grad)
     got = {"parameters": sum(_local_nbytes(p) for p in model.parameters()), "gradients": grads,
            "optimizer": 0 if offload else states + masters}
     if offload:
-        got.update(gradients_host=grads_out, optimizer_host=states + masters)
+        got.update({"gradients_host": grads_out,
+                    "optimizer_host" if offload == "optimizer" else "optimizer_nvme": states + masters})
     return got
+
+
+def _check_in_files(master, state, directory):
+    """The master and both moments are memory-mapped files under `directory` holding their values."""
+    for key, t in (("master", master), ("exp_avg", state["exp_avg"]), ("exp_avg_sq", state["exp_avg_sq"])):
+        local = t._local_tensor
+        path = local.untyped_storage().filename
+        assert path is not None and path.startswith(directory) and path.endswith(f"{master._spmd_name}.{key}"), path
+        on_disk = torch.from_file(path, shared=False, size=local.numel(), dtype=local.dtype)
+        assert torch.equal(on_disk.view(local.shape), local.detach()), path
 
 
 def _reference() -> list:
@@ -194,7 +214,7 @@ def _stage1_checkpoint_loads_into_stage3(model, opt, tmp):
 
 def _all_runs(rank, world, plans, bf16_plan, reference, tmp):
     for (spec, zero, offload), planned in zip(RUNS, plans):
-        model, opt = _train(spec, zero, offload, planned, reference)
+        model, opt = _train(spec, zero, _in(offload, tmp), planned, reference)
         if (spec, zero, offload) == ("fsdp=4", 1, None):
             _stage1_checkpoint_loads_into_stage3(model, opt, tmp)
     _train("dp=2,fsdp=2", 2, "optimizer", None, reference, accumulate=True)
@@ -203,7 +223,7 @@ def _all_runs(rank, world, plans, bf16_plan, reference, tmp):
 
 @pytest.mark.slow
 def test_zero_stages_match_one_device_and_their_plans(tmp_path):
-    plans = [_plan(*run) for run in RUNS]
+    plans = [_plan(spec, zero, _in(offload, str(tmp_path))) for spec, zero, offload in RUNS]
     by_stage = {zero: comm for (spec, zero, offload), (_, comm) in zip(RUNS, plans) if spec == "fsdp=4"}
     by_stage[0] = _plan("fsdp=4", 0)[1]
     psi = 4 * sum(p.numel() for p in tiny_model().parameters())

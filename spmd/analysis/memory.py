@@ -41,10 +41,11 @@ def local_bytes(t) -> int:
 def memory_per_rank(model: nn.Module, optimizer: str, activations: int = 0) -> dict:
     """Bytes per rank of parameters, gradients and optimizer states, from the local shards of each state's layout.
     Offloaded (`offload="optimizer"`): `optimizer_host` holds the masters and states, `gradients_host` the
-    gradient shards copied out for the step, and `optimizer` on the device is 0. `total` is the device's."""
+    gradient shards copied out for the step, and `optimizer` on the device is 0; under "nvme:DIR" the masters
+    and states are `optimizer_nvme` (files). `total` is the device's."""
     state = getattr(model, STATE_ATTR, None)
     copies = state is not None and state.master == "optimizer"
-    offload = state is not None and state.offload == "optimizer"
+    offload = state is not None and state.offload is not None
     states = OPTIMIZER_STATES[optimizer]
     params = grads = opt = grads_host = 0
     for p in {id(p): p for p in model.parameters()}.values():
@@ -57,7 +58,8 @@ def memory_per_rank(model: nn.Module, optimizer: str, activations: int = 0) -> d
     mem = {"parameters": params, "gradients": grads, "optimizer": 0 if offload else opt, "activations": activations}
     mem["total"] = sum(mem.values())
     if offload:
-        mem.update(gradients_host=grads_host, optimizer_host=opt)
+        where = "optimizer_host" if state.offload == "optimizer" else "optimizer_nvme"
+        mem.update({"gradients_host": grads_host, where: opt})
     return mem
 
 

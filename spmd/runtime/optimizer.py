@@ -11,15 +11,18 @@ three layouts agree (stage 3, or any stage on a mesh with no data axis) are thei
 `parallelize(offload="optimizer")`: every master is a copy in host memory (pinned when there is a CUDA
 device), so the optimizer's states are made there too and its step runs on the CPU; gradients are copied
 out before the step and the updated masters copied back to the device before the all-gather. On a CPU-only
-machine host memory is the device, and the same path runs.
+machine host memory is the device, and the same path runs. `offload="nvme:DIR"`: the masters and the
+AdamW moments are memory-mapped files under DIR instead (spmd.runtime.offload).
 """
 import torch
 import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from . import tags
 from .gradients import grads_layout, slice_onto_shards
+from .offload import file_backed_adam_state, host_copy, nvme_dir
 from .state import STATE_ATTR
 
 __all__ = ["shard_optimizer", "masters_of", "refresh_masters", "gather_updated", "MASTER_OF_ATTR"]
@@ -34,7 +37,7 @@ def shard_optimizer(model: nn.Module, opt: torch.optim.Optimizer) -> torch.optim
     state = getattr(model, STATE_ATTR, None)
     if state is None:
         raise ValueError("shard_optimizer needs a model laid out by spmd.parallelize; call it after parallelize")
-    if any(opt.state.values()):
+    if any(opt.state.values()):  # (also: nvme offload creates the state in files itself)
         raise ValueError("shard_optimizer needs an optimizer that has not stepped yet; call it right after "
                          "building the optimizer (before loading a checkpoint into it)")
     owned = {id(p) for p in model.parameters()}
@@ -48,6 +51,8 @@ def shard_optimizer(model: nn.Module, opt: torch.optim.Optimizer) -> torch.optim
             if master is not p:
                 pairs.append((p, master))
                 group["params"][i] = master
+    if pairs and nvme_dir(state.offload) is not None and not isinstance(pairs[0][1]._local_tensor, FakeTensor):
+        file_backed_adam_state(opt, [m for _, m in pairs], nvme_dir(state.offload))
     if pairs:
         copy_out = state.offload is not None  # a real copy even where host memory is the device
         opt.register_step_pre_hook(lambda *_: _grads_to_masters(pairs, copy_out))
@@ -89,9 +94,8 @@ def _master(p: DTensor, state) -> DTensor:
     with torch.no_grad():
         local = _local_view(p, optim)
         local = local.float().clone() if lower else local
-        if state.offload == "optimizer":
-            local = local.to("cpu", copy=True)
-            local = local.pin_memory() if torch.cuda.is_available() else local
+        if state.offload is not None:
+            local = host_copy(local, state.offload, p._spmd_name)
         master = nn.Parameter(DTensor.from_local(local, p.device_mesh, optim, run_check=False,
                                                  shape=p.shape, stride=p.stride()), requires_grad=p.requires_grad)
     setattr(master, MASTER_OF_ATTR, p)
