@@ -215,6 +215,9 @@ class TrainConfig:
         if self.master not in MASTERS:
             problems.append(f"--master {self.master!r} is not one of {'|'.join(MASTERS)}: 'params' keeps fp32 parameters, "
                             f"'optimizer' keeps --dtype parameters and the fp32 master with the optimizer states")
+        if self.compile and self.zero in (1, 2):
+            problems.append(f"--compile with --zero {self.zero} is not supported yet (compiled blocks reduce gradients "
+                            f"to the parameters' layout); use --zero 3 with --compile, or leave --compile out")
         if self.offload == "params":
             problems.append("--offload params is not supported yet (it would keep stage-3 parameter shards on the "
                             "host); use --offload optimizer, with any --zero")

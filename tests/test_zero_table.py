@@ -58,6 +58,7 @@ def test_bad_zero_settings_fail_naming_the_fix():
     problems = [(dict(zero=4), "--zero 4 is not a ZeRO stage; use 1"),
                 (dict(master="host"), "--master 'host' is not one of params|optimizer"),
                 (dict(mesh="pp=2,fsdp=2", zero=1), "--zero 1 with a pp axis is not supported.*use --zero 3"),
+                (dict(zero=2, compile=True), "--compile with --zero 2 is not supported yet.*use --zero 3"),
                 (dict(offload="params"), "--offload params is not supported yet.*use --offload optimizer"),
                 (dict(offload="nvme:"), "--offload 'nvme:' is not supported; use --offload optimizer.*nvme:DIR")]
     for fields, message in problems:
