@@ -33,11 +33,12 @@ MASTER_OF_ATTR = "_spmd_master_of"  # on a master: the model parameter it stands
 def shard_optimizer(model: nn.Module, opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """Makes `opt` (built on `model.parameters()` of a model laid out by spmd.parallelize, before its first
     step) update masters in the optimizer map's layout, and returns it. `opt.zero_grad` also clears the
-    model's gradients. A no-op for parameters that are their own master (ZeRO-3, the default rules)."""
+    model's gradients. A no-op for parameters that are their own master (ZeRO-3, the default rules, when
+    nothing is offloaded)."""
     state = getattr(model, STATE_ATTR, None)
     if state is None:
         raise ValueError("shard_optimizer needs a model laid out by spmd.parallelize; call it after parallelize")
-    if any(opt.state.values()):  # (also: nvme offload creates the state in files itself)
+    if any(opt.state.values()):
         raise ValueError("shard_optimizer needs an optimizer that has not stepped yet; call it right after "
                          "building the optimizer (before loading a checkpoint into it)")
     owned = {id(p) for p in model.parameters()}
