@@ -14,7 +14,8 @@ gathered (`parallelize(param_dtype=...)`; autocast in a single process) and grad
 `--master optimizer` stores the parameters in the compute dtype and the fp32 master beside the AdamW states.
 
 ZeRO: `--zero 1|2|3` picks the rules' maps (`spmd.Rules.default(zero=k)`); `spmd.shard_optimizer` makes the
-optimizer update the optimizer map's shards and all-gather the updated parameters after the step.
+optimizer update the optimizer map's shards and all-gather the updated parameters after the step;
+`--offload optimizer|nvme:DIR` keeps its masters and states in host memory or in files, the step on the CPU.
 `fp16` adds dynamic loss scaling: a step whose gradient norm is inf/nan is skipped and the scale halves;
 after 1000 good steps it doubles.
 
