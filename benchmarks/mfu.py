@@ -1,7 +1,8 @@
 """MFU per sharding spec, with the baselines measured in the same run.
 
     python -m benchmarks.mfu --model tiny --nproc 4 --specs "fsdp=4" "fsdp=2,tp=2,sp" "tp=4" \
-        [--steps 10] [--warmup 3] [--dtype fp32] [--compile] [--seq-len 128] [--batch-size 8] [--rounds 5]
+        [--steps 10] [--warmup 3] [--dtype fp32] [--compile] [--seq-len 128] [--batch-size 8] [--rounds 5] \
+        [--zero 1 2] [--offload optimizer]
 
 Interleaved rounds (A B A B ...): each round runs, in turn,
   spmd     torchrun -m launch.train --mesh SPEC          (our trainer; JSONL metrics)
@@ -18,6 +19,8 @@ Writes benchmarks/results/<date>-<device>-<model>.{json,md,png} (the PNG needs m
 On CPU a "device" is one process; torchrun gives each process one thread; MFU uses this machine's measured
 GEMM peak (launch.metrics). `--compile` compiles every trainer's blocks (spmd.compile_blocks; torch.compile
 per block for native) and adds an eager spmd row per spec, so compiled / eager is measured in the same run.
+`--zero 1 2` adds a spmd row per spec and ZeRO stage (the `spmd` row is the trainer's default, stage 3), with
+its tokens/s and peak memory from the same run; `--offload optimizer` runs those rows offloaded.
 """
 from __future__ import annotations
 
@@ -41,9 +44,9 @@ def _args(a, spec: str | None) -> list[str]:
     return out
 
 
-def run_spmd(a, spec: str | None, jsonl: Path, flags: set, compile_: bool | None = None) -> dict:
+def run_spmd(a, spec: str | None, jsonl: Path, flags: set, compile_: bool | None = None, extra=()) -> dict:
     cmd = (common.torchrun(a.nproc) if spec else [sys.executable]) + ["-m", "launch.train"] + _args(a, spec)
-    cmd += ["--metrics", str(jsonl)]
+    cmd += ["--metrics", str(jsonl), *extra]
     notes = []
     if a.compile if compile_ is None else compile_:
         if "--compile" in flags:
@@ -93,11 +96,23 @@ def _schedule(a) -> list[tuple[str, str | None]]:
     order = [] if a.no_single else [("single", None)]
     for spec in a.specs:
         order.append(("spmd", spec))
+        order += [(f"zero{stage}", spec) for stage in _zero_stages(a)]
         if a.compile:
             order.append(("eager", spec))
         if not a.no_native:
             order.append(("native", spec))
     return order
+
+
+def _zero_stages(a) -> list[int]:
+    """The ZeRO stages with rows of their own (stage 3 is the trainer's default: the spmd row)."""
+    return [z for z in a.zero if z != 3]
+
+
+def _zero_flags(a, kind: str) -> list[str]:
+    if not kind.startswith("zero"):
+        return []
+    return ["--zero", kind[len("zero"):]] + (["--offload", a.offload] if a.offload else [])
 
 
 def _median_run(summaries: list[dict]) -> dict:
@@ -146,6 +161,11 @@ def markdown(rep: dict) -> str:
         lines.append(f"| {r['spec']} | spmd{note} | {ours['tokens_per_s']:,.0f} | {100 * ours['mfu']:.3f}% | "
                      f"{ours['step_time_s']:.4f} | {ours['peak_mem_bytes'] / 2**20:,.0f} | {ours['comm_bytes']:,.0f} | "
                      f"{r.get('planned_collectives', '')}+ | {ratio_n} | {ratio_s} |")
+        for stage, z in r.get("zero", {}).items():
+            lines.append(f"| {r['spec']} | spmd --zero {stage}{' --offload ' + a['offload'] if a['offload'] else ''} | "
+                         f"{z['tokens_per_s']:,.0f} | {100 * z['mfu']:.3f}% | {z['step_time_s']:.4f} | "
+                         f"{z['peak_mem_bytes'] / 2**20:,.0f} | {z['comm_bytes']:,.0f} | | | "
+                         f"zero {stage} / 3: {z['tokens_per_s'] / ours['tokens_per_s']:.3f} |")
         eager = r.get("spmd_eager")
         if eager:
             lines.append(f"| {r['spec']} | spmd eager | {eager['tokens_per_s']:,.0f} | {100 * eager['mfu']:.3f}% | "
@@ -212,6 +232,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=5,
                     help="interleaved rounds: each round runs every implementation of every spec once")
+    ap.add_argument("--zero", type=int, nargs="*", default=[], help="ZeRO stages with a row each (3: the spmd row)")
+    ap.add_argument("--offload", default="", help="optimizer: the --zero rows offload AdamW to the host")
     ap.add_argument("--no-native", action="store_true")
     ap.add_argument("--no-single", action="store_true")
     ap.add_argument("--timeout", type=float, default=1800)
@@ -235,7 +257,7 @@ def main(argv=None) -> int:
                 print(f"[mfu] round {round_ + 1}/{a.rounds}: {spec or 'single device'}: {kind}", flush=True)
                 path = Path(tmp, f"{kind}-{round_}.jsonl")
                 res = run_native(a, spec, path) if kind == "native" else \
-                    run_spmd(a, spec, path, flags, False if kind == "eager" else None)
+                    run_spmd(a, spec, path, flags, False if kind == "eager" else None, _zero_flags(a, kind))
                 runs.setdefault((kind, spec), []).append(summarize(res, a.warmup))
     if not a.no_single:
         rep["single"] = _median_run(runs[("single", None)])
@@ -243,6 +265,8 @@ def main(argv=None) -> int:
         for kind, key in (("spmd", "spmd"), ("eager", "spmd_eager"), ("native", "native")):
             if (kind, row["spec"]) in runs:
                 row[key] = _median_run(runs[(kind, row["spec"])])
+        for stage in _zero_stages(a):
+            row.setdefault("zero", {})[stage] = _median_run(runs[(f"zero{stage}", row["spec"])])
         if "native" in row:
             row["vs_native"] = ratio_stats([o["tokens_per_s"] / n["tokens_per_s"] for o, n in
                                             zip(runs[("spmd", row["spec"])], runs[("native", row["spec"])])])
@@ -250,6 +274,7 @@ def main(argv=None) -> int:
             print(f"[mfu] {row['spec']}: spmd / native tokens/s {v['median']:.3f} "
                   f"[{v['min']:.3f}, {v['max']:.3f}] over {v['rounds']} rounds: {v['verdict']}", flush=True)
     losses = [r[k]["losses"] for r in rep["rows"] for k in ("spmd", "spmd_eager", "native") if k in r]
+    losses += [z["losses"] for r in rep["rows"] for z in r.get("zero", {}).values()]
     if rep.get("single"):
         losses.append(rep["single"]["losses"])
     rep["max_loss_diff"] = max((abs(x - y) for l1 in losses for l2 in losses for x, y in zip(l1, l2)), default=0.0)

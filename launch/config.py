@@ -23,7 +23,8 @@ import models
 from kernels import IMPLS
 from spmd.layout.dtypes import DTYPES
 from spmd.layout.mesh import format_sizes, parse_spec
-from spmd.layout.rules import Rules
+from spmd.layout.rules import ZERO_STAGES, Rules
+from spmd.runtime.state import MASTERS
 from spmd.pipeline.runtime import default_microbatches, validate_pipeline
 from spmd.runtime.checkpointing import parse_mode as parse_ac_mode
 
@@ -50,6 +51,9 @@ class TrainConfig:
     max_bad_steps: int = 5         # stop after this many consecutive non-finite steps (skipped); 0: never stop
     dtype: str = "fp32"            # fp32 | bf16 | fp16 (compute dtype; master weights stay fp32)
     ac: str = "none"               # activation checkpointing: none | full | selective:N (every N-th block)
+    zero: int = 3                  # ZeRO stage: 1 shards optimizer states over fsdp, 2 + gradients, 3 + parameters
+    master: str = "params"         # fp32 master weights with --dtype bf16/fp16: params | optimizer (spmd.parallelize)
+    offload: str = ""              # "" | optimizer | nvme:DIR: AdamW states and fp32 masters on the host (or in files)
     compile: bool = False          # torch.compile each block (spmd.compile_blocks); checkpointed blocks stay eager
     kernels: str = "auto"          # auto | torch | triton: the model's RMSNorm/SwiGLU/RoPE/CE implementation
     # data
@@ -89,7 +93,7 @@ class TrainConfig:
         return self.sp or "sp" in self._parse_mesh()[1]
 
     def rules(self) -> Rules:
-        return Rules.default(sequence_parallel=self.sequence_parallel())
+        return Rules.default(sequence_parallel=self.sequence_parallel(), zero=self.zero)
 
     def dp_size(self, world_size: int) -> int:
         return self.rules().data_parallel_size(self.mesh_sizes(world_size))
@@ -134,6 +138,7 @@ class TrainConfig:
         need(self.collective_timeout > 0, f"--collective-timeout must be a positive number of seconds, got "
                                           f"{self.collective_timeout}")
         need(self.dtype in DTYPES, f"--dtype {self.dtype!r} is not one of {'|'.join(DTYPES)}; pick one of them")
+        problems += self._zero_problems()
         try:
             parse_ac_mode(self.ac)
         except ValueError:
@@ -157,7 +162,7 @@ class TrainConfig:
         need(product == world_size,
              f"--mesh {format_sizes(sizes)} has {product} devices but {world_size} processes were started; make the "
              f"product of the axis sizes equal the process count (e.g. --nproc-per-node {product})")
-        rules = self.rules()
+        rules = Rules.default(sequence_parallel=self.sequence_parallel())
         dp = rules.data_parallel_size(sizes)
         need(self.batch_size % (dp * self.grad_accum) == 0,
              f"--batch-size {self.batch_size} must divide by the data-parallel size "
@@ -183,6 +188,12 @@ class TrainConfig:
                  f"--seq-len {self.seq_len} exceeds the model's max_seq_len {model_cfg.max_seq_len}; "
                  f"use --seq-len {model_cfg.max_seq_len} or less")
         pp = sizes.get("pp", 1)
+        need(pp == 1 or self.zero == 3, f"--zero {self.zero} with a pp axis is not supported (a pipeline's stages "
+                                        f"shard parameters with FSDP); use --zero 3, or a mesh without pp")
+        need(pp == 1 or not self.offload, "--offload with a pp axis is not supported; leave it out, or use a mesh "
+                                          "without pp")
+        need(world_size > 1 or not self.offload, "--offload needs a mesh (torchrun with 2+ processes); one process "
+                                                 "trains plain PyTorch")
         if pp > 1 and model_cfg is not None:
             try:
                 validate_pipeline(pp, self.pp_schedule, self.pipeline_microbatches(world_size), self.virtual_stages,
@@ -195,6 +206,27 @@ class TrainConfig:
         if problems:
             raise ValueError("invalid training config:\n  - " + "\n  - ".join(problems))
         return self
+
+    def _zero_problems(self) -> list[str]:
+        """--zero and --master problems (names and fixes)."""
+        problems = []
+        if self.zero not in ZERO_STAGES:
+            problems.append(f"--zero {self.zero} is not a ZeRO stage; use 1 (optimizer states sharded over fsdp), 2 "
+                            f"(+ gradients), 3 (+ parameters: FSDP, the default), or 0 (none)")
+        if self.master not in MASTERS:
+            problems.append(f"--master {self.master!r} is not one of {'|'.join(MASTERS)}: 'params' keeps fp32 parameters, "
+                            f"'optimizer' keeps --dtype parameters and the fp32 master with the optimizer states")
+        if self.compile and self.zero in (1, 2):
+            problems.append(f"--compile with --zero {self.zero} is not supported yet (compiled blocks reduce gradients "
+                            f"to the parameters' layout); use --zero 3 with --compile, or leave --compile out")
+        if self.offload == "params":
+            problems.append("--offload params is not supported yet (it would keep stage-3 parameter shards on the "
+                            "host); use --offload optimizer, with any --zero")
+        elif self.offload not in ("", "optimizer") and not (self.offload.startswith("nvme:") and len(self.offload) > 5):
+            problems.append(f"--offload {self.offload!r} is not supported; use --offload optimizer (AdamW states and "
+                            f"fp32 masters in host memory, the step on the CPU), --offload nvme:DIR (them in files "
+                            f"under DIR) or leave it out")
+        return problems
 
 
 def _flag(name: str) -> str:
@@ -260,6 +292,9 @@ def parser() -> argparse.ArgumentParser:
         "profile_dir": "directory for the profiler's rank-tagged files",
         "max_bad_steps": "stop after N consecutive non-finite steps (0: never)",
         "collective_timeout": "seconds a collective waits for a dead or stuck rank",
+        "zero": "ZeRO stage 0|1|2|3: which states fsdp shards (1 optimizer, 2 + gradients, 3 + parameters)",
+        "master": "params|optimizer: where fp32 master weights live under --dtype bf16/fp16",
+        "offload": "optimizer | nvme:DIR: AdamW states and fp32 masters in host memory (or files under DIR), the step on the CPU",
     }
     for f in fields(TrainConfig):
         flag = "--" + _flag(f.name)

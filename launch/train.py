@@ -11,6 +11,11 @@ either load into the other.
 
 Precision: `bf16`/`fp16` keep fp32 master parameters and fp32 AdamW states; parameters are cast when
 gathered (`parallelize(param_dtype=...)`; autocast in a single process) and gradients are reduced in fp32.
+`--master optimizer` stores the parameters in the compute dtype and the fp32 master beside the AdamW states.
+
+ZeRO: `--zero 1|2|3` picks the rules' maps (`spmd.Rules.default(zero=k)`); `spmd.shard_optimizer` makes the
+optimizer update the optimizer map's shards and all-gather the updated parameters after the step;
+`--offload optimizer|nvme:DIR` keeps its masters and states in host memory or in files, the step on the CPU.
 `fp16` adds dynamic loss scaling: a step whose gradient norm is inf/nan is skipped and the scale halves;
 after 1000 good steps it doubles.
 
@@ -46,6 +51,7 @@ import spmd
 from spmd import checkpoint
 from spmd.analysis.record import CollectiveRecorder
 from spmd.layout.dtypes import DTYPES
+from spmd.runtime.optimizer import refresh_masters
 
 from . import faults, schedule, startup
 from .config import TrainConfig, load_config
@@ -110,7 +116,8 @@ def build_model(cfg: TrainConfig, model_cfg, world: int, device: torch.device):
     else:
         with torch.device(device):
             spmd.parallelize(model, mesh, rules, param_dtype=param_dtype,
-                             param_init=model.initializer(cfg.seed))
+                             param_init=model.initializer(cfg.seed), master=cfg.master,
+                             offload=cfg.offload or None)
     return model, mesh, rules.data_parallel_rank(mesh), rules.data_parallel_size(mesh), pipe
 
 
@@ -161,6 +168,8 @@ def train(cfg: TrainConfig, log=True) -> list[dict]:
     ac_blocks = [] if pipe else spmd.apply_activation_checkpointing(model, cfg.ac)
     compiled = spmd.compile_blocks(model) if cfg.compile else []
     opt = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
+    if mesh is not None and pipe is None:  # --zero 1/2: the optimizer updates the optimizer map's shards
+        spmd.shard_optimizer(model, opt)
     scaler = LossScaler(cfg.dtype == "fp16")
     bad = BadSteps(cfg.max_bad_steps, loss_scaling=scaler.enabled)
     loader, tokenizer = build_loader(cfg, dp_rank, dp_size, model_cfg.vocab_size, device)
@@ -171,6 +180,7 @@ def train(cfg: TrainConfig, log=True) -> list[dict]:
         meta = checkpoint.load(resume_from, checkpoint.model_state(model),
                                checkpoint.optim_state(model, opt, init=True), rng=True, strict=pipe is None)
         start = int(meta["step"])
+        refresh_masters(opt)
         loader.load_state_dict(meta["data"])
         scaler.load_state_dict(meta.get("loss_scale"))
         bad.last_good = start

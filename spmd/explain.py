@@ -1,10 +1,12 @@
 """`spmd.explain`: the plan of one training step (spmd.analysis.explain), callable as
 `spmd.explain(model, rules, {"fsdp": 8, "tp": 8}, batch_shape=(8, 4096))`, and its command line:
 
-    python -m spmd.explain --model 8b --mesh fsdp=8,tp=8,sp --batch 8 --seq 4096 --dtype bf16 [--json FILE]
+    python -m spmd.explain --model 8b --mesh fsdp=8,tp=8,sp --batch 8 --seq 4096 --dtype bf16 [--json FILE] \
+        [--zero 1|2|3] [--master params|optimizer] [--reduce-dtype fp32|bf16] [--offload optimizer|nvme:DIR]
 
-prints `plan.table()` of a registry model (meta tensors, no devices) laid out by the default rules;
-`--model hf:DIR` plans the transformers model of a local Hugging Face directory (config.json is enough).
+prints `plan.table()` of a registry model (meta tensors, no devices) laid out by the default rules of ZeRO
+stage `--zero`; `--model hf:DIR` plans the transformers model of a local Hugging Face directory (config.json
+is enough).
 """
 import argparse
 
@@ -28,6 +30,11 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--pp-schedule", default="1f1b", help="with a pp axis: gpipe|1f1b|interleaved-1f1b|zero-bubble|zbv")
     ap.add_argument("--microbatches", type=int, default=None, help="pipeline micro-batches (default: the schedule's)")
     ap.add_argument("--virtual-stages", type=int, default=1, help="pipeline stages per pp rank")
+    ap.add_argument("--zero", type=int, default=3, help="ZeRO stage: 1 optimizer states, 2 + gradients, 3 + "
+                    "parameters sharded over fsdp (Rules.default(zero=...))")
+    ap.add_argument("--master", default="params", help="params|optimizer: where fp32 master weights live")
+    ap.add_argument("--reduce-dtype", default="fp32", help="gradient reduction dtype: fp32|bf16")
+    ap.add_argument("--offload", default=None, help="optimizer|nvme:DIR: optimizer states off the device")
     return ap
 
 
@@ -39,9 +46,9 @@ def plan_from_args(a: argparse.Namespace):
     world = 1
     for s in sizes.values():
         world *= s
-    return explain(model, Rules.default(sequence_parallel="sp" in flags), sizes, batch_shape(a, cfg, world),
-                   a.dtype, ac=a.ac, schedule=a.pp_schedule, microbatches=a.microbatches,
-                   virtual_stages=a.virtual_stages)
+    return explain(model, Rules.default(sequence_parallel="sp" in flags, zero=a.zero), sizes,
+                   batch_shape(a, cfg, world), a.dtype, ac=a.ac, schedule=a.pp_schedule, microbatches=a.microbatches,
+                   virtual_stages=a.virtual_stages, reduce_dtype=a.reduce_dtype, master=a.master, offload=a.offload)
 
 
 def main(argv=None) -> int:

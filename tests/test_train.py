@@ -1,5 +1,5 @@
 """launch.train end to end on CPU: the loss falls, resume is exact, accumulation and activation checkpointing
-do not change the numbers, SIGTERM checkpoints and exits 0, and a 4-process run (and a resume of its
+do not change the numbers, SIGTERM checkpoints and exits 0, and a 4-process run (ZeRO-2, and a resume of its
 checkpoint in one process) matches the single-process run step by step."""
 import json
 import os
@@ -145,21 +145,22 @@ def test_four_processes_match_one_and_resume_on_one(tmp_path):
     ref = _train("--steps", "4")
     ck, m = tmp_path / "ck", tmp_path / "m.jsonl"
     _torchrun(4, *common, "--mesh", "fsdp=2,tp=2,sp", "--grad-accum", "2", "--ac", "full", "--ckpt-dir", str(ck),
-              "--ckpt-every", "2", "--metrics", str(m))
+              "--ckpt-every", "2", "--metrics", str(m), "--zero", "2")
     rows = _jsonl(m)
     # comm_bytes, measured on the first and on the last step, is two micro-batches of explain's plan of the
-    # checkpointed step, the first under no_sync (no gradient reductions), plus global-norm clipping's
-    # all-reduces of a few scalars each
-    plan = spmd.explain(Llama(LlamaConfig.preset("tiny")), spmd.Rules.default(sequence_parallel=True),
+    # checkpointed ZeRO-2 step, the first under no_sync (no gradient reductions), its optimizer phase once
+    # (the all-gather of updated shards), plus global-norm clipping's all-reduces of a few scalars each
+    plan = spmd.explain(Llama(LlamaConfig.preset("tiny")), spmd.Rules.default(sequence_parallel=True, zero=2),
                         {"fsdp": 2, "tp": 2}, batch_shape=(4, 64), ac="full")
     reductions = sum(c.bytes for c in plan.collectives if c.phase == "backward" and "gradient" in c.reason)
-    expected = 2 * plan.comm_bytes() - reductions
+    assert plan.comm_bytes("optimizer") > 0
+    expected = 2 * plan.comm_bytes() - plan.comm_bytes("optimizer") - reductions
     for r in (rows[0], rows[-1]):
         assert expected <= r["comm_bytes"] <= expected + 1024, (r["step"], r["comm_bytes"], expected)
     for a, b in zip(ref, rows):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
-    # the 4-process step-2 checkpoint (DTensor shards) resumes in one process, numbers unchanged
+    # the 4-process ZeRO-2 step-2 checkpoint (DTensor shards) resumes in one process, numbers unchanged
     (ck / "latest").write_text("step-2\n")
     resumed = _train("--steps", "4", "--ckpt-dir", str(ck), "--resume")
     assert [r["step"] for r in resumed] == [3, 4]

@@ -19,6 +19,7 @@ from ..layout.annotate import fake_copy
 from ..layout.dtypes import as_dtype
 from ..layout.mesh import MESH_AXES, check_sizes, mesh_sizes
 from ..runtime.checkpointing import apply_activation_checkpointing, parse_mode
+from ..runtime.optimizer import gather_updated, masters_of, shard_optimizer
 from ..runtime.parallelize import parallelize
 from ..runtime.reshard import observe_saved
 from ..runtime.state import STATE_ATTR
@@ -33,7 +34,8 @@ __all__ = ["explain", "dry_run", "training_loss"]
 
 def explain(model: nn.Module, rules, mesh_or_sizes, batch_shape=(8, 2048), dtype=torch.float32,
             optimizer: str = "adamw", *, ac: str = "none", schedule: str = "1f1b",
-            microbatches: int | None = None, virtual_stages: int = 1, split_cost: str = "flops") -> Plan:
+            microbatches: int | None = None, virtual_stages: int = 1, split_cost: str = "flops",
+            reduce_dtype=torch.float32, master: str = "params", offload: str | None = None) -> Plan:
     """Plans one training step of `model` (forward, backward, gradient reduction) on a mesh of any size.
 
     `mesh_or_sizes`: a DeviceMesh or a dict like {"fsdp": 8, "tp": 8}. `batch_shape`: the global
@@ -43,6 +45,11 @@ def explain(model: nn.Module, rules, mesh_or_sizes, batch_shape=(8, 2048), dtype
     section (stages, bubble, send/recv bytes; see spmd/analysis/explain_pipeline.py). `ac`: activation
     checkpointing of the blocks as the trainer applies it (`none`, `full`, `selective:N`): saved activations
     shrink, and the recomputation's collectives join the backward.
+
+    The ZeRO stage is the rules' (`Rules.default(zero=k)`): with optimizer or grads maps that shard beyond
+    the params map the step includes spmd.shard_optimizer's AdamW step and its all-gathers (phase
+    `optimizer`). `reduce_dtype`, `master` and `offload` mean what they mean to `parallelize`; `plan.memory`
+    counts each state in its layout and dtype, host bytes apart (spmd/analysis/memory.py).
     """
     pipeline = dict(schedule=schedule, microbatches=microbatches, virtual_stages=virtual_stages,
                     split_cost=split_cost)
@@ -53,12 +60,13 @@ def explain(model: nn.Module, rules, mesh_or_sizes, batch_shape=(8, 2048), dtype
     check_sizes(sizes)
     dtype = as_dtype(dtype)
     parse_mode(ac)
+    precision = dict(reduce_dtype=as_dtype(reduce_dtype), master=master, offload=offload)
     if dist.is_initialized() and dist.get_backend() != "fake":
-        return _explain_in_child(model, rules, sizes, batch_shape, dtype, optimizer, pipeline, ac)
-    return dry_run(model, rules, sizes, tuple(batch_shape), dtype, optimizer, pipeline, ac)
+        return _explain_in_child(model, rules, sizes, batch_shape, dtype, optimizer, pipeline, ac, precision)
+    return dry_run(model, rules, sizes, tuple(batch_shape), dtype, optimizer, pipeline, ac, precision)
 
 
-def dry_run(model, rules, sizes, batch_shape, dtype, optimizer, pipeline=None, ac="none") -> Plan:
+def dry_run(model, rules, sizes, batch_shape, dtype, optimizer, pipeline=None, ac="none", precision=None) -> Plan:
     """The plan of one step, laid out and run in a fake world of `sizes` (this process's group is replaced)."""
     with fake_world(sizes) as (mesh, fake):
         full = mesh_sizes(mesh)
@@ -70,7 +78,7 @@ def dry_run(model, rules, sizes, batch_shape, dtype, optimizer, pipeline=None, a
             return Plan(**common, collectives=records, decisions=decisions, memory=memory, pipeline=section)
         model = fake_copy(model, fake)
         with fake:
-            parallelize(model, mesh, rules, param_dtype=None if dtype == torch.float32 else dtype)
+            parallelize(model, mesh, rules, param_dtype=None if dtype == torch.float32 else dtype, **(precision or {}))
         apply_activation_checkpointing(model, ac)
         data_parallel = rules.data_parallel_size(mesh)
         batch, seq = batch_shape[0], batch_shape[1]
@@ -85,9 +93,20 @@ def dry_run(model, rules, sizes, batch_shape, dtype, optimizer, pipeline=None, a
             activations = activation_bytes(saved, model)
             with recorder:
                 loss.backward()
+        _optimizer_step(model, optimizer, recorder, fake)
         return Plan(**common, collectives=recorder.records,
                     decisions=list(getattr(model, STATE_ATTR).decisions.values()),
                     memory=memory_per_rank(model, optimizer, activations))
+
+
+def _optimizer_step(model, optimizer: str, recorder, fake):
+    """What a sharded optimizer's step communicates: the all-gathers of updated shards into the parameters
+    (none when every parameter is its own master, as under ZeRO-3). The update itself moves nothing and is
+    not run. The masters are made outside the fake mode: their offsets are plain ints."""
+    opt = shard_optimizer(model, torch.optim.AdamW(model.parameters(), lr=0.0))
+    if masters_of(opt) and optimizer in ("adam", "adamw"):
+        with fake, recorder:
+            gather_updated(opt)
 
 
 def training_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
@@ -105,11 +124,13 @@ def training_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     return loss
 
 
-def _explain_in_child(model, rules, sizes, batch_shape, dtype, optimizer, pipeline=None, ac="none") -> Plan:
+def _explain_in_child(model, rules, sizes, batch_shape, dtype, optimizer, pipeline=None, ac="none",
+                      precision=None) -> Plan:
     # a real process group owns this process; the fake world runs in a fresh interpreter next door
     with tempfile.TemporaryDirectory() as tmp:
         job, out = os.path.join(tmp, "job.pt"), os.path.join(tmp, "plan.json")
-        torch.save((fake_copy(model, None), rules, sizes, tuple(batch_shape), dtype, optimizer, pipeline, ac), job)
+        torch.save((fake_copy(model, None), rules, sizes, tuple(batch_shape), dtype, optimizer, pipeline, ac,
+                    precision), job)
         env = {k: v for k, v in os.environ.items()
                if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
         subprocess.run([sys.executable, "-m", "spmd.analysis.explain_child", job, out], check=True, env=env)

@@ -1,10 +1,21 @@
 """Memory per rank of a laid-out model: parameters, gradients and optimizer states from the local shards, and
-the activations: the storages autograd keeps for backward that are not the model's own."""
+the activations: the storages autograd keeps for backward that are not the model's own.
+
+Each state is counted in its own layout (spmd.Rules: params, grads and optimizer maps) and dtype: parameters
+as stored; gradients in the parameters' dtype (autograd holds them so); optimizer states in the master's
+dtype, plus the fp32 master copy itself when `master="optimizer"` keeps one beside lower-precision parameters
+(the ZeRO paper's K = 12 for Adam: 4 master + 4 + 4 moments).
+"""
+import math
+
+import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from ..layout.annotate import get_axes
 from ..runtime.experts import EXPERTS
+from ..runtime.state import STATE_ATTR
 
 __all__ = ["activation_bytes", "local_bytes", "memory_per_rank", "OPTIMIZER_STATES"]
 
@@ -30,12 +41,38 @@ def local_bytes(t) -> int:
 
 
 def memory_per_rank(model: nn.Module, optimizer: str, activations: int = 0) -> dict:
-    """Bytes per rank of parameters, gradients and optimizer states, from the local shards."""
-    params = sum(local_bytes(p) for p in model.parameters())
-    mem = {"parameters": params, "gradients": params, "optimizer": OPTIMIZER_STATES[optimizer] * params,
-           "activations": activations}
+    """Bytes per rank of parameters, gradients and optimizer states, from the local shards of each state's layout.
+    Offloaded (`offload="optimizer"`): `optimizer_host` holds the masters and states, `gradients_host` the
+    gradient shards copied out for the step, and `optimizer` on the device is 0; under "nvme:DIR" the masters
+    and states are `optimizer_nvme` (files). `total` is the device's."""
+    state = getattr(model, STATE_ATTR, None)
+    copies = state is not None and state.master == "optimizer"
+    offload = state is not None and state.offload is not None
+    states = OPTIMIZER_STATES[optimizer]
+    params = grads = opt = grads_host = 0
+    for p in {id(p): p for p in model.parameters()}.values():
+        params += local_bytes(p)
+        grads += _numel(p, "_spmd_grads") * p.element_size()
+        separate = copies and p.dtype != torch.float32 and p.dtype.is_floating_point
+        master_size = 4 if separate else p.element_size()
+        opt += _numel(p, "_spmd_optim") * master_size * (states + (separate or offload))
+        grads_host += _numel(p, "_spmd_optim") * master_size
+    mem = {"parameters": params, "gradients": grads, "optimizer": 0 if offload else opt, "activations": activations}
     mem["total"] = sum(mem.values())
+    if offload:
+        where = "optimizer_host" if state.offload == "optimizer" else "optimizer_nvme"
+        mem.update({"gradients_host": grads_host, where: opt})
     experts = sum(local_bytes(p) for p in model.parameters() if EXPERTS in (get_axes(p) or ()))
     if experts:  # part of `parameters`: the stacked experts this rank holds (E/ep of them under ep)
         mem["expert_parameters"] = experts
     return mem
+
+
+def _numel(p, layout_attr: str) -> int:
+    """Elements of p's local shard in the layout `layout_attr` names (its storage layout when it has none)."""
+    layout = getattr(p, layout_attr, None)
+    if not isinstance(p, DTensor) or layout is None:
+        local = p._local_tensor if isinstance(p, DTensor) else p
+        return local.numel()
+    shape, _ = compute_local_shape_and_global_offset(p.shape, p.device_mesh, layout)
+    return math.prod(shape)

@@ -1,6 +1,8 @@
 """State dicts for checkpoints: a model's parameters and persistent buffers, an optimizer's state by name."""
 import torch
 
+from ..runtime.optimizer import masters_of
+
 __all__ = ["model_state", "optim_state"]
 
 
@@ -22,10 +24,12 @@ def optim_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, init: 
                 ) -> dict[str, torch.Tensor]:
     """The optimizer's per-parameter state flattened to `<param name>.<key>` (AdamW: exp_avg, exp_avg_sq, step).
 
-    The tensors are the optimizer's own (loading fills them in place). AdamW creates its state lazily on the
+    The tensors are the optimizer's own, in its layout (sharded per the optimizer map under ZeRO 1/2) (loading fills them in place). AdamW creates its state lazily on the
     first step; `init=True` creates it now, exactly as AdamW would, so a checkpoint can be loaded into it.
     """
     names = {id(p): n for n, p in model.named_parameters()}
+    # a sharded optimizer's masters (spmd.shard_optimizer) save under their parameters' names: any stage loads
+    names.update({i: names[id(p)] for i, p in masters_of(optimizer).items() if id(p) in names})
     out: dict[str, torch.Tensor] = {}
     for group in optimizer.param_groups:
         for p in group["params"]:

@@ -2,6 +2,8 @@
 
 Two maps, as Levanter has them. The compute map lays out activations and the parameters in use; the params
 map is the compute map plus storage-only entries (`embed -> fsdp`). FSDP is the difference between the two.
+The grads and optimizer maps say the same of reduced gradients and of optimizer states (with the sharded
+master weights the optimizer updates): a ZeRO stage is which of the three maps add `embed -> fsdp`.
 The batch rule says which mesh axes split the data: every data-parallel size and rank comes from it.
 """
 import difflib
@@ -12,9 +14,10 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from .mesh import MESH_AXES
 
-__all__ = ["Rules", "placements_for", "local_shape"]
+__all__ = ["Rules", "placements_for", "local_shape", "ZERO_STAGES"]
 
 MeshAxes = tuple[str, ...]
+ZERO_STAGES = (0, 1, 2, 3)  # which states `embed -> fsdp` shards: 0 none, 1 optimizer, 2 + grads, 3 + params
 
 
 def _as_axes(value, where: str) -> MeshAxes:
@@ -32,15 +35,32 @@ def _as_axes(value, where: str) -> MeshAxes:
 
 
 class Rules:
-    """Logical axis -> mesh axis or axes. `params` entries add storage-only sharding on top of `compute`."""
+    """Logical axis -> mesh axis or axes, one map per state. `params` adds storage-only sharding on top of
+    `compute`; `grads` (default: as params) and `optimizer` (default: as grads) each add to the one before."""
 
-    def __init__(self, compute: dict, params: dict | None = None):
+    def __init__(self, compute: dict, params: dict | None = None, grads: dict | None = None,
+                 optimizer: dict | None = None):
         self.compute = {k: _as_axes(v, f"compute rule {k!r}") for k, v in compute.items()}
-        extra = {k: _as_axes(v, f"params rule {k!r}") for k, v in (params or {}).items()}
-        self.params = {**self.compute, **extra}
+        self.params = self._adds(self.compute, params, "params")
+        self.grads = self._adds(self.params, grads, "grads")
+        self.optimizer = self._adds(self.grads, optimizer, "optimizer")
+
+    @staticmethod
+    def _adds(base: dict, extra: dict | None, which: str) -> dict:
+        extra = {k: _as_axes(v, f"{which} rule {k!r}") for k, v in (extra or {}).items()}
+        for k, axes in extra.items():
+            if not set(base.get(k, ())) <= set(axes):
+                raise ValueError(f"{which} rule {k!r}: {axes} drops mesh axes {base[k]} of the map before it; each "
+                                 f"map (compute, params, grads, optimizer) may only add sharding to the one before")
+        return {**base, **extra}
 
     @classmethod
-    def default(cls, sequence_parallel: bool = False) -> "Rules":
+    def default(cls, sequence_parallel: bool = False, zero: int = 3) -> "Rules":
+        """The Llama table. `zero` picks which states `embed -> fsdp` shards over the fsdp axis: 1 optimizer
+        states, 2 also gradients, 3 also parameters (FSDP); 0 none (plain data parallel over fsdp too)."""
+        if zero not in ZERO_STAGES:
+            raise ValueError(f"ZeRO stage {zero!r} is not one of {ZERO_STAGES}: 1 shards optimizer states, 2 also "
+                             f"gradients, 3 also parameters (FSDP, the default); 0 shards none")
         # Order matters for activations: when two dims of one activation claim the same mesh axis, the
         # earlier rule keeps it (logits under sequence parallelism keep vocab on tp and gather seq).
         # ep splits the batch as dp and fsdp do, and the experts (expert parallelism inside data parallelism)
@@ -48,14 +68,22 @@ class Rules:
                    "experts": "ep"}
         if sequence_parallel:
             compute["seq"] = "tp"
-        return cls(compute, params={"embed": "fsdp"})
+        shard = {"embed": "fsdp"}
+        return cls(compute, params=shard if zero >= 3 else None, grads=shard if zero >= 2 else None,
+                   optimizer=shard if zero >= 1 else None)
+
+    @property
+    def zero_stage(self) -> int:
+        """The ZeRO stage these maps make: how many of optimizer, grads, params shard beyond compute."""
+        return sum(m != self.compute for m in (self.optimizer, self.grads, self.params))
 
     @property
     def sequence_parallel(self) -> bool:
         return bool(self.compute.get("seq"))
 
     def __repr__(self):
-        return f"Rules(compute={self.compute}, params={self.params})"
+        return (f"Rules(compute={self.compute}, params={self.params}, grads={self.grads}, "
+                f"optimizer={self.optimizer})")
 
     def batch_axes(self) -> MeshAxes:
         """The mesh axes that split the batch (dp and fsdp by default): the data-parallel axes."""
@@ -80,7 +108,7 @@ class Rules:
     def mesh_axes(self, logical_axes, which: str, name: str, strict: bool = True) -> list[MeshAxes]:
         """Mesh axes for each tensor dim. `strict` (parameters) rejects a mesh axis used by two dims;
         otherwise (activations) the dim whose rule comes first keeps it."""
-        table = self.params if which == "params" else self.compute
+        table = getattr(self, which)
         order = {k: i for i, k in enumerate(table)}
         result: list[MeshAxes] = [table.get(a, ()) if a is not None else () for a in logical_axes]
         owner: dict[str, int] = {}

@@ -41,10 +41,10 @@ def check_ranks_agree(mesh, fields: dict[str, str], what: str) -> None:
 
 def check_layout_agrees(model, mesh, rules, layouts: dict, **settings) -> None:
     """`parallelize`'s agreement: the mesh, the rules, its keyword settings, and every parameter's name, shape,
-    dtype and (storage, compute) layout (`layouts`)."""
+    dtype and (storage, compute, grads, optimizer) layout (`layouts`)."""
     check_ranks_agree(mesh, {
         "mesh": f"{dict(zip(mesh.mesh_dim_names, mesh.shape))} on {mesh.device_type}",
-        "rules": repr((sorted(rules.compute.items()), sorted(rules.params.items()))),
+        "rules": repr([sorted(getattr(rules, m).items()) for m in ("compute", "params", "grads", "optimizer")]),
         "settings": ", ".join(f"{k}={v}" for k, v in sorted(settings.items())),
         "parameters": repr([(n, tuple(p.shape), p.dtype, layouts[n]) for n, p in model.named_parameters()]),
     }, "spmd.parallelize")

@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor
 
 from ..layout.blocks import find_blocks
 from . import tags
-from .gradients import join_unreduced, reduce_to, slice_onto_shards
+from .gradients import grads_layout, join_unreduced, reduce_to, slice_onto_shards
 from .reshard import CHECKPOINTED_ATTR
 
 __all__ = ["Bucket", "make_buckets", "gather_bucket", "shard_dims"]
@@ -125,17 +125,17 @@ class Bucket:
             if not state.sync:
                 out[i] = g.to(p.dtype)
                 continue
-            work[i] = slice_onto_shards(join_unreduced(p, g), p.placements)
+            work[i] = slice_onto_shards(join_unreduced(p, g), grads_layout(p))
         for kind in ("reduce_scatter", "all_reduce"):
             for m in range(mesh.ndim):
                 if mesh.size(m) == 1:
                     continue
-                members = [i for i, g in work.items() if _bucketable(g.placements[m], self.params[i].placements[m],
+                members = [i for i, g in work.items() if _bucketable(g.placements[m], grads_layout(self.params[i])[m],
                                                                       kind, work[i], mesh.size(m))]
                 for group in _by_dtype(members, {i: work[i]._local_tensor for i in members}):
                     self._reduce_group(work, group, m, kind)
         for i, g in work.items():
-            storage = tuple(self.params[i].placements)
+            storage = grads_layout(self.params[i])
             if tuple(g.placements) != storage:
                 with tags.reason(self.name, f"reduce gradient of {self.params[i]._spmd_name} to its storage layout"):
                     g = reduce_to(g, storage)
@@ -145,7 +145,7 @@ class Bucket:
     def _reduce_group(self, work: dict, group: list, m: int, kind: str):
         mesh, n = self.mesh, self.mesh.size(m)
         if kind == "reduce_scatter":
-            chunks = {i: work[i]._local_tensor.chunk(n, dim=self.params[i].placements[m].dim) for i in group}
+            chunks = {i: work[i]._local_tensor.chunk(n, dim=grads_layout(self.params[i])[m].dim) for i in group}
             flat = torch.cat([chunks[i][r].reshape(-1) for r in range(n) for i in group])
             with tags.reason(self.name, f"reduce-scatter gradients of {self.name} ({len(group)} parameters, one buffer)"):
                 reduced = _wait(funcol.reduce_scatter_single(flat, "sum", 0, (mesh, m)))
@@ -160,7 +160,7 @@ class Bucket:
             g = work[i]
             k = shapes[i].numel()
             placements = list(g.placements)
-            placements[m] = self.params[i].placements[m]
+            placements[m] = grads_layout(self.params[i])[m]
             work[i] = DTensor.from_local(reduced[offset:offset + k].view(shapes[i]), mesh, tuple(placements),
                                          run_check=False, shape=g.shape, stride=g.stride())
             offset += k

@@ -1,8 +1,14 @@
-"""How a gradient reaches its parameter's storage layout: the free slicing first, then the reductions, and
+"""How a gradient reaches the layout the grads map gives it (its parameter's storage layout unless a ZeRO
+stage holds gradients sharded beyond their parameters): the free slicing first, then the reductions, and
 the gradient held back under no_sync joining the next one."""
 from torch.distributed.tensor import DTensor
 
-__all__ = ["reduce_to", "slice_onto_shards", "join_unreduced"]
+__all__ = ["grads_layout", "reduce_to", "slice_onto_shards", "join_unreduced"]
+
+
+def grads_layout(p) -> tuple:
+    """The placements `p`'s reduced gradient is held in (the grads map's; the storage layout by default)."""
+    return tuple(getattr(p, "_spmd_grads", None) or p.placements)
 
 
 def reduce_to(g: DTensor, storage) -> DTensor:
@@ -27,7 +33,7 @@ def slice_onto_shards(g: DTensor, storage) -> DTensor:
 def join_unreduced(p, g: DTensor) -> DTensor:
     """`g` plus the gradient `p` accumulated unreduced under no_sync, which then leaves `p.grad`: both are
     reduced together, once."""
-    if p.grad is not None and tuple(p.grad.placements) != tuple(p.placements):
+    if p.grad is not None and tuple(p.grad.placements) != grads_layout(p):
         g = g + p.grad.to(g.dtype)
         p.grad = None
     return g

@@ -32,7 +32,8 @@ __all__ = ["parallelize", "no_sync", "param_layouts"]
 
 
 def param_layouts(model: nn.Module, mesh: DeviceMesh, rules: Rules):
-    """(storage, compute) placements of every parameter, by qualified name."""
+    """(storage, compute, grads, optimizer) placements of every parameter, by qualified name: where it is
+    stored (params map), used, its reduced gradient held (grads map) and its optimizer state (optimizer map)."""
     axes = infer_axes(model)
     check_expert_layout(model, mesh, rules)
     layouts = {}
@@ -44,22 +45,23 @@ def param_layouts(model: nn.Module, mesh: DeviceMesh, rules: Rules):
             else:
                 dims = [_as_axes(e, f"P spec of {name}") for e in pin]
                 storage = tuple(placements_for(mesh, dims, p.shape, f"parameter {name!r}"))
-            layouts[name] = (storage, storage)
+            layouts[name] = (storage,) * 4
             continue
         where = f"parameter {name!r} with axes {axes[name]}"
-        storage = placements_for(mesh, rules.mesh_axes(axes[name], "params", where), p.shape, f"parameter {name!r}")
-        compute = placements_for(mesh, rules.mesh_axes(axes[name], "compute", where), p.shape, f"parameter {name!r}")
+        compute, storage, grads, optim = (
+            tuple(placements_for(mesh, rules.mesh_axes(axes[name], which, where), p.shape, f"parameter {name!r}"))
+            for which in ("compute", "params", "grads", "optimizer"))
         for s, c in zip(storage, compute):
             if c.is_shard() and s != c:
                 raise ValueError(f"parameter {name!r}: the params map must keep the compute sharding "
                                  f"({compute}) and only add to it, got storage {storage}")
-        layouts[name] = (tuple(storage), tuple(compute))
+        layouts[name] = (storage, compute, grads, optim)
     return layouts
 
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, rules: Rules, *, param_dtype: torch.dtype | None = None,
                 reduce_dtype: torch.dtype | None = torch.float32, input_axes=None, param_init=None,
-                bucket: bool = True) -> nn.Module:
+                bucket: bool = True, master: str = "params", offload: str | None = None) -> nn.Module:
     """Lays `model` out on `mesh` following `rules`, in place, and returns it.
 
     Plain-tensor inputs (positional or keyword) are this rank's slice of the batch (as with DDP);
@@ -74,15 +76,21 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, rules: Rules, *, param_dtype
     it returns the full initial value of each meta parameter and buffer (called once each, in
     `named_parameters` order), and this rank keeps its slice, so one full tensor exists at a time. Given
     the values a one-device build has (e.g. `Llama.initializer(seed)`), every layout holds the same model.
+
+    `master`: where the fp32 master weights live when `param_dtype` is lower. "params": the parameters stay
+    fp32 and are cast when gathered; "optimizer": the parameters are stored in `param_dtype` and the fp32
+    copy lives with the optimizer states, in the optimizer map's layout (spmd.shard_optimizer).
+    `offload="optimizer"`: the masters and optimizer states live in host memory and the step runs there.
     """
     if hasattr(model, STATE_ATTR):
         raise ValueError("this model is already parallelized; build a fresh model to lay it out again")
-    state = SPMDState(mesh, rules, param_dtype, reduce_dtype, input_axes)
+    state = SPMDState(mesh, rules, param_dtype, reduce_dtype, input_axes, master, offload)
     layouts = param_layouts(model, mesh, rules)  # every check runs before anything changes
     meta = next((n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta), None)
     if meta is not None and param_init is None:
         raise _needs_param_init(meta)
-    check_layout_agrees(model, mesh, rules, layouts, param_dtype=param_dtype, reduce_dtype=reduce_dtype, bucket=bucket)
+    check_layout_agrees(model, mesh, rules, layouts, param_dtype=param_dtype, reduce_dtype=reduce_dtype, bucket=bucket,
+                        master=master, offload=offload)
     converted: dict[int, nn.Parameter] = {}
     uses = Counter()
     for mod_name, module in model.named_modules():
@@ -91,13 +99,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, rules: Rules, *, param_dtype
                 continue
             full = f"{mod_name}.{p_name}" if mod_name else p_name
             if id(p) not in converted:
-                storage, compute = layouts[full]
-                dt = distribute_tensor(_initial(p, full, param_init), mesh, storage, src_data_rank=None)
-                new = nn.Parameter(dt, requires_grad=p.requires_grad)
-                copy_annotations(p, new)
-                new._spmd_compute = compute
-                new._spmd_name = full
-                converted[id(p)] = new
+                converted[id(p)] = _laid_out(p, full, layouts[full], state, param_init)
             module._parameters[p_name] = converted[id(p)]
         for b_name, b in list(module._buffers.items()):
             if b is not None and not isinstance(b, DTensor):
@@ -117,6 +119,18 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, rules: Rules, *, param_dtype
         state.buckets, state.bucket_of = make_buckets(model, mesh)
     setattr(model, STATE_ATTR, state)
     return model
+
+
+def _laid_out(p, name: str, layout, state: SPMDState, param_init) -> nn.Parameter:
+    """`p` as a DTensor parameter in its storage layout and dtype, carrying its other layouts and its name."""
+    storage, compute, grads, optim = layout
+    value = _initial(p, name, param_init)
+    dt = distribute_tensor(value.to(state.storage_dtype(value.dtype)), state.mesh, storage, src_data_rank=None)
+    new = nn.Parameter(dt, requires_grad=p.requires_grad)
+    copy_annotations(p, new)
+    new._spmd_compute, new._spmd_grads, new._spmd_optim = compute, grads, optim
+    new._spmd_name = name
+    return new
 
 
 def _needs_param_init(name: str) -> ValueError:

@@ -23,7 +23,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from . import tags
 from .buckets import gather_bucket
-from .gradients import join_unreduced, reduce_to
+from .gradients import grads_layout, join_unreduced, reduce_to
 from .reshard import CHECKPOINTED_ATTR, reshard_after_forward, storage_key
 
 __all__ = ["gather_param", "gather_block", "gather_module_params", "release_module_params", "gather_shared"]
@@ -32,7 +32,7 @@ __all__ = ["gather_param", "gather_block", "gather_module_params", "release_modu
 class _GatherParam(torch.autograd.Function):
     @staticmethod
     def forward(ctx, p: DTensor, placements, dtype, reduce_dtype, state, module, name):
-        ctx.p, ctx.storage = p, tuple(p.placements)
+        ctx.p, ctx.storage = p, grads_layout(p)
         ctx.reduce_dtype, ctx.state, ctx.module, ctx.name = reduce_dtype, state, module, name
         x = p if dtype is None or p.dtype == dtype else p.to(dtype)
         if tuple(x.placements) == tuple(placements):

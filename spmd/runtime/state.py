@@ -5,15 +5,27 @@
 """
 import contextlib
 
-__all__ = ["STATE_ATTR", "SPMDState", "active_state", "activated", "push", "pop"]
+__all__ = ["STATE_ATTR", "MASTERS", "OFFLOADS", "SPMDState", "active_state", "activated", "push", "pop"]
 
 STATE_ATTR = "_spmd_state"
 
 
+MASTERS = ("params", "optimizer")  # where fp32 master weights live under a lower compute dtype
+OFFLOADS = (None, "optimizer")     # which states live in host memory instead of on the device (or "nvme:DIR")
+
+
 class SPMDState:
-    def __init__(self, mesh, rules, param_dtype, reduce_dtype, input_axes):
+    def __init__(self, mesh, rules, param_dtype, reduce_dtype, input_axes, master="params", offload=None):
+        if offload not in OFFLOADS and not (isinstance(offload, str) and len(offload) > 5 and offload[:5] == "nvme:"):
+            raise ValueError(f"offload={offload!r} is not supported; use None, 'optimizer' (AdamW states and fp32 "
+                             f"masters in host memory, the step on the CPU) or 'nvme:DIR' (them in files under DIR). "
+                             f"Parameters are not offloaded yet")
+        if master not in MASTERS:
+            raise ValueError(f"master={master!r} is not one of {MASTERS}: 'params' keeps fp32 parameters and casts "
+                             f"them for compute, 'optimizer' stores parameters in param_dtype and the fp32 master "
+                             f"with the optimizer states")
         self.mesh, self.rules = mesh, rules
-        self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
+        self.param_dtype, self.reduce_dtype, self.master, self.offload = param_dtype, reduce_dtype, master, offload
         self.input_axes = input_axes
         self.sync = True                       # False under no_sync: gradients stay unreduced
         self.decisions: dict[tuple, object] = {}  # (module, mesh axis) -> activations.Decision
@@ -25,6 +37,12 @@ class SPMDState:
         self.bucket_values: dict = {}          # id(param) -> gathered value, while its block runs forward
         self.prefetched: dict = {}             # id(bucket) -> its gather, issued while the block before ran
         self.global_view: list = []            # (module, plain.GlobalView) entered by the root or a recomputed block
+
+    def storage_dtype(self, dtype):
+        """The dtype parameters are stored in: `param_dtype` when the master copy lives with the optimizer."""
+        if self.master == "optimizer" and self.param_dtype is not None and dtype.is_floating_point:
+            return self.param_dtype
+        return dtype
 
 
 _active: list[SPMDState] = []

@@ -1,0 +1,57 @@
+"""Where offloaded optimizer state lives: host memory (`offload="optimizer"`) or files (`offload="nvme:DIR"`).
+
+`host_copy` makes a master's local shard on the host: pinned memory when there is a CUDA device, or a
+memory-mapped file under DIR (`torch.from_file(shared=True)`), so the operating system pages it in while the
+optimizer updates that tensor and writes it back after: a state larger than host memory still trains.
+`file_backed_adam_state` gives Adam/AdamW their moments in files too, before the first step (the optimizer
+then updates them in place).
+"""
+import os
+
+import torch
+from torch.distributed.tensor import DTensor
+
+__all__ = ["nvme_dir", "host_copy", "file_backed_adam_state"]
+
+
+def nvme_dir(offload) -> str | None:
+    """DIR of `offload="nvme:DIR"`, else None."""
+    return offload[len("nvme:"):] if isinstance(offload, str) and offload.startswith("nvme:") else None
+
+
+def _file_tensor(directory: str, name: str, like: torch.Tensor) -> torch.Tensor:
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    path = os.path.join(directory, f"rank{rank:05d}", name)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "wb") as f:  # a fresh file of zeros, sized for the tensor
+        f.truncate(like.numel() * like.element_size())
+    return torch.from_file(path, shared=True, size=like.numel(), dtype=like.dtype).view(like.shape)
+
+
+def host_copy(local: torch.Tensor, offload, name: str) -> torch.Tensor:
+    """A copy of `local` in host memory (pinned with CUDA) or, under nvme:DIR, in a memory-mapped file."""
+    directory = nvme_dir(offload)
+    if directory is None:
+        out = local.to("cpu", copy=True)
+        return out.pin_memory() if torch.cuda.is_available() else out
+    if isinstance(local, torch._subclasses.FakeTensor):  # explain: nothing to write
+        return local.to("cpu", copy=True)
+    out = _file_tensor(directory, f"{name}.master", local)
+    out.copy_(local)
+    return out
+
+
+def file_backed_adam_state(opt: torch.optim.Optimizer, masters, directory: str) -> None:
+    """Adam/AdamW moments of `masters` (DTensors) in files under `directory`, created now as the optimizer
+    would (zeros, step 0)."""
+    if not isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)):
+        raise ValueError(f"offload='nvme:DIR' keeps Adam/AdamW moments in files; {type(opt).__name__} is not "
+                         f"supported: use torch.optim.AdamW, or offload='optimizer'")
+    for m in masters:
+        local = m._local_tensor
+        state = {"step": torch.zeros((), dtype=torch.float32)}
+        for key in ("exp_avg", "exp_avg_sq"):
+            t = _file_tensor(directory, f"{m._spmd_name}.{key}", local)
+            state[key] = DTensor.from_local(t, m.device_mesh, m.placements, run_check=False, shape=m.shape,
+                                            stride=m.stride())
+        opt.state[m] = state

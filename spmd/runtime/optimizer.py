@@ -1,0 +1,146 @@
+"""`shard_optimizer(model, opt)`: the optimizer steps on the optimizer map's shards (ZeRO stages 1 and 2).
+
+Each parameter whose optimizer layout shards more than its storage layout, or whose master weights live with
+the optimizer (`parallelize(master="optimizer")`), gets a master: a DTensor in the optimizer layout that the
+optimizer updates in its place. In fp32 the master is a view of the parameter's own local shard (no copy:
+the update lands in the parameter); under `master="optimizer"` it is an fp32 copy. Before each step the
+reduced gradient moves to the master (sliced to its shard: no communication); after it, the updated shards
+are all-gathered into the parameters' storage layout (the phase `optimizer` of the plan). Parameters whose
+three layouts agree (stage 3, or any stage on a mesh with no data axis) are their own master.
+
+`parallelize(offload="optimizer")`: every master is a copy in host memory (pinned when there is a CUDA
+device), so the optimizer's states are made there too and its step runs on the CPU; gradients are copied
+out before the step and the updated masters copied back to the device before the all-gather. On a CPU-only
+machine host memory is the device, and the same path runs. `offload="nvme:DIR"`: the masters and the
+AdamW moments are memory-mapped files under DIR instead (spmd.runtime.offload).
+"""
+import torch
+import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from . import tags
+from .gradients import grads_layout, slice_onto_shards
+from .offload import file_backed_adam_state, host_copy, nvme_dir
+from .state import STATE_ATTR
+
+__all__ = ["shard_optimizer", "masters_of", "refresh_masters", "gather_updated", "MASTER_OF_ATTR"]
+
+MASTER_OF_ATTR = "_spmd_master_of"  # on a master: the model parameter it stands for
+
+
+def shard_optimizer(model: nn.Module, opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """Makes `opt` (built on `model.parameters()` of a model laid out by spmd.parallelize, before its first
+    step) update masters in the optimizer map's layout, and returns it. `opt.zero_grad` also clears the
+    model's gradients. A no-op for parameters that are their own master (ZeRO-3, the default rules, when
+    nothing is offloaded)."""
+    state = getattr(model, STATE_ATTR, None)
+    if state is None:
+        raise ValueError("shard_optimizer needs a model laid out by spmd.parallelize; call it after parallelize")
+    if any(opt.state.values()):
+        raise ValueError("shard_optimizer needs an optimizer that has not stepped yet; call it right after "
+                         "building the optimizer (before loading a checkpoint into it)")
+    owned = {id(p) for p in model.parameters()}
+    pairs = []
+    for group in opt.param_groups:
+        for i, p in enumerate(group["params"]):
+            if id(p) not in owned:
+                raise ValueError("the optimizer holds a tensor that is not a parameter of this model; build it "
+                                 "from model.parameters() and pass the same model")
+            master = _master(p, state)
+            if master is not p:
+                pairs.append((p, master))
+                group["params"][i] = master
+    if pairs and nvme_dir(state.offload) is not None and not isinstance(pairs[0][1]._local_tensor, FakeTensor):
+        file_backed_adam_state(opt, [m for _, m in pairs], nvme_dir(state.offload))
+    if pairs:
+        copy_out = state.offload is not None  # a real copy even where host memory is the device
+        opt.register_step_pre_hook(lambda *_: _grads_to_masters(pairs, copy_out))
+        opt.register_step_post_hook(lambda *_: gather_updated(opt))
+        clear = opt.zero_grad
+
+        def zero_grad(set_to_none: bool = True):
+            clear(set_to_none)
+            model.zero_grad(set_to_none)
+
+        opt.zero_grad = zero_grad
+    return opt
+
+
+def masters_of(opt: torch.optim.Optimizer) -> dict:
+    """{id(master): model parameter} of an optimizer `shard_optimizer` prepared (empty otherwise)."""
+    return {id(m): getattr(m, MASTER_OF_ATTR) for g in opt.param_groups for m in g["params"]
+            if hasattr(m, MASTER_OF_ATTR)}
+
+
+@torch.no_grad()
+def refresh_masters(opt: torch.optim.Optimizer) -> None:
+    """Copies the parameters into the masters that are copies (after loading parameters in place: a resume
+    under master="optimizer" restarts the fp32 master from the stored parameters). Views need nothing."""
+    for m in (m for g in opt.param_groups for m in g["params"] if hasattr(m, MASTER_OF_ATTR)):
+        local = _local_view(getattr(m, MASTER_OF_ATTR), m.placements)
+        if local.untyped_storage()._cdata != m._local_tensor.untyped_storage()._cdata:
+            m._local_tensor.copy_(local)
+
+
+def _master(p: DTensor, state) -> DTensor:
+    optim = tuple(getattr(p, "_spmd_optim", None) or p.placements)
+    lower = state.master == "optimizer" and p.dtype != torch.float32 and p.dtype.is_floating_point
+    if optim == tuple(p.placements) and not lower and state.offload is None:
+        return p
+    if grads_layout(p) != optim and not _only_slices(grads_layout(p), optim):
+        raise ValueError(f"{p._spmd_name}: the optimizer map must shard at least as much as the grads map "
+                         f"({grads_layout(p)} -> {optim})")
+    with torch.no_grad():
+        local = _local_view(p, optim)
+        local = local.float().clone() if lower else local
+        if state.offload is not None:
+            local = host_copy(local, state.offload, p._spmd_name)
+        master = nn.Parameter(DTensor.from_local(local, p.device_mesh, optim, run_check=False,
+                                                 shape=p.shape, stride=p.stride()), requires_grad=p.requires_grad)
+    setattr(master, MASTER_OF_ATTR, p)
+    master._spmd_name = p._spmd_name
+    return master
+
+
+def _only_slices(frm, to) -> bool:
+    return all(a == b or (a.is_replicate() and b.is_shard()) for a, b in zip(frm, to))
+
+
+def _local_view(p: DTensor, optim) -> torch.Tensor:
+    """The part of p's local tensor that the layout `optim` gives this rank (a view: it shares storage)."""
+    mesh = p.device_mesh
+    mine, mine_at = compute_local_shape_and_global_offset(p.shape, mesh, p.placements)
+    want, want_at = compute_local_shape_and_global_offset(p.shape, mesh, optim)
+    local = p._local_tensor
+    for d, (n, at, base, base_n) in enumerate(zip(want, want_at, mine_at, mine)):
+        if at < base or at + n > base + base_n:
+            raise ValueError(f"{p._spmd_name}: its optimizer shard {optim} is not inside its stored shard "
+                             f"{tuple(p.placements)}; the optimizer map may only add sharding to the params map")
+        local = local.narrow(d, at - base, n)
+    return local
+
+
+def _grads_to_masters(pairs, copy_out: bool):
+    for p, master in pairs:
+        g = p.grad
+        if g is not None:
+            if any(pl.is_partial() for pl in g.placements):  # (compiled blocks reduce to the storage layout)
+                raise RuntimeError(f"{p._spmd_name}: its gradient is still unreduced ({g.placements}); the last "
+                                   f"backward before a step must run outside spmd.no_sync")
+            g = slice_onto_shards(g, master.placements)
+            master.grad = g.to(master.device, master.dtype, copy=copy_out)
+        p.grad = None
+
+
+@torch.no_grad()
+def gather_updated(opt: torch.optim.Optimizer) -> None:
+    """The masters' updated shards into their parameters' storage layout (all-gathers; run after each step)."""
+    with tags.phase("optimizer"):
+        for master in (m for g in opt.param_groups for m in g["params"] if hasattr(m, MASTER_OF_ATTR)):
+            p = getattr(master, MASTER_OF_ATTR)
+            m = master.detach().to(p.device, p.dtype)
+            with tags.reason("", f"all-gather updated {p._spmd_name} to its params layout"):
+                full = m.redistribute(p.device_mesh, p.placements)
+            p._local_tensor.copy_(full.to_local())
