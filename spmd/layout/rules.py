@@ -43,14 +43,15 @@ class Rules:
     def default(cls, sequence_parallel: bool = False) -> "Rules":
         # Order matters for activations: when two dims of one activation claim the same mesh axis, the
         # earlier rule keeps it (logits under sequence parallelism keep vocab on tp and gather seq).
-        compute = {"batch": ("dp", "fsdp"), "vocab": "tp", "heads": "tp", "kv_heads": "tp", "mlp": "tp"}
-        if sequence_parallel:
-            compute["seq"] = "tp"
+        # The sequence splits over cp everywhere (attention runs as a ring there), and also over tp in the
+        # sequence-parallel regions; cp of size 1 is inactive, so the rule costs nothing without it.
+        compute = {"batch": ("dp", "fsdp"), "vocab": "tp", "heads": "tp", "kv_heads": "tp", "mlp": "tp",
+                   "seq": ("cp", "tp") if sequence_parallel else "cp"}
         return cls(compute, params={"embed": "fsdp"})
 
     @property
     def sequence_parallel(self) -> bool:
-        return bool(self.compute.get("seq"))
+        return "tp" in self.compute.get("seq", ())
 
     def __repr__(self):
         return f"Rules(compute={self.compute}, params={self.params})"
