@@ -45,7 +45,7 @@ from spmd.layout.dtypes import DTYPES
 
 from . import faults, schedule, startup
 from .config import TrainConfig, load_config
-from .data import build_loader
+from .data import build_loader, model_inputs
 from .metrics import MetricsLogger, flops_per_token, peak_flops, peak_mem_bytes
 from .nonfinite import BadSteps, Diverged, LossScaler
 from .profile import StepProfiler
@@ -220,7 +220,7 @@ def train(cfg: TrainConfig, log=True) -> list[dict]:
                         else contextlib.nullcontext()
                     with sync:  # no_sync covers the backward: that is where gradients are reduced
                         with amp:
-                            loss = model(x, y) / len(micro)
+                            loss = model(*model_inputs(x, y, mesh)) / len(micro)
                         if step + 1 in nan_steps:
                             loss = loss * float("nan")
                         (loss * scaler.scale).backward()
