@@ -7,20 +7,46 @@ full masks, grouped K/V heads) within 1e-5. Training: the tiny Llama on `cp=4`, 
 targets: loss, every gradient and every parameter after 3 AdamW steps equal one process within 1e-5
 (||a-b|| / ||b|| per tensor, as in tests/test_spmd_numerics.py). A sequence length that is not a multiple of
 2*cp is an error naming the fix, raised before any collective.
+
+Ring traffic, measured on the real tensors sent in one step of `fsdp=2,cp=2`: per layer, forward (cp-1)
+hops of this rank's K and V (kv_heads, not the repeated query heads), backward twice that (K/V again, and
+dK/dV); equal to the formula and to `spmd.explain`'s plan. Load balance: under a causal mask the zigzag
+split gives every rank the same attention work; a contiguous split gives the last rank about 2cp-1 times
+the first's.
 """
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import spmd
+from spmd.analysis.record import CollectiveRecorder
 from spmd.layout.sequence import cp_slice, zigzag_positions
 from spmd.runtime.ring import ring_attention
 from tests.dist_utils import run_distributed
-from tests.spmd_cases import global_batch, local_slice, norm_rel_err, tiny_model
+from tests.spmd_cases import BATCH, SEQ, global_batch, local_slice, norm_rel_err, plan_for, tiny_model
 
 TOL = 1e-5
 TRAIN_SPECS = ["cp=4", "fsdp=2,cp=2", "cp=2,tp=2,sp"]
+MEASURED = "fsdp=2,cp=2"
+
+
+def ring_bytes_formula(spec: str) -> dict:
+    """Bytes one rank sends around the cp ring in a step of the tiny model: per layer, cp-1 hops of its
+    K and V blocks (batch / (dp*fsdp), seq / cp, kv_heads / tp, head_dim, fp32) forward, twice that backward."""
+    sizes, _ = spmd.parse_spec(spec)
+    cfg = tiny_model().cfg
+    cp, dp = sizes.get("cp", 1), sizes.get("dp", 1) * sizes.get("fsdp", 1)
+    kv_block = 2 * (BATCH // dp) * (SEQ // cp) * (cfg.n_kv_heads // sizes.get("tp", 1)) * cfg.head_dim * 4
+    forward = cfg.n_layers * (cp - 1) * kv_block
+    return {"forward": forward, "backward": 2 * forward}
+
+
+def _ring_sends(records) -> dict:
+    return {phase: sum(c.bytes for c in records if c.kind == "send" and c.phase == phase and "ring" in c.reason)
+            for phase in ("forward", "backward")}
 
 
 def _check_ring_attention(causal: bool):
@@ -49,7 +75,7 @@ def _cp_batch(step: int, mesh):
     return tuple(cp_slice(local_slice(t, mesh), mesh) for t in (tokens, targets, positions))
 
 
-def _train_and_compare(spec: str):
+def _train_and_compare(spec: str, planned=None):
     sizes, flags = spmd.parse_spec(spec)
     mesh = spmd.make_mesh(sizes)
     ref, model = tiny_model(), tiny_model()
@@ -59,10 +85,15 @@ def _train_and_compare(spec: str):
     ref_params = dict(ref.named_parameters())
     for step in range(3):
         tokens, targets, positions = _cp_batch(step, mesh)
-        loss = model(tokens, targets, positions)
+        recorder = CollectiveRecorder(mesh) if planned and step == 0 else None
+        with recorder or contextlib.nullcontext():
+            loss = model(tokens, targets, positions)
+            loss.backward()
+        if recorder is not None:
+            sent = _ring_sends(recorder.records)
+            assert sent == ring_bytes_formula(spec) == planned, (spec, sent, planned)
         ref_loss = ref(*global_batch(step))
         assert abs(loss.item() - ref_loss.item()) <= TOL * abs(ref_loss.item()), (spec, step, loss, ref_loss)
-        loss.backward()
         ref_loss.backward()
         for name, p in model.named_parameters():
             err = norm_rel_err(p.grad.full_tensor(), ref_params[name].grad)
@@ -83,17 +114,34 @@ def _check_bad_length():
         ring_attention(q, q, q, is_causal=True)
 
 
-def _all_checks(rank, world):
+def _all_checks(rank, world, planned):
     _check_bad_length()
     for causal in (True, False):
         _check_ring_attention(causal)
     for spec in TRAIN_SPECS:
-        _train_and_compare(spec)
+        _train_and_compare(spec, planned if spec == MEASURED else None)
 
 
 @pytest.mark.slow
-def test_context_parallel_matches_one_process():
-    run_distributed(_all_checks, 4, timeout_s=300)
+def test_context_parallel_matches_one_process_and_its_plan():
+    planned = _ring_sends(plan_for(MEASURED).collectives)
+    assert planned["forward"] > 0
+    run_distributed(_all_checks, 4, planned, timeout_s=300)
+
+
+def _causal_pairs(positions: torch.Tensor) -> int:
+    """(query, key) pairs a causal mask keeps for these query positions: the attention work they need."""
+    return int((positions + 1).sum())
+
+
+@pytest.mark.parametrize("cp", [2, 4, 8])
+def test_zigzag_split_balances_causal_attention(cp):
+    seq = 1024
+    zigzag = [_causal_pairs(zigzag_positions(seq, cp, r)) for r in range(cp)]
+    mean = sum(zigzag) / cp
+    assert max(abs(w - mean) for w in zigzag) <= 0.05 * mean, zigzag  # in fact equal: 0%
+    contiguous = [_causal_pairs(torch.arange(seq).chunk(cp)[r]) for r in range(cp)]
+    assert contiguous[-1] / contiguous[0] == pytest.approx(2 * cp - 1, rel=0.02), contiguous
 
 
 def test_zigzag_positions_cover_the_sequence_once():
