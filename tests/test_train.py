@@ -187,18 +187,13 @@ def test_pipeline_run_matches_one_process_and_its_checkpoint_resumes_without_pp(
 @pytest.mark.slow
 def test_context_parallel_run_matches_one_process_and_its_checkpoint_resumes_without_cp(tmp_path):
     """--mesh fsdp=2,cp=2: each cp rank trains on its zigzag share of every sequence; the loss and gradient
-    norm equal one process, the bytes on the wire equal explain's plan (ring attention included), and the
-    checkpoint (parameters replicated over cp) resumes in one process."""
+    norm equal one process, and the checkpoint (parameters replicated over cp) resumes in one process.
+    (The ring's bytes are held against explain in tests/test_context_parallel.py.)"""
     common = [*SMALL, "--steps", "2"]
     ref = _train("--steps", "2")
     ck, m = tmp_path / "ck", tmp_path / "m.jsonl"
     _torchrun(4, *common, "--mesh", "fsdp=2,cp=2", "--ckpt-dir", str(ck), "--ckpt-every", "1", "--metrics", str(m))
     rows = _jsonl(m)
-    plan = spmd.explain(Llama(LlamaConfig.preset("tiny")), spmd.Rules.default(), {"fsdp": 2, "cp": 2},
-                        batch_shape=(8, 64))
-    assert any("ring attention" in c.reason for c in plan.collectives)
-    for r in rows:  # plus global-norm clipping's all-reduces of a few scalars
-        assert plan.comm_bytes() <= r["comm_bytes"] <= plan.comm_bytes() + 1024, (r["step"], r["comm_bytes"])
     for a, b in zip(ref, rows):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
