@@ -176,7 +176,6 @@ class TrainConfig:
                 problems.append(f"--seq-len: {e}")
             need(self.seq_len % (cp * tp) == 0 or not (self.sp or "sp" in flags),
                  f"--seq-len {self.seq_len} must divide by cp*tp={cp * tp} with sequence parallelism")
-            need(sizes.get("pp", 1) == 1, "a mesh with both pp and cp is not supported yet; drop one of them")
             need(not self.compile, "--compile with cp is not supported yet (ring attention exchanges K/V blocks "
                                    "point to point, outside the compiled graph); drop --compile or cp")
             need(not self.model.startswith("hf:"), "cp is not supported for hf: models yet (they take no RoPE "

@@ -212,8 +212,9 @@ def train(cfg: TrainConfig, log=True) -> list[dict]:
                 for j, (x, y) in enumerate(micro):
                     last = j == len(micro) - 1
                     if pipe is not None:  # forward and backward of every pipeline micro-batch
-                        loss_sum += pipe.step(x, y, loss_scale=scaler.scale / len(micro), sync=last).float() \
-                            / len(micro)
+                        x, y, *positions = model_inputs(x, y, mesh)
+                        loss_sum += pipe.step(x, y, loss_scale=scaler.scale / len(micro), sync=last,
+                                              positions=positions[0] if positions else None).float() / len(micro)
                         continue
                     sync = contextlib.nullcontext() if (last or mesh is None) else spmd.no_sync(model)
                     amp = torch.autocast(device.type, dtype=DTYPES[cfg.dtype]) if single_autocast \

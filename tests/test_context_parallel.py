@@ -2,9 +2,9 @@
 
 Four gloo processes, fp32, fixed seeds, one launch for every check. Ring attention: each rank's output and
 the gradients of its q, k and v equal `F.scaled_dot_product_attention` on the whole sequence (causal and
-full masks, grouped K/V heads) within 1e-5. Training: the tiny Llama on `cp=4`, `fsdp=2,cp=2` and
-`cp=2,tp=2,sp`, each rank fed its zigzag share of the sequence with the matching RoPE positions and
-targets: loss, every gradient and every parameter after 3 AdamW steps equal one process within 1e-5
+full masks, grouped K/V heads) within 1e-5. Training: the tiny Llama on `cp=4`, `fsdp=2,cp=2`,
+`cp=2,tp=2,sp` and `pp=2,cp=2` (1F1B, 2 micro-batches), each rank fed its zigzag share of the sequence
+with the matching RoPE positions and targets: loss, every gradient and every parameter after 3 AdamW steps equal one process within 1e-5
 (||a-b|| / ||b|| per tensor, as in tests/test_spmd_numerics.py). A sequence length that is not a multiple of
 2*cp is an error naming the fix, raised before any collective.
 
@@ -29,7 +29,7 @@ from tests.dist_utils import run_distributed
 from tests.spmd_cases import BATCH, SEQ, global_batch, local_slice, norm_rel_err, plan_for, tiny_model
 
 TOL = 1e-5
-TRAIN_SPECS = ["cp=4", "fsdp=2,cp=2", "cp=2,tp=2,sp"]
+TRAIN_SPECS = ["cp=4", "fsdp=2,cp=2", "cp=2,tp=2,sp", "pp=2,cp=2"]
 MEASURED = "fsdp=2,cp=2"
 
 
@@ -75,20 +75,33 @@ def _cp_batch(step: int, mesh):
     return tuple(cp_slice(local_slice(t, mesh), mesh) for t in (tokens, targets, positions))
 
 
-def _train_and_compare(spec: str, planned=None):
+def _layout(spec: str):
+    """(model or pipeline, step(tokens, targets, positions) -> loss with gradients) for this spec."""
     sizes, flags = spmd.parse_spec(spec)
     mesh = spmd.make_mesh(sizes)
-    ref, model = tiny_model(), tiny_model()
-    spmd.parallelize(model, mesh, spmd.Rules.default(sequence_parallel="sp" in flags))
+    rules = spmd.Rules.default(sequence_parallel="sp" in flags)
+    if "pp" in sizes:
+        pipe = spmd.build_pipeline(tiny_model(), mesh, rules, schedule="1f1b", microbatches=2)
+        return pipe, pipe.stage_mesh, lambda x, y, pos: pipe.step(x, y, positions=pos)
+    model = spmd.parallelize(tiny_model(), mesh, rules)
+
+    def step(x, y, pos):
+        loss = model(x, y, pos)
+        loss.backward()
+        return loss
+    return model, mesh, step
+
+
+def _train_and_compare(spec: str, planned=None):
+    model, mesh, train_step = _layout(spec)
+    ref = tiny_model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.1)
     ref_params = dict(ref.named_parameters())
     for step in range(3):
-        tokens, targets, positions = _cp_batch(step, mesh)
         recorder = CollectiveRecorder(mesh) if planned and step == 0 else None
         with recorder or contextlib.nullcontext():
-            loss = model(tokens, targets, positions)
-            loss.backward()
+            loss = train_step(*_cp_batch(step, mesh))
         if recorder is not None:
             sent = _ring_sends(recorder.records)
             assert sent == ring_bytes_formula(spec) == planned, (spec, sent, planned)
