@@ -89,8 +89,8 @@ def apply_tp(model, tp_mesh, sp: bool):
     if sp and hasattr(model, "block_inputs"):
         # the residual stream is sequence-sharded here; RoPE tables cover the whole sequence (torchtitan
         # slices freqs_cis by the full length too)
-        model.block_inputs = lambda h: (model.rope_cos[:h.shape[1] * tp_mesh.size()],
-                                        model.rope_sin[:h.shape[1] * tp_mesh.size()])
+        model.block_inputs = lambda h, positions=None: (model.rope_cos[:h.shape[1] * tp_mesh.size()],
+                                                        model.rope_sin[:h.shape[1] * tp_mesh.size()])
 
 
 def build(args, world: int, device: torch.device):

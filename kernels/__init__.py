@@ -51,16 +51,19 @@ def swiglu(gate, up, impl: str = "auto"):
 
 
 def apply_rope(q, k, cos, sin, impl: str = "auto"):
-    if not _use_triton(impl, q):
+    """cos/sin: [T, D] tables, or [B, T, D] ones gathered at each token's position (positions given)."""
+    if not _use_triton(impl, q) or cos.ndim == 3:
         return reference.apply_rope(q, k, cos, sin)
     fn = _triton("rope").apply_rope
     return local_shards.apply_rope(fn, q, k, cos, sin) if isinstance(q, DTensor) else fn(q, k, cos, sin)
 
 
 def cross_entropy(logits, targets, ignore_index: int = -100, impl: str = "auto"):
+    """Mean cross-entropy of [..., V] logits against [...] targets."""
     use_triton = _use_triton(impl, logits)
     if isinstance(logits, DTensor):
         return vocab_parallel_cross_entropy(logits, targets, ignore_index)
+    logits, targets = logits.flatten(0, -2), targets.flatten()
     if not use_triton:
         return reference.cross_entropy(logits, targets, ignore_index)
     return _triton("cross_entropy").cross_entropy(logits, targets, ignore_index)

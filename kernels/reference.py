@@ -21,9 +21,10 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """q: [B, T, H, D], k: [B, T, Hkv, D], cos/sin: [T, D] (the two halves repeated, Hugging Face layout)."""
-    cos = cos[None, :, None, :]
-    sin = sin[None, :, None, :]
+    """q: [B, T, H, D], k: [B, T, Hkv, D], cos/sin: [T, D] or [B, T, D] (the two halves repeated, Hugging Face
+    layout)."""
+    cos = cos[..., None, :] if cos.ndim == 3 else cos[None, :, None, :]
+    sin = sin[..., None, :] if sin.ndim == 3 else sin[None, :, None, :]
     qf, kf = q.float(), k.float()
     q_out = qf * cos + _rotate_half(qf) * sin
     k_out = kf * cos + _rotate_half(kf) * sin

@@ -1,6 +1,8 @@
 """Vocab-parallel cross-entropy on DTensor logits, as Megatron does it: the logits are never gathered.
 
-Logits are [N, V] on a mesh whose dims place them Shard(0) (tokens), Shard(1) (vocab) or Replicate.
+Logits are [N, V] (or [B, T, V]) on a mesh whose dims place them on a token dim, on the vocab (last) dim, or
+Replicate: under context parallelism the sequence dim of [B, T, V] stays split, and so the loss sums over
+every rank's tokens without gathering them either.
 Over the vocab-sharding mesh dims we all-reduce the row max, then the row sum of exp together with the
 target logit (taken on the rank whose vocab range holds the target); over the token-sharding dims we
 all-reduce the loss sum and the count of non-ignored tokens. The backward (softmax minus one-hot, over
@@ -53,20 +55,20 @@ def _placement_dims(logits: DTensor):
     for mesh_dim, p in enumerate(logits.placements):
         if isinstance(p, Replicate):
             continue
-        if type(p) is Shard and p.dim % 2 == 1:
+        if type(p) is Shard and p.dim == logits.ndim - 1:
             vocab_dims.append(mesh_dim)
-        elif type(p) is Shard and p.dim % 2 == 0:
+        elif type(p) is Shard:
             token_dims.append(mesh_dim)
         else:
             raise ValueError(
-                f"vocab-parallel cross-entropy takes logits placed Shard(0), Shard(1) or Replicate on each mesh "
+                f"vocab-parallel cross-entropy takes logits placed Shard(dim) or Replicate on each mesh "
                 f"dim; got {p} on mesh dim {mesh_dim} ({logits.placements}). Redistribute Partial logits first.")
     return vocab_dims, token_dims
 
 
 def _local_targets(targets, logits: DTensor, token_dims) -> torch.Tensor:
     mesh = logits.device_mesh
-    want = [Shard(0) if d in token_dims else Replicate() for d in range(mesh.ndim)]
+    want = [logits.placements[d] if d in token_dims else Replicate() for d in range(mesh.ndim)]
     if not isinstance(targets, DTensor):
         # a plain tensor is taken to be the global targets, identical on every rank
         targets = DTensor.from_local(targets, mesh, [Replicate()] * mesh.ndim, run_check=False)
@@ -92,9 +94,10 @@ def _vocab_start(vocab: int, mesh, vocab_dims) -> int:
 
 
 def vocab_parallel_cross_entropy(logits: DTensor, targets, ignore_index: int = -100) -> DTensor:
-    """Mean cross-entropy over non-ignored tokens of [N, V] DTensor logits; a 0-dim all-Replicate DTensor."""
-    if logits.ndim != 2:
-        raise ValueError(f"logits must be [N, V], got shape {tuple(logits.shape)}")
+    """Mean cross-entropy over non-ignored tokens of [..., V] DTensor logits against [...] targets; a 0-dim
+    all-Replicate DTensor."""
+    if logits.ndim < 2:
+        raise ValueError(f"logits must be [N, V] or [B, T, V], got shape {tuple(logits.shape)}")
     if any(p.is_partial() for p in logits.placements):
         raise ValueError(f"vocab-parallel cross-entropy cannot take Partial logits ({logits.placements}); "
                          "reduce them first, e.g. logits.redistribute(mesh, [Shard(1)])")
@@ -102,6 +105,7 @@ def vocab_parallel_cross_entropy(logits: DTensor, targets, ignore_index: int = -
     mesh = logits.device_mesh
     local_targets = _local_targets(targets, logits, token_dims)
     loss = _VocabParallelCE.apply(
-        logits.to_local(), local_targets, _vocab_start(logits.shape[1], mesh, vocab_dims), ignore_index,
+        logits.to_local().flatten(0, -2), local_targets.flatten(), _vocab_start(logits.shape[-1], mesh, vocab_dims),
+        ignore_index,
         [mesh.get_group(d) for d in vocab_dims], [mesh.get_group(d) for d in token_dims])
     return DTensor.from_local(loss, mesh, [Replicate()] * mesh.ndim, run_check=False)

@@ -25,6 +25,7 @@ from spmd.layout.dtypes import DTYPES
 from spmd.layout.mesh import format_sizes, parse_spec
 from spmd.layout.rules import ZERO_STAGES, Rules
 from spmd.runtime.state import MASTERS
+from spmd.layout.sequence import check_seq_len
 from spmd.pipeline.runtime import default_microbatches, validate_pipeline
 from spmd.runtime.checkpointing import parse_mode as parse_ac_mode
 
@@ -173,6 +174,18 @@ class TrainConfig:
         if (self.sp or "sp" in flags) and tp > 1:
             need(self.seq_len % tp == 0, f"--seq-len {self.seq_len} must divide by tp={tp} with sequence "
                                          f"parallelism; pick a multiple of {tp}")
+        cp = sizes.get("cp", 1)
+        if cp > 1:
+            try:
+                check_seq_len(self.seq_len, cp)
+            except ValueError as e:
+                problems.append(f"--seq-len: {e}")
+            need(self.seq_len % (cp * tp) == 0 or not (self.sp or "sp" in flags),
+                 f"--seq-len {self.seq_len} must divide by cp*tp={cp * tp} with sequence parallelism")
+            need(not self.compile, "--compile with cp is not supported yet (ring attention exchanges K/V blocks "
+                                   "point to point, outside the compiled graph); drop --compile or cp")
+            need(not self.model.startswith("hf:"), "cp is not supported for hf: models yet (they take no RoPE "
+                                                   "positions from the data path); use a mesh without cp")
         if model_cfg is None and (not self.init_from_hf or self.model.startswith("hf:")):
             try:
                 model_cfg = self.model_config()
@@ -275,7 +288,7 @@ def parser() -> argparse.ArgumentParser:
         argument_default=argparse.SUPPRESS)
     p.add_argument("--config", help="TOML file with the keys below (underscores: batch_size = 16)")
     helps = {
-        "model": "model preset: tiny|small|1b|8b|70b, moe-tiny|moe-small|moe-8x7b (or MODEL:PRESET)", "mesh": "mesh spec, e.g. fsdp=2,tp=2 (default: fsdp=N)",
+        "model": "model preset: tiny|small|1b|8b|70b, moe-tiny|moe-small|moe-8x7b (or MODEL:PRESET)", "mesh": "mesh spec, e.g. fsdp=2,tp=2 or fsdp=2,cp=2 (default: fsdp=N)",
         "sp": "sequence parallelism", "steps": "optimizer steps", "batch_size": "global batch in sequences",
         "seq_len": "tokens per sequence", "grad_accum": "micro-batches per step", "lr": "peak learning rate",
         "warmup": "warmup steps", "dtype": "fp32|bf16|fp16", "ac": "none|full|selective:N",

@@ -23,7 +23,8 @@ Batches. Step k's global batch is B windows of T+1 tokens whose start offsets ar
 and K accumulation micro-batches, data-parallel rank r owns rows [r*B/R, (r+1)*B/R) and micro-batch j of
 rank r is rows r*B/R + j*B/(R*K) ... r*B/R + (j+1)*B/(R*K) - 1, i.e. the rank's slice cut in K
 consecutive pieces. Ranks that differ only in tp/pp coordinates have the same data-parallel rank and so
-identical batches. The loader's position (`state_dict()`) is the next step number.
+identical batches; so do ranks that differ only in cp, and `model_inputs` then gives each its zigzag share
+of the sequence with the tokens' positions. The loader's position (`state_dict()`) is the next step number.
 """
 from __future__ import annotations
 
@@ -38,6 +39,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+import spmd
 
 from .corpora import STRUCTURED, dataset_documents, documents, saved_dataset
 from .tokenizer import ByteTokenizer, load_tokenizer
@@ -241,3 +244,12 @@ def build_loader(cfg, dp_rank: int, dp_size: int, vocab_size: int, device="cpu")
 
 __all__ = ["ByteTokenizer", "DataLoader", "build_loader", "token_stream", "stdlib_files", "text_files",
            "cache_dir", "load_tokenizer"]
+
+
+def model_inputs(tokens: torch.Tensor, targets: torch.Tensor, mesh) -> tuple:
+    """The model's arguments for one micro-batch: (tokens, targets), or under context parallelism this cp
+    rank's zigzag share of them and of their positions, which RoPE rotates by (spmd.cp_slice)."""
+    if mesh is None or "cp" not in mesh.mesh_dim_names or mesh.size(mesh.mesh_dim_names.index("cp")) == 1:
+        return tokens, targets
+    positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+    return tuple(spmd.cp_slice(t, mesh) for t in (tokens, targets, positions))

@@ -55,7 +55,7 @@ from spmd.runtime.optimizer import refresh_masters
 
 from . import faults, schedule, startup
 from .config import TrainConfig, load_config
-from .data import build_loader
+from .data import build_loader, model_inputs
 from .metrics import MetricsLogger, flops_per_token, peak_flops, peak_mem_bytes
 from .nonfinite import BadSteps, Diverged, LossScaler
 from .profile import StepProfiler
@@ -237,15 +237,16 @@ def train(cfg: TrainConfig, log=True) -> list[dict]:
                 for j, (x, y) in enumerate(micro):
                     last = j == len(micro) - 1
                     if pipe is not None:  # forward and backward of every pipeline micro-batch
-                        loss_sum += pipe.step(x, y, loss_scale=scaler.scale / len(micro), sync=last).float() \
-                            / len(micro)
+                        x, y, *positions = model_inputs(x, y, mesh)
+                        loss_sum += pipe.step(x, y, loss_scale=scaler.scale / len(micro), sync=last,
+                                              positions=positions[0] if positions else None).float() / len(micro)
                         continue
                     sync = contextlib.nullcontext() if (last or mesh is None) else spmd.no_sync(model)
                     amp = torch.autocast(device.type, dtype=DTYPES[cfg.dtype]) if single_autocast \
                         else contextlib.nullcontext()
                     with sync:  # no_sync covers the backward: that is where gradients are reduced
                         with amp:
-                            loss = model(x, y) / len(micro)
+                            loss = model(*model_inputs(x, y, mesh)) / len(micro)
                         if step + 1 in nan_steps:
                             loss = loss * float("nan")
                         (loss * scaler.scale).backward()

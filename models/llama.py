@@ -113,11 +113,7 @@ class Attention(nn.Module):
         v = self.wv(x).view(B, T, cfg.n_kv_heads, cfg.head_dim)
         q, k = kernels.apply_rope(q, k, cos, sin, impl=cfg.kernels)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        groups = cfg.n_heads // cfg.n_kv_heads
-        if groups > 1:
-            k = k.repeat_interleave(groups, dim=1)
-            v = v.repeat_interleave(groups, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=cfg.n_heads != cfg.n_kv_heads)
         return self.wo(out.transpose(1, 2).reshape(B, T, cfg.n_heads * cfg.head_dim))
 
 
@@ -203,9 +199,12 @@ class Llama(nn.Module):
 
         return init
 
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None):
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None):
+        """`positions` [B, T]: each token's position, when the sequence is given in another order than
+        0..T-1 (context parallelism gives each rank a zigzag share of it); RoPE rotates by these."""
         h = self.embed(tokens)
-        extra = self.block_inputs(h)
+        extra = self.block_inputs(h, positions)
         for layer in self.layers:
             h = layer(h, *extra)
         return self.head(h, targets)
@@ -219,8 +218,11 @@ class Llama(nn.Module):
             raise ValueError(f"sequence length {T} exceeds max_seq_len {self.cfg.max_seq_len}")
         return constrain(self.tok_embeddings(tokens), "batch", "seq", "embed")
 
-    def block_inputs(self, h: torch.Tensor) -> tuple:
-        """The arguments every block takes after the residual stream: the RoPE tables for this length."""
+    def block_inputs(self, h: torch.Tensor, positions: torch.Tensor | None = None) -> tuple:
+        """The arguments every block takes after the residual stream: the RoPE tables for this length, or
+        [B, T, head_dim] tables looked up at `positions`."""
+        if positions is not None:
+            return F.embedding(positions, self.rope_cos), F.embedding(positions, self.rope_sin)
         T = h.shape[1]
         return self.rope_cos[:T], self.rope_sin[:T]
 
@@ -229,4 +231,4 @@ class Llama(nn.Module):
         logits = constrain(self.output(self.norm(h)), "batch", "seq", "vocab")
         if targets is None:
             return logits
-        return kernels.cross_entropy(logits.flatten(0, 1), targets.flatten(), impl=self.cfg.kernels)
+        return kernels.cross_entropy(logits, targets, impl=self.cfg.kernels)

@@ -120,3 +120,20 @@ def test_cli_prints_a_table(capsys):
                    "--workers", "1"]) == 0
     out = capsys.readouterr().out
     assert "spec search" in out and "fsdp=2" in out and "tp=2,sp" in out
+
+
+def test_long_sequences_also_try_context_parallelism():
+    assert S.candidate_specs(8, max_tp=8, seq=4096) == S.candidate_specs(8, max_tp=8)  # no cp for short ones
+    names = [S.spec_name(s, sp) for s, sp in S.candidate_specs(8, max_tp=8, seq=32768)]
+    assert len(names) == len(set(names)) and "cp=8" in names and "fsdp=2,cp=2,tp=2,sp" in names
+    assert "cp=8" not in [S.spec_name(s, sp) for s, sp in S.candidate_specs(8, max_tp=8, seq=6144)]  # 768 a rank
+    # on fsdp=2,cp=2 the cp axis carries the ring, counted once per exchange (its sends): per layer, forward
+    # cp-1 hops of the rank's K and V block, backward twice that; and the all-reduce over cp of the
+    # fsdp-sharded fp32 gradients (parameters are replicated over cp), 2 (cp-1)/cp of them; and the loss's
+    # all-reduce of its sum and token count (two fp32)
+    model = tiny()
+    cfg, b, s, cp = model.cfg, 8 // 2, 32 // 2, 2
+    ring = 3 * cfg.n_layers * (cp - 1) * 2 * b * s * cfg.n_kv_heads * cfg.head_dim * 4
+    grads = 2 * (4 * cfg.num_params() // 2) * (cp - 1) // cp
+    row, = S.search(model, 4, device="h100", batch_shape=(8, 32), dtype="fp32", specs=["fsdp=2,cp=2"])
+    assert row.bytes_by_axis["cp"] == ring + grads + 2 * (2 * 4) * (cp - 1) // cp

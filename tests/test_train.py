@@ -185,8 +185,29 @@ def test_pipeline_run_matches_one_process_and_its_checkpoint_resumes_without_pp(
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
 
 
+@pytest.mark.slow
+def test_context_parallel_run_matches_one_process_and_its_checkpoint_resumes_without_cp(tmp_path):
+    """--mesh fsdp=2,cp=2: each cp rank trains on its zigzag share of every sequence; the loss and gradient
+    norm equal one process, and the checkpoint (parameters replicated over cp) resumes in one process.
+    (The ring's bytes are held against explain in tests/test_context_parallel.py.)"""
+    common = [*SMALL, "--steps", "2"]
+    ref = _train("--steps", "2")
+    ck, m = tmp_path / "ck", tmp_path / "m.jsonl"
+    _torchrun(4, *common, "--mesh", "fsdp=2,cp=2", "--ckpt-dir", str(ck), "--ckpt-every", "1", "--metrics", str(m))
+    rows = _jsonl(m)
+    for a, b in zip(ref, rows):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
+    (ck / "latest").write_text("step-1\n")
+    resumed = _train("--steps", "2", "--ckpt-dir", str(ck), "--resume")
+    assert [r["step"] for r in resumed] == [2]
+    assert resumed[0]["loss"] == pytest.approx(ref[1]["loss"], rel=1e-5)
+
+
 def test_bad_input_exits_2_with_the_fix(capsys):
     assert T.main(["--batch-size", "7", "--grad-accum", "2"]) == 2
     assert "use a batch size that is a multiple of 2, e.g. 8" in capsys.readouterr().err
     assert T.main(["--tokenizer", "missing/tokenizer.json", "--steps", "1"]) == 2
     assert "pass 'bytes' or a tokenizer.json" in capsys.readouterr().err
+    assert T.main(["--mesh", "cp=2", "--seq-len", "62"]) == 2
+    assert "use a length that is a multiple of 4 (e.g. 60)" in capsys.readouterr().err

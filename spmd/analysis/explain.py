@@ -18,6 +18,7 @@ import torch.nn as nn
 from ..layout.annotate import fake_copy
 from ..layout.dtypes import as_dtype
 from ..layout.mesh import MESH_AXES, check_sizes, mesh_sizes
+from ..layout.sequence import check_seq_len
 from ..runtime.checkpointing import apply_activation_checkpointing, parse_mode
 from ..runtime.optimizer import gather_updated, masters_of, shard_optimizer
 from ..runtime.parallelize import parallelize
@@ -82,12 +83,13 @@ def dry_run(model, rules, sizes, batch_shape, dtype, optimizer, pipeline=None, a
         apply_activation_checkpointing(model, ac)
         data_parallel = rules.data_parallel_size(mesh)
         batch, seq = batch_shape[0], batch_shape[1]
+        check_seq_len(seq, full["cp"])
         if batch % data_parallel:
             raise ValueError(f"batch {batch} does not divide by the data-parallel size "
                              f"{'*'.join(rules.batch_axes())}={data_parallel}")
         recorder, saved = record.CollectiveRecorder(mesh), {}
         with fake:
-            tokens = torch.zeros(batch // data_parallel, seq, dtype=torch.long)
+            tokens = torch.zeros(batch // data_parallel, seq // full["cp"], dtype=torch.long)
             with recorder, observe_saved(saved):
                 loss = training_loss(model, tokens)
             activations = activation_bytes(saved, model)

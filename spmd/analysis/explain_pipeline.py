@@ -52,7 +52,8 @@ def explain_pipeline(model, rules, mesh, batch_shape, dtype, optimizer, fake, sc
     hidden_dtype = param_dtype or h.dtype
     hidden = local_shape(tuple(h.shape), HIDDEN_AXES, stage_mesh, rules)
     hidden_bytes = torch.Size(hidden).numel() * hidden_dtype.itemsize
-    tokens = (mb_global[0] // n_dp,) + mb_global[1:]
+    cp = dict(zip(stage_mesh.mesh_dim_names, stage_mesh.shape)).get("cp", 1)
+    tokens = (mb_global[0] // n_dp,) + ((mb_global[1] // cp,) if len(mb_global) > 1 else ()) + mb_global[2:]
 
     fake_model = fake_copy(model, fake)
     runs, decisions, saved = _run_stages(split, fake_model, stage_mesh, rules, param_dtype, fake, tokens, hidden,

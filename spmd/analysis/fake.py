@@ -26,9 +26,31 @@ def fake_world(sizes: dict):
     _clear_dtensor_caches()
     try:
         # Fake CPU tensors rather than meta: ops such as attention pick their kernel by device.
-        yield make_mesh(sizes, device_type="cpu"), FakeTensorMode(allow_non_fake_inputs=True)
+        with _real_strided_offsets():
+            yield make_mesh(sizes, device_type="cpu"), FakeTensorMode(allow_non_fake_inputs=True)
     finally:
         dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _real_strided_offsets():
+    """A linear layer on an activation split over two mesh axes on two dims (batch over fsdp, sequence over
+    cp) flattens them into one _StridedShard dim, whose offsets torch computes from an index tensor and
+    `.tolist()`: data-dependent under a FakeTensorMode. The indices hold no data of the model; they are
+    computed as real tensors here."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.tensor.placement_types import _StridedShard
+    original = _StridedShard.local_shard_size_and_offset
+
+    def real(*args, **kwargs):
+        with unset_fake_temporarily():
+            return original(*args, **kwargs)
+
+    _StridedShard.local_shard_size_and_offset = real
+    try:
+        yield
+    finally:
+        _StridedShard.local_shard_size_and_offset = original
 
 
 def _clear_dtensor_caches():

@@ -3,8 +3,9 @@
     rows = spmd.search(LlamaConfig.preset("8b"), 64, device="h100", batch_shape=(64, 4096))  # or an nn.Module
     print(rows.table())                      # or: python -m spmd.search --model 8b --world 64 --device h100
 
-1. Enumerate the meshes of the world size: every dp x fsdp x tp = world (tp at most one node, 8 devices),
-   each tp > 1 with and without sequence parallelism. (pp comes later.)
+1. Enumerate the meshes of the world size: every dp x fsdp x cp x tp = world (tp at most one node, 8 devices),
+   each tp > 1 with and without sequence parallelism; cp > 1 only for sequences longer than 4096 tokens,
+   keeping at least 1024 on each rank. (pp comes later.)
 2. Plan each one with `spmd.explain`: its collectives (bytes per rank, per mesh axis) and its memory per
    rank (parameters, gradients, optimizer states, saved activations). A model's blocks are identical, so the
    plan of the full model is the plan of a 1-block copy plus (L-1) times the difference between the 2-block
@@ -18,7 +19,8 @@
                    its mesh axis sit in one node of 8 (tp is innermost, then fsdp, then dp), else across
                    nodes (InfiniBand);
        overlap   = a fraction `overlap` (0..1) of the parameter traffic (FSDP gathers, gradient
-                   reductions) hides behind compute; activation traffic (TP/SP) is on the critical path.
+                   reductions) hides behind compute; activation traffic (TP/SP, the cp ring) is on the
+                   critical path.
                    The default 0 puts all of it on the critical path, an upper bound: eager spmd issues
                    each block's gather while the block before computes, which hides part of it;
                    1 models a runtime that hides all parameter traffic behind compute;
@@ -109,17 +111,32 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def candidate_specs(world: int, max_tp: int = 8, sequence_parallel=(False, True)) -> list[tuple[dict, bool]]:
-    """Every (sizes, sp) with dp * fsdp * tp = world and tp <= max_tp; sp only where tp > 1."""
+LONG_SEQ = 4096      # longer sequences also try context parallelism,
+MIN_CP_TOKENS = 1024  # keeping at least this many tokens on each cp rank
+
+
+def _cp_sizes(world: int, seq: int | None) -> list[int]:
+    """cp sizes worth trying for sequences of `seq` tokens: 1, and for a long sequence every cp that splits it
+    into 2·cp equal chunks of a few hundred tokens or more."""
+    if not seq or seq <= LONG_SEQ:
+        return [1]
+    return [cp for cp in _divisors(world) if cp == 1 or (seq % (2 * cp) == 0 and seq // cp >= MIN_CP_TOKENS)]
+
+
+def candidate_specs(world: int, max_tp: int = 8, sequence_parallel=(False, True), seq: int | None = None
+                    ) -> list[tuple[dict, bool]]:
+    """Every (sizes, sp) with dp * fsdp * cp * tp = world and tp <= max_tp; sp only where tp > 1; cp > 1 only
+    for a sequence longer than LONG_SEQ."""
     out = []
     for tp in _divisors(world):
         if tp > max_tp:
             continue
-        for fsdp in _divisors(world // tp):
-            dp = world // tp // fsdp
-            sizes = {a: s for a, s in (("dp", dp), ("fsdp", fsdp), ("tp", tp)) if s > 1} or {"dp": 1}
-            for sp in (sequence_parallel if tp > 1 else (False,)):
-                out.append((sizes, sp))
+        for cp in [c for c in _cp_sizes(world, seq) if (world // tp) % c == 0]:
+            for fsdp in _divisors(world // tp // cp):
+                dp = world // tp // cp // fsdp
+                sizes = {a: s for a, s in (("dp", dp), ("fsdp", fsdp), ("cp", cp), ("tp", tp)) if s > 1} or {"dp": 1}
+                for sp in (sequence_parallel if tp > 1 else (False,)):
+                    out.append((sizes, sp))
     return out
 
 
@@ -193,7 +210,7 @@ def search(model, world_size: int, device="h100", memory_budget_bytes: float | N
     cfg = getattr(net, "cfg", None)
     batch, seq = batch_shape or (world_size, min(getattr(cfg, "max_seq_len", 2048), 4096))
     budget = memory_budget_bytes if memory_budget_bytes is not None else 0.9 * dev.memory_per_rank(world_size)
-    candidates = _candidates(world_size, specs, max_tp or dev.per_node, sequence_parallel)
+    candidates = _candidates(world_size, specs, max_tp or dev.per_node, sequence_parallel, seq)
     compute_s = flops_per_token(net, seq) * batch * seq / world_size / (dev.peak(dtype) * dev.efficiency)
     unplanned = _screen(net, candidates, world_size, budget)
     jobs = [(frozen(sizes), sp, (batch, seq), str(dtype)) for sizes, sp in candidates if frozen(sizes) not in unplanned]
@@ -221,9 +238,9 @@ def search(model, world_size: int, device="h100", memory_budget_bytes: float | N
     return SearchResult(ranked[:top] if top else ranked, dropped, meta)
 
 
-def _candidates(world_size: int, specs, max_tp: int, sequence_parallel) -> list[tuple[dict, bool]]:
+def _candidates(world_size: int, specs, max_tp: int, sequence_parallel, seq=None) -> list[tuple[dict, bool]]:
     if specs is None:
-        return candidate_specs(world_size, max_tp, sequence_parallel)
+        return candidate_specs(world_size, max_tp, sequence_parallel, seq)
     out = []
     for s in specs:
         sizes, flags = parse_spec(s)

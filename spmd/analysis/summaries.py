@@ -73,6 +73,8 @@ class Summary:
 def summarize(plan) -> Summary:
     groups: dict = {}
     for c in plan.collectives:
+        if c.kind == "recv":
+            continue  # the matching send carries the bytes of a point-to-point exchange (the cp ring)
         traffic = "param" if c.reason.startswith(PARAM_REASONS) else "activation"
         g = groups.setdefault(("+".join(c.axes), traffic), [0, 0])
         g[0] += 1

@@ -1,7 +1,8 @@
 """Named device meshes: `make_mesh({"fsdp": 4, "tp": 2})` and the spec strings users type (`fsdp=4,tp=2,sp`).
 
 Mesh dims are laid out in a fixed order, pipeline outermost and tensor parallel innermost, so the ranks of
-a tensor-parallel group are neighbours (one node, fastest links) whatever order the user wrote.
+a tensor-parallel group are neighbours (one node, fastest links) whatever order the user wrote; context
+parallel (`cp`, the sequence across ranks) sits just outside tp, its ring the next-fastest links.
 """
 import logging
 import os
@@ -14,7 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 __all__ = ["MESH_AXES", "SPEC_FLAGS", "parse_spec", "check_sizes", "format_sizes", "init_distributed",
            "exit_process", "make_mesh", "mesh_sizes"]
 
-MESH_AXES = ("pp", "dp", "fsdp", "ep", "tp")  # outermost first
+MESH_AXES = ("pp", "dp", "fsdp", "ep", "cp", "tp")  # outermost first (Megatron's order: tp innermost, then cp, ep)
 SPEC_FLAGS = ("sp",)
 
 

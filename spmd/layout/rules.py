@@ -66,8 +66,9 @@ class Rules:
         # ep splits the batch as dp and fsdp do, and the experts (expert parallelism inside data parallelism)
         compute = {"batch": ("dp", "fsdp", "ep"), "vocab": "tp", "heads": "tp", "kv_heads": "tp", "mlp": "tp",
                    "experts": "ep"}
-        if sequence_parallel:
-            compute["seq"] = "tp"
+        # The sequence splits over cp everywhere (attention runs as a ring there), and also over tp in the
+        # sequence-parallel regions; cp of size 1 is inactive, so the rule costs nothing without it.
+        compute["seq"] = ("cp", "tp") if sequence_parallel else "cp"
         shard = {"embed": "fsdp"}
         return cls(compute, params=shard if zero >= 3 else None, grads=shard if zero >= 2 else None,
                    optimizer=shard if zero >= 1 else None)
@@ -79,7 +80,7 @@ class Rules:
 
     @property
     def sequence_parallel(self) -> bool:
-        return bool(self.compute.get("seq"))
+        return "tp" in self.compute.get("seq", ())
 
     def __repr__(self):
         return (f"Rules(compute={self.compute}, params={self.params}, grads={self.grads}, "

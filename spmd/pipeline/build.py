@@ -73,16 +73,18 @@ class Pipeline(PipelineRuntime):
         self._shape = None
 
     def step(self, tokens: torch.Tensor, targets: torch.Tensor, loss_scale: float = 1.0,
-             sync: bool = True) -> torch.Tensor:
+             sync: bool = True, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Forward and backward of this rank's slice of the batch (the dp*fsdp slice, like the model's
         forward under spmd.parallelize) in `microbatches` micro-batches; gradients accumulate into the
         parameters' .grad, as the mean loss over the global batch times `loss_scale` would give them.
         `sync=False` leaves them unreduced over dp/fsdp (gradient accumulation over several steps).
-        Returns the mean loss over the global batch, a plain tensor, the same on every rank."""
+        Returns the mean loss over the global batch, a plain tensor, the same on every rank. Under cp,
+        tokens, targets and `positions` are this rank's zigzag share of the sequence (spmd.cp_slice)."""
         if self._schedule is None or tuple(tokens.shape) != self._shape:
             self._build_schedule(tokens)
         # targets reach the last stage's module as a keyword (every stage gets it; only the last uses it)
-        return self._run(tokens, targets, loss_scale, sync, targets=targets)
+        extra = {} if positions is None else {"positions": positions}
+        return self._run(tokens, targets, loss_scale, sync, targets=targets, **extra)
 
     def _build_schedule(self, tokens):
         if tokens.shape[0] % self.microbatches:
@@ -91,7 +93,8 @@ class Pipeline(PipelineRuntime):
         stage_cls = _make_stage_class()
         n_dp = self.rules.data_parallel_size(self.stage_mesh)
         mb_local = (tokens.shape[0] // self.microbatches,) + tuple(tokens.shape[1:])
-        mb_global = (mb_local[0] * n_dp,) + mb_local[1:]
+        cp = dict(zip(self.stage_mesh.mesh_dim_names, self.stage_mesh.shape)).get("cp", 1)
+        mb_global = (mb_local[0] * n_dp,) + ((mb_local[1] * cp,) if len(mb_local) > 1 else ()) + mb_local[2:]
         with torch.no_grad():
             h = type(self._meta).embed(self._meta, torch.zeros(mb_global, dtype=tokens.dtype, device="meta"))
         hidden_dtype = self.param_dtype or h.dtype
@@ -151,7 +154,8 @@ def build_pipeline(model: nn.Module, mesh: DeviceMesh, rules, schedule: str = "1
     for info in split.stages_of_rank(rank):
         stage = StageModule(model, split, info.index, hidden_axes, loss_fn)
         parallelize(stage, stage_mesh, rules, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-                    input_axes={0: hidden_axes if not info.first else token_axes, "targets": token_axes},
+                    input_axes={0: hidden_axes if not info.first else token_axes, "targets": token_axes,
+                                "positions": token_axes},
                     param_init=param_init)
         checkpoint_stage(stage, info, every)
         modules.append(stage)

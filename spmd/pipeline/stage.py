@@ -66,10 +66,10 @@ class StageModule(nn.Module):
                                  f"{name!r}; a model part used it on a stage that does not own it")
         return value
 
-    def forward(self, x, targets=None):
+    def forward(self, x, targets=None, positions=None):
         cls = type(self.__dict__["_source"])
         h = cls.embed(self, x) if self.first else x
-        extra = cls.block_inputs(self, h)
+        extra = cls.block_inputs(self, h) if positions is None else cls.block_inputs(self, h, positions)
         for block in self.__dict__["_blocks"]:
             h = block(h, *extra)
         if not self.last:

@@ -66,9 +66,9 @@ def linear_layouts(x: DTensor, w_shape, w_placements, w_element_size: int, modul
     w_target = list(w_placements)
     decisions = []
     for m, (xp, wp) in enumerate(zip(x.placements, w_placements)):
-        if mesh.size(m) == 1:
-            continue
         axis = mesh.mesh_dim_names[m]
+        if mesh.size(m) == 1 or axis == "cp":
+            continue  # cp splits only tokens, which a linear layer takes one by one
         if xp.is_partial():
             # a partial sum cannot enter a matmul with a bias or a sharded weight: finish the sum here,
             # into the layout the weight wants (reduce-scatter onto in-features for a row-parallel weight)

@@ -64,9 +64,9 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, rules: Rules, *, param_dtype
                 bucket: bool = True, master: str = "params", offload: str | None = None) -> nn.Module:
     """Lays `model` out on `mesh` following `rules`, in place, and returns it.
 
-    Plain-tensor inputs (positional or keyword) are this rank's slice of the batch (as with DDP);
-    `input_axes` names their logical axes: one tuple for every input, or a dict from argument position
-    or keyword to a tuple (default: `batch` first, the rest whole); tensors made in forward are replicated.
+    Plain-tensor inputs are this rank's slice of the batch (as with DDP) and, under cp, its zigzag share of the
+    sequence (spmd.cp_slice); `input_axes`: their logical axes, a tuple for all or a dict from position or keyword
+    (default: `batch`, the rest whole; an unnamed dim 1 is split over cp); tensors made in forward are replicated.
     A scalar (the loss), alone or in a dict, tuple or ModelOutput, comes back plain, equal on every rank.
 
     `bucket`: the parameters of each repeated block (spmd.find_blocks) gather in one collective per mesh
@@ -157,6 +157,8 @@ def _to_dtensor(state: SPMDState, t, key):
     axes = state.input_axes.get(key) if isinstance(state.input_axes, dict) else state.input_axes
     axes = axes or ("batch",) + (None,) * (t.dim() - 1)
     dims = state.rules.mesh_axes(axes, "compute", "model input", strict=False)
+    if t.dim() > 1 and axes[1] is None and "cp" in state.rules.compute.get("seq", ()):
+        dims[1] = ("cp",)  # the data path gives each cp rank its share of the sequence (spmd.cp_slice)
     placements = placements_for(state.mesh, dims, None, "model input")
     return DTensor.from_local(t, state.mesh, placements, run_check=False)
 

@@ -5,7 +5,8 @@ tensor: exactly a replicated DTensor. While a parallelized model runs forward (a
 block recomputes in backward), a torch-function mode turns every plain tensor that meets a DTensor in an
 op into a replicated DTensor before the op runs. Autograd then saves DTensors, so the backward never mixes
 the two either. The same mode hands parameters used outside their own module their compute layout
-(spmd.runtime.direct). Code outside the model keeps DTensor's strict mixing check.
+(spmd.runtime.direct), and runs attention on a sequence split over cp as a ring (spmd.runtime.ring). Code
+outside the model keeps DTensor's strict mixing check.
 
 A block that flattens its tokens into one dim (OPT: `x.reshape(-1, hidden)`) merges a sequence-sharded
 dim into the batch dim before it, which no DTensor layout holds evenly. Inside a layer, such a view first
@@ -16,11 +17,12 @@ layout, so that the backward's reverse view never merges a sharded dim either.
 import math
 
 import torch
+import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Replicate
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
-from . import direct, tags
+from . import direct, ring, tags
 from .activations import grad_layout, move
 
 __all__ = ["GlobalView"]
@@ -44,6 +46,8 @@ class GlobalView(TorchFunctionMode):
                 return DTensor.from_local(t, mesh, [Replicate()] * mesh.ndim, run_check=False) if _plain(t) else t
             args, kwargs = tree_map(replicate, args), tree_map(replicate, kwargs)
             flat = _tensors(args, kwargs)
+        if func is F.scaled_dot_product_attention and ring.applies(args[0]):
+            return ring.ring_attention(*args, **kwargs)
         if func in _VIEWS and isinstance(args[0], DTensor) and tags.current_module():
             x = _gather_merged(args[0], args[0].shape, _shape(args[0], args[1:]))
             out = func(x, *args[1:], **kwargs)

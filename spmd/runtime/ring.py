@@ -1,0 +1,163 @@
+"""Ring attention over the `cp` mesh axis: attention on a sequence split across ranks.
+
+Each rank keeps its queries; the key/value blocks travel around the cp ring (cp-1 hops, each overlapped
+with the attention on the block at hand) and the partial results merge by their log-sum-exp. In backward
+the K/V blocks travel again, and each block's dK/dV accumulator travels behind it, gathering every rank's
+contribution, until a last hop brings it home: 2(cp-1) hops of a K/V block, twice the forward. K and V go
+with their kv_heads (GQA stays grouped on the wire); each query group attends to its shared head.
+
+The sequence is split zigzag (spmd.layout.sequence): rank i holds chunks i and 2cp-1-i. Under a causal
+mask the rank's own block is causal as it stands (its positions increase), an earlier rank's block is
+seen by every query through its first chunk only, and a later rank's whole block by the second half of
+the queries only: every step costs every rank the same. torch's own context parallel
+(torch.distributed.tensor.experimental.context_parallel) dispatches only the CUDA flash/efficient/cuDNN
+kernels, so this ring computes each block in plain torch, which runs on any device.
+"""
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from ..layout.sequence import check_seq_len
+from . import tags
+
+__all__ = ["applies", "ring_attention"]
+
+
+def applies(q) -> bool:
+    """True when `q` ([batch, heads, seq, head_dim]) has its sequence split over an active cp mesh axis."""
+    if not isinstance(q, DTensor) or "cp" not in (q.device_mesh.mesh_dim_names or ()):
+        return False
+    d = q.device_mesh.mesh_dim_names.index("cp")
+    return q.device_mesh.size(d) > 1 and q.placements[d].is_shard() and q.placements[d].dim == q.ndim - 2
+
+
+def ring_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                   enable_gqa=False):
+    """`F.scaled_dot_product_attention` on DTensors whose sequence dim is split zigzag over cp."""
+    problem = ("an attention mask" if attn_mask is not None else "dropout" if dropout_p else
+               "a query of another head count than K/V without enable_gqa"
+               if query.shape[1] != key.shape[1] and not enable_gqa else None)
+    if problem:
+        raise ValueError(f"ring attention over cp takes no {problem}: use is_causal=True or a full mask "
+                         f"without dropout, or a mesh without cp")
+    if key.placements != query.placements or value.placements != query.placements:
+        raise ValueError(f"ring attention over cp needs q, k and v in one layout, got {query.placements}, "
+                         f"{key.placements}, {value.placements}")
+    mesh = query.device_mesh
+    group = mesh.get_group("cp")
+    check_seq_len(query.shape[2], group.size())
+    scale = query.shape[-1] ** -0.5 if scale is None else scale
+    out = _Ring.apply(query.to_local(), key.to_local(), value.to_local(), is_causal, scale, group,
+                      tags.current_module())
+    return DTensor.from_local(out, mesh, query.placements, run_check=False)
+
+
+def _blocks(me: int, src: int, t: int, causal: bool):
+    """(query rows, key columns, causal) of the attention rank `me` computes on rank `src`'s K/V block."""
+    every, first, second = slice(0, t), slice(0, t // 2), slice(t // 2, t)
+    if not causal:
+        return [(every, every, False)]
+    if src == me:
+        return [(every, every, True)]
+    return [(every, first, False)] if src < me else [(second, every, False)]
+
+
+def _attend(q, k, v, causal: bool, scale: float):
+    """q [b, hkv, g, tq, d] on one block k, v [b, hkv, tk, d]: (out, lse [b, hkv, g, tq]) in fp32."""
+    s = torch.einsum("bhgqd,bhkd->bhgqk", q.float(), k.float()) * scale
+    if causal:
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    lse = s.logsumexp(-1)
+    return torch.einsum("bhgqk,bhkd->bhgqd", (s - lse[..., None]).exp(), v.float()), lse
+
+
+def _attend_backward(q, k, v, dout, delta, lse, causal: bool, scale: float):
+    """Gradients (dq, dk, dv) of one block, given the merged output's lse and delta = rowsum(dout * out)."""
+    qf, kf, vf = q.float(), k.float(), v.float()
+    s = torch.einsum("bhgqd,bhkd->bhgqk", qf, kf) * scale
+    if causal:
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    p = (s - lse[..., None]).exp()
+    dv = torch.einsum("bhgqk,bhgqd->bhkd", p, dout)
+    ds = p * (torch.einsum("bhgqd,bhkd->bhgqk", dout, vf) - delta[..., None]) * scale
+    return torch.einsum("bhgqk,bhkd->bhgqd", ds, kf), torch.einsum("bhgqk,bhgqd->bhkd", ds, qf), dv
+
+
+def _exchange(t: torch.Tensor, group, module: str, why: str, tag: int = 0):
+    """Sends `t` to the next rank of the ring and receives the previous rank's: (buffer, requests).
+    K/V and dK/dV messages are in flight together in backward; their tags keep them apart."""
+    n, me = group.size(), group.rank()
+    recv = torch.empty_like(t)
+    ops = [dist.P2POp(dist.isend, t, dist.get_global_rank(group, (me + 1) % n), group, tag),
+           dist.P2POp(dist.irecv, recv, dist.get_global_rank(group, (me - 1) % n), group, tag)]
+    with tags.reason(module, why):
+        return recv, dist.batch_isend_irecv(ops)
+
+
+def _wait(pending):
+    recv, requests = pending
+    for r in requests:
+        r.wait()
+    return recv
+
+
+def _grouped(q, hkv: int):
+    b, h, t, d = q.shape
+    return q.reshape(b, hkv, h // hkv, t, d)
+
+
+class _Ring(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, causal, scale, group, module):
+        n, me, t = group.size(), group.rank(), q.shape[2]
+        qg = _grouped(q, k.shape[1])
+        out = torch.zeros(qg.shape, dtype=torch.float32, device=q.device)
+        lse = torch.full(qg.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
+        kv = torch.stack([k, v])
+        for step in range(n):
+            pending = _exchange(kv, group, module, "ring attention: K/V to the next cp rank") if step < n - 1 else None
+            for rows, cols, blk_causal in _blocks(me, (me - step) % n, t, causal):
+                o, l = _attend(qg[..., rows, :], kv[0][..., cols, :], kv[1][..., cols, :], blk_causal, scale)
+                merged = torch.logaddexp(lse[..., rows], l)
+                out[..., rows, :] = (out[..., rows, :] * (lse[..., rows] - merged).exp()[..., None]
+                                     + o * (l - merged).exp()[..., None])
+                lse[..., rows] = merged
+            if pending is not None:
+                kv = _wait(pending)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.causal, ctx.scale, ctx.group, ctx.module = causal, scale, group, module
+        return out.reshape(q.shape).to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, out, lse = ctx.saved_tensors
+        group, module = ctx.group, ctx.module
+        n, me, t = group.size(), group.rank(), q.shape[2]
+        qg, dout = _grouped(q, k.shape[1]), _grouped(grad, k.shape[1]).float()
+        delta = (dout * out).sum(-1)
+        dq = torch.zeros(qg.shape, dtype=torch.float32, device=q.device)
+        kv, arriving, own = torch.stack([k, v]), None, None
+        for step in range(n):
+            pending = _exchange(kv, group, module, "ring attention backward: K/V to the next cp rank") \
+                if step < n - 1 else None
+            dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
+            for rows, cols, blk_causal in _blocks(me, (me - step) % n, t, ctx.causal):
+                dq_b, dk_b, dv_b = _attend_backward(qg[..., rows, :], kv[0][..., cols, :], kv[1][..., cols, :],
+                                                    dout[..., rows, :], delta[..., rows], lse[..., rows],
+                                                    blk_causal, ctx.scale)
+                dq[..., rows, :] += dq_b
+                dkv[0][..., cols, :] += dk_b
+                dkv[1][..., cols, :] += dv_b
+            if step == 0:
+                own = dkv
+            else:
+                # the accumulator of the block held now goes on to the rank that holds it next; after the
+                # last step that rank is the block's owner
+                total = dkv if arriving is None else dkv + arriving.float()
+                arriving = _wait(_exchange(total.to(k.dtype), group, module,
+                                           "ring attention backward: dK/dV to the next cp rank", tag=1))
+            if pending is not None:
+                kv = _wait(pending)
+        if arriving is not None:
+            own = own + arriving.float()
+        return dq.reshape(q.shape).to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype), None, None, None, None
