@@ -44,7 +44,19 @@ def check_layout_agrees(model, mesh, rules, layouts: dict, **settings) -> None:
     dtype and (storage, compute, grads, optimizer) layout (`layouts`)."""
     check_ranks_agree(mesh, {
         "mesh": f"{dict(zip(mesh.mesh_dim_names, mesh.shape))} on {mesh.device_type}",
-        "rules": repr([sorted(getattr(rules, m).items()) for m in ("compute", "params", "grads", "optimizer")]),
+        "rules": _rules_summary(rules),
         "settings": ", ".join(f"{k}={v}" for k, v in sorted(settings.items())),
         "parameters": repr([(n, tuple(p.shape), p.dtype, layouts[n]) for n, p in model.named_parameters()]),
     }, "spmd.parallelize")
+
+
+def _rules_summary(rules) -> str:
+    """The compute map and what each later map adds to the one before: short enough to show in the error."""
+    parts, before = [f"compute {sorted(rules.compute.items())}"], rules.compute
+    for which in ("params", "grads", "optimizer"):
+        now = getattr(rules, which)
+        added = sorted((k, v) for k, v in now.items() if before.get(k) != v)
+        if added:
+            parts.append(f"{which} adds {added}")
+        before = now
+    return "; ".join(parts)
