@@ -31,6 +31,8 @@ TIED_SOURCE: dict = {}
 class TransformersConfig:
     path: str = ""
     kernels: str = "auto"  # the loss's implementation; the layers are transformers' own code
+    # pipeline stages cut transformers' forward (spmd.pipeline.cut): a tied head lives on the first and last stage
+    pipeline_ties = True
 
     @classmethod
     def preset(cls, name: str, **overrides) -> "TransformersConfig":
@@ -109,8 +111,6 @@ class TransformersConfig:
         return 6 * self.num_params(non_embedding=True) + 12 * self.n_layers * heads * head_dim * seq_len
 
     def mesh_problem(self, sizes: dict) -> str | None:
-        if sizes.get("pp", 1) > 1:
-            return "--model hf:DIR does not run pipeline parallelism; use a mesh without pp"
         tp = sizes.get("tp", 1)
         heads = {k: v for k in ("num_attention_heads", "num_key_value_heads", "n_head")
                  if isinstance(v := self.hf.get(k), int)}

@@ -43,10 +43,13 @@ def test_four_processes_match_one_and_the_export_loads_into_transformers(tmp_pat
     ref = T.train(load_config(common), log=False)
     ck, m = tmp_path / "ck", tmp_path / "m.jsonl"
     _torchrun(4, *common, "--mesh", "fsdp=2,tp=2,sp", "--ckpt-dir", str(ck), "--metrics", str(m))
-    rows = _jsonl(m)
-    for a, b in zip(ref, rows):
-        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
-        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
+    # pipeline stages cut transformers' forward at its decoder layers (rotary tables and mask made on each stage)
+    _torchrun(4, *common, "--mesh", "pp=2,fsdp=2", "--metrics", str(tmp_path / "pp.jsonl"))
+    for rows in (_jsonl(m), _jsonl(tmp_path / "pp.jsonl")):
+        assert len(rows) == len(ref)
+        for a, b in zip(ref, rows):
+            assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+            assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
     out = tmp_path / "export"
     export(str(ck), str(out))
     loaded = transformers.AutoModelForCausalLM.from_pretrained(out, local_files_only=True, dtype=torch.float32)
@@ -124,9 +127,15 @@ def test_init_from_hf_reads_each_ranks_slices_on_fsdp_and_tp(tmp_path):
     run_distributed(_loads_slices, 4, str(fresh), str(weights), timeout_s=120)
 
 
-def test_pipeline_parallel_is_a_config_error_for_hf_models(tmp_path):
-    cfg = load_config([*SMALL, "--model", f"hf:{_tiny_llama_dir(tmp_path / 'cfg', False)}", "--mesh", "pp=2,fsdp=2"])
-    with pytest.raises(ValueError, match="does not run pipeline parallelism; use a mesh without pp"):
+def test_pipeline_parallel_validates_for_hf_models_and_zbv_with_a_tied_head_does_not(tmp_path):
+    flags = [*SMALL, "--model", f"hf:{_tiny_llama_dir(tmp_path / 'cfg', False)}", "--mesh", "pp=2,fsdp=2"]
+    cfg = load_config(flags)
+    cfg.validate(4, cfg.model_config())
+    gpt2 = tmp_path / "gpt2"  # GPT-2's head is its embedding: the first and last stage both hold it
+    transformers.GPT2Config(vocab_size=320, n_embd=64, n_layer=4, n_head=4).save_pretrained(gpt2)
+    cfg = load_config([*SMALL, "--model", f"hf:{gpt2}", "--mesh", "pp=2,fsdp=2", "--pp-schedule", "zbv",
+                       "--virtual-stages", "2"])
+    with pytest.raises(ValueError, match="zbv puts the first and last stage on one rank, which a tied head"):
         cfg.validate(4, cfg.model_config())
 
 

@@ -84,7 +84,7 @@ def _run_stages(split, fake_model, stage_mesh, rules, param_dtype, fake, tokens,
             stage = StageModule(fake_model, split, info.index, HIDDEN_AXES)
             parallelize(stage, stage_mesh, rules, param_dtype=param_dtype,
                         input_axes={0: TOKEN_AXES if info.first else HIDDEN_AXES, "targets": TOKEN_AXES})
-            checkpoint_stage(stage, info, every)
+            checkpoint_stage(stage, info, every, fake_model.get_submodule(split.block_path))
             x = torch.zeros(tokens, dtype=torch.long) if info.first else \
                 torch.zeros(hidden, dtype=hidden_dtype, requires_grad=True)
             targets = torch.zeros(tokens, dtype=torch.long)
