@@ -101,8 +101,12 @@ class TransformersConfig:
         with torch.device("meta"):
             model = self.build()
         total = sum(p.numel() for p in model.parameters())
-        if non_embedding:
-            total -= sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Embedding))
+        if non_embedding:  # the input and output embeddings, as models/llama.py counts them
+            tables = {id(m.weight): m.weight for m in model.modules() if isinstance(m, nn.Embedding)}
+            head = model.get_output_embeddings()
+            if head is not None:
+                tables[id(head.weight)] = head.weight
+            total -= sum(w.numel() for w in tables.values())
         return total
 
     def flops_per_token(self, seq_len: int) -> float:
