@@ -3,7 +3,7 @@ config.json (as `--model hf:DIR` builds it) and a nanoGPT whose head is tied to 
 `F.linear`. Neither has embed/block_inputs/head parts; spmd.build_pipeline cuts the model's own forward at
 block boundaries (spmd/pipeline/cut.py) and lays each stage out with the other mesh axes.
 
-One 4-process launch runs every case for 3 AdamW steps next to the same model in one process on
+One 4-process launch runs every case (one with every block checkpointed) for 3 AdamW steps next to the same model in one process on
 the whole batch: the loss, every gradient, the global gradient norm (a tied weight counted once) and every
 updated parameter agree within 1e-5, norm-relative, in float32.
 """
@@ -20,8 +20,8 @@ from tests.test_any_model import _TINY, NANOGPT, VOCAB, batch
 transformers = pytest.importorskip("transformers")
 
 TOL = 1e-5
-CASES = {"llama": [("pp=2,fsdp=2", "1f1b", 1, 2), ("pp=2,tp=2,sp", "interleaved-1f1b", 2, 2)],
-         "nanogpt": [("pp=2,fsdp=2", "1f1b", 1, 2), ("pp=2,tp=2", "zero-bubble", 2, 2)]}
+CASES = {"llama": [("pp=2,fsdp=2", "1f1b", 1, 2, "full"), ("pp=2,tp=2,sp", "interleaved-1f1b", 2, 2, "none")],
+         "nanogpt": [("pp=2,fsdp=2", "1f1b", 1, 2, "none"), ("pp=2,tp=2", "zero-bubble", 2, 2, "none")]}
 
 
 def _build(kind: str, hf_dir: str):
@@ -46,13 +46,13 @@ def _loss(out):
 
 
 def _pipeline_matches_one_device(rank, world, hf_dir):
-    for kind, spec, schedule, v, M in [(kind, *case) for kind, cases in CASES.items() for case in cases]:
-        what = f"{kind} {spec} {schedule} v={v}"
+    for kind, spec, schedule, v, M, ac in [(kind, *case) for kind, cases in CASES.items() for case in cases]:
+        what = f"{kind} {spec} {schedule} v={v} ac={ac}"
         sizes, flags = spmd.parse_spec(spec)
         mesh = spmd.make_mesh(sizes)
         ref = _build(kind, hf_dir)
         pipe = spmd.build_pipeline(_build(kind, hf_dir), mesh, spmd.Rules.default(sequence_parallel="sp" in flags),
-                                   schedule=schedule, microbatches=M, virtual_stages=v)
+                                   schedule=schedule, microbatches=M, virtual_stages=v, ac=ac)
         opt = torch.optim.AdamW(pipe.parameters(), lr=1e-3, weight_decay=0.1, eps=1e-6)
         ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.1, eps=1e-6)
         ref_params = dict(ref.named_parameters())

@@ -164,7 +164,7 @@ def build_pipeline(model: nn.Module, mesh: DeviceMesh, rules, schedule: str = "1
         cut, make = None, lambda info: StageModule(model, split, info.index, hidden_axes, loss_fn)
     else:  # the model's own forward, cut at block boundaries
         cut = plan_cut(model, split, traced)
-        make = lambda info: cut_stage(model, split, info.index, cut, hidden_axes, loss_fn)  # noqa: E731
+        make = lambda info: cut_stage(model, split, info.index, cut, hidden_axes, loss_fn, param_dtype)  # noqa: E731
     modules = []
     for info in split.stages_of_rank(rank):
         stage = make(info)

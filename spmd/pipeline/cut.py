@@ -119,9 +119,9 @@ class _Absent(nn.Module):
     blocks: zeros of an embedding's or a linear layer's output shape, else its input unchanged. The first
     block's input replaces what comes of them."""
 
-    def __init__(self, module: nn.Module):
+    def __init__(self, module: nn.Module, dtype: torch.dtype | None):
         super().__init__()
-        self.dtype = next(module.parameters()).dtype
+        self.dtype = dtype or next(module.parameters()).dtype
         self.embedding = isinstance(module, nn.Embedding)
         self.width = getattr(module, "embedding_dim", None) or getattr(module, "out_features", None)
 
@@ -132,7 +132,7 @@ class _Absent(nn.Module):
         return torch.zeros_like(like, dtype=self.dtype).expand(*like.shape[:-1], self.width)
 
 
-def _stage_tree(module, prefix, split, blocks, held, outside):
+def _stage_tree(module, prefix, split, blocks, held, outside, dtype):
     new = _shell(module)
     for name, child in module._modules.items():
         path = prefix + name
@@ -143,9 +143,9 @@ def _stage_tree(module, prefix, split, blocks, held, outside):
             for i in blocks:  # under their model indices: the forward iterates them
                 new._modules[name].add_module(str(i), child[i])
         elif path in outside and path not in held:
-            new._modules[name] = _Absent(child)
+            new._modules[name] = _Absent(child, dtype)
         else:
-            new._modules[name] = _stage_tree(child, path + ".", split, blocks, held, outside)
+            new._modules[name] = _stage_tree(child, path + ".", split, blocks, held, outside, dtype)
     return new
 
 
@@ -163,14 +163,16 @@ def _loss_of(out):
     return loss
 
 
-def cut_stage(model: nn.Module, split, index: int, plan: CutPlan, hidden_axes, loss_fn=None) -> nn.Module:
+def cut_stage(model: nn.Module, split, index: int, plan: CutPlan, hidden_axes, loss_fn=None,
+              compute_dtype: torch.dtype | None = None) -> nn.Module:
     """Stage `index` of `model` as a shell of it (module docstring); its forward is `(x, targets=None)` like a
     StageModule's: token ids on the first stage, the received hidden state on the others; the loss on the
-    last, the hidden state as a local tensor on the others."""
+    last, the hidden state as a local tensor on the others. `compute_dtype`: the dtype parameters compute in
+    (spmd.parallelize's param_dtype), which the stubs' zeros take as the real modules' outputs would."""
     info = split.stages[index]
     all_blocks = model.get_submodule(split.block_path)
     pre, post, _, _ = outside_blocks(model, all_blocks)
-    stage = _stage_tree(model, "", split, info.blocks, set(plan.held[index]), set(pre + post))
+    stage = _stage_tree(model, "", split, info.blocks, set(plan.held[index]), set(pre + post), compute_dtype)
     own = model.__dict__.get("forward")
     call = types.MethodType(own.__func__ if isinstance(own, types.MethodType) else type(model).forward, stage)
     box = {}
