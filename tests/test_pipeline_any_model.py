@@ -76,8 +76,23 @@ def _pipeline_matches_one_device(rank, world, hf_dir):
             for name, p in pipe.named_parameters():
                 err = norm_rel_err(p.full_tensor(), ref_params[name].detach())
                 assert err <= TOL, f"{what} step {step}: parameter {name} off by {err:.2e}"
+        if ac == "none" and v == 1:
+            _accumulates(pipe, ref, what)
         if rank == 0:
             print(f"{what}: ok", flush=True)
+
+
+def _accumulates(pipe, ref, what):
+    """step(sync=False) then step(): the gradients of both batches summed, a tied one over its stages once."""
+    for step in (3, 4):
+        tokens = batch(step)
+        x, y = tokens[:, :-1], tokens[:, 1:]
+        pipe.step(local_slice(x, pipe.stage_mesh), local_slice(y, pipe.stage_mesh), sync=step == 4)
+        _loss(ref(x, y)).backward()
+    ref_params = dict(ref.named_parameters())
+    for name, p in pipe.named_parameters():
+        err = norm_rel_err(p.grad.full_tensor(), ref_params[name].grad)
+        assert err <= TOL, f"{what}: accumulated gradient of {name} off by {err:.2e}"
 
 
 def _tiny_llama_dir(path) -> str:
