@@ -9,6 +9,7 @@ and `--init-from-hf DIR2` loads another directory of the same architecture into 
 its slices.
 """
 import json
+import math
 import types
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -115,6 +116,12 @@ class TransformersConfig:
         return 6 * self.num_params(non_embedding=True) + 12 * self.n_layers * heads * head_dim * seq_len
 
     def mesh_problem(self, sizes: dict) -> str | None:
+        drop = {k: v for k in ("attn_pdrop", "attention_dropout") if isinstance(v := self.hf.get(k), (int, float)) and v}
+        if drop and math.prod(sizes.values()) > 1 and not torch.cuda.is_available():
+            # SDPA's CPU kernel has no dropout: its math fallback adds a plain dropout mask to sharded scores
+            return (f"attention dropout {drop} (config.json of {self.path}) runs inside "
+                    f"scaled_dot_product_attention, which DTensor cannot apply on CPU; set it to 0.0 in config.json "
+                    f"(other dropouts work)")
         tp = sizes.get("tp", 1)
         heads = {k: v for k in ("num_attention_heads", "num_key_value_heads", "n_head")
                  if isinstance(v := self.hf.get(k), int)}

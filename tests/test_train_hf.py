@@ -139,6 +139,15 @@ def test_pipeline_parallel_validates_for_hf_models_and_zbv_with_a_tied_head_does
         cfg.validate(4, cfg.model_config())
 
 
+def test_attention_dropout_on_a_cpu_mesh_is_a_config_error(tmp_path):
+    gpt2 = tmp_path / "gpt2"  # GPT-2's config defaults to attn_pdrop=0.1
+    transformers.GPT2Config(vocab_size=320, n_embd=64, n_layer=2, n_head=4).save_pretrained(gpt2)
+    cfg = load_config([*SMALL, "--model", f"hf:{gpt2}", "--mesh", "fsdp=2,tp=2"])
+    with pytest.raises(ValueError, match=r"attention dropout \{'attn_pdrop': 0.1\} .*set it to 0.0 in config.json"):
+        cfg.validate(4, cfg.model_config())
+    load_config([*SMALL, "--model", f"hf:{gpt2}"]).validate(1)  # one process: plain PyTorch applies it
+
+
 def test_init_from_hf_alone_of_an_unregistered_family_points_to_model_hf(tmp_path):
     from launch.hf import config_from_hf
     gpt2 = tmp_path / "gpt2"
