@@ -206,7 +206,8 @@ def sum_tied_grads(params: dict, plan: CutPlan, group) -> None:
     """Adds the gradients of parameters held by both the first and the last stage (a tied head) over their two
     pp ranks, so both copies take the same optimizer step."""
     for name in plan.tied:
-        p = params.get(name)
-        if p is not None and p.grad is not None:
-            grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-            dist.all_reduce(grad, group=group)
+        p = params[name]
+        if p.grad is None:  # both ranks take part, even where this step left no gradient
+            p.grad = torch.zeros_like(p)
+        grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+        dist.all_reduce(grad, group=group)
