@@ -3,9 +3,11 @@ config.json (as `--model hf:DIR` builds it) and a nanoGPT whose head is tied to 
 `F.linear`. Neither has embed/block_inputs/head parts; spmd.build_pipeline cuts the model's own forward at
 block boundaries (spmd/pipeline/cut.py) and lays each stage out with the other mesh axes.
 
-One 4-process launch runs every case (one with every block checkpointed) for 3 AdamW steps next to the same model in one process on
-the whole batch: the loss, every gradient, the global gradient norm (a tied weight counted once) and every
-updated parameter agree within 1e-5, norm-relative, in float32.
+One 4-process launch runs every case for 3 AdamW steps next to the same model in one process on the whole
+batch: the loss, every gradient, the global gradient norm (a tied weight counted once) and every updated
+parameter agree within 1e-5, norm-relative, in float32. One case checkpoints every block; on pp=4 the tied
+head's gradients are summed over a group of the first and last pp rank alone; two cases then accumulate
+two steps, the first without gradient sync.
 """
 import json
 
@@ -21,7 +23,8 @@ transformers = pytest.importorskip("transformers")
 
 TOL = 1e-5
 CASES = {"llama": [("pp=2,fsdp=2", "1f1b", 1, 2, "full"), ("pp=2,tp=2,sp", "interleaved-1f1b", 2, 2, "none")],
-         "nanogpt": [("pp=2,fsdp=2", "1f1b", 1, 2, "none"), ("pp=2,tp=2", "zero-bubble", 2, 2, "none")]}
+         "nanogpt": [("pp=2,fsdp=2", "1f1b", 1, 2, "none"), ("pp=2,tp=2", "zero-bubble", 2, 2, "none"),
+                     ("pp=4", "1f1b", 1, 4, "none")]}
 
 
 def _build(kind: str, hf_dir: str):
