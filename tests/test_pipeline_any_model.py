@@ -22,7 +22,10 @@ from tests.test_any_model import _TINY, NANOGPT, VOCAB, batch
 transformers = pytest.importorskip("transformers")
 
 TOL = 1e-5
-CASES = {"llama": [("pp=2,fsdp=2", "1f1b", 1, 2, "full"), ("pp=2,tp=2,sp", "interleaved-1f1b", 2, 2, "none")],
+# "trainer": transformers' Llama as `launch.train --model hf:DIR` builds it (on meta, each rank initialising
+# its stages' shards by name through the model's initializer)
+CASES = {"trainer": [("pp=2,fsdp=2", "1f1b", 1, 2, "full")],
+         "llama": [("pp=2,tp=2,sp", "interleaved-1f1b", 2, 2, "none")],
          "nanogpt": [("pp=2,fsdp=2", "1f1b", 1, 2, "none"), ("pp=2,tp=2", "zero-bubble", 2, 2, "none"),
                      ("pp=4", "1f1b", 1, 4, "none")]}
 
@@ -52,10 +55,13 @@ def _pipeline_matches_one_device(rank, world, hf_dir):
     for kind, spec, schedule, v, M, ac in [(kind, *case) for kind, cases in CASES.items() for case in cases]:
         what = f"{kind} {spec} {schedule} v={v} ac={ac}"
         sizes, flags = spmd.parse_spec(spec)
-        mesh = spmd.make_mesh(sizes)
-        ref = _build(kind, hf_dir)
-        pipe = spmd.build_pipeline(_build(kind, hf_dir), mesh, spmd.Rules.default(sequence_parallel="sp" in flags),
-                                   schedule=schedule, microbatches=M, virtual_stages=v, ac=ac)
+        if kind == "trainer":
+            ref, pipe = _trainer_pipeline(world, hf_dir, spec, schedule, M, ac)
+        else:
+            ref = _build(kind, hf_dir)
+            pipe = spmd.build_pipeline(_build(kind, hf_dir), spmd.make_mesh(sizes),
+                                       spmd.Rules.default(sequence_parallel="sp" in flags), schedule=schedule,
+                                       microbatches=M, virtual_stages=v, ac=ac)
         opt = torch.optim.AdamW(pipe.parameters(), lr=1e-3, weight_decay=0.1, eps=1e-6)
         ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.1, eps=1e-6)
         ref_params = dict(ref.named_parameters())
@@ -83,6 +89,18 @@ def _pipeline_matches_one_device(rank, world, hf_dir):
             _accumulates(pipe, ref, what)
         if rank == 0:
             print(f"{what}: ok", flush=True)
+
+
+def _trainer_pipeline(world, hf_dir, spec, schedule, M, ac):
+    """(one-process model, pipeline) as launch.train builds them for --model hf:DIR."""
+    from launch.config import load_config
+    from launch.train import build_model
+    cfg = load_config(["--model", f"hf:{hf_dir}", "--mesh", spec, "--pp-schedule", schedule, "--microbatches",
+                       str(M), "--ac", ac, "--kernels", "torch", "--batch-size", "8", "--seq-len", "16"])
+    cfg.validate(world, cfg.model_config())
+    pipe = build_model(cfg, cfg.model_config(), world, torch.device("cpu"))[4]
+    torch.manual_seed(cfg.seed)
+    return cfg.model_config().build(), pipe
 
 
 def _accumulates(pipe, ref, what):
