@@ -214,8 +214,13 @@ class TrainConfig:
                                   data_parallel=dp, world=world_size)
             except ValueError as e:
                 problems.append(str(e))
-            need(not model_cfg.tie_embeddings, "pipeline parallelism needs untied embeddings (the first and last "
-                                               "stage would share one weight); use a model without tied embeddings")
+            if getattr(model_cfg, "pipeline_ties", False):  # the first and last stage both hold the tied weight
+                need(not model_cfg.tie_embeddings or self.pp_schedule != "zbv",
+                     "--pp-schedule zbv puts the first and last stage on one rank, which a tied head (one weight "
+                     "in both) does not allow; use interleaved-1f1b or zero-bubble")
+            else:
+                need(not model_cfg.tie_embeddings, "pipeline parallelism needs untied embeddings (the first and last "
+                                                   "stage would share one weight); use a model without tied embeddings")
         if problems:
             raise ValueError("invalid training config:\n  - " + "\n  - ".join(problems))
         return self

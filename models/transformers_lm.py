@@ -9,6 +9,7 @@ and `--init-from-hf DIR2` loads another directory of the same architecture into 
 its slices.
 """
 import json
+import math
 import types
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -31,6 +32,8 @@ TIED_SOURCE: dict = {}
 class TransformersConfig:
     path: str = ""
     kernels: str = "auto"  # the loss's implementation; the layers are transformers' own code
+    # pipeline stages cut transformers' forward (spmd.pipeline.cut): a tied head lives on the first and last stage
+    pipeline_ties = True
 
     @classmethod
     def preset(cls, name: str, **overrides) -> "TransformersConfig":
@@ -99,8 +102,12 @@ class TransformersConfig:
         with torch.device("meta"):
             model = self.build()
         total = sum(p.numel() for p in model.parameters())
-        if non_embedding:
-            total -= sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Embedding))
+        if non_embedding:  # the input and output embeddings, as models/llama.py counts them
+            tables = {id(m.weight): m.weight for m in model.modules() if isinstance(m, nn.Embedding)}
+            head = model.get_output_embeddings()
+            if head is not None:
+                tables[id(head.weight)] = head.weight
+            total -= sum(w.numel() for w in tables.values())
         return total
 
     def flops_per_token(self, seq_len: int) -> float:
@@ -109,8 +116,12 @@ class TransformersConfig:
         return 6 * self.num_params(non_embedding=True) + 12 * self.n_layers * heads * head_dim * seq_len
 
     def mesh_problem(self, sizes: dict) -> str | None:
-        if sizes.get("pp", 1) > 1:
-            return "--model hf:DIR does not run pipeline parallelism; use a mesh without pp"
+        drop = {k: v for k in ("attn_pdrop", "attention_dropout") if isinstance(v := self.hf.get(k), (int, float)) and v}
+        if drop and math.prod(sizes.values()) > 1 and not torch.cuda.is_available():
+            # SDPA's CPU kernel has no dropout: its math fallback adds a plain dropout mask to sharded scores
+            return (f"attention dropout {drop} (config.json of {self.path}) runs inside "
+                    f"scaled_dot_product_attention, which DTensor cannot apply on CPU; set it to 0.0 in config.json "
+                    f"(other dropouts work)")
         tp = sizes.get("tp", 1)
         heads = {k: v for k in ("num_attention_heads", "num_key_value_heads", "n_head")
                  if isinstance(v := self.hf.get(k), int)}

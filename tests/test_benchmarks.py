@@ -76,6 +76,19 @@ def test_ratio_over_rounds_is_even_when_its_range_covers_one():
     assert (s["verdict"], s["median"], s["min"], s["max"], s["rounds"]) == ("slower", 0.75, 0.6, 0.9, 5)
 
 
+def test_hf_llama_compares_models_of_one_shape(tmp_path):
+    """The directory benchmarks.hf_llama writes holds transformers' Llama of the preset's shape: the same
+    parameter count, the same FLOPs per token."""
+    pytest.importorskip("transformers")
+    from benchmarks.hf_llama import _write_dir
+    from models.llama import LlamaConfig
+    from models.transformers_lm import TransformersConfig
+    for preset in ("tiny", "small"):
+        ours, theirs = LlamaConfig.preset(preset), TransformersConfig.preset(_write_dir(preset, tmp_path / preset))
+        assert theirs.num_params() == ours.num_params() > 0
+        assert theirs.flops_per_token(128) == ours.flops_per_token(128)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("spec", ["fsdp=2", "tp=2,sp"])
 def test_native_baseline_trains_like_launch_train(spec, tmp_path):

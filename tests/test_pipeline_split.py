@@ -171,6 +171,14 @@ class _Plain(nn.Module):
         self.blocks = nn.ModuleList(nn.Linear(32, 32) for _ in range(4))
 
 
+class _Logits(_Plain):
+    def forward(self, tokens, targets=None):
+        h = self.emb(tokens)
+        for block in self.blocks:
+            h = block(h)
+        return h
+
+
 def test_models_build_pipeline_cannot_stage_say_why():
     import torch.distributed as dist
     import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the "fake" backend)
@@ -178,8 +186,15 @@ def test_models_build_pipeline_cannot_stage_say_why():
     try:
         mesh = spmd.make_mesh({"pp": 2, "fsdp": 2}, device_type="cpu")
         rules = spmd.Rules.default()
-        with pytest.raises(ValueError, match="no embed/block_inputs/head methods.*build_traced_pipeline"):
+        with pytest.raises(ValueError, match=r"cannot cut _Plain into pipeline stages: its forward failed on "
+                                             r"shapes alone \(NotImplementedError.*loss_fn"):
             spmd.build_pipeline(_Plain(), mesh, rules)
+        with pytest.raises(ValueError, match=r"output \(\w*Tensor\) holds no scalar loss .*build_pipeline\(loss_fn="):
+            spmd.build_pipeline(_Logits(), mesh, rules)
+        from tests.nanogpt import GPT, GPTConfig
+        with pytest.raises(ValueError, match=r"uses \['wte.weight'\] both before and after its blocks .*other than zbv"):
+            spmd.build_pipeline(GPT(GPTConfig(n_layer=4)), mesh, rules, schedule="zbv", virtual_stages=2,
+                                microbatches=4)
         with pytest.raises(ValueError, match=r"cannot be laid out over \{'fsdp': 2\}.*module hooks"):
             spmd.build_traced_pipeline(_Plain(), mesh, (torch.zeros(1, 4, dtype=torch.long),), None)
         with pytest.raises(ValueError, match="shared by pipeline stages 0 and 1 .*tied"):

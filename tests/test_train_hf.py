@@ -124,10 +124,25 @@ def test_init_from_hf_reads_each_ranks_slices_on_fsdp_and_tp(tmp_path):
     run_distributed(_loads_slices, 4, str(fresh), str(weights), timeout_s=120)
 
 
-def test_pipeline_parallel_is_a_config_error_for_hf_models(tmp_path):
-    cfg = load_config([*SMALL, "--model", f"hf:{_tiny_llama_dir(tmp_path / 'cfg', False)}", "--mesh", "pp=2,fsdp=2"])
-    with pytest.raises(ValueError, match="does not run pipeline parallelism; use a mesh without pp"):
+def test_pipeline_parallel_validates_for_hf_models_and_zbv_with_a_tied_head_does_not(tmp_path):
+    flags = [*SMALL, "--model", f"hf:{_tiny_llama_dir(tmp_path / 'cfg', False)}", "--mesh", "pp=2,fsdp=2"]
+    cfg = load_config(flags)
+    cfg.validate(4, cfg.model_config())
+    gpt2 = tmp_path / "gpt2"  # GPT-2's head is its embedding: the first and last stage both hold it
+    transformers.GPT2Config(vocab_size=320, n_embd=64, n_layer=4, n_head=4).save_pretrained(gpt2)
+    cfg = load_config([*SMALL, "--model", f"hf:{gpt2}", "--mesh", "pp=2,fsdp=2", "--pp-schedule", "zbv",
+                       "--virtual-stages", "2"])
+    with pytest.raises(ValueError, match="zbv puts the first and last stage on one rank, which a tied head"):
         cfg.validate(4, cfg.model_config())
+
+
+def test_attention_dropout_on_a_cpu_mesh_is_a_config_error(tmp_path):
+    gpt2 = tmp_path / "gpt2"  # GPT-2's config defaults to attn_pdrop=0.1
+    transformers.GPT2Config(vocab_size=320, n_embd=64, n_layer=2, n_head=4).save_pretrained(gpt2)
+    cfg = load_config([*SMALL, "--model", f"hf:{gpt2}", "--mesh", "fsdp=2,tp=2"])
+    with pytest.raises(ValueError, match=r"attention dropout \{'attn_pdrop': 0.1\} .*set it to 0.0 in config.json"):
+        cfg.validate(4, cfg.model_config())
+    load_config([*SMALL, "--model", f"hf:{gpt2}"]).validate(1)  # one process: plain PyTorch applies it
 
 
 def test_init_from_hf_alone_of_an_unregistered_family_points_to_model_hf(tmp_path):

@@ -42,7 +42,9 @@ def explain_pipeline(model, rules, mesh, batch_shape, dtype, optimizer, fake, sc
     n_dp = rules.data_parallel_size(stage_mesh)
     validate_pipeline(pp, schedule, m, v, len(find_blocks(model, blocks)[1]), batch_shape[0], n_dp)
     if not has_parts(model):
-        raise ValueError(f"{type(model).__name__} has no embed/block_inputs/head methods for pipeline stages")
+        raise ValueError(f"explain with a pp axis plans models with embed/block_inputs/head methods; "
+                         f"{type(model).__name__} has none (spmd.build_pipeline trains it, its forward cut at the "
+                         f"blocks, but explain does not plan such stages yet): plan it without pp")
     split = split_stages(model, pp * v, split_cost, blocks, pp=pp, style="v" if schedule == "zbv" else "loop",
                          example_inputs=(torch.zeros(batch_shape, dtype=torch.long),))
     meta = fake_copy(model, None)
@@ -85,7 +87,7 @@ def _run_stages(split, fake_model, stage_mesh, rules, param_dtype, fake, tokens,
             stage = StageModule(fake_model, split, info.index, HIDDEN_AXES)
             parallelize(stage, stage_mesh, rules, param_dtype=param_dtype,
                         input_axes={0: TOKEN_AXES if info.first else HIDDEN_AXES, "targets": TOKEN_AXES})
-            checkpoint_stage(stage, info, every)
+            checkpoint_stage(stage, info, every, fake_model.get_submodule(split.block_path))
             x = torch.zeros(tokens, dtype=torch.long) if info.first else \
                 torch.zeros(hidden, dtype=hidden_dtype, requires_grad=True)
             targets = torch.zeros(tokens, dtype=torch.long)

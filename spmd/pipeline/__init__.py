@@ -1,5 +1,6 @@
 """Pipeline parallelism over the `pp` mesh axis: split a model into stages (split), build the stages spmd
-lays out (stage, build) or traced ones (traced), and run torch's schedules over them (runtime)."""
+lays out (stage: a model's embed/block_inputs/head parts; cut: any model's own forward cut at its blocks;
+build) or traced ones (traced), and run torch's schedules over them (runtime)."""
 from .build import Pipeline, build_pipeline
 from .runtime import INTERLEAVED, SCHEDULES, PipelineRuntime, bubble_fraction, default_microbatches, validate_pipeline
 from .split import split_stages

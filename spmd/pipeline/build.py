@@ -6,28 +6,32 @@
     pipe.clip_grad_norm_(1.0); opt.step(); opt.zero_grad()
 
 `split_stages` cuts the blocks into pp * virtual_stages stages of balanced cost; each rank builds its stage
-modules (`stage.StageModule`) and lays each out with `spmd.parallelize` on the mesh without the pp
+modules (`stage.StageModule` for a model with embed/block_inputs/head parts, else a shell of the model
+running its own forward cut at the blocks, `cut.cut_stage`) and lays each out with `spmd.parallelize` on the mesh without the pp
 dim (dp, fsdp, tp, sp work inside a stage exactly as without pipelining). torch.distributed.pipelining
 runs the schedule: `PipelineStage` sends and receives the local activations and gradients between
 neighbouring pp ranks, and the schedule (`gpipe`, `1f1b`, `interleaved-1f1b`, `zero-bubble`, `zbv`)
 orders the micro-batches. The last stage computes the loss of each micro-batch (the model's `head`,
 vocab-parallel cross-entropy on DTensor logits); it is scaled by 1/M so gradients are those of the mean
 over the global batch, and the step's loss is broadcast over the pp group. Gradient reduction over
-dp/fsdp runs once per step, in the last backward of each stage (the others run under spmd's no_sync).
+dp/fsdp runs once per step, in the last backward of each stage (the others run under spmd's no_sync); a
+weight tied across the first and last stage then has its two gradients summed over those pp ranks.
 """
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from ..layout.annotate import fake_copy
 from ..layout.blocks import find_blocks
 from ..layout.rules import local_shape
 from ..runtime.checkpointing import checkpoint_block, parse_mode
 from ..runtime.parallelize import parallelize
 from ..runtime.state import STATE_ATTR
+from .cut import cut_stage, plan_cut, sum_tied_grads, trace_uses
 from .runtime import PipelineRuntime, default_microbatches, validate_pipeline
+from .shapes import fake_model, hidden_of
 from .split import split_stages
-from .stage import LocalModel, StageModule, has_parts
+from .stage import LocalModel, NamedParams, StageModule, has_parts
 
 __all__ = ["Pipeline", "build_pipeline", "checkpoint_stage", "without_pp"]
 
@@ -61,16 +65,20 @@ def _make_stage_class():
 
 class Pipeline(PipelineRuntime):
     """This rank's stages of a pipeline-parallel model, laid out by spmd, and the schedule that runs them
-    (see build_pipeline). `stage_modules`: this rank's StageModules; `module`: their union (LocalModel)."""
+    (see build_pipeline). `stage_modules`: this rank's stage modules (StageModules, or shells of a model cut
+    by spmd.pipeline.cut); `module`: their union under the model's names."""
 
-    def __init__(self, model, mesh, stage_mesh, rules, split, schedule, microbatches, stage_modules, param_dtype,
-                 meta):
-        super().__init__(mesh, split, schedule, microbatches,
-                         LocalModel(model, split, [m.index for m in stage_modules]))
+    def __init__(self, mesh, stage_mesh, rules, split, schedule, microbatches, stage_modules, module, param_dtype,
+                 shadow, hidden_axes, cut=None):
+        super().__init__(mesh, split, schedule, microbatches, module)
         self.stage_mesh, self.rules, self.param_dtype = stage_mesh, rules, param_dtype
-        self.stage_modules = stage_modules
-        self._meta = meta  # a meta-tensor copy of the model, for activation shapes
+        self.stage_modules, self.hidden_axes = stage_modules, tuple(hidden_axes)
+        self.stage_infos = split.stages_of_rank(self.pp_rank)  # in the order of stage_modules
+        self._shadow = shadow  # a fake-tensor copy of the model and its mode, for activation shapes
         self._shape = None
+        self._cut, self._tie_group = cut, None
+        if cut is not None and cut.tied:  # the first and last stage's pp ranks, for each coordinate of the others
+            self._tie_group = _pp_pair_group(self.mesh, cut.tie_ranks)
 
     def step(self, tokens: torch.Tensor, targets: torch.Tensor, loss_scale: float = 1.0,
              sync: bool = True, positions: torch.Tensor | None = None) -> torch.Tensor:
@@ -84,7 +92,15 @@ class Pipeline(PipelineRuntime):
             self._build_schedule(tokens)
         # targets reach the last stage's module as a keyword (every stage gets it; only the last uses it)
         extra = {} if positions is None else {"positions": positions}
-        return self._run(tokens, targets, loss_scale, sync, targets=targets, **extra)
+        loss = self._run(tokens, targets, loss_scale, sync, targets=targets, **extra)
+        if sync and self._tie_group is not None:
+            sum_tied_grads(dict(self.named_parameters()), self._cut, self._tie_group)
+        return loss
+
+    def _norm_parameters(self):
+        """A tied parameter counts once in the gradient norm: on the first stage."""
+        skip = set(self._cut.tied) if self._tie_group is not None and self.pp_rank != self._cut.tie_ranks[0] else set()
+        return [p for n, p in self.named_parameters() if n not in skip]
 
     def _build_schedule(self, tokens):
         if tokens.shape[0] % self.microbatches:
@@ -95,17 +111,16 @@ class Pipeline(PipelineRuntime):
         mb_local = (tokens.shape[0] // self.microbatches,) + tuple(tokens.shape[1:])
         cp = dict(zip(self.stage_mesh.mesh_dim_names, self.stage_mesh.shape)).get("cp", 1)
         mb_global = (mb_local[0] * n_dp,) + ((mb_local[1] * cp,) if len(mb_local) > 1 else ()) + mb_local[2:]
-        with torch.no_grad():
-            h = type(self._meta).embed(self._meta, torch.zeros(mb_global, dtype=tokens.dtype, device="meta"))
+        h = hidden_of(*self._shadow, self.split.block_path, torch.zeros(mb_global, dtype=tokens.dtype, device="meta"))
         hidden_dtype = self.param_dtype or h.dtype
-        hidden_local = local_shape(tuple(h.shape), self.stage_modules[0].hidden_axes, self.stage_mesh, self.rules)
+        hidden_local = local_shape(tuple(h.shape), self.hidden_axes, self.stage_mesh, self.rules)
         stages = []
-        for module in self.stage_modules:
+        for module, info in zip(self.stage_modules, self.stage_infos):
             # metadata only: shapes and dtypes of what this stage receives and sends (local tensors)
             hidden = torch.empty(hidden_local, dtype=hidden_dtype, device="meta", requires_grad=True)
-            inp = torch.empty(mb_local, dtype=tokens.dtype, device="meta") if module.first else hidden
-            out = torch.empty((), dtype=torch.float32, device="meta", requires_grad=True) if module.last else hidden
-            stage = stage_cls(module, module.index, self.split.n_stages, self._device(), input_args=(inp,),
+            inp = torch.empty(mb_local, dtype=tokens.dtype, device="meta") if info.first else hidden
+            out = torch.empty((), dtype=torch.float32, device="meta", requires_grad=True) if info.last else hidden
+            stage = stage_cls(module, info.index, self.split.n_stages, self._device(), input_args=(inp,),
                               output_args=(out,), group=self.pp_group)
             stage.pipeline = self
             stages.append(stage)
@@ -121,8 +136,11 @@ def build_pipeline(model: nn.Module, mesh: DeviceMesh, rules, schedule: str = "1
     """Splits `model` into pp * virtual_stages stages, lays this rank's stages out on `mesh` without its pp
     dim, and returns the Pipeline that trains them. Call it on every rank with the same model (same seed).
 
-    `microbatches` defaults to pp (2 * pp for interleaved schedules). `loss_fn(logits, targets)`, if given,
-    replaces the model's own loss (`head(h, targets)`); it must return the mean over the micro-batch.
+    A model with embed/block_inputs/head parts gets StageModules (spmd/pipeline/stage.py); any other has its
+    own forward cut at its blocks (spmd/pipeline/cut.py), called as `model(tokens, targets)` -> the loss (or
+    a ModelOutput, dict or tuple holding it). `microbatches` defaults to pp (2 * pp for interleaved
+    schedules). `loss_fn(output, targets)`, if given, replaces the model's own loss (`head(h, targets)`, or
+    `model(tokens, targets)`: then it takes `model(tokens)`); it must return the mean over the micro-batch.
     `ac`: activation checkpointing of blocks, as spmd.apply_activation_checkpointing (`none`, `full`,
     `selective:N`, counted over the model's blocks). Parameters of stages on other ranks move to the meta
     device: each rank holds only its own stages. A model built on the meta device needs `param_init`
@@ -138,37 +156,42 @@ def build_pipeline(model: nn.Module, mesh: DeviceMesh, rules, schedule: str = "1
         raise ValueError(f"cannot split {type(model).__name__} into pipeline stages: {e}") from None
     validate_pipeline(pp, schedule, microbatches, virtual_stages, n_blocks)
     every = parse_mode(ac)
-    if not has_parts(model):
-        raise ValueError(
-            f"{type(model).__name__} has no embed/block_inputs/head methods, which spmd's pipeline stages run "
-            f"(see spmd/pipeline/stage.py). spmd lays stages out through module hooks, which a traced graph "
-            f"(torch.distributed.pipelining.pipeline) no longer has; for a pp-only mesh such a model can use "
-            f"spmd.build_traced_pipeline")
     full_mesh, stage_mesh = without_pp(mesh)
     style = "v" if schedule == "zbv" else "loop"
+    traced = None if has_parts(model) else trace_uses(model, find_blocks(model, blocks)[0], loss_fn)
     split = split_stages(model, pp * virtual_stages, split_cost, blocks, pp=pp, style=style)
-    _check_no_shared_params(model, split)
     rank = full_mesh.get_local_rank("pp")
-    meta = fake_copy(model, None)
+    shadow = fake_model(model)
+    if traced is None:
+        _check_no_shared_params(model, split)
+        cut, make = None, lambda info: StageModule(model, split, info.index, hidden_axes, loss_fn)
+    else:  # the model's own forward, cut at block boundaries
+        cut = plan_cut(model, split, traced)
+        make = lambda info: cut_stage(model, split, info.index, cut, hidden_axes, loss_fn, param_dtype)  # noqa: E731
     modules = []
     for info in split.stages_of_rank(rank):
-        stage = StageModule(model, split, info.index, hidden_axes, loss_fn)
+        stage = make(info)
         parallelize(stage, stage_mesh, rules, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
                     input_axes={0: hidden_axes if not info.first else token_axes, "targets": token_axes,
                                 "positions": token_axes},
                     param_init=param_init)
-        checkpoint_stage(stage, info, every)
+        checkpoint_stage(stage, info, every, model.get_submodule(split.block_path))
         modules.append(stage)
-    _release_others(model, split, rank)
-    return Pipeline(model, full_mesh, stage_mesh, rules, split, schedule, microbatches, modules, param_dtype, meta)
+    held = {i: (split.pre if s.first else []) + (split.post if s.last else []) for i, s in enumerate(split.stages)} \
+        if cut is None else cut.held
+    _release_others(model, split, rank, held)
+    union = LocalModel(model, split, [s.index for s in split.stages_of_rank(rank)]) if cut is None else \
+        NamedParams(dict(p for m in modules for p in m.named_parameters()).items())
+    return Pipeline(full_mesh, stage_mesh, rules, split, schedule, microbatches, modules, union, param_dtype, shadow,
+                    hidden_axes, cut)
 
 
-def checkpoint_stage(stage: nn.Module, info, every: int) -> None:
-    """Checkpoints the stage's blocks whose index in the whole model is a multiple of `every` (0: none), the
-    blocks apply_activation_checkpointing picks on the unsplit model."""
-    for i, block in zip(info.blocks, stage.__dict__["_blocks"]):
+def checkpoint_stage(stage: nn.Module, info, every: int, blocks: nn.ModuleList) -> None:
+    """Checkpoints the stage's blocks whose index in the whole model (`blocks`) is a multiple of `every` (0:
+    none), the blocks apply_activation_checkpointing picks on the unsplit model."""
+    for i in info.blocks:
         if every and i % every == 0:
-            checkpoint_block(stage, block)
+            checkpoint_block(stage, blocks[i])
 
 
 def _check_no_shared_params(model, split):
@@ -184,15 +207,31 @@ def _check_no_shared_params(model, split):
                                      f"{info.index} (tied embeddings?); untie it to split the model into stages")
 
 
-def _release_others(model, split, rank):
-    """Frees the parameters of stages this rank does not run."""
+def _release_others(model, split, rank, held):
+    """Frees the parameters of stages this rank does not run (`held`: stage -> modules outside the blocks)."""
     blocks = model.get_submodule(split.block_path)
+    mine = {name for s in split.stages_of_rank(rank) for name in held[s.index]}
     for info in split.stages:
         if info.rank == rank:
             continue
         for i in info.blocks:
             blocks[i].to("meta")
-        for name in (split.pre if info.first else []) + (split.post if info.last else []):
-            if not any(s.rank == rank and (s.first and name in split.pre or s.last and name in split.post)
-                       for s in split.stages):
+        for name in held[info.index]:
+            if name not in mine:
                 model.get_submodule(name).to("meta")
+
+
+def _pp_pair_group(mesh, pp_ranks):
+    """The process group of the two pp ranks `pp_ranks` at this rank's coordinate of the other mesh dims
+    (the pp group itself when pp is 2); every rank creates every such group, as new_group requires."""
+    if len(set(pp_ranks)) == mesh.size(mesh.mesh_dim_names.index("pp")):
+        return mesh.get_group("pp")
+    pp_dim = mesh.mesh_dim_names.index("pp")
+    grid = mesh.mesh.movedim(pp_dim, -1).reshape(-1, mesh.mesh.shape[pp_dim])
+    mine = None
+    for row in grid.tolist():
+        ranks = [row[r] for r in pp_ranks]
+        group = dist.new_group(ranks)
+        if dist.get_rank() in ranks:
+            mine = group
+    return mine

@@ -99,7 +99,8 @@ class PipelineRuntime:
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clips by the norm of all gradients of the whole model (every stage, every mesh axis); returns it."""
         grads = [p.grad for p in self.parameters() if p.grad is not None]
-        local = torch.nn.utils.get_total_norm(grads, norm_type, foreach=None) if grads else torch.zeros(())
+        counted = [p.grad for p in self._norm_parameters() if p.grad is not None]
+        local = torch.nn.utils.get_total_norm(counted, norm_type, foreach=None) if counted else torch.zeros(())
         local = local.full_tensor() if isinstance(local, DTensor) else local
         local = local.float().to(self._device())
         if math.isinf(norm_type):
@@ -114,6 +115,10 @@ class PipelineRuntime:
             for g in grads:
                 g.mul_(coef)
         return total
+
+    def _norm_parameters(self):
+        """The parameters whose gradients this rank counts in the norm (each of the model's once over pp)."""
+        return self.parameters()
 
     def _device(self):
         return torch.device("cuda", torch.cuda.current_device()) if self.mesh.device_type == "cuda" else \

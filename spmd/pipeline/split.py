@@ -6,7 +6,7 @@ as little as possible (an exact min-max partition by dynamic programming; among 
 with the most even stage costs). Everything that runs before the first block (the embedding) counts
 towards the first stage, everything after the last block (final norm, output head, loss) towards the last.
 
-Cost is `"flops"` (forward+backward FLOPs, counted by a forward of meta tensors under FlopCounterMode) or
+Cost is `"flops"` (forward+backward FLOPs, counted by a forward of fake tensors under FlopCounterMode) or
 `"params"`. Stages are placed on pipeline ranks round-robin (`style="loop"`: stage s on rank s % pp, what
 torch's interleaved schedules expect) or in a V (`style="v"`, two stages per rank: rank r holds stages r
 and 2pp-1-r, what ZBV expects).
@@ -16,10 +16,11 @@ from dataclasses import dataclass, field, asdict
 import torch
 import torch.nn as nn
 
-from ..layout.annotate import fake_copy
 from ..layout.blocks import find_blocks
+from .shapes import fake_inputs, fake_model
 
-__all__ = ["COSTS", "StageInfo", "StageSplit", "split_stages", "min_max_partition", "stage_ranks"]
+__all__ = ["COSTS", "StageInfo", "StageSplit", "split_stages", "min_max_partition", "stage_ranks", "outside_blocks",
+           "default_example"]
 
 COSTS = ("flops", "params")
 
@@ -140,7 +141,7 @@ def _own_params(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters(recurse=False))
 
 
-def _default_example(model: nn.Module):
+def default_example(model: nn.Module):
     cfg = getattr(model, "cfg", None) or getattr(model, "config", None)
     seq = min(int(getattr(cfg, "max_seq_len", 0) or getattr(cfg, "max_position_embeddings", 0) or 128), 2048)
     return (torch.zeros(1, seq, dtype=torch.long),)
@@ -148,9 +149,9 @@ def _default_example(model: nn.Module):
 
 def _count_flops(model: nn.Module, block_list: nn.ModuleList, example_inputs):
     """(FLOPs before the blocks, per block, after the blocks, names of modules run before/after), forward only,
-    on a meta-tensor copy of the model."""
+    on a fake-tensor copy of the model."""
     from torch.utils.flop_counter import FlopCounterMode
-    meta = fake_copy(model, None)
+    meta, mode = fake_model(model)
     meta_blocks = meta.get_submodule(_path_of(model, block_list))
     counter = FlopCounterMode(display=False)
     total = lambda: sum(counter.flop_counts["Global"].values())  # noqa: E731
@@ -164,9 +165,9 @@ def _count_flops(model: nn.Module, block_list: nn.ModuleList, example_inputs):
         if id(m) not in inside or id(m) in block_ids:
             hooks.append(m.register_forward_pre_hook(
                 lambda mod, a: order.append((names[id(mod)], "start" in marks and "end" in marks))))
-    inputs = tuple(x.to("meta") if isinstance(x, torch.Tensor) else x for x in example_inputs)
+    inputs = fake_inputs(mode, example_inputs)
     try:
-        with counter, torch.no_grad():
+        with mode, counter, torch.no_grad():
             meta(*inputs)
     finally:
         for h in hooks:
@@ -204,7 +205,7 @@ def _block_list(model: nn.Module, blocks: str | None, n_stages: int):
     return path, block_list
 
 
-def _outside_blocks(model: nn.Module, block_list) -> tuple[list, list, int, int]:
+def outside_blocks(model: nn.Module, block_list) -> tuple[list, list, int, int]:
     """(pre, post, pre_params, post_params): the modules with parameters outside the blocks, by position
     (registered before the blocks -> first stage, after -> last)."""
     inside = {id(m) for m in block_list.modules()}
@@ -229,9 +230,9 @@ def _flops(model: nn.Module, block_list, cost: str, example_inputs):
     input runs the model (else None: "not counted")."""
     if cost == "flops" or example_inputs is not None:
         return _count_flops(model, block_list, example_inputs if example_inputs is not None
-                            else _default_example(model))
+                            else default_example(model))
     try:
-        return _count_flops(model, block_list, _default_example(model))
+        return _count_flops(model, block_list, default_example(model))
     except Exception:  # noqa: BLE001  (a model that takes other inputs)
         return None
 
@@ -254,7 +255,7 @@ def split_stages(model: nn.Module, n_stages: int, cost: str = "flops", blocks: s
     path, block_list = _block_list(model, blocks, n_stages)
     n = len(block_list)
     block_params = [sum(p.numel() for p in b.parameters()) for b in block_list]
-    pre, post, pre_params, post_params = _outside_blocks(model, block_list)
+    pre, post, pre_params, post_params = outside_blocks(model, block_list)
     flops_pre = flops_post = 0
     block_flops = [0] * n
     counted = _flops(model, block_list, cost, example_inputs)

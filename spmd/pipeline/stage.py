@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor
 
 from ..runtime.activations import constrain
 
-__all__ = ["PARTS", "StageModule", "LocalModel", "has_parts"]
+__all__ = ["PARTS", "StageModule", "LocalModel", "NamedParams", "has_parts"]
 
 PARTS = ("embed", "block_inputs", "head")
 
@@ -95,3 +95,19 @@ class LocalModel(nn.Module):
             info = split.stages[s]
             for name in (split.pre if info.first else []) + (split.post if info.last else []):
                 _attach(self, name, model.get_submodule(name))
+
+
+class NamedParams(nn.Module):
+    """Holds the given parameters under their qualified names (nested containers), for optimizers and
+    checkpoints: named_parameters() gives the model's names."""
+
+    def __init__(self, named):
+        super().__init__()
+        for name, p in named:
+            *path, leaf = name.split(".")
+            node = self
+            for part in path:
+                if part not in node._modules:
+                    node.add_module(part, nn.Module())
+                node = node._modules[part]
+            node.register_parameter(leaf, p)

@@ -4,7 +4,7 @@
 the graph at the first block of every stage `split_stages` chose, so the cut is cost-balanced as for
 spmd's stages. A traced stage is a GraphModule: the module hooks through which spmd.parallelize lays a model
 out are gone, so these stages run as plain tensors on a pp-only mesh (no dp/fsdp/tp inside a stage; for
-that, give the model the three parts, see spmd/pipeline/stage.py). Parameter names are the model's.
+that, spmd.build_pipeline cuts the model's own forward, see spmd/pipeline/cut.py). Parameter names are the model's.
 """
 import torch
 import torch.nn as nn
@@ -12,24 +12,9 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .runtime import PipelineRuntime, default_microbatches, validate_pipeline
 from .split import split_stages
+from .stage import NamedParams
 
 __all__ = ["build_traced_pipeline"]
-
-
-class _Union(nn.Module):
-    """Holds the given parameters under their qualified names (nested containers), for optimizers and
-    checkpoints: named_parameters() gives the model's names."""
-
-    def __init__(self, named):
-        super().__init__()
-        for name, p in named:
-            *path, leaf = name.split(".")
-            node = self
-            for part in path:
-                if part not in node._modules:
-                    node.add_module(part, nn.Module())
-                node = node._modules[part]
-            node.register_parameter(leaf, p)
 
 
 class TracedPipeline(PipelineRuntime):
@@ -53,8 +38,8 @@ def build_traced_pipeline(model: nn.Module, mesh: DeviceMesh, example_inputs: tu
     others = {n: mesh.size(i) for i, n in enumerate(mesh.mesh_dim_names) if n != "pp" and mesh.size(i) > 1}
     if others:
         raise ValueError(f"traced pipeline stages cannot be laid out over {others}: spmd.parallelize works through "
-                         f"module hooks, which a traced GraphModule no longer has. Give {type(model).__name__} "
-                         f"embed/block_inputs/head methods (spmd/pipeline/stage.py) and use spmd.build_pipeline")
+                         f"module hooks, which a traced GraphModule no longer has. Use spmd.build_pipeline, which "
+                         f"cuts {type(model).__name__}'s own forward at its blocks (spmd/pipeline/cut.py)")
     pp = mesh.size(mesh.mesh_dim_names.index("pp"))
     microbatches = microbatches or default_microbatches(schedule, pp)
     split = split_stages(model, pp * virtual_stages, split_cost, blocks, pp=pp,
@@ -71,6 +56,6 @@ def build_traced_pipeline(model: nn.Module, mesh: DeviceMesh, example_inputs: tu
     mine = [s.index for s in split.stages_of_rank(rank)]
     stages = [traced.build_stage(i, device, group=mesh.get_group("pp")) for i in mine]
     named = [(n, p) for st in stages for n, p in st.submod.named_parameters()]
-    pipe = TracedPipeline(mesh, split, schedule, microbatches, _Union(named))
+    pipe = TracedPipeline(mesh, split, schedule, microbatches, NamedParams(named))
     pipe._make_schedule(stages, lambda out, target: loss_fn(out, target) * (pipe._scale / pipe.microbatches))
     return pipe
