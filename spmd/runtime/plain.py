@@ -42,6 +42,8 @@ class GlobalView(TorchFunctionMode):
         flat = _tensors(args, kwargs)
         mesh = next((a.device_mesh for a in flat if isinstance(a, DTensor)), None)
         if mesh is not None and any(_plain(a) for a in flat):
+            ring.check_made_in_forward(func, flat)
+
             def replicate(t):
                 return DTensor.from_local(t, mesh, [Replicate()] * mesh.ndim, run_check=False) if _plain(t) else t
             args, kwargs = tree_map(replicate, args), tree_map(replicate, kwargs)

@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 from ..layout.sequence import check_seq_len
 from . import tags
 
-__all__ = ["applies", "ring_attention"]
+__all__ = ["applies", "ring_attention", "check_made_in_forward"]
 
 
 def applies(q) -> bool:
@@ -29,6 +29,30 @@ def applies(q) -> bool:
         return False
     d = q.device_mesh.mesh_dim_names.index("cp")
     return q.device_mesh.size(d) > 1 and q.placements[d].is_shard() and q.placements[d].dim == q.ndim - 2
+
+
+def check_made_in_forward(func, tensors) -> None:
+    """Under cp, a tensor the model makes in forward with a dim as long as the sequence (positions from
+    `arange`, a causal mask, a position table sliced to the length) is in natural order, while the sequence
+    it meets is in zigzag order: combining them would silently train wrong, so it is an error."""
+    seq = next((n for t in tensors if isinstance(t, DTensor) for n in [_cp_sequence_length(t)] if n), None)
+    made = next((t for t in tensors if not isinstance(t, DTensor) and t.numel() > 1 and seq in t.shape), None)
+    if seq is not None and made is not None:
+        raise ValueError(
+            f"under context parallelism the model made a tensor of shape {tuple(made.shape)} in forward and used "
+            f"it in {getattr(func, '__name__', func)} with the sequence (length {seq}), which cp splits zigzag: "
+            f"a tensor made in natural order (positions from arange, a mask, a sliced position table) does not "
+            f"line up with it. Take positions from the data path (the model's forward(..., positions), as "
+            f"spmd.cp_slice gives them) and attend through F.scaled_dot_product_attention with is_causal, or "
+            f"train this model without a cp axis")
+
+
+def _cp_sequence_length(t: DTensor) -> int | None:
+    names = t.device_mesh.mesh_dim_names or ()
+    if "cp" not in names or t.device_mesh.size(names.index("cp")) == 1:
+        return None
+    p = t.placements[names.index("cp")]
+    return t.shape[p.dim] if p.is_shard() else None
 
 
 def ring_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
