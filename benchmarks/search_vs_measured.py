@@ -196,8 +196,12 @@ def rerank(rep: dict) -> int:
         ours = spearman([rows[x["spec"]].step_s for x in m["rows"]], measured)
         count = spearman([rows[x["spec"]].collectives for x in m["rows"]], measured)
         print(f"{m['model']}: over {len(measured)} measured specs, Spearman rho predicted {ours:.3f} (report's "
-              f"{m['spearman_predicted']:.3f}), collective count {count:.3f}")
+              f"{m['spearman_predicted']:.3f}), collective count {count:.3f}: the planner {_verdict(ours, count)} it")
     return 0
+
+
+def _verdict(planner: float, trivial: float) -> str:
+    return "beats" if planner > trivial else "ties" if planner == trivial else "does not beat"
 
 
 def markdown(rep: dict) -> str:
@@ -213,7 +217,8 @@ def markdown(rep: dict) -> str:
         lines += [f"## {m['model']}: Spearman rho (predicted, measured) = {m['spearman_predicted']:.3f} "
                   f"over {len(m['rows'])} specs", "",
                   f"Naive predictors on the same runs: bytes moved rho = {m['spearman_comm_bytes']:.3f}, "
-                  f"number of collectives rho = {m['spearman_collectives']:.3f}.", "",
+                  f"number of collectives rho = {m['spearman_collectives']:.3f}: the planner "
+                  f"{_verdict(m['spearman_predicted'], m['spearman_collectives'])} the collective count.", "",
                   "| spec | predicted rank (of %d) | measured rank (of run) | predicted s | compute s | act comm s | "
                   "param comm s | collectives | comm bytes | measured s | measured / predicted |" % m["ranked"],
                   "|---|---|---|---|---|---|---|---|---|---|---|"]
