@@ -148,7 +148,7 @@ def _count_blocks(net: nn.Module) -> int:
 def _fit(net, model, todo, shape, budget, pinned, workers) -> dict:
     """{(frozen sizes, sp): (Summary or error, ac, K)}: per spec the first (K, ac) of step 3 that fits the
     budget, else the last tried. Planned in rounds, every spec's next try in one `plan_all`."""
-    batch, seq, dtype = shape
+    batch = shape[0]
     ac, grad_accum = pinned
     modes = [ac] if ac is not None else ac_modes(_count_blocks(net))
     out, pending = {}, {}
@@ -156,21 +156,34 @@ def _fit(net, model, todo, shape, budget, pinned, workers) -> dict:
         local = batch // Rules.default(sp).data_parallel_size(sizes)
         pending[(frozen(sizes), sp)] = [grad_accum] if grad_accum else [k for k in range(1, local + 1) if local % k == 0] or [1]
     while pending:
-        jobs = {key: [_job(key, k, mode, batch, seq, dtype) for mode in ("none", "full")[:1 + (modes != ["none"])]]
-                for key, (k, *_) in pending.items()}
-        planned = plan_all(net, model, sorted({j for js in jobs.values() for j in js}, key=repr), workers)
+        nones = _plan_round(net, model, pending, "none", shape, workers)
+        needs = {key: pending[key] for key, none in nones.items()
+                 if modes != ["none"] and not isinstance(none, Exception) and not _fits(none, modes, budget)}
+        fulls = _plan_round(net, model, needs, "full", shape, workers)
+        nones.update(_plan_round(net, model, needs, "none", shape, workers, block=True))
         for key in list(pending):
-            k = pending[key][0]
-            none, full = (planned[j] for j in jobs[key]) if len(jobs[key]) == 2 else (planned[jobs[key][0]], None)
+            k, none, full = pending[key][0], nones[key], fulls.get(key)
             error = next((s for s in (none, full) if isinstance(s, Exception)), None)
-            if error is not None:
-                out[key] = (error, modes[0], k)
-            else:
-                out[key] = _least_that_fits(none, full, modes, k, budget)
+            out[key] = (error, modes[0], k) if error is not None else _least_that_fits(none, full, modes, k, budget)
             pending[key] = pending[key][1:]
             if error is not None or out[key][0].memory["total"] <= budget or not pending[key]:
                 del pending[key]
     return out
+
+
+def _plan_round(net, model, pending: dict, mode: str, shape, workers, block: bool = False) -> dict:
+    """{spec key: plan or error} of each pending spec at its next K with checkpointing `mode`, in one plan_all;
+    `block`: with one block's share (checkpointing composes from it)."""
+    batch, seq, dtype = shape
+    jobs = {key: _job(key, ks[0], mode, batch, seq, dtype) + (mode == "full" or block,) for key, ks in pending.items()}
+    planned = plan_all(net, model, sorted(set(jobs.values()), key=repr), workers) if jobs else {}
+    return {key: planned[job] for key, job in jobs.items()}
+
+
+def _fits(none, modes, budget: float) -> bool:
+    """Whether the plan without checkpointing is the answer: allowed, and within the budget (a plan of two
+    micro-batches has the memory of K, see summaries.accumulated)."""
+    return modes[0] == "none" and none.memory["total"] <= budget
 
 
 def _passes(k: int) -> int:

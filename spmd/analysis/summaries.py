@@ -137,10 +137,10 @@ def plan_summary(model: nn.Module, sizes: dict, sp: bool, batch_shape, dtype, ru
     """The plan of the full model under activation checkpointing `ac`, from dry runs of 1- and 2-block copies
     (exact for identical blocks); see the module docstring for `selective:N` and `recompute`."""
     rules = rules or Rules.default(sequence_parallel=sp)
-    none = planned(model, sizes, sp, batch_shape, dtype, rules, "none")
     if not parse_mode(ac):
-        return none
-    return checkpointed(none, planned(model, sizes, sp, batch_shape, dtype, rules, "full"), ac)
+        return planned(model, sizes, sp, batch_shape, dtype, rules, "none")
+    none = planned(model, sizes, sp, batch_shape, dtype, rules, "none", block=True)
+    return checkpointed(none, planned(model, sizes, sp, batch_shape, dtype, rules, "full", block=True), ac)
 
 
 def checkpointed(none: Summary, full: Summary, ac: str) -> Summary:
@@ -179,20 +179,19 @@ def _with_recompute(s: Summary, nbytes: int) -> Summary:
 
 
 def planned(model: nn.Module, sizes: dict, sp: bool, batch_shape, dtype, rules, ac: str,
-            grad_accum: int = 1) -> Summary:
+            grad_accum: int = 1, block: bool = False) -> Summary:
     """The plan of the full model with `ac` none or full and `grad_accum` as explain gives it (cached); `.block`
-    is one block's share (None for a model of fewer than 2 blocks)."""
+    is one block's share (None for a model of fewer than 2 blocks, and for one of 2 unless `block`: the model
+    is its own 2-block copy, one dry run)."""
     sizes = dict(sizes)
-    key = _cache_key(model, sizes, sp, batch_shape, dtype, rules, (ac, grad_accum))
+    name, blocks = _blocks(model)
+    block = block or len(blocks) > 2
+    key = _cache_key(model, sizes, sp, batch_shape, dtype, rules, (ac, grad_accum, block))
     if key in _cache:
         return _cache[key][1]
-    try:
-        name, blocks = find_blocks(model)
-    except ValueError:
-        name, blocks = None, []
     run = lambda m: summarize(explain(m, rules, sizes, batch_shape=batch_shape, dtype=dtype, ac=ac,  # noqa: E731
                                       grad_accum=grad_accum))
-    if len(blocks) < 2:
+    if len(blocks) < 2 or not block:
         out = run(model)
     else:
         one, two = run(_truncated(model, name, 1)), run(_truncated(model, name, 2))
@@ -216,21 +215,30 @@ def _worker_init(model_or_cfg):
 
 
 def _plan_or_error(job):
-    sizes, sp, batch_shape, dtype, ac, grad_accum = job
+    sizes, sp, batch_shape, dtype, *how = job
     try:
-        return job, planned(_worker_model, sizes, sp, batch_shape, dtype, Rules.default(sp), ac, grad_accum)
+        return job, planned(_worker_model, sizes, sp, batch_shape, dtype, Rules.default(sp), *how)
     except (ValueError, RuntimeError) as e:
         return job, ValueError(_first_line(e))
 
 
+def _blocks(model: nn.Module) -> tuple:
+    try:
+        return find_blocks(model)
+    except ValueError:
+        return None, []
+
+
 def _job_key(net, job):
-    sizes, sp, batch_shape, dtype, ac, grad_accum = job
-    return _cache_key(net, sizes, sp, batch_shape, dtype, Rules.default(sp), (ac, grad_accum))
+    """planned()'s cache key of a plan_all job."""
+    sizes, sp, batch_shape, dtype, ac, grad_accum, block = job
+    block = block or len(_blocks(net)[1]) > 2
+    return _cache_key(net, sizes, sp, batch_shape, dtype, Rules.default(sp), (ac, grad_accum, block))
 
 
 def plan_all(net: nn.Module, model_arg, jobs: list, workers: int) -> dict:
     """{job: Summary or ValueError}, planned in this process or in `workers` spawned processes. A job is
-    (sizes, sp, batch_shape, dtype, ac, grad_accum): `planned`'s arguments."""
+    (sizes, sp, batch_shape, dtype, ac, grad_accum, block): `planned`'s arguments."""
     todo = [j for j in jobs if _job_key(net, j) not in _cache]
     results = {}
     if workers > 1 and len(todo) > 1:
