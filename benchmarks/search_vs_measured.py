@@ -11,7 +11,9 @@
    the median step time after `warmup` steps is the measurement.
 4. Spearman's rank correlation between predicted and measured step times (also for two naive predictors:
    bytes moved, and number of collectives). The ranking is worth publishing only where the correlation holds.
-Writes benchmarks/results/<date>-<device>-search-vs-measured.{json,md}.
+Writes benchmarks/results/<date>-<device>-search-vs-measured.{json,md}. `--reuse RESULTS.json` measures nothing:
+it ranks the specs of a committed report again with today's search (same device figures) and prints the
+correlations with that report's measurements, the planner's and the collective count's (writes no file).
 """
 from __future__ import annotations
 
@@ -120,10 +122,13 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=1, help="runs per spec (alternating order); median kept")
     ap.add_argument("--out", default=str(common.RESULTS))
+    ap.add_argument("--reuse", default="", help="a committed search-vs-measured JSON: re-rank, measure nothing")
     a = ap.parse_args(argv)
     if a.gloo_worker:
         gloo_worker(a.gloo_worker)
         return 0
+    if a.reuse:
+        return rerank(json.loads(Path(a.reuse).read_text()))
     import spmd
     from models.llama import LlamaConfig
     from spmd.analysis.devices import cpu_device, measure_gemm_flops
@@ -137,7 +142,8 @@ def main(argv=None) -> int:
           f"{1e6 * link['latency_s']:.0f} us, bandwidth {link['bandwidth_Bps'] / 1e9:.2f} GB/s", flush=True)
     for model in a.models:
         cfg = LlamaConfig.preset(model)
-        rows = spmd.search(cfg, a.nproc, device=dev, batch_shape=(a.batch, a.seq), dtype="fp32")
+        rows = spmd.search(cfg, a.nproc, device=dev, batch_shape=(a.batch, a.seq), dtype="fp32", ac="none",
+                           grad_accum=1)  # as run_spec trains
         chosen = list(rows[:a.top]) + [r for r in rows[max(a.top, len(rows) - a.bottom):]]
         print(f"[search_vs_measured] {model}: {len(rows)} specs ranked; running "
               f"{', '.join(r.spec for r in chosen)}", flush=True)
@@ -174,6 +180,30 @@ def main(argv=None) -> int:
     return 0
 
 
+def rerank(rep: dict) -> int:
+    """Prints, per model of a committed report, Spearman's rho of today's predictions and of the collective
+    count (today's plans) against the report's measured step times, over every spec it measured."""
+    import spmd
+    from models.llama import LlamaConfig
+    from spmd.analysis.devices import cpu_device
+    args, d = rep["args"], rep["device"]
+    dev = cpu_device(args["nproc"], 1, d["peak_per_thread"], bandwidth=d["bandwidth_Bps"], latency=d["latency_s"])
+    print(f"re-ranked {rep['environment']['commit'][:12]}'s measurements with today's spmd.search")
+    for m in rep["models"]:
+        rows = {r.spec: r for r in spmd.search(LlamaConfig.preset(m["model"]), args["nproc"], device=dev, dtype="fp32",
+                                               batch_shape=(args["batch"], args["seq"]), ac="none", grad_accum=1)}
+        measured = [x["measured_s"] for x in m["rows"]]
+        ours = spearman([rows[x["spec"]].step_s for x in m["rows"]], measured)
+        count = spearman([rows[x["spec"]].collectives for x in m["rows"]], measured)
+        print(f"{m['model']}: over {len(measured)} measured specs, Spearman rho predicted {ours:.3f} (report's "
+              f"{m['spearman_predicted']:.3f}), collective count {count:.3f}: the planner {_verdict(ours, count)} it")
+    return 0
+
+
+def _verdict(planner: float, trivial: float) -> str:
+    return "beats" if planner > trivial else "ties" if planner == trivial else "does not beat"
+
+
 def markdown(rep: dict) -> str:
     env, d, a = rep["environment"], rep["device"], rep["args"]
     lines = ["# spmd.search: predicted vs measured step times", "",
@@ -187,7 +217,8 @@ def markdown(rep: dict) -> str:
         lines += [f"## {m['model']}: Spearman rho (predicted, measured) = {m['spearman_predicted']:.3f} "
                   f"over {len(m['rows'])} specs", "",
                   f"Naive predictors on the same runs: bytes moved rho = {m['spearman_comm_bytes']:.3f}, "
-                  f"number of collectives rho = {m['spearman_collectives']:.3f}.", "",
+                  f"number of collectives rho = {m['spearman_collectives']:.3f}: the planner "
+                  f"{_verdict(m['spearman_predicted'], m['spearman_collectives'])} the collective count.", "",
                   "| spec | predicted rank (of %d) | measured rank (of run) | predicted s | compute s | act comm s | "
                   "param comm s | collectives | comm bytes | measured s | measured / predicted |" % m["ranked"],
                   "|---|---|---|---|---|---|---|---|---|---|---|"]

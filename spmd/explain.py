@@ -1,8 +1,9 @@
 """`spmd.explain`: the plan of one training step (spmd.analysis.explain), callable as
 `spmd.explain(model, rules, {"fsdp": 8, "tp": 8}, batch_shape=(8, 4096))`, and its command line:
 
-    python -m spmd.explain --model 8b --mesh fsdp=8,tp=8,sp --batch 8 --seq 4096 --dtype bf16 [--json FILE] \
-        [--zero 1|2|3] [--master params|optimizer] [--reduce-dtype fp32|bf16] [--offload optimizer|nvme:DIR]
+    python -m spmd.explain --model 8b --mesh fsdp=8,tp=8,sp --batch 8 --seq 4096 --dtype bf16 [--ac full]
+                           [--grad-accum 2] [--json FILE] [--zero 1|2|3] [--master params|optimizer]
+                           [--reduce-dtype fp32|bf16] [--offload optimizer|nvme:DIR]
 
 prints `plan.table()` of a registry model (meta tensors, no devices) laid out by the default rules of ZeRO
 stage `--zero`; `--model hf:DIR` plans the transformers model of a local Hugging Face directory (config.json
@@ -27,6 +28,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--mesh", default="fsdp=8,tp=8,sp", help="mesh spec, e.g. fsdp=8,tp=8,sp or pp=2,fsdp=4,tp=8")
     add_model_args(ap, batch_default="the mesh's size")
     ap.add_argument("--ac", default="none", help="activation checkpointing: none|full|selective:N")
+    ap.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step (gradient accumulation)")
     ap.add_argument("--pp-schedule", default="1f1b", help="with a pp axis: gpipe|1f1b|interleaved-1f1b|zero-bubble|zbv")
     ap.add_argument("--microbatches", type=int, default=None, help="pipeline micro-batches (default: the schedule's)")
     ap.add_argument("--virtual-stages", type=int, default=1, help="pipeline stages per pp rank")
@@ -47,8 +49,9 @@ def plan_from_args(a: argparse.Namespace):
     for s in sizes.values():
         world *= s
     return explain(model, Rules.default(sequence_parallel="sp" in flags, zero=a.zero), sizes,
-                   batch_shape(a, cfg, world), a.dtype, ac=a.ac, schedule=a.pp_schedule, microbatches=a.microbatches,
-                   virtual_stages=a.virtual_stages, reduce_dtype=a.reduce_dtype, master=a.master, offload=a.offload)
+                   batch_shape(a, cfg, world), a.dtype, ac=a.ac, grad_accum=a.grad_accum, schedule=a.pp_schedule,
+                   microbatches=a.microbatches, virtual_stages=a.virtual_stages, reduce_dtype=a.reduce_dtype,
+                   master=a.master, offload=a.offload)
 
 
 def main(argv=None) -> int:

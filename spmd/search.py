@@ -1,8 +1,10 @@
 """`spmd.search`: the spec search (spmd.analysis.search), callable as `spmd.search(model, 64, device="h100")`,
 and its command line:
 
-    python -m spmd.search --model 8b --world 64 --device h100
+    python -m spmd.search --model 8b --world 8 --device h100 --batch 16 --seq 8192 [--ac full] [--grad-accum 2]
     python -m spmd.search --model hf:DIR --world 8 --device h100   # a local Hugging Face directory
+
+Each ranked row ends in the launch.train flags it assumes: --mesh SPEC --ac MODE --grad-accum K.
 """
 import argparse
 import os
@@ -23,7 +25,10 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="h100", help="h100|h200|a100|cpu")
     add_model_args(ap, batch_default="world")
     ap.add_argument("--budget-gib", type=float, default=None, help="memory budget per rank (default 90%% of device)")
-    ap.add_argument("--overlap", type=float, default=0.0, help="fraction of parameter traffic hidden behind compute")
+    ap.add_argument("--ac", default=None, help="assume this activation checkpointing (none|full|selective:N) "
+                    "instead of the least that fits")
+    ap.add_argument("--grad-accum", type=int, default=None, help="assume this many micro-batches per step instead "
+                    "of the fewest that fit")
     ap.add_argument("--top", type=int, default=None)
     ap.add_argument("--workers", type=int, default=min(os.cpu_count() or 1, 8), help="planning processes")
     a = ap.parse_args(argv)
@@ -31,7 +36,8 @@ def main(argv=None) -> int:
     def ranked():
         cfg = model_config(a)
         return search(cfg, a.world, a.device, None if a.budget_gib is None else a.budget_gib * 2**30,
-                      batch_shape(a, cfg, a.world), a.dtype, a.top, a.overlap, workers=a.workers)
+                      batch_shape(a, cfg, a.world), a.dtype, a.top, workers=a.workers, ac=a.ac,
+                      grad_accum=a.grad_accum)
     return report("spmd.search", a.json, ranked)
 
 

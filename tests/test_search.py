@@ -10,6 +10,7 @@ import spmd
 from spmd.analysis import summaries
 from models.llama import Llama, LlamaConfig
 from spmd.analysis.devices import DEVICES, Device
+from spmd.analysis.search import ac_modes
 
 S = importlib.import_module("spmd.search")  # the module; the attribute spmd.search is the function
 
@@ -70,6 +71,7 @@ def test_search_ranks_every_spec_by_predicted_step_time(tiny_search):
     assert times == sorted(times)
     for r in rows:
         assert r.step_s == pytest.approx(r.compute_s + r.activation_comm_s + r.param_comm_s - r.hidden_s)
+        assert (r.ac, r.grad_accum, r.recompute_s) == ("none", 1, 0.0)  # everything fits without either
         assert r.memory["total"] > 0 and r.comm_bytes > 0
     # the tiny model is latency-bound: the spec with the fewest collectives issues them fastest
     assert rows[0].collectives == min(r.collectives for r in rows)
@@ -80,7 +82,8 @@ def test_search_drops_what_does_not_fit(tiny_search):
     # a budget between the smallest and the largest plan
     mems = sorted(r.memory["total"] for r in tiny_search)
     budget = (mems[0] + mems[-1]) / 2
-    rows = S.search(tiny(), 4, device="h100", batch_shape=(8, 32), dtype="fp32", memory_budget_bytes=budget)
+    rows = S.search(tiny(), 4, device="h100", batch_shape=(8, 32), dtype="fp32", memory_budget_bytes=budget,
+                    ac="none", grad_accum=1)
     assert rows and rows.dropped
     assert all(r.memory["total"] <= budget for r in rows)
     assert all(not r.fits and "budget" in r.note for r in rows.dropped)
@@ -97,17 +100,104 @@ def test_specs_that_do_not_divide_are_dropped_with_the_reason():
     assert [r.spec for r in rows] == ["dp=2,tp=4"] and "does not lay out" in rows.dropped[0].note
 
 
-def test_overlap_hides_parameter_traffic_and_bandwidth_matters():
+def test_only_prefetched_gathers_hide_and_bandwidth_matters():
     model = tiny()
     slow = Device("slow", {"fp32": 1e9}, 1e12, intra_bw=1e6, inter_bw=1e6, intra_latency=0, inter_latency=0,
                   efficiency=1.0)
-    base = S.search(model, 4, device=slow, batch_shape=(8, 32), dtype="fp32", specs=["fsdp=4", "tp=4"])
-    hidden = S.search(model, 4, device=slow, batch_shape=(8, 32), dtype="fp32", specs=["fsdp=4", "tp=4"], overlap=1.0)
-    b, h = {r.spec: r for r in base}, {r.spec: r for r in hidden}
-    assert h["fsdp=4"].hidden_s == pytest.approx(min(b["fsdp=4"].param_comm_s, b["fsdp=4"].compute_s))
-    assert h["tp=4"].hidden_s == 0  # tensor-parallel traffic is on the critical path
+    rows = {r.spec: r for r in S.search(model, 4, device=slow, batch_shape=(8, 32), dtype="fp32",
+                                         specs=["fsdp=4", "tp=4"])}
+    plan = spmd.explain(model, spmd.Rules.default(), {"fsdp": 4}, batch_shape=(8, 32))
+    ahead = {ph: sum(c.bytes for c in plan.collectives if c.phase == ph and "prefetched" in c.reason) / 1e6
+             for ph in ("forward", "backward")}  # seconds on the 1 MB/s link
+    compute = rows["fsdp=4"].compute_s
+    assert ahead["forward"] > 0 and ahead["backward"] > 0
+    assert rows["fsdp=4"].hidden_s == pytest.approx(min(ahead["forward"], compute / 3)
+                                                    + min(ahead["backward"], 2 * compute / 3))
+    assert rows["tp=4"].hidden_s == 0  # tensor-parallel traffic is on the critical path
     # bandwidth-bound: bytes decide; fsdp moves more bytes than tp for this model and batch
+    b = rows
     assert (b["fsdp=4"].comm_bytes > b["tp=4"].comm_bytes) == (b["fsdp=4"].step_s > b["tp=4"].step_s)
+
+
+SPEC, SIZES, SHAPE = "fsdp=2,tp=2,sp", {"fsdp": 2, "tp": 2}, (8, 16)  # the next three tests share their plans
+
+
+def test_selective_checkpointing_composed_from_none_and_full_equals_explain():
+    model, rules = tiny(n_layers=4), spmd.Rules.default(True)
+    plain = summaries.plan_summary(model, SIZES, True, SHAPE, "fp32").block  # one block without checkpointing
+    for ac in ("selective:3",):  # blocks 0 and 3 checkpointed: 1 and 2 plain, only 1's regather prefetched
+        want = summaries.summarize(spmd.explain(model, rules, SIZES, batch_shape=SHAPE, ac=ac))
+        got = summaries.plan_summary(model, SIZES, True, SHAPE, "fp32", ac=ac)
+        assert {k: v for k, v in got.groups.items() if v[0]} == want.groups
+        recompute = plain.memory["activations"]
+        assert got.memory == {**want.memory, "recompute": recompute, "total": want.memory["total"] + recompute}
+    assert ac_modes(5) == ["none", "selective:5", "selective:3", "selective:2", "full"]
+    assert ac_modes(4) == ["none", "selective:4", "selective:2", "full"]
+
+
+def test_micro_batches_repeat_all_but_the_reductions():
+    """search's model of --grad-accum 3 (two planned micro-batches, scaled) equals explain's dry run of the
+    trainer's loop: three forward/backward passes, the first two under no_sync."""
+    model, rules = tiny(), spmd.Rules.default(True)
+    two = summaries.planned(model, SIZES, True, SHAPE, "fp32", rules, "none", 2)  # 2 x 4 sequences
+    three = spmd.explain(model, rules, SIZES, batch_shape=(12, 16), grad_accum=3)  # 3 x 4 sequences
+    got = summaries.accumulated(two, 2, 3)
+    assert {k: v for k, v in got.groups.items() if v[0]} == summaries.summarize(three).groups
+    assert got.memory == three.memory
+    assert any(k[1] == "reduce" for k in got.groups)  # ... which ran once
+    # FSDP: the gradients wait unreduced, gathered over fsdp, more than their shards (= the parameters' bytes)
+    assert three.memory["gradients"] > three.memory["parameters"]
+
+
+def test_search_assumes_the_least_recompute_then_the_fewest_micro_batches_that_fit():
+    model = tiny(n_layers=4)
+    total = lambda sizes, sp, ac: summaries.plan_summary(model, sizes, sp, SHAPE, "fp32", ac=ac).memory["total"]  # noqa
+    ask = dict(device="h100", batch_shape=SHAPE, dtype="fp32")
+    row = S.search(model, 4, memory_budget_bytes=total(SIZES, True, "selective:2"), specs=[SPEC], **ask)[0]
+    assert (row.ac, row.grad_accum) == ("selective:2", 1)
+    assert total(SIZES, True, "selective:4") > total(SIZES, True, "selective:2")
+    assert row.recompute_s == pytest.approx(row.compute_s / 3 * 2 / 4)  # 2 of 4 blocks run forward again
+    assert row.flags == "--mesh fsdp=2,tp=2,sp --ac selective:2 --grad-accum 1"
+    dropped = S.search(model, 4, memory_budget_bytes=total(SIZES, True, "full") - 1, specs=[SPEC], ac="full",
+                       grad_accum=1, **ask).dropped
+    assert "even with --ac full --grad-accum 1" in dropped[0].note
+    # replicated parameters (dp) hold their whole gradients anyway: a second micro-batch halves activations
+    budget = total({"dp": 4}, False, "full") - 1
+    row = S.search(model, 4, memory_budget_bytes=budget, specs=["dp=4"], **ask)[0]
+    assert row.grad_accum == 2 and row.memory["total"] <= budget and row.flags.startswith("--mesh dp=4 --ac ")
+
+
+def test_bad_checkpointing_or_micro_batches_are_named_before_planning():
+    model = tiny()
+    with pytest.raises(ValueError, match="grad_accum must be an integer >= 1"):
+        spmd.explain(model, spmd.Rules.default(), {"fsdp": 2}, grad_accum=0)
+    with pytest.raises(ValueError, match="grad_accum > 1 with a pp axis"):
+        spmd.explain(model, spmd.Rules.default(), {"pp": 2, "fsdp": 2}, grad_accum=2)
+    with pytest.raises(ValueError, match="grad_accum must be an integer >= 1"):
+        spmd.search(model, 4, grad_accum=0)
+    with pytest.raises(ValueError, match="none, full or selective:N"):
+        spmd.search(model, 4, ac="some")
+
+
+def test_llama_8b_on_8_h100_fits_with_activation_checkpointing():
+    """The issue's case: 16 x 8192 bf16 on 8 H100s drops every spec without checkpointing."""
+    from models import preset
+    budget = 0.9 * 80e9
+    rows = spmd.search(preset("8b"), 8, device="h100", batch_shape=(16, 8192), dtype="bf16", specs=["fsdp=8"])
+    row = rows[0]
+    print(row.flags, f"{row.memory['total'] / 1e9:.1f} GB of 80 GB")
+    assert row.ac != "none" and row.grad_accum in (1, 2) and row.memory["total"] <= budget
+    assert row.memory["activations"] + row.memory["recompute"] < 20e9  # without: over 100 GB
+    assert row.recompute_s > 0 and row.step_s > row.compute_s + row.recompute_s
+
+
+def test_llama_70b_on_64_h100_fits_with_activation_checkpointing():
+    from models import preset
+    rows = spmd.search(preset("70b"), 64, device="h100", batch_shape=(64, 4096), dtype="bf16",
+                       specs=["fsdp=8,tp=8,sp"])  # a node of tp, fsdp across the 8 nodes
+    row = rows[0]
+    print(row.flags, f"{row.memory['total'] / 1e9:.1f} GB of 80 GB")
+    assert row.ac != "none" and row.memory["total"] <= 0.9 * 80e9
 
 
 def test_flops_follow_design_formula():
@@ -120,6 +210,7 @@ def test_cli_prints_a_table(capsys):
                    "--workers", "1"]) == 0
     out = capsys.readouterr().out
     assert "spec search" in out and "fsdp=2" in out and "tp=2,sp" in out
+    assert "--mesh tp=2,sp --ac none --grad-accum 1" in out
 
 
 def test_long_sequences_also_try_context_parallelism():

@@ -4,6 +4,7 @@ It lays a meta-tensor copy of the model out on a fake process group of the reque
 one forward and backward with the collective recorder on, and returns the `Plan`: the same code path
 as a real run, so the plan lists the collectives a real step issues, no more and no fewer.
 """
+import contextlib
 import inspect
 import json
 import os
@@ -18,23 +19,23 @@ import torch.nn as nn
 from ..layout.annotate import fake_copy
 from ..layout.dtypes import as_dtype
 from ..layout.mesh import MESH_AXES, check_sizes, mesh_sizes
-from ..layout.sequence import check_seq_len
+from ..layout.sequence import check_seq_len, rank_positions
 from ..runtime.checkpointing import apply_activation_checkpointing, parse_mode
 from ..runtime.optimizer import gather_updated, masters_of, shard_optimizer
-from ..runtime.parallelize import parallelize
+from ..runtime.parallelize import no_sync, parallelize
 from ..runtime.reshard import observe_saved
 from ..runtime.state import STATE_ATTR
 from . import record
 from .explain_pipeline import explain_pipeline
 from .fake import fake_world
-from .memory import activation_bytes, memory_per_rank
+from .memory import activation_bytes, local_bytes, memory_per_rank
 from .plan import Plan
 
 __all__ = ["explain", "dry_run", "training_loss"]
 
 
 def explain(model: nn.Module, rules, mesh_or_sizes, batch_shape=(8, 2048), dtype=torch.float32,
-            optimizer: str = "adamw", *, ac: str = "none", schedule: str = "1f1b",
+            optimizer: str = "adamw", *, ac: str = "none", grad_accum: int = 1, schedule: str = "1f1b",
             microbatches: int | None = None, virtual_stages: int = 1, split_cost: str = "flops",
             reduce_dtype=torch.float32, master: str = "params", offload: str | None = None) -> Plan:
     """Plans one training step of `model` (forward, backward, gradient reduction) on a mesh of any size.
@@ -45,7 +46,10 @@ def explain(model: nn.Module, rules, mesh_or_sizes, batch_shape=(8, 2048), dtype
     these `schedule`, `microbatches`, `virtual_stages` and `split_cost`, and the plan has a `pipeline`
     section (stages, bubble, send/recv bytes; see spmd/analysis/explain_pipeline.py). `ac`: activation
     checkpointing of the blocks as the trainer applies it (`none`, `full`, `selective:N`): saved activations
-    shrink, and the recomputation's collectives join the backward.
+    shrink, and the recomputation's collectives join the backward. `grad_accum`: micro-batches per step as the
+    trainer runs them (--grad-accum K): K forward/backward passes of batch/K, the first K-1 under `no_sync`;
+    the plan lists every pass's collectives, the activations of one micro-batch and, for K > 1, the gradients
+    the passes accumulate unreduced (their compute layout).
 
     The ZeRO stage is the rules' (`Rules.default(zero=k)`): with optimizer or grads maps that shard beyond
     the params map the step includes spmd.shard_optimizer's AdamW step and its all-gathers (phase
@@ -62,12 +66,23 @@ def explain(model: nn.Module, rules, mesh_or_sizes, batch_shape=(8, 2048), dtype
     dtype = as_dtype(dtype)
     parse_mode(ac)
     precision = dict(reduce_dtype=as_dtype(reduce_dtype), master=master, offload=offload)
+    _check_grad_accum(grad_accum, sizes)
     if dist.is_initialized() and dist.get_backend() != "fake":
-        return _explain_in_child(model, rules, sizes, batch_shape, dtype, optimizer, pipeline, ac, precision)
-    return dry_run(model, rules, sizes, tuple(batch_shape), dtype, optimizer, pipeline, ac, precision)
+        return _explain_in_child(model, rules, sizes, batch_shape, dtype, optimizer, pipeline, ac, precision,
+                                 grad_accum)
+    return dry_run(model, rules, sizes, tuple(batch_shape), dtype, optimizer, pipeline, ac, precision, grad_accum)
 
 
-def dry_run(model, rules, sizes, batch_shape, dtype, optimizer, pipeline=None, ac="none", precision=None) -> Plan:
+def _check_grad_accum(grad_accum, sizes: dict) -> None:
+    if not isinstance(grad_accum, int) or grad_accum < 1:
+        raise ValueError(f"grad_accum must be an integer >= 1 (micro-batches per step), got {grad_accum!r}")
+    if grad_accum > 1 and sizes.get("pp", 1) > 1:
+        raise ValueError("explain does not plan grad_accum > 1 with a pp axis yet; pass grad_accum=1 and give "
+                         "the pipeline its micro-batches with microbatches=")
+
+
+def dry_run(model, rules, sizes, batch_shape, dtype, optimizer, pipeline=None, ac="none", precision=None,
+            grad_accum=1) -> Plan:
     """The plan of one step, laid out and run in a fake world of `sizes` (this process's group is replaced)."""
     with fake_world(sizes) as (mesh, fake):
         full = mesh_sizes(mesh)
@@ -84,21 +99,38 @@ def dry_run(model, rules, sizes, batch_shape, dtype, optimizer, pipeline=None, a
         data_parallel = rules.data_parallel_size(mesh)
         batch, seq = batch_shape[0], batch_shape[1]
         check_seq_len(seq, full["cp"])
-        if batch % data_parallel:
+        if batch % (data_parallel * grad_accum):
             raise ValueError(f"batch {batch} does not divide by the data-parallel size "
-                             f"{'*'.join(rules.batch_axes())}={data_parallel}")
-        recorder, saved = record.CollectiveRecorder(mesh), {}
+                             f"{'*'.join(rules.batch_axes())}={data_parallel} times grad_accum={grad_accum}")
+        recorder = record.CollectiveRecorder(mesh)
         with fake:
-            tokens = torch.zeros(batch // data_parallel, seq // full["cp"], dtype=torch.long)
-            with recorder, observe_saved(saved):
-                loss = training_loss(model, tokens)
-            activations = activation_bytes(saved, model)
-            with recorder:
-                loss.backward()
+            tokens = torch.zeros(batch // (data_parallel * grad_accum), seq // full["cp"], dtype=torch.long)
+            positions = rank_positions(tokens.shape, mesh)
+            activations, unreduced = _run_step(model, recorder, tokens, grad_accum, positions)
         _optimizer_step(model, optimizer, recorder, fake)
+        memory = memory_per_rank(model, optimizer, activations)
+        if unreduced > memory["gradients"]:  # held until the last micro-batch's backward reduces them
+            memory["total"] += unreduced - memory["gradients"]
+            memory["gradients"] = unreduced
         return Plan(**common, collectives=recorder.records,
-                    decisions=list(getattr(model, STATE_ATTR).decisions.values()),
-                    memory=memory_per_rank(model, optimizer, activations))
+                    decisions=list(getattr(model, STATE_ATTR).decisions.values()), memory=memory)
+
+
+def _run_step(model: nn.Module, recorder, tokens, grad_accum: int, positions=None) -> tuple[int, int]:
+    """Forward and backward of `grad_accum` micro-batches, the first ones under no_sync, as the trainer runs
+    them. Returns (activation bytes of one micro-batch, bytes of the gradients accumulated unreduced)."""
+    unreduced = 0
+    for i in range(grad_accum):
+        saved = {}
+        sync = contextlib.nullcontext() if i == grad_accum - 1 else no_sync(model)
+        with recorder, observe_saved(saved):
+            loss = training_loss(model, tokens, positions)
+        activations = activation_bytes(saved, model)
+        with recorder, sync:
+            loss.backward()
+        if i == grad_accum - 2:
+            unreduced = sum(local_bytes(p.grad) for p in model.parameters() if p.grad is not None)
+    return activations, unreduced
 
 
 def _optimizer_step(model, optimizer: str, recorder, fake):
@@ -111,13 +143,14 @@ def _optimizer_step(model, optimizer: str, recorder, fake):
             gather_updated(opt)
 
 
-def training_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+def training_loss(model: nn.Module, tokens: torch.Tensor, positions=None) -> torch.Tensor:
     """The loss of a language model on `tokens` as its own targets: `model(input_ids=, labels=)` for a model
-    whose forward takes those (Hugging Face, which shifts the labels itself), else `model(tokens, targets)`;
+    whose forward takes those (Hugging Face, which shifts the labels itself), else `model(tokens, targets)`
+    (with `positions=` under cp);
     the scalar is found in a returned ModelOutput, dict or tuple."""
     params = inspect.signature(model.forward).parameters
     out = model(input_ids=tokens, labels=tokens) if "input_ids" in params and "labels" in params \
-        else model(tokens, tokens)
+        else model(tokens, tokens, **({} if positions is None else {"positions": positions}))
     values = out.values() if isinstance(out, dict) else out if isinstance(out, (tuple, list)) else [out]
     loss = next((v for v in values if isinstance(v, torch.Tensor) and v.ndim == 0), None)
     if loss is None:
@@ -127,12 +160,12 @@ def training_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def _explain_in_child(model, rules, sizes, batch_shape, dtype, optimizer, pipeline=None, ac="none",
-                      precision=None) -> Plan:
+                      precision=None, grad_accum=1) -> Plan:
     # a real process group owns this process; the fake world runs in a fresh interpreter next door
     with tempfile.TemporaryDirectory() as tmp:
         job, out = os.path.join(tmp, "job.pt"), os.path.join(tmp, "plan.json")
         torch.save((fake_copy(model, None), rules, sizes, tuple(batch_shape), dtype, optimizer, pipeline, ac,
-                    precision), job)
+                    precision, grad_accum), job)
         env = {k: v for k, v in os.environ.items()
                if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
         subprocess.run([sys.executable, "-m", "spmd.analysis.explain_child", job, out], check=True, env=env)

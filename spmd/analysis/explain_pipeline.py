@@ -13,6 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from ..layout.annotate import fake_copy
 from ..layout.blocks import find_blocks
 from ..layout.rules import local_shape
+from ..layout.sequence import rank_positions
 from ..pipeline.build import checkpoint_stage, without_pp
 from ..pipeline.runtime import bubble_fraction, default_microbatches, validate_pipeline
 from ..pipeline.split import split_stages
@@ -86,11 +87,13 @@ def _run_stages(split, fake_model, stage_mesh, rules, param_dtype, fake, tokens,
         with fake:
             stage = StageModule(fake_model, split, info.index, HIDDEN_AXES)
             parallelize(stage, stage_mesh, rules, param_dtype=param_dtype,
-                        input_axes={0: TOKEN_AXES if info.first else HIDDEN_AXES, "targets": TOKEN_AXES})
+                        input_axes={0: TOKEN_AXES if info.first else HIDDEN_AXES, "targets": TOKEN_AXES,
+                                    "positions": TOKEN_AXES})
             checkpoint_stage(stage, info, every, fake_model.get_submodule(split.block_path))
             x = torch.zeros(tokens, dtype=torch.long) if info.first else \
                 torch.zeros(hidden, dtype=hidden_dtype, requires_grad=True)
             targets = torch.zeros(tokens, dtype=torch.long)
+            positions = rank_positions(tokens, stage_mesh)
         state = getattr(stage, STATE_ATTR)
         runs[info.index] = {}
         for sync in ((False, True) if m > 1 else (True,)):
@@ -98,7 +101,7 @@ def _run_stages(split, fake_model, stage_mesh, rules, param_dtype, fake, tokens,
             recorder, seen = record.CollectiveRecorder(stage_mesh), {}
             with fake:
                 with recorder, observe_saved(seen):
-                    out = stage(x, targets=targets)
+                    out = stage(x, targets=targets, positions=positions)
                 with recorder:
                     out.backward(None if info.last else torch.ones_like(out))
             runs[info.index][sync] = recorder.records

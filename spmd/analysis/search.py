@@ -1,7 +1,7 @@
 """`spmd.search(model, world_size, device="h100")`: which spec to run, ranked by predicted step time.
 
-    rows = spmd.search(LlamaConfig.preset("8b"), 64, device="h100", batch_shape=(64, 4096))  # or an nn.Module
-    print(rows.table())                      # or: python -m spmd.search --model 8b --world 64 --device h100
+    rows = spmd.search(LlamaConfig.preset("8b"), 8, device="h100", batch_shape=(16, 8192))  # or an nn.Module
+    print(rows.table())   # or: python -m spmd.search --model 8b --world 8 --device h100 --batch 16 --seq 8192
 
 1. Enumerate the meshes of the world size: every dp x fsdp x cp x tp = world (tp at most one node, 8 devices),
    each tp > 1 with and without sequence parallelism; cp > 1 only for sequences longer than 4096 tokens,
@@ -10,100 +10,37 @@
    rank (parameters, gradients, optimizer states, saved activations). A model's blocks are identical, so the
    plan of the full model is the plan of a 1-block copy plus (L-1) times the difference between the 2-block
    and the 1-block copies: exact, and two cheap dry runs per spec instead of one of L blocks.
-3. Drop the specs that do not fit the memory budget (default 90% of the device's memory: the rest is for
-   the transient gathered parameters, workspaces and the allocator) or do not divide (batch, heads, ...).
-4. Rank the rest by predicted step time:
-       compute   = FLOPs per rank / (peak FLOP/s x efficiency), FLOPs per token as the model's config counts
-                   them (Llama: 6 N_non_embedding + 12 L H Q T), the same for every spec;
-       each collective = latency + bytes / bandwidth of its link: within a node (NVLink) when the ranks of
-                   its mesh axis sit in one node of 8 (tp is innermost, then fsdp, then dp), else across
-                   nodes (InfiniBand);
-       overlap   = a fraction `overlap` (0..1) of the parameter traffic (FSDP gathers, gradient
-                   reductions) hides behind compute; activation traffic (TP/SP, the cp ring) is on the
-                   critical path.
-                   The default 0 puts all of it on the critical path, an upper bound: eager spmd issues
-                   each block's gather while the block before computes, which hides part of it;
-                   1 models a runtime that hides all parameter traffic behind compute;
-       step      = compute + activation comm + parameter comm - min(parameter comm, compute) x overlap.
+3. Fit the memory budget (default 90% of the device's memory: the rest is for the transient gathered
+   parameters, workspaces and the allocator) the way people do, cheapest first: first without activation
+   checkpointing, then the least of it that fits (`selective:N`, every N-th block, N falling, then `full`;
+   memory includes the one block backward rebuilds at a time), and only then more micro-batches per step
+   (`--grad-accum K`, K dividing the sequences per rank, smallest first): a micro-batch holds 1/K of the
+   activations but regathers every parameter again and holds the gradients unreduced in their compute
+   layout (spmd.no_sync), which under FSDP costs more memory than it saves. Specs that fit no way, or do not
+   divide (batch, heads, ...), are dropped with the reason. `ac=` / `grad_accum=` pin the choice.
+4. Rank the rest by predicted step time, spmd/analysis/step_time.py: compute, recompute, each collective on
+   its link (activation traffic, TP/SP and the cp ring, on the critical path), minus the parameter
+   gathers the runtime prefetches behind compute.
+Each row names what it assumes as launch.train flags: `--mesh SPEC --ac MODE --grad-accum K`.
 """
 from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass, field, asdict
 
 import torch.nn as nn
 
+from ..layout.blocks import find_blocks
 from ..layout.mesh import MESH_AXES, parse_spec
 from ..layout.rules import Rules
+from ..runtime.checkpointing import parse_mode
 from .devices import Device, get_device
-from .summaries import Summary, as_model, frozen, model_state_bytes, plan_all
+from .search_rows import Row, SearchResult
+from .step_time import flops_per_token, links, predict, recompute_fraction
+from .summaries import accumulated, as_model, checkpointed, frozen, model_state_bytes, plan_all
 
 __all__ = ["Row", "SearchResult", "candidate_specs", "spec_name", "links", "flops_per_token", "predict", "search",
-           "model_state_bytes"]
-
-
-@dataclass
-class Row:
-    spec: str
-    sizes: dict
-    sp: bool
-    step_s: float = math.nan
-    compute_s: float = math.nan
-    activation_comm_s: float = math.nan
-    param_comm_s: float = math.nan
-    hidden_s: float = 0.0
-    comm_bytes: int = 0
-    collectives: int = 0
-    bytes_by_axis: dict = field(default_factory=dict)
-    links: dict = field(default_factory=dict)
-    memory: dict = field(default_factory=dict)
-    budget: float = math.nan
-    fits: bool = True
-    tokens_per_s: float = math.nan
-    mfu: float = math.nan
-    note: str = ""
-
-    @property
-    def comm_s(self) -> float:
-        return self.activation_comm_s + self.param_comm_s - self.hidden_s
-
-    def to_dict(self) -> dict:
-        return {**asdict(self), "comm_s": self.comm_s}
-
-
-class SearchResult(list):
-    """The ranked rows (fastest first) that fit; `.dropped` holds the rest with the reason."""
-
-    def __init__(self, rows, dropped, meta):
-        super().__init__(rows)
-        self.dropped, self.meta = dropped, meta
-
-    def to_dict(self) -> dict:
-        return {"meta": self.meta, "ranked": [r.to_dict() for r in self],
-                "dropped": [r.to_dict() for r in self.dropped]}
-
-    def table(self) -> str:
-        m = self.meta
-        lines = [f"spec search: {m['model']} on {m['world']} x {m['device']}, batch {tuple(m['batch_shape'])}, "
-                 f"{m['dtype']}, budget {m['budget'] / 2**30:,.1f} GiB/rank, overlap {m['overlap']:g}",
-                 f"{'#':>3} {'spec':<22} {'step s':>9} {'compute':>9} {'act comm':>9} {'par comm':>9} "
-                 f"{'hidden':>8} {'tok/s':>11} {'MFU':>6} {'mem GiB':>8} {'comm GB':>9}  links"]
-        for i, r in enumerate(self, 1):
-            lines.append(_fmt_row(str(i), r))
-        if self.dropped:
-            lines.append("dropped:")
-            for r in self.dropped:
-                mem = f"{r.memory['total'] / 2**30:,.1f} GiB" if r.memory else ""
-                lines.append(f"  {r.spec:<22} {mem:>12}  {r.note}")
-        return "\n".join(lines)
-
-
-def _fmt_row(rank, r: Row) -> str:
-    links = " ".join(f"{a}:{l}" for a, l in r.links.items())
-    return (f"{rank:>3} {r.spec:<22} {r.step_s:>9.4g} {r.compute_s:>9.4g} {r.activation_comm_s:>9.4g} "
-            f"{r.param_comm_s:>9.4g} {r.hidden_s:>8.3g} {r.tokens_per_s:>11,.0f} {100 * r.mfu:>5.1f}% "
-            f"{r.memory.get('total', 0) / 2**30:>8.2f} {r.comm_bytes / 1e9:>9.3f}  {links}")
+           "model_state_bytes", "ac_modes"]
 
 
 # ------------------------------------------------------------------------------------------ candidates
@@ -144,27 +81,6 @@ def spec_name(sizes: dict, sp: bool) -> str:
     return ",".join(f"{a}={sizes[a]}" for a in MESH_AXES if a in sizes) + (",sp" if sp else "")
 
 
-def links(sizes: dict, per_node: int) -> dict:
-    """'intra' or 'inter' per mesh axis of size > 1: an axis' ranks are `stride` apart (tp innermost)."""
-    out, stride = {}, 1
-    world = math.prod(sizes.values())
-    for axis in reversed(MESH_AXES):
-        size = sizes.get(axis, 1)
-        if size > 1:
-            out[axis] = "intra" if world <= per_node or stride * size <= per_node else "inter"
-        stride *= size
-    return dict(reversed(list(out.items())))
-
-
-# ------------------------------------------------------------------------------------------ the model
-def flops_per_token(model: nn.Module, seq: int) -> float:
-    """The model config's own count (`cfg.flops_per_token(seq)`) where it has one, else 6 N_non_embedding."""
-    cfg = getattr(model, "cfg", None)
-    if hasattr(cfg, "flops_per_token"):
-        return cfg.flops_per_token(seq)
-    emb = {id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
-    return 6 * sum(p.numel() for p in model.parameters() if id(p) not in emb)
-
 
 def _mesh_problem(model: nn.Module, sizes: dict) -> str | None:
     """Why the model says a mesh cannot lay it out (its config's `mesh_problem`), or None."""
@@ -173,38 +89,27 @@ def _mesh_problem(model: nn.Module, sizes: dict) -> str | None:
 
 
 # ------------------------------------------------------------------------------------------ the search
-def predict(summary: Summary, sizes: dict, dev: Device, compute_s: float, overlap: float) -> dict:
-    link = links(sizes, dev.per_node)
-    act = par = 0.0
-    for (axes, traffic), (count, nbytes) in summary.groups.items():
-        inter = any(link.get(a) == "inter" for a in axes.split("+"))
-        bw, lat = (dev.inter_bw, dev.inter_latency) if inter else (dev.intra_bw, dev.intra_latency)
-        t = count * lat + nbytes / bw
-        if traffic == "param":
-            par += t
-        else:
-            act += t
-    hidden = overlap * min(par, compute_s)
-    return {"activation_comm_s": act, "param_comm_s": par, "hidden_s": hidden,
-            "step_s": compute_s + act + par - hidden, "links": link}
-
-
 def search(model, world_size: int, device="h100", memory_budget_bytes: float | None = None,
-           batch_shape=None, dtype: str = "bf16", top: int | None = None, overlap: float = 0.0,
-           max_tp: int | None = None, sequence_parallel=(False, True), specs=None,
-           workers: int | None = None) -> SearchResult:
+           batch_shape=None, dtype: str = "bf16", top: int | None = None, max_tp: int | None = None,
+           sequence_parallel=(False, True), specs=None, workers: int | None = None, ac: str | None = None,
+           grad_accum: int | None = None) -> SearchResult:
     """Ranks the specs of `world_size` ranks for `model` by predicted step time. `model`: an nn.Module (the
     meta device will do), or a model config with `build()` (e.g. a LlamaConfig).
 
     `device`: "h100" | "h200" | "a100" | "cpu" or a `spmd.analysis.devices.Device`. `memory_budget_bytes`: per rank
     (default 90% of the device's memory). `batch_shape`: global (batch, seq), default (world_size,
-    min(max_seq_len, 4096)). `dtype`: compute dtype. `top`: keep the best `top` rows. `overlap`: see the
-    module docstring. `specs`: explicit candidates (strings like "fsdp=4,tp=2,sp") instead of all of them.
+    min(max_seq_len, 4096)). `dtype`: compute dtype. `top`: keep the best `top` rows. `specs`: explicit
+    candidates (strings like "fsdp=4,tp=2,sp") instead of all of them. `ac` (none|full|selective:N) and
+    `grad_accum` (K): assume these instead of choosing the least that fits (module docstring, step 3).
     `workers`: processes planning the candidates in parallel (spawned: call from under
     `if __name__ == "__main__":`); default 1, in this process. Plans are cached per (model config, spec).
     Returns a list of `Row` (fastest first) with `.dropped` (specs that do not fit or divide, and why),
     `.table()` and `.to_dict()`.
     """
+    if ac is not None:
+        parse_mode(ac)
+    if grad_accum is not None and (not isinstance(grad_accum, int) or grad_accum < 1):
+        raise ValueError(f"grad_accum must be an integer >= 1 (micro-batches per step), got {grad_accum!r}")
     dev = get_device(device, world_size)
     net = as_model(model)
     cfg = getattr(net, "cfg", None)
@@ -213,12 +118,12 @@ def search(model, world_size: int, device="h100", memory_budget_bytes: float | N
     candidates = _candidates(world_size, specs, max_tp or dev.per_node, sequence_parallel, seq)
     compute_s = flops_per_token(net, seq) * batch * seq / world_size / (dev.peak(dtype) * dev.efficiency)
     unplanned = _screen(net, candidates, world_size, budget)
-    jobs = [(frozen(sizes), sp, (batch, seq), str(dtype)) for sizes, sp in candidates if frozen(sizes) not in unplanned]
+    todo = [(sizes, sp) for sizes, sp in candidates if frozen(sizes) not in unplanned]
     quiet = logging.getLogger("torch.distributed.tensor._redistribute")
     level = quiet.level
     quiet.setLevel(logging.ERROR)
     try:
-        planned = plan_all(net, model, jobs, workers or 1)
+        chosen = _fit(net, model, todo, (batch, seq, str(dtype)), budget, (ac, grad_accum), workers or 1)
     finally:
         quiet.setLevel(level)
     ranked, dropped = [], []
@@ -227,15 +132,96 @@ def search(model, world_size: int, device="h100", memory_budget_bytes: float | N
         if frozen(sizes) in unplanned:
             row.fits, (row.note, row.memory) = False, unplanned[frozen(sizes)]
         else:
-            _fill(row, planned[(frozen(sizes), sp, (batch, seq), str(dtype))], dev, compute_s, overlap,
+            _fill(row, chosen[(frozen(sizes), sp)], dev, compute_s, _count_blocks(net),
                   batch * seq, flops_per_token(net, seq) / (dev.peak(dtype) * world_size))
         (ranked if row.fits else dropped).append(row)
     ranked.sort(key=lambda r: (r.step_s, r.memory.get("total", 0)))
     meta = {"model": type(net).__name__ if cfg is None else _model_label(cfg),
             "world": world_size, "device": dev.name, "batch_shape": [batch, seq], "dtype": str(dtype),
-            "budget": budget, "overlap": overlap, "compute_s": compute_s, "efficiency": dev.efficiency,
-            "peak_flops": dev.peak(dtype), "candidates": len(candidates)}
+            "budget": budget, "compute_s": compute_s, "efficiency": dev.efficiency,
+            "peak_flops": dev.peak(dtype), "candidates": len(candidates), "ac": ac, "grad_accum": grad_accum}
     return SearchResult(ranked[:top] if top else ranked, dropped, meta)
+
+
+def ac_modes(n_blocks: int) -> list[str]:
+    """Checkpointing from least to most recompute: none, selective:N for 1, 2, ... checkpointed blocks (the
+    smallest N for each count), full."""
+    modes = ["none"]
+    for k in range(1, n_blocks + 1):
+        n = math.ceil(n_blocks / k)
+        mode = "full" if n == 1 else f"selective:{n}"
+        if mode not in modes:
+            modes.append(mode)
+    return modes
+
+
+def _count_blocks(net: nn.Module) -> int:
+    try:
+        return len(find_blocks(net)[1])
+    except ValueError:
+        return 0
+
+
+def _fit(net, model, todo, shape, budget, pinned, workers) -> dict:
+    """{(frozen sizes, sp): (Summary or error, ac, K)}: per spec the first (K, ac) of step 3 that fits the
+    budget, else the last tried. Planned in rounds, every spec's next try in one `plan_all`."""
+    batch = shape[0]
+    ac, grad_accum = pinned
+    modes = [ac] if ac is not None else ac_modes(_count_blocks(net))
+    out, pending = {}, {}
+    for sizes, sp in todo:
+        local = batch // Rules.default(sp).data_parallel_size(sizes)
+        pending[(frozen(sizes), sp)] = [grad_accum] if grad_accum else [k for k in range(1, local + 1) if local % k == 0] or [1]
+    while pending:
+        nones = _plan_round(net, model, pending, "none", shape, workers)
+        needs = {key: pending[key] for key, none in nones.items()
+                 if modes != ["none"] and not isinstance(none, Exception) and not _fits(none, modes, budget)}
+        fulls = _plan_round(net, model, needs, "full", shape, workers)
+        nones.update(_plan_round(net, model, needs, "none", shape, workers, block=True))
+        for key in list(pending):
+            k, none, full = pending[key][0], nones[key], fulls.get(key)
+            error = next((s for s in (none, full) if isinstance(s, Exception)), None)
+            out[key] = (error, modes[0], k) if error is not None else _least_that_fits(none, full, modes, k, budget)
+            pending[key] = pending[key][1:]
+            if error is not None or out[key][0].memory["total"] <= budget or not pending[key]:
+                del pending[key]
+    return out
+
+
+def _plan_round(net, model, pending: dict, mode: str, shape, workers, block: bool = False) -> dict:
+    """{spec key: plan or error} of each pending spec at its next K with checkpointing `mode`, in one plan_all;
+    `block`: with one block's share (checkpointing composes from it)."""
+    batch, seq, dtype = shape
+    jobs = {key: _job(key, ks[0], mode, batch, seq, dtype) + (mode == "full" or block,) for key, ks in pending.items()}
+    planned = plan_all(net, model, sorted(set(jobs.values()), key=repr), workers) if jobs else {}
+    return {key: planned[job] for key, job in jobs.items()}
+
+
+def _fits(none, modes, budget: float) -> bool:
+    """Whether the plan without checkpointing is the answer: allowed, and within the budget (a plan of two
+    micro-batches has the memory of K, see summaries.accumulated)."""
+    return modes[0] == "none" and none.memory["total"] <= budget
+
+
+def _passes(k: int) -> int:
+    """Micro-batches a dry run plans for K of them: one, or two (the first under no_sync) that summaries.accumulated
+    turns into K."""
+    return 1 if k == 1 else 2
+
+
+def _job(key, k: int, mode: str, batch: int, seq: int, dtype: str) -> tuple:
+    """The plan_all job of a spec at K micro-batches: K = 1 as it is, else two of them (no_sync, then sync)."""
+    sizes, sp = key
+    return (sizes, sp, (batch * _passes(k) // k, seq), dtype, mode, _passes(k))
+
+
+def _least_that_fits(none, full, modes, k: int, budget: float):
+    """(plan of K micro-batches, ac, K) for the first of `modes` that fits, else for the last."""
+    for mode in modes:
+        s = accumulated(none if mode == "none" else checkpointed(none, full, mode), _passes(k), k)
+        if s.memory["total"] <= budget:
+            break
+    return s, mode, k
 
 
 def _candidates(world_size: int, specs, max_tp: int, sequence_parallel, seq=None) -> list[tuple[dict, bool]]:
@@ -268,9 +254,10 @@ def _screen(net: nn.Module, candidates, world_size: int, budget: float) -> dict:
     return out
 
 
-def _fill(row: Row, s, dev: Device, compute_s: float, overlap: float, tokens: int, mfu_per_token_s: float):
-    """Fills `row` from its plan summary (or the error planning it raised); `row.fits` says whether it stays.
+def _fill(row: Row, chosen, dev: Device, compute_s: float, n_blocks: int, tokens: int, mfu_per_token_s: float):
+    """Fills `row` from its chosen plan (or the error planning it raised); `row.fits` says whether it stays.
     `tokens`: per step; `mfu_per_token_s`: FLOPs per token / (peak x world), MFU per token/s."""
+    s, row.ac, row.grad_accum = chosen
     if isinstance(s, Exception):
         row.fits, row.note = False, f"does not lay out: {str(s).splitlines()[0]}"
         return
@@ -279,14 +266,16 @@ def _fill(row: Row, s, dev: Device, compute_s: float, overlap: float, tokens: in
     row.comm_bytes = sum(b for _, b in s.groups.values())
     for (axes, _), (_, b) in s.groups.items():
         row.bytes_by_axis[axes] = row.bytes_by_axis.get(axes, 0) + b
-    p = predict(s, row.sizes, dev, compute_s, overlap)
+    row.recompute_s = compute_s / 3 * recompute_fraction(row.ac, n_blocks)
+    p = predict(s, row.sizes, dev, compute_s, row.recompute_s)
     row.compute_s, row.activation_comm_s, row.param_comm_s = compute_s, p["activation_comm_s"], p["param_comm_s"]
     row.hidden_s, row.step_s, row.links = p["hidden_s"], p["step_s"], p["links"]
     row.tokens_per_s = tokens / row.step_s
     row.mfu = row.tokens_per_s * mfu_per_token_s
     if s.memory["total"] > row.budget:
         row.fits = False
-        row.note = f"needs {s.memory['total'] / 2**30:,.1f} GiB per rank > budget {row.budget / 2**30:,.1f} GiB"
+        row.note = (f"needs {s.memory['total'] / 2**30:,.1f} GiB per rank > budget {row.budget / 2**30:,.1f} GiB "
+                    f"even with --ac {row.ac} --grad-accum {row.grad_accum}")
 
 
 def _model_label(cfg) -> str:

@@ -1,5 +1,12 @@
-"""What the search needs of each spec's plan: its collectives and memory, summarised from `explain` dry runs
-of 1- and 2-block copies of the model (exact for identical blocks), cached, optionally in worker processes."""
+"""What the search needs of each spec's plan: its collectives (per mesh axis and traffic class) and memory,
+summarised from `explain` dry runs of 1- and 2-block copies of the model (exact for identical blocks), cached,
+optionally in worker processes.
+
+Activation checkpointing: `none` and `full` are planned as they are; `selective:N` (every N-th block
+checkpointed) is composed from the blocks of those two plans: the first block checkpointed plus k-1 more
+(k = ceil(L/N)) and L-k plain ones. With any checkpointing, backward rebuilds one block's activations at a
+time: memory gets `recompute`, the activations of one plain block (a transient explain's count of saved
+tensors leaves out)."""
 from __future__ import annotations
 
 import copy
@@ -13,11 +20,27 @@ import torch.nn as nn
 from ..layout.annotate import fake_copy, infer_axes
 from ..layout.blocks import find_blocks
 from ..layout.rules import Rules
+from ..runtime.checkpointing import parse_mode
 from .explain import explain
 
-__all__ = ["Summary", "summarize", "plan_summary", "plan_all", "model_state_bytes", "frozen", "as_model"]
+__all__ = ["Summary", "summarize", "plan_summary", "planned", "checkpointed", "plan_all", "accumulated", "model_state_bytes",
+           "frozen", "as_model", "TRAFFIC", "traffic"]
 
-PARAM_REASONS = ("gather ", "regather ", "reduce gradient ")
+# how a collective's time is spent: "gather" parameters (critical path), "prefetch-forward"/"prefetch-backward"
+# (a block's gather issued while the block before computes, spmd.runtime.buckets), "reduce" gradients (once
+# per step under gradient accumulation), "activation" (tensor/sequence-parallel moves, losses)
+TRAFFIC = ("activation", "gather", "prefetch-forward", "prefetch-backward", "reduce")
+REDUCE_REASONS = ("reduce gradient ", "reduce-scatter gradients ", "all-reduce gradients ")
+GATHER_REASONS = ("gather ", "regather ")
+
+
+def traffic(c) -> str:
+    """The TRAFFIC class of a recorded collective, from the reason the runtime tagged it with."""
+    if c.reason.startswith(REDUCE_REASONS):
+        return "reduce"
+    if c.reason.startswith(GATHER_REASONS):
+        return f"prefetch-{c.phase}" if ", prefetched" in c.reason else "gather"
+    return "activation"
 
 
 def frozen(sizes: dict) -> tuple:
@@ -53,8 +76,10 @@ def _truncated(model: nn.Module, name: str, k: int) -> nn.Module:
 @dataclass
 class Summary:
     """What the ranking needs from a plan: collective count and bytes per (axis, traffic class), memory."""
-    groups: dict   # (axis, "param" | "activation") -> [count, bytes]
+    groups: dict   # (axes, TRAFFIC class) -> [count, bytes]
     memory: dict
+    block: "Summary | None" = None   # one repeated block's share of the plan
+    blocks: int = 0                  # how many repeated blocks the model has
 
     def __sub__(self, o):
         keys = set(self.groups) | set(o.groups)
@@ -75,8 +100,7 @@ def summarize(plan) -> Summary:
     for c in plan.collectives:
         if c.kind == "recv":
             continue  # the matching send carries the bytes of a point-to-point exchange (the cp ring)
-        traffic = "param" if c.reason.startswith(PARAM_REASONS) else "activation"
-        g = groups.setdefault(("+".join(c.axes), traffic), [0, 0])
+        g = groups.setdefault(("+".join(c.axes), traffic(c)), [0, 0])
         g[0] += 1
         g[1] += c.bytes
     return Summary(groups, dict(plan.memory))
@@ -105,29 +129,76 @@ def model_state_bytes(model: nn.Module, sizes: dict, rules: Rules, optimizer_sta
 _cache: dict = {}
 
 
-def _cache_key(model, sizes, sp, batch_shape, dtype, rules):
+def _cache_key(model, sizes, sp, batch_shape, dtype, rules, ac="none"):
     cfg = getattr(model, "cfg", None)
     who = repr(cfg) if cfg is not None else id(model)  # a config names the model; else this object (kept alive)
-    return (who, frozen(dict(sizes)), sp, tuple(batch_shape), str(dtype), repr(rules))
+    return (who, frozen(dict(sizes)), sp, tuple(batch_shape), str(dtype), repr(rules), ac)
 
 
-def plan_summary(model: nn.Module, sizes: dict, sp: bool, batch_shape, dtype, rules=None) -> Summary:
-    """The plan of the full model, from dry runs of 1- and 2-block copies (exact for identical blocks)."""
-    sizes = dict(sizes)
+def plan_summary(model: nn.Module, sizes: dict, sp: bool, batch_shape, dtype, rules=None, ac="none") -> Summary:
+    """The plan of the full model under activation checkpointing `ac`, from dry runs of 1- and 2-block copies
+    (exact for identical blocks); see the module docstring for `selective:N` and `recompute`."""
     rules = rules or Rules.default(sequence_parallel=sp)
-    key = _cache_key(model, sizes, sp, batch_shape, dtype, rules)
+    if not parse_mode(ac):
+        return planned(model, sizes, sp, batch_shape, dtype, rules, "none")
+    none = planned(model, sizes, sp, batch_shape, dtype, rules, "none", block=True)
+    return checkpointed(none, planned(model, sizes, sp, batch_shape, dtype, rules, "full", block=True), ac)
+
+
+def checkpointed(none: Summary, full: Summary, ac: str) -> Summary:
+    """The plan under `ac` composed from the plans without and with every block checkpointed."""
+    every = parse_mode(ac)
+    if not every:
+        return none
+    if none.block is None:  # one block: backward rebuilds what checkpointing did not save
+        return _with_recompute(full, none.memory["activations"] - full.memory["activations"])
+    n, k = none.blocks, math.ceil(none.blocks / every)  # blocks 0, N, 2N, ... are checkpointed
+    out = full + (none.block - full.block) * (n - k)
+    # a plain block's regather is prefetched only by a plain block after it: move the others to "gather"
+    plain = [i % every != 0 for i in range(n)]
+    lone = (n - k) - sum(plain[j] and plain[j + 1] for j in range(n - 1))
+    for (axes, kind), (count, nbytes) in none.block.groups.items():
+        if kind == "prefetch-backward" and lone:
+            out.groups[(axes, kind)] = [a - lone * b for a, b in zip(out.groups[(axes, kind)], (count, nbytes))]
+            was = out.groups.get((axes, "gather"), [0, 0])
+            out.groups[(axes, "gather")] = [a + lone * b for a, b in zip(was, (count, nbytes))]
+    return _with_recompute(out, none.block.memory["activations"])
+
+
+def accumulated(s: Summary, passes: int, grad_accum: int) -> Summary:
+    """The plan of `passes` micro-batches (explain's grad_accum) as that of `grad_accum` ones: every collective
+    but the gradient reductions repeats per micro-batch, the reductions run once; memory is the same (one
+    micro-batch's activations, the gradients held unreduced between micro-batches)."""
+    groups = {k: list(v) if k[1] == "reduce" else [v[0] * grad_accum // passes, v[1] * grad_accum // passes]
+              for k, v in s.groups.items()}
+    return Summary(groups, dict(s.memory))
+
+
+def _with_recompute(s: Summary, nbytes: int) -> Summary:
+    memory = {k: v for k, v in s.memory.items() if k != "total"}
+    memory["recompute"] = nbytes
+    return Summary(s.groups, {**memory, "total": sum(memory.values())})
+
+
+def planned(model: nn.Module, sizes: dict, sp: bool, batch_shape, dtype, rules, ac: str,
+            grad_accum: int = 1, block: bool = False) -> Summary:
+    """The plan of the full model with `ac` none or full and `grad_accum` as explain gives it (cached); `.block`
+    is one block's share (None for a model of fewer than 2 blocks, and for one of 2 unless `block`: the model
+    is its own 2-block copy, one dry run)."""
+    sizes = dict(sizes)
+    name, blocks = _blocks(model)
+    block = block or len(blocks) > 2
+    key = _cache_key(model, sizes, sp, batch_shape, dtype, rules, (ac, grad_accum, block))
     if key in _cache:
         return _cache[key][1]
-    try:
-        name, blocks = find_blocks(model)
-    except ValueError:
-        name, blocks = None, []
-    if name is None or len(blocks) <= 2:
-        out = summarize(explain(model, rules, sizes, batch_shape=batch_shape, dtype=dtype))
+    run = lambda m: summarize(explain(m, rules, sizes, batch_shape=batch_shape, dtype=dtype, ac=ac,  # noqa: E731
+                                      grad_accum=grad_accum))
+    if len(blocks) < 2 or not block:
+        out = run(model)
     else:
-        one = summarize(explain(_truncated(model, name, 1), rules, sizes, batch_shape=batch_shape, dtype=dtype))
-        two = summarize(explain(_truncated(model, name, 2), rules, sizes, batch_shape=batch_shape, dtype=dtype))
+        one, two = run(_truncated(model, name, 1)), run(_truncated(model, name, 2))
         out = one + (two - one) * (len(blocks) - 1)
+        out.block, out.blocks = two - one, len(blocks)
     _cache[key] = (model if getattr(model, "cfg", None) is None else None, out)
     return out
 
@@ -146,16 +217,31 @@ def _worker_init(model_or_cfg):
 
 
 def _plan_or_error(job):
-    sizes, sp, batch_shape, dtype = job
+    sizes, sp, batch_shape, dtype, *how = job
     try:
-        return job, plan_summary(_worker_model, sizes, sp, batch_shape, dtype)
+        return job, planned(_worker_model, sizes, sp, batch_shape, dtype, Rules.default(sp), *how)
     except (ValueError, RuntimeError) as e:
         return job, ValueError(_first_line(e))
 
 
+def _blocks(model: nn.Module) -> tuple:
+    try:
+        return find_blocks(model)
+    except ValueError:
+        return None, []
+
+
+def _job_key(net, job):
+    """planned()'s cache key of a plan_all job."""
+    sizes, sp, batch_shape, dtype, ac, grad_accum, block = job
+    block = block or len(_blocks(net)[1]) > 2
+    return _cache_key(net, sizes, sp, batch_shape, dtype, Rules.default(sp), (ac, grad_accum, block))
+
+
 def plan_all(net: nn.Module, model_arg, jobs: list, workers: int) -> dict:
-    """{job: Summary or ValueError}, planned in this process or in `workers` spawned processes."""
-    todo = [j for j in jobs if _cache_key(net, j[0], j[1], j[2], j[3], Rules.default(j[1])) not in _cache]
+    """{job: Summary or ValueError}, planned in this process or in `workers` spawned processes. A job is
+    (sizes, sp, batch_shape, dtype, ac, grad_accum, block): `planned`'s arguments."""
+    todo = [j for j in jobs if _job_key(net, j) not in _cache]
     results = {}
     if workers > 1 and len(todo) > 1:
         import multiprocessing
@@ -164,12 +250,11 @@ def plan_all(net: nn.Module, model_arg, jobs: list, workers: int) -> dict:
             for job, out in pool.imap_unordered(_plan_or_error, todo):
                 results[job] = out
                 if isinstance(out, Summary):
-                    key = _cache_key(net, job[0], job[1], job[2], job[3], Rules.default(job[1]))
-                    _cache[key] = (net if getattr(net, "cfg", None) is None else None, out)
+                    _cache[_job_key(net, job)] = (net if getattr(net, "cfg", None) is None else None, out)
     for job in jobs:
         if job not in results:
             try:
-                results[job] = plan_summary(net, *job)
+                results[job] = planned(net, *job[:4], Rules.default(job[1]), *job[4:])
             except (ValueError, RuntimeError) as e:  # a layout that does not divide (DTensor says RuntimeError)
                 results[job] = ValueError(_first_line(e))
     return results

@@ -9,7 +9,7 @@ attention (spmd.runtime.ring) undoes.
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["check_seq_len", "zigzag_positions", "cp_rank", "cp_slice"]
+__all__ = ["check_seq_len", "zigzag_positions", "rank_positions", "cp_rank", "cp_slice"]
 
 
 def check_seq_len(seq_len: int, cp: int) -> None:
@@ -28,6 +28,15 @@ def zigzag_positions(seq_len: int, cp: int, rank: int) -> torch.Tensor:
         return torch.arange(seq_len)
     c = seq_len // (2 * cp)
     return torch.cat([torch.arange(rank * c, (rank + 1) * c), torch.arange((2 * cp - 1 - rank) * c, (2 * cp - rank) * c)])
+
+
+def rank_positions(local_shape, mesh: DeviceMesh, rank: int = 0) -> torch.Tensor | None:
+    """Positions [batch, seq] of cp rank `rank`'s share for a local token batch of `local_shape`, or None
+    without an active cp axis (a plan's dry run: any rank's positions move the same bytes)."""
+    cp = dict(zip(mesh.mesh_dim_names, mesh.shape)).get("cp", 1)
+    if cp == 1:
+        return None
+    return zigzag_positions(local_shape[1] * cp, cp, rank).expand(local_shape[0], -1).contiguous()
 
 
 def cp_rank(mesh: DeviceMesh) -> tuple[int, int]:

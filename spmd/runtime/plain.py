@@ -41,9 +41,9 @@ class GlobalView(TorchFunctionMode):
         kwargs = kwargs or {}
         flat = _tensors(args, kwargs)
         mesh = next((a.device_mesh for a in flat if isinstance(a, DTensor)), None)
+        if mesh is not None and "cp" in (mesh.mesh_dim_names or ()):
+            ring.check_sequence_order(func, flat)
         if mesh is not None and any(_plain(a) for a in flat):
-            ring.check_made_in_forward(func, flat)
-
             def replicate(t):
                 return DTensor.from_local(t, mesh, [Replicate()] * mesh.ndim, run_check=False) if _plain(t) else t
             args, kwargs = tree_map(replicate, args), tree_map(replicate, kwargs)

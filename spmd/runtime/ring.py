@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 from ..layout.sequence import check_seq_len
 from . import tags
 
-__all__ = ["applies", "ring_attention", "check_made_in_forward"]
+__all__ = ["applies", "ring_attention", "check_sequence_order"]
 
 
 def applies(q) -> bool:
@@ -31,28 +31,46 @@ def applies(q) -> bool:
     return q.device_mesh.size(d) > 1 and q.placements[d].is_shard() and q.placements[d].dim == q.ndim - 2
 
 
-def check_made_in_forward(func, tensors) -> None:
-    """Under cp, a tensor the model makes in forward with a dim as long as the sequence (positions from
-    `arange`, a causal mask, a position table sliced to the length) is in natural order, while the sequence
-    it meets is in zigzag order: combining them would silently train wrong, so it is an error."""
-    seq = next((n for t in tensors if isinstance(t, DTensor) for n in [_cp_sequence_length(t)] if n), None)
-    made = next((t for t in tensors if not isinstance(t, DTensor) and t.numel() > 1 and seq in t.shape), None)
-    if seq is not None and made is not None:
-        raise ValueError(
-            f"under context parallelism the model made a tensor of shape {tuple(made.shape)} in forward and used "
-            f"it in {getattr(func, '__name__', func)} with the sequence (length {seq}), which cp splits zigzag: "
-            f"a tensor made in natural order (positions from arange, a mask, a sliced position table) does not "
-            f"line up with it. Take positions from the data path (the model's forward(..., positions), as "
-            f"spmd.cp_slice gives them) and attend through F.scaled_dot_product_attention with is_causal, or "
-            f"train this model without a cp axis")
+_ELEMENTWISE = {torch.add, torch.sub, torch.mul, torch.div, torch.where, torch.addcmul, torch.lerp,
+                torch.Tensor.add, torch.Tensor.sub, torch.Tensor.mul, torch.Tensor.div, torch.Tensor.masked_fill,
+                torch.Tensor.__add__, torch.Tensor.__radd__, torch.Tensor.__sub__, torch.Tensor.__rsub__,
+                torch.Tensor.__mul__, torch.Tensor.__rmul__, torch.Tensor.__truediv__, torch.Tensor.__iadd__,
+                torch.Tensor.__imul__, torch.Tensor.add_, torch.Tensor.mul_}
 
 
-def _cp_sequence_length(t: DTensor) -> int | None:
+def check_sequence_order(func, tensors) -> None:
+    """Under cp the sequence is in zigzag order. A tensor along the sequence that the model makes itself is in
+    natural order: a plain tensor made in forward with a sequence-long dim (positions from `arange`, a mask),
+    or one replicated over cp whose dim lines up with the split sequence dim in an elementwise op (a RoPE table
+    sliced to the length, a learned position embedding looked up at `arange`). Combining the two would
+    silently train wrong, so it is an error naming the fix."""
+    split = next(((t, d) for t in tensors if isinstance(t, DTensor) for d in [_cp_dim(t)] if d is not None), None)
+    if split is None:
+        return
+    x, dim = split
+    seq = x.shape[dim]
+    for t in tensors:
+        if t.numel() <= 1 or (isinstance(t, DTensor) and _cp_dim(t) is not None):
+            continue
+        aligned = dim - (x.ndim - t.ndim)
+        if (not isinstance(t, DTensor) and seq in t.shape) or \
+                (func in _ELEMENTWISE and 0 <= aligned < t.ndim and t.shape[aligned] == seq):
+            raise ValueError(
+                f"under context parallelism {getattr(func, '__name__', func)} combines the sequence (length {seq}, "
+                f"split zigzag over cp) with a tensor of shape {tuple(t.shape)} that runs along it in natural "
+                f"order (positions from arange, a mask, a position table sliced to the length): the result "
+                f"would be silently wrong. Pass the positions of the data path (the model's forward(..., "
+                f"positions), as spmd.cp_slice gives them), attend through F.scaled_dot_product_attention "
+                f"with is_causal, or train this model without a cp axis")
+
+
+def _cp_dim(t: DTensor) -> int | None:
+    """The dim of `t` split over an active cp mesh axis, if any."""
     names = t.device_mesh.mesh_dim_names or ()
     if "cp" not in names or t.device_mesh.size(names.index("cp")) == 1:
         return None
     p = t.placements[names.index("cp")]
-    return t.shape[p.dim] if p.is_shard() else None
+    return p.dim if p.is_shard() else None
 
 
 def ring_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,

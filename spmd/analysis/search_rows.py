@@ -1,0 +1,78 @@
+"""The search's answer: one `Row` per spec (its predicted step, memory, the activation checkpointing and
+micro-batches it assumes, as trainer flags) and the `SearchResult` table of them."""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+__all__ = ["Row", "SearchResult"]
+
+
+@dataclass
+class Row:
+    spec: str
+    sizes: dict
+    sp: bool
+    ac: str = "none"            # activation checkpointing assumed (launch.train --ac)
+    grad_accum: int = 1         # micro-batches per step assumed (launch.train --grad-accum)
+    step_s: float = math.nan
+    compute_s: float = math.nan
+    recompute_s: float = 0.0
+    activation_comm_s: float = math.nan
+    param_comm_s: float = math.nan
+    hidden_s: float = 0.0
+    comm_bytes: int = 0
+    collectives: int = 0
+    bytes_by_axis: dict = field(default_factory=dict)
+    links: dict = field(default_factory=dict)
+    memory: dict = field(default_factory=dict)
+    budget: float = math.nan
+    fits: bool = True
+    tokens_per_s: float = math.nan
+    mfu: float = math.nan
+    note: str = ""
+
+    @property
+    def comm_s(self) -> float:
+        return self.activation_comm_s + self.param_comm_s - self.hidden_s
+
+    @property
+    def flags(self) -> str:
+        """The layout as launch.train's flags."""
+        return f"--mesh {self.spec} --ac {self.ac} --grad-accum {self.grad_accum}"
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "comm_s": self.comm_s, "flags": self.flags}
+
+
+class SearchResult(list):
+    """The ranked rows (fastest first) that fit; `.dropped` holds the rest with the reason."""
+
+    def __init__(self, rows, dropped, meta):
+        super().__init__(rows)
+        self.dropped, self.meta = dropped, meta
+
+    def to_dict(self) -> dict:
+        return {"meta": self.meta, "ranked": [r.to_dict() for r in self],
+                "dropped": [r.to_dict() for r in self.dropped]}
+
+    def table(self) -> str:
+        m = self.meta
+        lines = [f"spec search: {m['model']} on {m['world']} x {m['device']}, batch {tuple(m['batch_shape'])}, "
+                 f"{m['dtype']}, budget {m['budget'] / 2**30:,.1f} GiB/rank; each row's flags are launch.train's",
+                 f"{'#':>3} {'spec':<22} {'step s':>9} {'compute':>9} {'recomp':>8} {'act comm':>9} {'par comm':>9} "
+                 f"{'hidden':>8} {'tok/s':>11} {'MFU':>6} {'mem GiB':>8} {'comm GB':>9}  flags"]
+        for i, r in enumerate(self, 1):
+            lines.append(_fmt_row(str(i), r))
+        if self.dropped:
+            lines.append("dropped:")
+            for r in self.dropped:
+                mem = f"{r.memory['total'] / 2**30:,.1f} GiB" if r.memory else ""
+                lines.append(f"  {r.spec:<22} {mem:>12}  {r.note}")
+        return "\n".join(lines)
+
+
+def _fmt_row(rank, r: Row) -> str:
+    return (f"{rank:>3} {r.spec:<22} {r.step_s:>9.4g} {r.compute_s:>9.4g} {r.recompute_s:>8.3g} "
+            f"{r.activation_comm_s:>9.4g} {r.param_comm_s:>9.4g} {r.hidden_s:>8.3g} {r.tokens_per_s:>11,.0f} "
+            f"{100 * r.mfu:>5.1f}% {r.memory.get('total', 0) / 2**30:>8.2f} {r.comm_bytes / 1e9:>9.3f}  {r.flags}")
