@@ -6,7 +6,9 @@ full masks, grouped K/V heads) within 1e-5. Training: the tiny Llama on `cp=4`, 
 `cp=2,tp=2,sp` and `pp=2,cp=2` (1F1B, 2 micro-batches), each rank fed its zigzag share of the sequence
 with the matching RoPE positions and targets: loss, every gradient and every parameter after 3 AdamW steps equal one process within 1e-5
 (||a-b|| / ||b|| per tensor, as in tests/test_spmd_numerics.py). A sequence length that is not a multiple of
-2*cp is an error naming the fix, raised before any collective.
+2*cp is an error naming the fix, raised before any collective; so is a model that makes its own positions
+(a RoPE table sliced to the length, learned positions from `arange`), which would pair the zigzag tokens
+with natural-order positions.
 
 Ring traffic, measured on the real tensors sent in one step of `fsdp=2,cp=2`: per layer, forward (cp-1)
 hops of this rank's K and V (kv_heads, not the repeated query heads), backward twice that (K/V again, and
@@ -127,8 +129,28 @@ def _check_bad_length():
         ring_attention(q, q, q, is_causal=True)
 
 
+def _check_natural_order_is_refused():
+    """A model that makes its own positions under cp would pair zigzag tokens with natural-order positions:
+    the tiny Llama called without `positions` (its RoPE table sliced to the length) and a nanoGPT (learned
+    positions from `arange`) both raise, naming the fix, instead of training wrong."""
+    from tests.nanogpt import GPT, GPTConfig
+    from tests.test_any_model import NANOGPT
+    mesh = spmd.make_mesh({"cp": 4})
+    llama = spmd.parallelize(tiny_model(), mesh, spmd.Rules.default())
+    tokens, targets, _ = _cp_batch(0, mesh)
+    with pytest.raises(ValueError, match="natural order.*positions"):
+        llama(tokens, targets)
+    torch.manual_seed(0)
+    gpt = GPT(GPTConfig(vocab_size=256))
+    spmd.annotate_by_name(gpt, NANOGPT)
+    spmd.parallelize(gpt, mesh, spmd.Rules.default())
+    with pytest.raises(ValueError, match="natural order.*positions"):
+        gpt(tokens % 256, targets % 256)
+
+
 def _all_checks(rank, world, planned):
     _check_bad_length()
+    _check_natural_order_is_refused()
     for causal in (True, False):
         _check_ring_attention(causal)
     for spec in TRAIN_SPECS:
