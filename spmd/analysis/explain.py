@@ -19,7 +19,7 @@ from ..layout.annotate import fake_copy
 from ..layout.dtypes import as_dtype
 from ..layout.mesh import MESH_AXES, check_sizes, mesh_sizes
 from ..runtime.checkpointing import apply_activation_checkpointing, parse_mode
-from ..runtime.optimizer import gather_updated, masters_of, shard_optimizer
+from ..runtime.optimizer import gather_updated, masters_of, reduce_gradients, shard_optimizer
 from ..runtime.parallelize import parallelize
 from ..runtime.reshard import observe_saved
 from ..runtime.state import STATE_ATTR
@@ -47,9 +47,10 @@ def explain(model: nn.Module, rules, mesh_or_sizes, batch_shape=(8, 2048), dtype
     shrink, and the recomputation's collectives join the backward.
 
     The ZeRO stage is the rules' (`Rules.default(zero=k)`): with optimizer or grads maps that shard beyond
-    the params map the step includes spmd.shard_optimizer's AdamW step and its all-gathers (phase
-    `optimizer`). `reduce_dtype`, `master` and `offload` mean what they mean to `parallelize`; `plan.memory`
-    counts each state in its layout and dtype, host bytes apart (spmd/analysis/memory.py).
+    the params map the step includes spmd.shard_optimizer's AdamW step, its all-gathers and, under ZeRO-1, the
+    reduce-scatters of the gradients backward left unreduced (phase `optimizer`). `reduce_dtype`, `master`
+    and `offload` mean what they mean to `parallelize`; `plan.memory` counts each state in its layout and
+    dtype, host bytes apart (spmd/analysis/memory.py).
     """
     pipeline = dict(schedule=schedule, microbatches=microbatches, virtual_stages=virtual_stages,
                     split_cost=split_cost)
@@ -86,6 +87,7 @@ def dry_run(model, rules, sizes, batch_shape, dtype, optimizer, pipeline=None, a
             raise ValueError(f"batch {batch} does not divide by the data-parallel size "
                              f"{'*'.join(rules.batch_axes())}={data_parallel}")
         recorder, saved = record.CollectiveRecorder(mesh), {}
+        opt = shard_optimizer(model, torch.optim.AdamW(model.parameters(), lr=0.0))  # before backward: ZeRO-1
         with fake:
             tokens = torch.zeros(batch // data_parallel, seq, dtype=torch.long)
             with recorder, observe_saved(saved):
@@ -93,19 +95,20 @@ def dry_run(model, rules, sizes, batch_shape, dtype, optimizer, pipeline=None, a
             activations = activation_bytes(saved, model)
             with recorder:
                 loss.backward()
-        _optimizer_step(model, optimizer, recorder, fake)
+        _optimizer_step(model, opt, optimizer, recorder, fake)
         return Plan(**common, collectives=recorder.records,
                     decisions=list(getattr(model, STATE_ATTR).decisions.values()),
                     memory=memory_per_rank(model, optimizer, activations))
 
 
-def _optimizer_step(model, optimizer: str, recorder, fake):
-    """What a sharded optimizer's step communicates: the all-gathers of updated shards into the parameters
-    (none when every parameter is its own master, as under ZeRO-3). The update itself moves nothing and is
-    not run. The masters are made outside the fake mode: their offsets are plain ints."""
-    opt = shard_optimizer(model, torch.optim.AdamW(model.parameters(), lr=0.0))
-    if masters_of(opt) and optimizer in ("adam", "adamw"):
-        with fake, recorder:
+def _optimizer_step(model, opt, optimizer: str, recorder, fake):
+    """What a sharded optimizer's step communicates: the reduce-scatters of the gradients ZeRO-1's backward
+    left unreduced, and the all-gathers of updated shards into the parameters (none when every parameter is
+    its own master, as under ZeRO-3). The update itself moves nothing and is not run. The masters were made
+    outside the fake mode: their offsets are plain ints."""
+    with fake, recorder:
+        reduce_gradients(model)
+        if masters_of(opt) and optimizer in ("adam", "adamw"):
             gather_updated(opt)
 
 
