@@ -1,7 +1,8 @@
 """How a gradient reaches the layout the grads map gives it (its parameter's storage layout unless a ZeRO
 stage holds gradients sharded beyond their parameters): the free slicing first, then the reductions, and
 the gradient held back under no_sync joining the next one. Under ZeRO-1 (`held_for_step`) backward leaves
-every gradient unreduced, as under no_sync, and the step reduce-scatters it into the optimizer's shards."""
+the partial sums on the axes the grads map replicates unreduced, as no_sync does, and the step
+reduce-scatters them into the optimizer's shards."""
 from torch.distributed.tensor import DTensor
 
 __all__ = ["grads_layout", "reduce_to", "slice_onto_shards", "join_unreduced", "held_for_step", "HELD_ATTR",

@@ -91,7 +91,7 @@ def reduce_gradients(model: nn.Module) -> None:
             g = p.grad
             if g is None or not held_for_step(p) or not any(pl.is_partial() for pl in g.placements):
                 continue
-            with tags.reason("", f"reduce-scatter gradient of {p._spmd_name} into its optimizer shard"):
+            with tags.reason("", f"reduce gradient of {p._spmd_name} into its optimizer shard"):
                 g = reduce_to(g if dtype is None else g.to(dtype), optim_layout(p))
             p.grad = g.to(p.dtype)
 
