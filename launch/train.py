@@ -1,7 +1,8 @@
 """The trainer: `torchrun --standalone --nproc-per-node N -m launch.train [flags]` (or `python -m launch.train`).
 
 One step: set the scheduled learning rate; for each of the K micro-batches of this data-parallel rank run
-forward + backward (gradient reduction skipped on the first K-1 under `spmd.no_sync`); clip by the global
+forward + backward (gradient reduction skipped on the first K-1 under `spmd.no_sync`; under `--zero 1` on
+all K, then `spmd.reduce_gradients` reduce-scatters them into the optimizer's shards); clip by the global
 gradient norm (over every mesh axis); AdamW step. Then metrics, and a checkpoint when due.
 
 Layout: the model is built on the meta device and laid out with `spmd.parallelize` (`spmd.build_pipeline`
@@ -251,6 +252,8 @@ def train(cfg: TrainConfig, log=True) -> list[dict]:
                             loss = loss * float("nan")
                         (loss * scaler.scale).backward()
                     loss_sum += loss.detach().float()
+                if mesh is not None and pipe is None:  # --zero 1: the gradients backward held, reduced before clipping
+                    spmd.reduce_gradients(model)
                 if scaler.enabled:
                     for p in params:
                         if p.grad is not None:

@@ -20,13 +20,13 @@ from .pipeline import Pipeline, build_pipeline, build_traced_pipeline, split_sta
 from .runtime.activations import constrain
 from .runtime.checkpointing import apply_activation_checkpointing
 from .runtime.compile import compile_blocks
-from .runtime.optimizer import shard_optimizer
+from .runtime.optimizer import reduce_gradients, shard_optimizer
 from .runtime.parallelize import no_sync, parallelize
 
 __all__ = ["explain", "Plan", "P", "annotate", "annotate_by_name", "find_blocks", "MESH_AXES", "make_mesh",
            "mesh_sizes", "parse_spec", "annotate_hf", "Rules", "cp_slice", "zigzag_positions", "Pipeline", "build_pipeline", "build_traced_pipeline",
            "split_stages", "validate_pipeline", "constrain", "apply_activation_checkpointing", "compile_blocks",
-           "no_sync", "parallelize", "shard_optimizer", "search"]
+           "no_sync", "parallelize", "reduce_gradients", "shard_optimizer", "search"]
 
 
 def __getattr__(name):  # spmd.search (callable) loads on first use, so `python -m spmd.search` runs cleanly

@@ -6,9 +6,11 @@ tests/test_spmd_numerics.py). In the first step of each run it measures, on the 
 collectives, what `spmd.explain` planned on a fake world beforehand: the bytes this rank holds of parameters,
 gradients (reduced, before the step) and optimizer states (with any master copy), exactly; and the bytes
 on the wire per phase and collective kind, exactly, which also equal the reference formulas with
-Ψ' = 4Ψ(n-1)/n bytes (ring convention): data parallel (zero=0) all-reduce 2Ψ'; stage 1 all-reduce 2Ψ' and
-the all-gather of updated shards Ψ' (it holds full gradients: "all-reduce, then keep the shard"); stage 2
-reduce-scatter Ψ' + all-gather Ψ'; stage 3 all-gather Ψ' forward, the regather of every weight but the
+Ψ' = 4Ψ(n-1)/n bytes (ring convention): data parallel (zero=0) all-reduce 2Ψ'; stage 1 2Ψ', all in the
+step: backward leaves the gradients whole and unreduced, and spmd.reduce_gradients (before the step, where
+the trainer clips) reduce-scatters them into the optimizer's shards (Ψ') before the all-gather of updated
+shards (Ψ'); with two accumulated micro-batches (dp=2,fsdp=2) that reduction still runs once per step, as
+planned; stage 2 reduce-scatter Ψ' in backward + all-gather Ψ'; stage 3 all-gather Ψ' forward, the regather of every weight but the
 embedding's backward, reduce-scatter Ψ' (0 as planned; real runs of it: test_plan_matches_run.py).
 With `offload="optimizer"` (stage 3 on fsdp=4, stage 1 on fsdp=2,tp=2,sp, and stage 2 with no_sync
 accumulation on dp=2,fsdp=2) every master, its gradient and AdamW's moments are copies in host memory
@@ -38,6 +40,7 @@ BF16_TOL = 2e-2
 RUNS = [("fsdp=4", 1, None), ("fsdp=4", 2, None), ("dp=2,fsdp=2", 1, None), ("dp=2,fsdp=2", 2, None),
         ("fsdp=2,tp=2,sp", 1, None), ("fsdp=2,tp=2,sp", 2, None),  # stage 3: test_spmd_numerics.py (default rules)
         ("fsdp=4", 3, "optimizer"), ("fsdp=2,tp=2,sp", 1, "optimizer"), ("dp=2,fsdp=2", 2, "nvme:")]
+ACCUMULATE = {("dp=2,fsdp=2", 1, None)}  # two micro-batches: stage 1's backward moves nothing, the step reduces once
 
 
 def _rules(spec, zero):
@@ -135,11 +138,14 @@ def _train(spec, zero, offload, planned, reference, accumulate=False):
         with recorder:
             loss = _forward_backward(model, local_slice(tokens, mesh), local_slice(targets, mesh), accumulate)
         assert abs(loss - ref_loss) <= TOL * abs(ref_loss), (spec, zero, step, loss, ref_loss)
+        grads = sum(_local_nbytes(p.grad) for p in model.parameters())  # stage 1: whole, not yet reduced
+        with recorder:
+            spmd.reduce_gradients(model)  # where the trainer clips: the norm sees reduced gradients
         for name, p in model.named_parameters():
-            assert tuple(p.grad.placements) == tuple(p._spmd_grads), (name, p.grad.placements, p._spmd_grads)
+            want = p._spmd_optim if zero == 1 else p._spmd_grads
+            assert tuple(p.grad.placements) == tuple(want), (name, p.grad.placements, want)
             err = norm_rel_err(p.grad.full_tensor(), ref_grads[name])
             assert err <= TOL, f"{spec} zero={zero} step {step}: gradient of {name} off by {err:.2e}"
-        grads = sum(_local_nbytes(p.grad) for p in model.parameters())
         with recorder:
             opt.step()
         if step == 0 and planned is not None:
@@ -214,7 +220,7 @@ def _stage1_checkpoint_loads_into_stage3(model, opt, tmp):
 
 def _all_runs(rank, world, plans, bf16_plan, reference, tmp):
     for (spec, zero, offload), planned in zip(RUNS, plans):
-        model, opt = _train(spec, zero, _in(offload, tmp), planned, reference)
+        model, opt = _train(spec, zero, _in(offload, tmp), planned, reference, (spec, zero, offload) in ACCUMULATE)
         if (spec, zero, offload) == ("fsdp=4", 1, None):
             _stage1_checkpoint_loads_into_stage3(model, opt, tmp)
     _train("dp=2,fsdp=2", 2, "optimizer", None, reference, accumulate=True)
@@ -230,7 +236,7 @@ def test_zero_stages_match_one_device_and_their_plans(tmp_path):
     ring = psi * 3 // 4
     embedding = 4 * tiny_model().tok_embeddings.weight.numel() * 3 // 4
     formulas = {0: {("backward", "all_reduce"): 2 * ring},
-                1: {("backward", "all_reduce"): 2 * ring, ("optimizer", "all_gather"): ring},
+                1: {("optimizer", "reduce_scatter"): ring, ("optimizer", "all_gather"): ring},
                 2: {("backward", "reduce_scatter"): ring, ("optimizer", "all_gather"): ring},
                 3: {("forward", "all_gather"): ring, ("backward", "all_gather"): ring - embedding,
                     ("backward", "reduce_scatter"): ring}}

@@ -21,7 +21,7 @@ from ..layout.dtypes import as_dtype
 from ..layout.mesh import MESH_AXES, check_sizes, mesh_sizes
 from ..layout.sequence import check_seq_len, rank_positions
 from ..runtime.checkpointing import apply_activation_checkpointing, parse_mode
-from ..runtime.optimizer import gather_updated, masters_of, shard_optimizer
+from ..runtime.optimizer import gather_updated, masters_of, reduce_gradients, shard_optimizer
 from ..runtime.parallelize import no_sync, parallelize
 from ..runtime.reshard import observe_saved
 from ..runtime.state import STATE_ATTR
@@ -52,9 +52,10 @@ def explain(model: nn.Module, rules, mesh_or_sizes, batch_shape=(8, 2048), dtype
     the passes accumulate unreduced (their compute layout).
 
     The ZeRO stage is the rules' (`Rules.default(zero=k)`): with optimizer or grads maps that shard beyond
-    the params map the step includes spmd.shard_optimizer's AdamW step and its all-gathers (phase
-    `optimizer`). `reduce_dtype`, `master` and `offload` mean what they mean to `parallelize`; `plan.memory`
-    counts each state in its layout and dtype, host bytes apart (spmd/analysis/memory.py).
+    the params map the step includes spmd.shard_optimizer's AdamW step, its all-gathers and, under ZeRO-1, the
+    reduce-scatters of the gradients backward left unreduced (phase `optimizer`). `reduce_dtype`, `master`
+    and `offload` mean what they mean to `parallelize`; `plan.memory` counts each state in its layout and
+    dtype, host bytes apart (spmd/analysis/memory.py).
     """
     pipeline = dict(schedule=schedule, microbatches=microbatches, virtual_stages=virtual_stages,
                     split_cost=split_cost)
@@ -103,11 +104,12 @@ def dry_run(model, rules, sizes, batch_shape, dtype, optimizer, pipeline=None, a
             raise ValueError(f"batch {batch} does not divide by the data-parallel size "
                              f"{'*'.join(rules.batch_axes())}={data_parallel} times grad_accum={grad_accum}")
         recorder = record.CollectiveRecorder(mesh)
+        opt = shard_optimizer(model, torch.optim.AdamW(model.parameters(), lr=0.0))  # before backward: ZeRO-1
         with fake:
             tokens = torch.zeros(batch // (data_parallel * grad_accum), seq // full["cp"], dtype=torch.long)
             positions = rank_positions(tokens.shape, mesh)
             activations, unreduced = _run_step(model, recorder, tokens, grad_accum, positions)
-        _optimizer_step(model, optimizer, recorder, fake)
+        _optimizer_step(model, opt, optimizer, recorder, fake)
         memory = memory_per_rank(model, optimizer, activations)
         if unreduced > memory["gradients"]:  # held until the last micro-batch's backward reduces them
             memory["total"] += unreduced - memory["gradients"]
@@ -133,13 +135,14 @@ def _run_step(model: nn.Module, recorder, tokens, grad_accum: int, positions=Non
     return activations, unreduced
 
 
-def _optimizer_step(model, optimizer: str, recorder, fake):
-    """What a sharded optimizer's step communicates: the all-gathers of updated shards into the parameters
-    (none when every parameter is its own master, as under ZeRO-3). The update itself moves nothing and is
-    not run. The masters are made outside the fake mode: their offsets are plain ints."""
-    opt = shard_optimizer(model, torch.optim.AdamW(model.parameters(), lr=0.0))
-    if masters_of(opt) and optimizer in ("adam", "adamw"):
-        with fake, recorder:
+def _optimizer_step(model, opt, optimizer: str, recorder, fake):
+    """What a sharded optimizer's step communicates: the reduce-scatters of the gradients ZeRO-1's backward
+    left unreduced, and the all-gathers of updated shards into the parameters (none when every parameter is
+    its own master, as under ZeRO-3). The update itself moves nothing and is not run. The masters were made
+    outside the fake mode: their offsets are plain ints."""
+    with fake, recorder:
+        reduce_gradients(model)
+        if masters_of(opt) and optimizer in ("adam", "adamw"):
             gather_updated(opt)
 
 

@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor
 
 from ..layout.blocks import find_blocks
 from . import tags
-from .gradients import grads_layout, join_unreduced, reduce_to, slice_onto_shards
+from .gradients import grads_layout, held_for_step, join_unreduced, reduce_for_step, reduce_to, slice_onto_shards
 from .reshard import CHECKPOINTED_ATTR
 
 __all__ = ["Bucket", "make_buckets", "gather_bucket", "shard_dims"]
@@ -124,6 +124,10 @@ class Bucket:
                 g = g.to(state.reduce_dtype)
             if not state.sync:
                 out[i] = g.to(p.dtype)
+                continue
+            if held_for_step(p):
+                with tags.reason(self.name, f"reduce gradient of {p._spmd_name} but over the axes its step shards"):
+                    out[i] = reduce_for_step(p, g).to(p.dtype)
                 continue
             work[i] = slice_onto_shards(join_unreduced(p, g), grads_layout(p))
         for kind in ("reduce_scatter", "all_reduce"):

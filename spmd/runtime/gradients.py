@@ -1,14 +1,40 @@
 """How a gradient reaches the layout the grads map gives it (its parameter's storage layout unless a ZeRO
 stage holds gradients sharded beyond their parameters): the free slicing first, then the reductions, and
-the gradient held back under no_sync joining the next one."""
+the gradient held back under no_sync joining the next one. Under ZeRO-1 (`held_for_step`) backward leaves
+the partial sums on the axes the grads map replicates unreduced, as no_sync does, and the step
+reduce-scatters them into the optimizer's shards."""
 from torch.distributed.tensor import DTensor
 
-__all__ = ["grads_layout", "reduce_to", "slice_onto_shards", "join_unreduced"]
+__all__ = ["grads_layout", "reduce_to", "slice_onto_shards", "join_unreduced", "held_for_step", "HELD_ATTR",
+           "optim_layout", "reduce_for_step"]
+
+HELD_ATTR = "_spmd_reduce_at_step"  # set by shard_optimizer on a parameter its step reduces (ZeRO-1)
+
+
+def held_for_step(p) -> bool:
+    """Whether backward leaves `p`'s gradient unreduced for the optimizer step to reduce-scatter."""
+    return getattr(p, HELD_ATTR, False)
 
 
 def grads_layout(p) -> tuple:
     """The placements `p`'s reduced gradient is held in (the grads map's; the storage layout by default)."""
     return tuple(getattr(p, "_spmd_grads", None) or p.placements)
+
+
+def reduce_for_step(p, g: DTensor) -> DTensor:
+    """ZeRO-1's backward: `g` (plus the gradient a no_sync pass left) brought to the grads map's size: onto
+    the mesh axes that shard it (a slice, or a reduce-scatter of a partial sum); on the axes that replicate
+    it, partial sums stay for the step to reduce-scatter into the optimizer's shards."""
+    if p.grad is not None and tuple(p.grad.placements) == tuple(g.placements):
+        g = g + p.grad.to(g.dtype)
+        p.grad = None
+    held = tuple(s if s.is_shard() else c for c, s in zip(g.placements, grads_layout(p)))
+    return reduce_to(g, held) if held != tuple(g.placements) else g
+
+
+def optim_layout(p) -> tuple:
+    """The placements `p`'s optimizer states and master live in (the optimizer map's; else its storage layout)."""
+    return tuple(getattr(p, "_spmd_optim", None) or p.placements)
 
 
 def reduce_to(g: DTensor, storage) -> DTensor:

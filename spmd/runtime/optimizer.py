@@ -21,11 +21,12 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from . import tags
-from .gradients import grads_layout, slice_onto_shards
+from .gradients import HELD_ATTR, grads_layout, held_for_step, optim_layout, reduce_to, slice_onto_shards
 from .offload import file_backed_adam_state, host_copy, nvme_dir
 from .state import STATE_ATTR
 
-__all__ = ["shard_optimizer", "masters_of", "refresh_masters", "gather_updated", "MASTER_OF_ATTR"]
+__all__ = ["shard_optimizer", "reduce_gradients", "masters_of", "refresh_masters", "gather_updated",
+           "MASTER_OF_ATTR"]
 
 MASTER_OF_ATTR = "_spmd_master_of"  # on a master: the model parameter it stands for
 
@@ -34,7 +35,8 @@ def shard_optimizer(model: nn.Module, opt: torch.optim.Optimizer) -> torch.optim
     """Makes `opt` (built on `model.parameters()` of a model laid out by spmd.parallelize, before its first
     step) update masters in the optimizer map's layout, and returns it. `opt.zero_grad` also clears the
     model's gradients. A no-op for parameters that are their own master (ZeRO-3, the default rules, when
-    nothing is offloaded)."""
+    nothing is offloaded). Call it before the first backward: from then on backward leaves the gradients of
+    parameters whose master shards beyond the grads map (ZeRO-1) for the step to reduce."""
     state = getattr(model, STATE_ATTR, None)
     if state is None:
         raise ValueError("shard_optimizer needs a model laid out by spmd.parallelize; call it after parallelize")
@@ -51,12 +53,18 @@ def shard_optimizer(model: nn.Module, opt: torch.optim.Optimizer) -> torch.optim
             master = _master(p, state)
             if master is not p:
                 pairs.append((p, master))
+                setattr(p, HELD_ATTR, grads_layout(p) != tuple(master.placements))
                 group["params"][i] = master
     if pairs and nvme_dir(state.offload) is not None and not isinstance(pairs[0][1]._local_tensor, FakeTensor):
         file_backed_adam_state(opt, [m for _, m in pairs], nvme_dir(state.offload))
     if pairs:
         copy_out = state.offload is not None  # a real copy even where host memory is the device
-        opt.register_step_pre_hook(lambda *_: _grads_to_masters(pairs, copy_out))
+
+        def before_step(*_):  # returns None: a pre-hook's return value would replace the step's arguments
+            reduce_gradients(model)
+            _grads_to_masters(pairs, copy_out)
+
+        opt.register_step_pre_hook(before_step)
         opt.register_step_post_hook(lambda *_: gather_updated(opt))
         clear = opt.zero_grad
 
@@ -66,6 +74,26 @@ def shard_optimizer(model: nn.Module, opt: torch.optim.Optimizer) -> torch.optim
 
         opt.zero_grad = zero_grad
     return opt
+
+
+@torch.no_grad()
+def reduce_gradients(model: nn.Module) -> None:
+    """Reduces the gradients backward left unreduced under ZeRO-1 straight into the optimizer map's layout (a
+    reduce-scatter, Ψ, where an all-reduce would move 2Ψ to keep a shard), in the reduce dtype. Once per step
+    however many backward passes accumulated; call it before clipping so the norm sees reduced gradients (the
+    step calls it too: a no-op for gradients already reduced)."""
+    state = getattr(model, STATE_ATTR, None)
+    if state is None:
+        raise ValueError("reduce_gradients needs a model laid out by spmd.parallelize")
+    dtype = state.reduce_dtype or state.param_dtype
+    with tags.phase("optimizer"):
+        for p in model.parameters():
+            g = p.grad
+            if g is None or not held_for_step(p) or not any(pl.is_partial() for pl in g.placements):
+                continue
+            with tags.reason("", f"reduce gradient of {p._spmd_name} into its optimizer shard"):
+                g = reduce_to(g if dtype is None else g.to(dtype), optim_layout(p))
+            p.grad = g.to(p.dtype)
 
 
 def masters_of(opt: torch.optim.Optimizer) -> dict:
@@ -85,7 +113,7 @@ def refresh_masters(opt: torch.optim.Optimizer) -> None:
 
 
 def _master(p: DTensor, state) -> DTensor:
-    optim = tuple(getattr(p, "_spmd_optim", None) or p.placements)
+    optim = optim_layout(p)
     lower = state.master == "optimizer" and p.dtype != torch.float32 and p.dtype.is_floating_point
     if optim == tuple(p.placements) and not lower and state.offload is None:
         return p

@@ -12,8 +12,9 @@ spmd.runtime.reshard), unless the module is under activation checkpointing, whic
 `gather_param(p, placements)` brings one parameter to its compute layout (cast to the compute dtype first,
 so an FSDP gather moves bf16); its backward casts the gradient to the reduce dtype and reduces it into the
 storage layout: all-reduce over replicated axes, reduce-scatter over sharded ones. Under `no_sync` the
-gradient stays unreduced until the step that syncs. Inside a compiled block the same move is DTensor's
-redistribute under a recompute-in-backward policy (ZeRO-3's regather, as the compiler sees it).
+gradient stays unreduced until the step that syncs; under ZeRO-1 until the optimizer step. Inside a
+compiled block the same move is DTensor's redistribute under a recompute-in-backward policy (ZeRO-3's
+regather, as the compiler sees it).
 """
 import functools
 
@@ -23,7 +24,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from . import tags
 from .buckets import gather_bucket
-from .gradients import grads_layout, join_unreduced, reduce_to
+from .gradients import grads_layout, held_for_step, join_unreduced, reduce_for_step, reduce_to
 from .reshard import CHECKPOINTED_ATTR, reshard_after_forward, storage_key
 
 __all__ = ["gather_param", "gather_block", "gather_module_params", "release_module_params", "gather_shared"]
@@ -47,6 +48,9 @@ class _GatherParam(torch.autograd.Function):
             g = g.to(ctx.reduce_dtype)
         if not ctx.state.sync:
             return g.to(p.dtype), None, None, None, None, None, None
+        if held_for_step(p):
+            with tags.reason(ctx.module, f"reduce gradient of {ctx.name} but over the axes its step shards"):
+                return reduce_for_step(p, g).to(p.dtype), None, None, None, None, None, None
         g = join_unreduced(p, g)
         if tuple(g.placements) != ctx.storage:
             with tags.reason(ctx.module, f"reduce gradient of {ctx.name} to its storage layout"):
