@@ -154,12 +154,14 @@ def rope_tables(cfg: LlamaConfig):
 
 
 class Llama(nn.Module):
+    block_type = Block  # a variant swaps the block (models/moe.py)
+
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
         annotate(self.tok_embeddings.weight, "vocab", "embed")
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.layers = nn.ModuleList(self.block_type(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps, cfg.kernels)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         annotate(self.output.weight, "vocab", "embed")

@@ -22,7 +22,7 @@ import torch.nn as nn
 import kernels
 from spmd import annotate, constrain
 
-from .llama import Attention, FeedForward, Llama, RMSNorm, rope_tables
+from .llama import Attention, FeedForward, Llama, RMSNorm
 
 __all__ = ["MoEConfig", "MoE", "MoEFeedForward", "RoutedExperts", "GroupedExperts", "PRESETS"]
 
@@ -196,21 +196,7 @@ class MoEBlock(nn.Module):
 class MoE(Llama):
     """The Llama decoder with MoE blocks; its loss adds every layer's router losses to the cross-entropy."""
 
-    def __init__(self, cfg: MoEConfig):
-        nn.Module.__init__(self)
-        self.cfg = cfg
-        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-        annotate(self.tok_embeddings.weight, "vocab", "embed")
-        self.layers = nn.ModuleList(MoEBlock(cfg) for _ in range(cfg.n_layers))
-        self.norm = RMSNorm(cfg.dim, cfg.norm_eps, cfg.kernels)
-        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
-        annotate(self.output.weight, "vocab", "embed")
-        if cfg.tie_embeddings:
-            self.output.weight = self.tok_embeddings.weight
-        cos, sin = rope_tables(cfg)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
-        self.reset_parameters()
+    block_type = MoEBlock
 
     def initializer(self, seed: int | None = None):
         """Llama's initializer (a function of seed and name); the stacked down projections `w2` are scaled
@@ -223,8 +209,9 @@ class MoE(Llama):
 
         return init
 
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None):
-        out = super().forward(tokens, targets)
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None):
+        out = super().forward(tokens, targets, positions)
         if targets is None:
             return out
         return out + sum(layer.feed_forward.aux_loss for layer in self.layers)
