@@ -190,9 +190,9 @@ def test_context_parallel_matches_one_process_and_its_plan(tmp_path):
     planned = _ring_sends(plan_for(MEASURED).collectives)
     assert planned == ring_bytes_formula(MEASURED, cfg.n_layers, cfg.n_kv_heads, cfg.head_dim), planned
     hf_dir = _hf_llama_dir(tmp_path / "hf")
-    hf = _hf_llama(hf_dir).config
-    hf_plan = spmd.explain(_hf_llama(hf_dir), spmd.Rules.default(), spmd.parse_spec(MEASURED)[0],
-                           batch_shape=(BATCH, SEQ))
+    hf_model = _hf_llama(hf_dir)
+    hf = hf_model.config
+    hf_plan = spmd.explain(hf_model, spmd.Rules.default(), spmd.parse_spec(MEASURED)[0], batch_shape=(BATCH, SEQ))
     hf_planned = _ring_sends(hf_plan.collectives)
     assert hf_planned == ring_bytes_formula(MEASURED, hf.num_hidden_layers, hf.num_key_value_heads,
                                             hf.hidden_size // hf.num_attention_heads), hf_planned
