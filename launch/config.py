@@ -184,8 +184,9 @@ class TrainConfig:
                  f"--seq-len {self.seq_len} must divide by cp*tp={cp * tp} with sequence parallelism")
             need(not self.compile, "--compile with cp is not supported yet (ring attention exchanges K/V blocks "
                                    "point to point, outside the compiled graph); drop --compile or cp")
-            need(not self.model.startswith("hf:"), "cp is not supported for hf: models yet (they take no RoPE "
-                                                   "positions from the data path); use a mesh without cp")
+            need(not (self.model.startswith("hf:") and sizes.get("pp", 1) > 1),
+                 "pp with cp is not supported for hf: models yet (their pipeline stages cut transformers' forward, "
+                 "which does not take the data path's positions there); use a mesh without pp or without cp")
         if model_cfg is None and (not self.init_from_hf or self.model.startswith("hf:")):
             try:
                 model_cfg = self.model_config()

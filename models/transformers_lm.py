@@ -8,6 +8,7 @@ model's Hugging Face adapter (launch.hf): its names are transformers' own, so ex
 and `--init-from-hf DIR2` loads another directory of the same architecture into it, each rank reading
 its slices.
 """
+import contextlib
 import json
 import math
 import types
@@ -122,6 +123,8 @@ class TransformersConfig:
             return (f"attention dropout {drop} (config.json of {self.path}) runs inside "
                     f"scaled_dot_product_attention, which DTensor cannot apply on CPU; set it to 0.0 in config.json "
                     f"(other dropouts work)")
+        if sizes.get("cp", 1) > 1 and (problem := _window_problem(self.hf)):
+            return f"{problem} (config.json of {self.path})"
         tp = sizes.get("tp", 1)
         heads = {k: v for k in ("num_attention_heads", "num_key_value_heads", "n_head")
                  if isinstance(v := self.hf.get(k), int)}
@@ -159,13 +162,48 @@ def _has_weights(path: str) -> bool:
     return any(Path(path).glob("*.safetensors"))
 
 
-def _train_forward(self, tokens, targets=None):
+def _train_forward(self, tokens, targets=None, positions=None):
     """The trainer's call: the mean cross-entropy of `targets` (already shifted), or the logits. The loss is
-    kernels' (vocab-parallel on sharded logits) rather than transformers', which would gather the logits."""
-    logits = type(self).forward(self, input_ids=tokens).logits
+    kernels' (vocab-parallel on sharded logits) rather than transformers', which would gather the logits and
+    shift its labels inside the model, wrong on a sequence in another order than its own (cp's zigzag).
+    `positions` [B, T]: each token's position, when the data path gives the sequence in another order
+    (context parallelism); transformers rotates RoPE by them."""
+    if positions is None:
+        logits = type(self).forward(self, input_ids=tokens).logits
+    else:
+        with _causal_sdpa(self.config):
+            logits = type(self).forward(self, input_ids=tokens, position_ids=positions).logits
     if targets is None:
         return logits
-    return kernels.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), impl=self.cfg.kernels)
+    return kernels.cross_entropy(logits.float(), targets, impl=self.cfg.kernels)
+
+
+CAUSAL_SDPA = "spmd_causal_sdpa"
+
+
+@contextlib.contextmanager
+def _causal_sdpa(config):
+    """transformers' own SDPA attention, under a name with no mask builder: transformers then builds no mask
+    and SDPA gets is_causal. Its mask builder would read position ids that do not count up by one as
+    sequences packed in a row and mask each from the others; the rows here are whole sequences, reordered."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    if problem := _window_problem(config.to_dict()):
+        raise ValueError(problem)
+    AttentionInterface.register(CAUSAL_SDPA, sdpa_attention_forward)
+    saved, config._attn_implementation = config._attn_implementation, CAUSAL_SDPA
+    try:
+        yield
+    finally:
+        config._attn_implementation = saved
+
+
+def _window_problem(hf: dict) -> str | None:
+    """Why this config's attention cannot run as a causal ring over cp (it attends within windows), or None."""
+    windows = {k: v for k in ("sliding_window", "attention_chunk_size") if (v := hf.get(k))
+               and hf.get("use_sliding_window") is not False}
+    return (f"attention within windows {windows} needs a mask, and ring attention over cp takes only the causal "
+            f"one; use a mesh without cp") if windows else None
 
 
 # ------------------------------------------------------------------------------ Hugging Face adapter

@@ -3,20 +3,22 @@
 Four gloo processes, fp32, fixed seeds, one launch for every check. Ring attention: each rank's output and
 the gradients of its q, k and v equal `F.scaled_dot_product_attention` on the whole sequence (causal and
 full masks, grouped K/V heads) within 1e-5. Training: the tiny Llama on `cp=4`, `fsdp=2,cp=2`,
-`cp=2,tp=2,sp` and `pp=2,cp=2` (1F1B, 2 micro-batches), each rank fed its zigzag share of the sequence
-with the matching RoPE positions and targets: loss, every gradient and every parameter after 3 AdamW steps equal one process within 1e-5
-(||a-b|| / ||b|| per tensor, as in tests/test_spmd_numerics.py). A sequence length that is not a multiple of
-2*cp is an error naming the fix, raised before any collective; so is a model that makes its own positions
-(a RoPE table sliced to the length, learned positions from `arange`), which would pair the zigzag tokens
-with natural-order positions.
+`cp=2,tp=2,sp` and `pp=2,cp=2` (1F1B, 2 micro-batches), and transformers' LlamaForCausalLM (SDPA, grouped
+K/V, unchanged, as `--model hf:DIR` wraps it) on `fsdp=2,cp=2`, each rank fed its zigzag share of the sequence
+with the matching RoPE positions and targets: loss, every gradient and every parameter after 3 AdamW steps
+equal one process within 1e-5 (||a-b|| / ||b|| per tensor, as in tests/test_spmd_numerics.py). A sequence
+length that is not a multiple of 2*cp is an error naming the fix, raised before any collective; so is a model
+that makes its own positions (a RoPE table sliced to the length, position ids or learned positions from
+`arange`), which would pair the zigzag tokens with natural-order positions.
 
-Ring traffic, measured on the real tensors sent in one step of `fsdp=2,cp=2`: per layer, forward (cp-1)
+Ring traffic, measured on the real tensors sent in one step of `fsdp=2,cp=2` (both Llamas): per layer, forward (cp-1)
 hops of this rank's K and V (kv_heads, not the repeated query heads), backward twice that (K/V again, and
 dK/dV); equal to the formula and to `spmd.explain`'s plan. Load balance: under a causal mask the zigzag
 split gives every rank the same attention work; a contiguous split gives the last rank about 2cp-1 times
 the first's.
 """
 import contextlib
+import functools
 
 import pytest
 import torch
@@ -35,14 +37,13 @@ TRAIN_SPECS = ["cp=4", "fsdp=2,cp=2", "cp=2,tp=2,sp", "pp=2,cp=2"]
 MEASURED = "fsdp=2,cp=2"
 
 
-def ring_bytes_formula(spec: str) -> dict:
-    """Bytes one rank sends around the cp ring in a step of the tiny model: per layer, cp-1 hops of its
+def ring_bytes_formula(spec: str, n_layers: int, kv_heads: int, head_dim: int) -> dict:
+    """Bytes one rank sends around the cp ring in a step on the test batch: per layer, cp-1 hops of its
     K and V blocks (batch / (dp*fsdp), seq / cp, kv_heads / tp, head_dim, fp32) forward, twice that backward."""
     sizes, _ = spmd.parse_spec(spec)
-    cfg = tiny_model().cfg
     cp, dp = sizes.get("cp", 1), sizes.get("dp", 1) * sizes.get("fsdp", 1)
-    kv_block = 2 * (BATCH // dp) * (SEQ // cp) * (cfg.n_kv_heads // sizes.get("tp", 1)) * cfg.head_dim * 4
-    forward = cfg.n_layers * (cp - 1) * kv_block
+    kv_block = 2 * (BATCH // dp) * (SEQ // cp) * (kv_heads // sizes.get("tp", 1)) * head_dim * 4
+    forward = n_layers * (cp - 1) * kv_block
     return {"forward": forward, "backward": 2 * forward}
 
 
@@ -77,15 +78,32 @@ def _cp_batch(step: int, mesh):
     return tuple(cp_slice(local_slice(t, mesh), mesh) for t in (tokens, targets, positions))
 
 
-def _layout(spec: str):
+def _hf_llama_dir(path) -> str:
+    """config.json of a tiny transformers LlamaForCausalLM (grouped K/V heads, SDPA), as `--model hf:DIR` reads it."""
+    transformers = pytest.importorskip("transformers")
+    from tests.test_any_model import _TINY
+    transformers.LlamaConfig(**{**_TINY, "vocab_size": 512, "num_key_value_heads": 2}).save_pretrained(path)
+    return str(path)
+
+
+def _hf_llama(hf_dir: str):
+    """transformers' Llama, unchanged, as the trainer builds it for `--model hf:DIR` (models/transformers_lm.py)."""
+    import models
+    torch.manual_seed(0)
+    model = models.preset(f"hf:{hf_dir}").build()
+    assert model.config._attn_implementation == "sdpa"
+    return model
+
+
+def _layout(spec: str, build):
     """(model or pipeline, step(tokens, targets, positions) -> loss with gradients) for this spec."""
     sizes, flags = spmd.parse_spec(spec)
     mesh = spmd.make_mesh(sizes)
     rules = spmd.Rules.default(sequence_parallel="sp" in flags)
     if "pp" in sizes:
-        pipe = spmd.build_pipeline(tiny_model(), mesh, rules, schedule="1f1b", microbatches=2)
+        pipe = spmd.build_pipeline(build(), mesh, rules, schedule="1f1b", microbatches=2)
         return pipe, pipe.stage_mesh, lambda x, y, pos: pipe.step(x, y, positions=pos)
-    model = spmd.parallelize(tiny_model(), mesh, rules)
+    model = spmd.parallelize(build(), mesh, rules)
 
     def step(x, y, pos):
         loss = model(x, y, pos)
@@ -94,11 +112,13 @@ def _layout(spec: str):
     return model, mesh, step
 
 
-def _train_and_compare(spec: str, planned=None):
-    model, mesh, train_step = _layout(spec)
-    ref = tiny_model()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.1)
+def _train_and_compare(spec: str, planned=None, build=tiny_model):
+    model, mesh, train_step = _layout(spec, build)
+    ref = build()
+    # eps above the roundoff of the smallest gradients, which Adam would otherwise blow up to steps of size lr
+    # (as in tests/test_any_model.py)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, eps=1e-6)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.1, eps=1e-6)
     ref_params = dict(ref.named_parameters())
     for step in range(3):
         recorder = CollectiveRecorder(mesh) if planned and step == 0 else None
@@ -106,7 +126,7 @@ def _train_and_compare(spec: str, planned=None):
             loss = train_step(*_cp_batch(step, mesh))
         if recorder is not None:
             sent = _ring_sends(recorder.records)
-            assert sent == ring_bytes_formula(spec) == planned, (spec, sent, planned)
+            assert sent == planned, (spec, sent, planned)
         ref_loss = ref(*global_batch(step))
         assert abs(loss.item() - ref_loss.item()) <= TOL * abs(ref_loss.item()), (spec, step, loss, ref_loss)
         ref_loss.backward()
@@ -129,10 +149,11 @@ def _check_bad_length():
         ring_attention(q, q, q, is_causal=True)
 
 
-def _check_natural_order_is_refused():
+def _check_natural_order_is_refused(hf_dir: str):
     """A model that makes its own positions under cp would pair zigzag tokens with natural-order positions:
-    the tiny Llama called without `positions` (its RoPE table sliced to the length) and a nanoGPT (learned
-    positions from `arange`) both raise, naming the fix, instead of training wrong."""
+    the tiny Llama called without `positions` (its RoPE table sliced to the length), transformers' Llama
+    without them (position ids from `arange`) and a nanoGPT (learned positions from `arange`) all raise,
+    naming the fix, instead of training wrong."""
     from tests.nanogpt import GPT, GPTConfig
     from tests.test_any_model import NANOGPT
     mesh = spmd.make_mesh({"cp": 4})
@@ -140,6 +161,9 @@ def _check_natural_order_is_refused():
     tokens, targets, _ = _cp_batch(0, mesh)
     with pytest.raises(ValueError, match="natural order.*positions"):
         llama(tokens, targets)
+    hf = spmd.parallelize(_hf_llama(hf_dir), mesh, spmd.Rules.default())
+    with pytest.raises(ValueError, match="natural order.*positions"):
+        hf(tokens, targets)
     torch.manual_seed(0)
     gpt = GPT(GPTConfig(vocab_size=256))
     spmd.annotate_by_name(gpt, NANOGPT)
@@ -148,20 +172,31 @@ def _check_natural_order_is_refused():
         gpt(tokens % 256, targets % 256)
 
 
-def _all_checks(rank, world, planned):
+def _all_checks(rank, world, planned, hf_dir, hf_planned):
     _check_bad_length()
-    _check_natural_order_is_refused()
+    _check_natural_order_is_refused(hf_dir)
     for causal in (True, False):
         _check_ring_attention(causal)
     for spec in TRAIN_SPECS:
         _train_and_compare(spec, planned if spec == MEASURED else None)
+    _train_and_compare(MEASURED, hf_planned, build=functools.partial(_hf_llama, hf_dir))
 
 
 @pytest.mark.slow
-def test_context_parallel_matches_one_process_and_its_plan():
+def test_context_parallel_matches_one_process_and_its_plan(tmp_path):
+    """The tiny Llama on every spec, transformers' Llama on fsdp=2,cp=2; the ring bytes of both, planned by
+    explain, equal the formula (and in the launch, the bytes of a real step)."""
+    cfg = tiny_model().cfg
     planned = _ring_sends(plan_for(MEASURED).collectives)
-    assert planned["forward"] > 0
-    run_distributed(_all_checks, 4, planned, timeout_s=300)
+    assert planned == ring_bytes_formula(MEASURED, cfg.n_layers, cfg.n_kv_heads, cfg.head_dim), planned
+    hf_dir = _hf_llama_dir(tmp_path / "hf")
+    hf_model = _hf_llama(hf_dir)
+    hf = hf_model.config
+    hf_plan = spmd.explain(hf_model, spmd.Rules.default(), spmd.parse_spec(MEASURED)[0], batch_shape=(BATCH, SEQ))
+    hf_planned = _ring_sends(hf_plan.collectives)
+    assert hf_planned == ring_bytes_formula(MEASURED, hf.num_hidden_layers, hf.num_key_value_heads,
+                                            hf.hidden_size // hf.num_attention_heads), hf_planned
+    run_distributed(_all_checks, 4, planned, hf_dir, hf_planned, timeout_s=300)
 
 
 def _causal_pairs(positions: torch.Tensor) -> int:

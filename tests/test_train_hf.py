@@ -152,3 +152,27 @@ def test_init_from_hf_alone_of_an_unregistered_family_points_to_model_hf(tmp_pat
     with pytest.raises(ValueError, match=rf"no registered model has model_type 'gpt2' .*--model hf:{gpt2}, or "
                                          rf"--model hf:DIR2 --init-from-hf {gpt2}"):
         config_from_hf(gpt2)
+
+
+def test_context_parallel_validates_for_hf_models_but_not_with_pp_or_windows(tmp_path):
+    """`--model hf:DIR --mesh fsdp=2,cp=2` is a valid run (tests/test_context_parallel.py trains it against one
+    process). With pp (the cut stages take no positions) or a model attending within sliding windows (a mask
+    the ring does not take) it is a config error naming the fix, and such a model's forward given positions
+    raises."""
+    hf = ["--model", f"hf:{_tiny_llama_dir(tmp_path / 'cfg', False)}"]
+    cfg = load_config([*SMALL, *hf, "--mesh", "fsdp=2,cp=2"])
+    cfg.validate(4, cfg.model_config())
+    cfg = load_config([*SMALL, *hf, "--mesh", "pp=2,cp=2"])
+    with pytest.raises(ValueError, match="pp with cp is not supported for hf: models yet.*use a mesh without pp"):
+        cfg.validate(4, cfg.model_config())
+    mistral = tmp_path / "mistral"
+    transformers.MistralConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, sliding_window=32).save_pretrained(mistral)
+    cfg = load_config([*SMALL, "--model", f"hf:{mistral}", "--mesh", "fsdp=2,cp=2"])
+    with pytest.raises(ValueError, match=r"attention within windows \{'sliding_window': 32\}.*use a mesh without cp"):
+        cfg.validate(4, cfg.model_config())
+    cfg = load_config([*SMALL, "--model", f"hf:{mistral}", "--mesh", "fsdp=2,tp=2"])
+    cfg.validate(4, cfg.model_config())  # without cp, transformers builds its window mask itself
+    model = cfg.model_config().build()  # given positions (the data path under cp), it refuses too
+    with pytest.raises(ValueError, match="attention within windows"):
+        model(torch.zeros(1, 8, dtype=torch.long), None, torch.arange(8)[None])
