@@ -20,16 +20,11 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
 import models
-from kernels import IMPLS
-from spmd.layout.dtypes import DTYPES
-from spmd.layout.mesh import format_sizes, parse_spec
-from spmd.layout.rules import ZERO_STAGES, Rules
-from spmd.runtime.state import MASTERS
-from spmd.layout.sequence import check_seq_len
-from spmd.pipeline.runtime import default_microbatches, validate_pipeline
-from spmd.runtime.checkpointing import parse_mode as parse_ac_mode
+from spmd.layout.mesh import parse_spec
+from spmd.layout.rules import Rules
+from spmd.pipeline.runtime import default_microbatches
 
-from .profile import parse_steps as parse_profile_steps
+from .config_checks import config_problems, flag_name
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 
@@ -87,11 +82,11 @@ class TrainConfig:
     # ------------------------------------------------------------------ derived
     def mesh_sizes(self, world_size: int) -> dict[str, int]:
         """Mesh axis sizes; an empty mesh means fsdp over every process."""
-        sizes, _ = self._parse_mesh()
+        sizes, _ = self.parse_mesh()
         return sizes or {"fsdp": world_size}
 
     def sequence_parallel(self) -> bool:
-        return self.sp or "sp" in self._parse_mesh()[1]
+        return self.sp or "sp" in self.parse_mesh()[1]
 
     def rules(self) -> Rules:
         return Rules.default(sequence_parallel=self.sequence_parallel(), zero=self.zero)
@@ -116,140 +111,20 @@ class TrainConfig:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
-    def _parse_mesh(self):
-        try:
-            return parse_spec(self.mesh)
-        except ValueError as e:
-            raise ValueError(f"--mesh {self.mesh!r}: {e}. Example: --mesh fsdp=2,tp=2") from None
-
     # ------------------------------------------------------------------ checks
     def validate(self, world_size: int = 1, model_cfg=None) -> "TrainConfig":
         """Raise ValueError (problem and fix) for anything that would fail later. No collectives."""
-        problems = []
-
-        def need(ok, msg):
-            if not ok:
-                problems.append(msg)
-
-        for name in ("steps", "batch_size", "seq_len", "grad_accum", "log_every"):
-            need(getattr(self, name) >= 1, f"--{_flag(name)} must be >= 1, got {getattr(self, name)}")
-        for name in ("warmup", "ckpt_every", "ckpt_keep", "max_grad_norm", "weight_decay", "seed", "max_bad_steps"):
-            need(getattr(self, name) >= 0, f"--{_flag(name)} must be >= 0, got {getattr(self, name)}")
-        need(self.lr > 0, f"--lr must be positive, got {self.lr}")
-        need(self.collective_timeout > 0, f"--collective-timeout must be a positive number of seconds, got "
-                                          f"{self.collective_timeout}")
-        need(self.dtype in DTYPES, f"--dtype {self.dtype!r} is not one of {'|'.join(DTYPES)}; pick one of them")
-        problems += self._zero_problems()
-        try:
-            parse_ac_mode(self.ac)
-        except ValueError:
-            problems.append(f"--ac {self.ac!r} is not valid; use none, full, or selective:N with N >= 1 "
-                            f"(checkpoint every N-th block)")
-        need(self.kernels in IMPLS, f"--kernels {self.kernels!r} is not one of {'|'.join(IMPLS)}; pick one "
-                                      f"(triton on CPU needs TRITON_INTERPRET=1)")
-        need(not self.resume or self.ckpt_dir, "--resume needs --ckpt-dir DIR to resume from")
-        need(not (self.ckpt_every and not self.ckpt_dir), "--ckpt-every needs --ckpt-dir DIR to write to")
-        try:
-            profiled = parse_profile_steps(self.profile_steps)
-            need(not profiled or profiled[1] <= self.steps, f"--profile-steps {self.profile_steps} ends after the "
-                                                            f"last step ({self.steps}); end at step {self.steps} or before")
-        except ValueError as e:
-            problems.append(str(e))
-        sizes, flags = self._parse_mesh()
-        sizes = sizes or {"fsdp": world_size}
-        product = 1
-        for s in sizes.values():
-            product *= s
-        need(product == world_size,
-             f"--mesh {format_sizes(sizes)} has {product} devices but {world_size} processes were started; make the "
-             f"product of the axis sizes equal the process count (e.g. --nproc-per-node {product})")
-        rules = Rules.default(sequence_parallel=self.sequence_parallel())
-        dp = rules.data_parallel_size(sizes)
-        need(self.batch_size % (dp * self.grad_accum) == 0,
-             f"--batch-size {self.batch_size} must divide by the data-parallel size "
-             f"({'*'.join(rules.batch_axes())} = {dp}) times "
-             f"--grad-accum {self.grad_accum} = {dp * self.grad_accum}; use a batch size that is a multiple of "
-             f"{dp * self.grad_accum}, e.g. {max(1, round(self.batch_size / (dp * self.grad_accum))) * dp * self.grad_accum}")
-        tp = sizes.get("tp", 1)
-        if (self.sp or "sp" in flags) and tp > 1:
-            need(self.seq_len % tp == 0, f"--seq-len {self.seq_len} must divide by tp={tp} with sequence "
-                                         f"parallelism; pick a multiple of {tp}")
-        cp = sizes.get("cp", 1)
-        if cp > 1:
-            try:
-                check_seq_len(self.seq_len, cp)
-            except ValueError as e:
-                problems.append(f"--seq-len: {e}")
-            need(self.seq_len % (cp * tp) == 0 or not (self.sp or "sp" in flags),
-                 f"--seq-len {self.seq_len} must divide by cp*tp={cp * tp} with sequence parallelism")
-            need(not self.compile, "--compile with cp is not supported yet (ring attention exchanges K/V blocks "
-                                   "point to point, outside the compiled graph); drop --compile or cp")
-            need(not (self.model.startswith("hf:") and sizes.get("pp", 1) > 1),
-                 "pp with cp is not supported for hf: models yet (their pipeline stages cut transformers' forward, "
-                 "which does not take the data path's positions there); use a mesh without pp or without cp")
-        if model_cfg is None and (not self.init_from_hf or self.model.startswith("hf:")):
-            try:
-                model_cfg = self.model_config()
-            except ValueError as e:
-                problems.append(f"--model: {e}")
-        if model_cfg is not None and self.init_from_hf and hasattr(model_cfg, "init_problem"):
-            problem = model_cfg.init_problem(self.init_from_hf)
-            need(problem is None, f"--init-from-hf {self.init_from_hf}: {problem}")
-        if model_cfg is not None:
-            problem = model_cfg.mesh_problem(sizes)
-            need(problem is None, f"--mesh {format_sizes(sizes)}: {problem}")
-            need(self.seq_len <= model_cfg.max_seq_len,
-                 f"--seq-len {self.seq_len} exceeds the model's max_seq_len {model_cfg.max_seq_len}; "
-                 f"use --seq-len {model_cfg.max_seq_len} or less")
-        pp = sizes.get("pp", 1)
-        need(pp == 1 or self.zero == 3, f"--zero {self.zero} with a pp axis is not supported (a pipeline's stages "
-                                        f"shard parameters with FSDP); use --zero 3, or a mesh without pp")
-        need(pp == 1 or not self.offload, "--offload with a pp axis is not supported; leave it out, or use a mesh "
-                                          "without pp")
-        need(world_size > 1 or not self.offload, "--offload needs a mesh (torchrun with 2+ processes); one process "
-                                                 "trains plain PyTorch")
-        if pp > 1 and model_cfg is not None:
-            try:
-                validate_pipeline(pp, self.pp_schedule, self.pipeline_microbatches(world_size), self.virtual_stages,
-                                  n_blocks=model_cfg.n_layers, batch_size=self.batch_size // self.grad_accum,
-                                  data_parallel=dp, world=world_size)
-            except ValueError as e:
-                problems.append(str(e))
-            if getattr(model_cfg, "pipeline_ties", False):  # the first and last stage both hold the tied weight
-                need(not model_cfg.tie_embeddings or self.pp_schedule != "zbv",
-                     "--pp-schedule zbv puts the first and last stage on one rank, which a tied head (one weight "
-                     "in both) does not allow; use interleaved-1f1b or zero-bubble")
-            else:
-                need(not model_cfg.tie_embeddings, "pipeline parallelism needs untied embeddings (the first and last "
-                                                   "stage would share one weight); use a model without tied embeddings")
+        problems = config_problems(self, world_size, model_cfg)
         if problems:
             raise ValueError("invalid training config:\n  - " + "\n  - ".join(problems))
         return self
 
-    def _zero_problems(self) -> list[str]:
-        """--zero and --master problems (names and fixes)."""
-        problems = []
-        if self.zero not in ZERO_STAGES:
-            problems.append(f"--zero {self.zero} is not a ZeRO stage; use 1 (optimizer states sharded over fsdp), 2 "
-                            f"(+ gradients), 3 (+ parameters: FSDP, the default), or 0 (none)")
-        if self.master not in MASTERS:
-            problems.append(f"--master {self.master!r} is not one of {'|'.join(MASTERS)}: 'params' keeps fp32 parameters, "
-                            f"'optimizer' keeps --dtype parameters and the fp32 master with the optimizer states")
-        if self.compile and self.zero in (1, 2):
-            problems.append(f"--compile with --zero {self.zero} is not supported yet (compiled blocks reduce gradients "
-                            f"to the parameters' layout); use --zero 3 with --compile, or leave --compile out")
-        if self.offload == "params":
-            problems.append("--offload params is not supported yet (it would keep stage-3 parameter shards on the "
-                            "host); use --offload optimizer, with any --zero")
-        elif self.offload not in ("", "optimizer") and not (self.offload.startswith("nvme:") and len(self.offload) > 5):
-            problems.append(f"--offload {self.offload!r} is not supported; use --offload optimizer (AdamW states and "
-                            f"fp32 masters in host memory, the step on the CPU), --offload nvme:DIR (them in files "
-                            f"under DIR) or leave it out")
-        return problems
-
-
-def _flag(name: str) -> str:
-    return name.replace("_", "-")
+    def parse_mesh(self):
+        """(sizes, flags) of --mesh; a bad spec is a ValueError with an example."""
+        try:
+            return parse_spec(self.mesh)
+        except ValueError as e:
+            raise ValueError(f"--mesh {self.mesh!r}: {e}. Example: --mesh fsdp=2,tp=2") from None
 
 
 def _check_type(name: str, value, default, source: str):
@@ -316,7 +191,7 @@ def parser() -> argparse.ArgumentParser:
         "offload": "optimizer | nvme:DIR: AdamW states and fp32 masters in host memory (or files under DIR), the step on the CPU",
     }
     for f in fields(TrainConfig):
-        flag = "--" + _flag(f.name)
+        flag = "--" + flag_name(f.name)
         h = helps.get(f.name, f.name.replace("_", " ")) + f" (default: {f.default!r})"
         if f.type in ("bool", bool):
             p.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, help=h)

@@ -1,0 +1,185 @@
+"""Every check of a training config, run on every rank before any collective: each problem is a line naming
+it and its fix, and `TrainConfig.validate` raises them all at once.
+
+    problems = config_problems(cfg, world_size, model_cfg)   # [] when the config can run
+"""
+from __future__ import annotations
+
+from kernels import IMPLS
+from spmd.layout.dtypes import DTYPES
+from spmd.layout.mesh import format_sizes
+from spmd.layout.rules import ZERO_STAGES, Rules
+from spmd.layout.sequence import check_seq_len
+from spmd.pipeline.runtime import validate_pipeline
+from spmd.runtime.checkpointing import parse_mode as parse_ac_mode
+from spmd.runtime.state import MASTERS
+
+from .profile import parse_steps as parse_profile_steps
+
+__all__ = ["config_problems", "flag_name"]
+
+
+def flag_name(name: str) -> str:
+    """The command-line flag of a config field, without its dashes: batch_size -> batch-size."""
+    return name.replace("_", "-")
+
+
+def config_problems(cfg, world_size: int = 1, model_cfg=None) -> list[str]:
+    """The problems of `cfg` on `world_size` processes (model_cfg: the resolved model config, if known)."""
+    problems = _scalar_problems(cfg) + _zero_problems(cfg) + _run_problems(cfg)
+    sizes, flags = cfg.parse_mesh()
+    sizes = sizes or {"fsdp": world_size}
+    problems += _mesh_problems(cfg, world_size, sizes, flags)
+    if model_cfg is None and (not cfg.init_from_hf or cfg.model.startswith("hf:")):
+        try:
+            model_cfg = cfg.model_config()
+        except ValueError as e:
+            problems.append(f"--model: {e}")
+    return problems + _model_problems(cfg, world_size, sizes, model_cfg)
+
+
+def _scalar_problems(cfg) -> list[str]:
+    problems = [f"--{flag_name(n)} must be >= 1, got {getattr(cfg, n)}"
+                for n in ("steps", "batch_size", "seq_len", "grad_accum", "log_every") if getattr(cfg, n) < 1]
+    problems += [f"--{flag_name(n)} must be >= 0, got {getattr(cfg, n)}"
+                 for n in ("warmup", "ckpt_every", "ckpt_keep", "max_grad_norm", "weight_decay", "seed",
+                           "max_bad_steps") if getattr(cfg, n) < 0]
+    if not cfg.lr > 0:
+        problems.append(f"--lr must be positive, got {cfg.lr}")
+    if not cfg.collective_timeout > 0:
+        problems.append(f"--collective-timeout must be a positive number of seconds, got {cfg.collective_timeout}")
+    if cfg.dtype not in DTYPES:
+        problems.append(f"--dtype {cfg.dtype!r} is not one of {'|'.join(DTYPES)}; pick one of them")
+    return problems
+
+
+def _zero_problems(cfg) -> list[str]:
+    """--zero, --master and --offload problems (names and fixes)."""
+    problems = []
+    if cfg.zero not in ZERO_STAGES:
+        problems.append(f"--zero {cfg.zero} is not a ZeRO stage; use 1 (optimizer states sharded over fsdp), 2 "
+                        f"(+ gradients), 3 (+ parameters: FSDP, the default), or 0 (none)")
+    if cfg.master not in MASTERS:
+        problems.append(f"--master {cfg.master!r} is not one of {'|'.join(MASTERS)}: 'params' keeps fp32 parameters, "
+                        f"'optimizer' keeps --dtype parameters and the fp32 master with the optimizer states")
+    if cfg.compile and cfg.zero in (1, 2):
+        problems.append(f"--compile with --zero {cfg.zero} is not supported yet (compiled blocks reduce gradients "
+                        f"to the parameters' layout); use --zero 3 with --compile, or leave --compile out")
+    if cfg.offload == "params":
+        problems.append("--offload params is not supported yet (it would keep stage-3 parameter shards on the "
+                        "host); use --offload optimizer, with any --zero")
+    elif cfg.offload not in ("", "optimizer") and not (cfg.offload.startswith("nvme:") and len(cfg.offload) > 5):
+        problems.append(f"--offload {cfg.offload!r} is not supported; use --offload optimizer (AdamW states and "
+                        f"fp32 masters in host memory, the step on the CPU), --offload nvme:DIR (them in files "
+                        f"under DIR) or leave it out")
+    return problems
+
+
+def _run_problems(cfg) -> list[str]:
+    """Activation checkpointing, kernels, checkpoints and profiling."""
+    problems = []
+    try:
+        parse_ac_mode(cfg.ac)
+    except ValueError:
+        problems.append(f"--ac {cfg.ac!r} is not valid; use none, full, or selective:N with N >= 1 "
+                        f"(checkpoint every N-th block)")
+    if cfg.kernels not in IMPLS:
+        problems.append(f"--kernels {cfg.kernels!r} is not one of {'|'.join(IMPLS)}; pick one "
+                        f"(triton on CPU needs TRITON_INTERPRET=1)")
+    if cfg.resume and not cfg.ckpt_dir:
+        problems.append("--resume needs --ckpt-dir DIR to resume from")
+    if cfg.ckpt_every and not cfg.ckpt_dir:
+        problems.append("--ckpt-every needs --ckpt-dir DIR to write to")
+    try:
+        profiled = parse_profile_steps(cfg.profile_steps)
+        if profiled and profiled[1] > cfg.steps:
+            problems.append(f"--profile-steps {cfg.profile_steps} ends after the last step ({cfg.steps}); end at "
+                            f"step {cfg.steps} or before")
+    except ValueError as e:
+        problems.append(str(e))
+    return problems
+
+
+def _mesh_problems(cfg, world_size: int, sizes: dict, flags) -> list[str]:
+    """The mesh against the process count, the batch, and the sequence (sequence and context parallelism)."""
+    problems = []
+    product = 1
+    for s in sizes.values():
+        product *= s
+    if product != world_size:
+        problems.append(f"--mesh {format_sizes(sizes)} has {product} devices but {world_size} processes were "
+                        f"started; make the product of the axis sizes equal the process count (e.g. "
+                        f"--nproc-per-node {product})")
+    rules = Rules.default(sequence_parallel=cfg.sequence_parallel())
+    dp = rules.data_parallel_size(sizes)
+    if cfg.batch_size % (dp * cfg.grad_accum):
+        step = dp * cfg.grad_accum
+        problems.append(f"--batch-size {cfg.batch_size} must divide by the data-parallel size "
+                        f"({'*'.join(rules.batch_axes())} = {dp}) times --grad-accum {cfg.grad_accum} = {step}; use "
+                        f"a batch size that is a multiple of {step}, e.g. {max(1, round(cfg.batch_size / step)) * step}")
+    tp, cp = sizes.get("tp", 1), sizes.get("cp", 1)
+    sp = cfg.sp or "sp" in flags
+    if sp and tp > 1 and cfg.seq_len % tp:
+        problems.append(f"--seq-len {cfg.seq_len} must divide by tp={tp} with sequence parallelism; pick a "
+                        f"multiple of {tp}")
+    if cp > 1:
+        try:
+            check_seq_len(cfg.seq_len, cp)
+        except ValueError as e:
+            problems.append(f"--seq-len: {e}")
+        if sp and cfg.seq_len % (cp * tp):
+            problems.append(f"--seq-len {cfg.seq_len} must divide by cp*tp={cp * tp} with sequence parallelism")
+        if cfg.compile:
+            problems.append("--compile with cp is not supported yet (ring attention exchanges K/V blocks point to "
+                            "point, outside the compiled graph); drop --compile or cp")
+        if cfg.model.startswith("hf:") and sizes.get("pp", 1) > 1:
+            problems.append("pp with cp is not supported for hf: models yet (their pipeline stages cut "
+                            "transformers' forward, which does not take the data path's positions there); use a "
+                            "mesh without pp or without cp")
+    return problems
+
+
+def _model_problems(cfg, world_size: int, sizes: dict, model_cfg) -> list[str]:
+    """The model against the mesh and the sequence, and the pipeline (pp) settings."""
+    problems = []
+    if model_cfg is not None and cfg.init_from_hf and hasattr(model_cfg, "init_problem"):
+        problem = model_cfg.init_problem(cfg.init_from_hf)
+        if problem is not None:
+            problems.append(f"--init-from-hf {cfg.init_from_hf}: {problem}")
+    if model_cfg is not None:
+        problem = model_cfg.mesh_problem(sizes)
+        if problem is not None:
+            problems.append(f"--mesh {format_sizes(sizes)}: {problem}")
+        if cfg.seq_len > model_cfg.max_seq_len:
+            problems.append(f"--seq-len {cfg.seq_len} exceeds the model's max_seq_len {model_cfg.max_seq_len}; "
+                            f"use --seq-len {model_cfg.max_seq_len} or less")
+    pp = sizes.get("pp", 1)
+    if pp > 1 and cfg.zero != 3:
+        problems.append(f"--zero {cfg.zero} with a pp axis is not supported (a pipeline's stages shard parameters "
+                        f"with FSDP); use --zero 3, or a mesh without pp")
+    if pp > 1 and cfg.offload:
+        problems.append("--offload with a pp axis is not supported; leave it out, or use a mesh without pp")
+    if world_size == 1 and cfg.offload:
+        problems.append("--offload needs a mesh (torchrun with 2+ processes); one process trains plain PyTorch")
+    if pp > 1 and model_cfg is not None:
+        problems += _pipeline_problems(cfg, world_size, sizes, model_cfg)
+    return problems
+
+
+def _pipeline_problems(cfg, world_size: int, sizes: dict, model_cfg) -> list[str]:
+    problems = []
+    try:
+        validate_pipeline(sizes["pp"], cfg.pp_schedule, cfg.pipeline_microbatches(world_size), cfg.virtual_stages,
+                          n_blocks=model_cfg.n_layers, batch_size=cfg.batch_size // cfg.grad_accum,
+                          data_parallel=Rules.default(sequence_parallel=cfg.sequence_parallel())
+                          .data_parallel_size(sizes), world=world_size)
+    except ValueError as e:
+        problems.append(str(e))
+    if getattr(model_cfg, "pipeline_ties", False):  # the first and last stage both hold the tied weight
+        if model_cfg.tie_embeddings and cfg.pp_schedule == "zbv":
+            problems.append("--pp-schedule zbv puts the first and last stage on one rank, which a tied head (one "
+                            "weight in both) does not allow; use interleaved-1f1b or zero-bubble")
+    elif model_cfg.tie_embeddings:
+        problems.append("pipeline parallelism needs untied embeddings (the first and last stage would share one "
+                        "weight); use a model without tied embeddings")
+    return problems
