@@ -41,7 +41,7 @@ class GlobalView(TorchFunctionMode):
         kwargs = kwargs or {}
         flat = _tensors(args, kwargs)
         mesh = next((a.device_mesh for a in flat if isinstance(a, DTensor)), None)
-        if mesh is not None and "cp" in (mesh.mesh_dim_names or ()):
+        if mesh is not None and ring.cp_active(mesh):
             ring.check_sequence_order(func, flat)
         if mesh is not None and any(_plain(a) for a in flat):
             def replicate(t):

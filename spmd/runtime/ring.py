@@ -20,15 +20,12 @@ from torch.distributed.tensor import DTensor
 from ..layout.sequence import check_seq_len
 from . import tags
 
-__all__ = ["applies", "ring_attention", "check_sequence_order"]
+__all__ = ["applies", "cp_active", "ring_attention", "check_sequence_order"]
 
 
 def applies(q) -> bool:
     """True when `q` ([batch, heads, seq, head_dim]) has its sequence split over an active cp mesh axis."""
-    if not isinstance(q, DTensor) or "cp" not in (q.device_mesh.mesh_dim_names or ()):
-        return False
-    d = q.device_mesh.mesh_dim_names.index("cp")
-    return q.device_mesh.size(d) > 1 and q.placements[d].is_shard() and q.placements[d].dim == q.ndim - 2
+    return isinstance(q, DTensor) and _cp_dim(q) == q.ndim - 2
 
 
 _ELEMENTWISE = {torch.add, torch.sub, torch.mul, torch.div, torch.where, torch.addcmul, torch.lerp,
@@ -64,12 +61,17 @@ def check_sequence_order(func, tensors) -> None:
                 f"with is_causal, or train this model without a cp axis")
 
 
+def cp_active(mesh) -> bool:
+    """Whether `mesh` has a cp axis of size > 1."""
+    names = mesh.mesh_dim_names or ()
+    return "cp" in names and mesh.size(names.index("cp")) > 1
+
+
 def _cp_dim(t: DTensor) -> int | None:
     """The dim of `t` split over an active cp mesh axis, if any."""
-    names = t.device_mesh.mesh_dim_names or ()
-    if "cp" not in names or t.device_mesh.size(names.index("cp")) == 1:
+    if not cp_active(t.device_mesh):
         return None
-    p = t.placements[names.index("cp")]
+    p = t.placements[t.device_mesh.mesh_dim_names.index("cp")]
     return p.dim if p.is_shard() else None
 
 
