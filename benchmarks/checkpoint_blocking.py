@@ -1,7 +1,7 @@
 """How long a checkpoint save blocks the training loop: `python -m benchmarks.checkpoint_blocking
 [--models tiny small] [--nproc 4] [--repeats 5] [--tag T]`.
 
-Each model is laid out as the trainer lays it out (`launch.train.build_model`, fsdp over `nproc` gloo CPU
+Each model is laid out as the trainer lays it out (`launch.setup.build_model`, fsdp over `nproc` gloo CPU
 processes) with AdamW state, and saved `repeats` times (after one untimed save) the way the trainer saves it.
 Modes: `sync` (`spmd.checkpoint.save`) and `async` (`AsyncSaver.save`, the trainer's default).
 Blocked: the time from calling the save to its return, the loop's cost; per repeat the slowest rank counts
@@ -32,7 +32,7 @@ def _worker(a) -> None:
     import torch.distributed as dist
 
     from launch.config import load_config
-    from launch.train import build_model
+    from launch.setup import build_model
     from spmd import checkpoint
 
     torch.set_num_threads(1)

@@ -176,7 +176,7 @@ def main(argv=None) -> int:
     from launch import schedule
     from launch.data import build_loader
     from launch.metrics import MetricsLogger, flops_per_token, peak_flops, peak_mem_bytes
-    from launch.train import param_groups
+    from launch.setup import param_groups
     from spmd.analysis.record import CollectiveRecorder
     cfg, model_cfg, model, mesh, dp_rank, dp_size, tp, layout, autocast = build(args, world, device)
     opt = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)

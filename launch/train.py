@@ -60,19 +60,11 @@ from .data import build_loader, model_inputs
 from .metrics import MetricsLogger, flops_per_token, peak_flops, peak_mem_bytes
 from .nonfinite import BadSteps, Diverged, LossScaler
 from .profile import StepProfiler
+from .setup import build_model, param_groups, ranks, resume_point
 from .stopping import StopRequest, stop_everywhere
 
 
 # --------------------------------------------------------------------------------------------- pieces
-def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """Weight decay on matrices (linear and embedding weights), none on norm weights."""
-    decay, no_decay = [], []
-    for _, p in model.named_parameters():
-        if p.requires_grad:
-            (decay if p.dim() >= 2 else no_decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-
-
 def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
@@ -87,62 +79,10 @@ def _router_metrics(model) -> dict:
             "tokens_per_expert": _full(stats["tokens_per_expert"]).tolist()}
 
 
-# --------------------------------------------------------------------------------------------- setup
-def _world() -> tuple[int, int, int]:
-    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0))
-
-
-def build_model(cfg: TrainConfig, model_cfg, world: int, device: torch.device):
-    """(model, mesh, dp_rank, dp_size, pipe). World 1: plain PyTorch, no process group. With a pp axis,
-    `pipe` is the spmd.Pipeline running this rank's stages and `model` holds their parameters."""
-    sizes = cfg.mesh_sizes(world)
-    param_dtype = None if cfg.dtype == "fp32" else DTYPES[cfg.dtype]
-    # on a mesh the model is built on the meta device and each rank materialises only its shards (of its
-    # pipeline stages), one full tensor at a time, with the values a one-device build has
-    torch.manual_seed(cfg.seed)
-    with torch.device("meta" if world > 1 else device):
-        model = model_cfg.build()
-    if world == 1:
-        return model, None, 0, 1, None
-    mesh = spmd.make_mesh(sizes, device_type=device.type)
-    rules = cfg.rules()
-    pipe = None
-    if sizes.get("pp", 1) > 1:
-        with torch.device(device):
-            pipe = spmd.build_pipeline(model, mesh, rules, schedule=cfg.pp_schedule,
-                                       microbatches=cfg.pipeline_microbatches(world),
-                                       virtual_stages=cfg.virtual_stages, param_dtype=param_dtype,
-                                       ac=cfg.ac, param_init=model.initializer(cfg.seed))
-        mesh, model = pipe.mesh, pipe.module
-    else:
-        with torch.device(device):
-            spmd.parallelize(model, mesh, rules, param_dtype=param_dtype,
-                             param_init=model.initializer(cfg.seed), master=cfg.master,
-                             offload=cfg.offload or None)
-    return model, mesh, rules.data_parallel_rank(mesh), rules.data_parallel_size(mesh), pipe
-
-
-def _resume_point(cfg: TrainConfig, rank: int):
-    """The newest checkpoint in --ckpt-dir whose files match their checksums (collective), or None."""
-    found, rejected = checkpoint.newest_intact(cfg.ckpt_dir)
-    if rank == 0:
-        for path, problems in rejected:
-            print(f"[launch.train] --resume: checkpoint {path} is damaged ({'; '.join(problems)}); "
-                  f"{'falling back to ' + str(found) if found else 'looking further back'}", file=sys.stderr,
-                  flush=True)
-        if found is None and not rejected:
-            print(f"[launch.train] --resume: no checkpoint in {cfg.ckpt_dir} yet, starting from step 0", flush=True)
-    if found is None and rejected:
-        raise ValueError(f"--resume: no intact checkpoint in {cfg.ckpt_dir}: "
-                         + "; ".join(f"{p.name}: {', '.join(pr)}" for p, pr in rejected)
-                         + f". Restore the damaged files, or move {cfg.ckpt_dir} aside to start from step 0")
-    return found
-
-
 # --------------------------------------------------------------------------------------------- loop
 def train(cfg: TrainConfig, log=True) -> list[dict]:
     """Runs the training loop described in the module docstring; returns rank's metric rows."""
-    rank, world, local_rank = _world()
+    rank, world, local_rank = ranks()
     if cfg.init_from_hf and not cfg.model.startswith("hf:"):
         from .hf import config_from_hf
         model_cfg = config_from_hf(cfg.init_from_hf)
@@ -160,7 +100,7 @@ def train(cfg: TrainConfig, log=True) -> list[dict]:
     model, mesh, dp_rank, dp_size, pipe = build_model(cfg, model_cfg, world, device)
     # a group torchrun restarted resumes even without --resume: starting over would overwrite the checkpoints
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 and bool(cfg.ckpt_dir)
-    resume_from = _resume_point(cfg, rank) if cfg.resume or restarted else None
+    resume_from = resume_point(cfg, rank) if cfg.resume or restarted else None
     resuming = resume_from is not None
     if cfg.init_from_hf and not resuming:  # a checkpoint, when there is one, overrides the HF weights
         from .hf import load_hf
@@ -326,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     # clip_grad_norm_ over a 2-D mesh reduces the norm axis by axis; DTensor warns about it on every rank
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     cfg = load_config(argv)
-    rank, world, _ = _world()
+    rank, world, _ = ranks()
     prefix = f"launch.train{f' [rank {rank}]' if world > 1 else ''}: error:"
     try:
         train(cfg)

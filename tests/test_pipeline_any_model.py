@@ -94,7 +94,7 @@ def _pipeline_matches_one_device(rank, world, hf_dir):
 def _trainer_pipeline(world, hf_dir, spec, schedule, M, ac):
     """(one-process model, pipeline) as launch.train builds them for --model hf:DIR."""
     from launch.config import load_config
-    from launch.train import build_model
+    from launch.setup import build_model
     cfg = load_config(["--model", f"hf:{hf_dir}", "--mesh", spec, "--pp-schedule", schedule, "--microbatches",
                        str(M), "--ac", ac, "--kernels", "torch", "--batch-size", "8", "--seq-len", "16"])
     cfg.validate(world, cfg.model_config())
