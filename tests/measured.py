@@ -4,13 +4,16 @@
 the local shards after a real step. `saved_bytes()`: the storages autograd keeps for backward while the
 context is open, counted where they are kept. The count wraps every saved-tensor hook as it is installed
 (spmd's ZeRO-3 hooks, torch's checkpoint hooks, and an outermost one of its own), and counts what each
-pack hook returns: a tensor is kept, a handle (a regather, a checkpoint's recompute holder) is not.
+pack hook returns: a tensor is kept, a handle (a regather, a checkpoint's recompute holder) is not. Those
+kept while an attention call runs (spmd.runtime.attention_memory scopes each one) are attention's part.
 """
 import contextlib
 
 import torch
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
+
+from spmd.runtime import attention_memory
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -32,14 +35,18 @@ def state_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict:
 
 @contextlib.contextmanager
 def saved_bytes(model: torch.nn.Module):
-    """Yields a dict that ends up holding {"activations": bytes}: the storages kept for backward, each once,
-    less the model's own parameters and buffers (a saved weight or RoPE table costs no extra memory)."""
+    """Yields a dict that ends up holding {"activations": bytes, "attention": bytes}: the storages kept for
+    backward, each once, less the model's own parameters and buffers (a saved weight or RoPE table costs no
+    extra memory), and those of them that attention kept."""
     kept: dict[int, int] = {}
+    by_attention: set[int] = set()
 
     def keep(x):
         if isinstance(x, torch.Tensor):
             storage = _local(x).untyped_storage()
             kept[storage._cdata] = storage.nbytes()
+            if attention_memory.attending_now():
+                by_attention.add(storage._cdata)
         return x
 
     hooks = torch.autograd.graph.saved_tensors_hooks
@@ -51,9 +58,10 @@ def saved_bytes(model: torch.nn.Module):
     result = {}
     hooks.__init__ = counting
     try:
-        with hooks(lambda t: t, lambda t: t):
+        with hooks(lambda t: t, lambda t: t), attention_memory.observe({}):  # scopes attention calls
             yield result
     finally:
         hooks.__init__ = original
     own = {_local(t).untyped_storage()._cdata for t in list(model.parameters()) + list(model.buffers())}
     result["activations"] = sum(n for key, n in kept.items() if key not in own)
+    result["attention"] = sum(n for key, n in kept.items() if key in by_attention and key not in own)

@@ -28,11 +28,16 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 import spmd
 from spmd.analysis.record import CollectiveRecorder
 from spmd.layout.sequence import cp_slice, zigzag_positions
+from spmd.runtime import attention_memory
 from spmd.runtime.ring import ring_attention
 from tests.dist_utils import run_distributed
+from tests.measured import saved_bytes
 from tests.spmd_cases import BATCH, SEQ, global_batch, local_slice, norm_rel_err, plan_for, tiny_model
 
 TOL = 1e-5
+# measured memory against the plan, which is cp rank 0's: a rank that sees earlier ranks' blocks through their
+# first chunk holds at its peak one half-chunk of dQ/dK more than rank 0 (6% of the tiny model's peak)
+ACT_TOL = 0.10
 TRAIN_SPECS = ["cp=4", "fsdp=2,cp=2", "cp=2,tp=2,sp", "pp=2,cp=2"]
 MEASURED = "fsdp=2,cp=2"
 
@@ -172,8 +177,25 @@ def _check_natural_order_is_refused(hf_dir: str):
         gpt(tokens % 256, targets % 256)
 
 
-def _all_checks(rank, world, planned, hf_dir, hf_planned):
+def _check_memory_matches_plan(planned: dict):
+    """On a real fsdp=2,cp=2 step of the tiny Llama: the bytes autograd keeps for backward (tests/measured.py),
+    attention's part of them, and the peak one attention call holds (the ring's blocks and scores) equal
+    explain's plan within ACT_TOL (activations and attention's part to the byte), so its figures for larger
+    models and cp (benchmarks/context_parallel.py) can be trusted."""
+    model, mesh, _ = _layout(MEASURED, tiny_model)
+    record = {}
+    with attention_memory.observe(record):
+        with saved_bytes(model) as saved:
+            loss = model(*_cp_batch(0, mesh))
+        loss.backward()
+    measured = {"activations": saved["activations"], "attention": saved["attention"], "peak": record["peak"]}
+    for key, got in measured.items():
+        assert abs(got - planned[key]) <= ACT_TOL * planned[key], f"{key}: measured {got:,} B, plan {planned[key]:,} B"
+
+
+def _all_checks(rank, world, planned, hf_dir, hf_planned, planned_memory):
     _check_bad_length()
+    _check_memory_matches_plan(planned_memory)
     _check_natural_order_is_refused(hf_dir)
     for causal in (True, False):
         _check_ring_attention(causal)
@@ -187,7 +209,10 @@ def test_context_parallel_matches_one_process_and_its_plan(tmp_path):
     """The tiny Llama on every spec, transformers' Llama on fsdp=2,cp=2; the ring bytes of both, planned by
     explain, equal the formula (and in the launch, the bytes of a real step)."""
     cfg = tiny_model().cfg
-    planned = _ring_sends(plan_for(MEASURED).collectives)
+    plan = plan_for(MEASURED)
+    planned = _ring_sends(plan.collectives)
+    planned_memory = {"activations": plan.memory["activations"], "attention": plan.attention["saved"],
+                      "peak": plan.attention["peak"]}
     assert planned == ring_bytes_formula(MEASURED, cfg.n_layers, cfg.n_kv_heads, cfg.head_dim), planned
     hf_dir = _hf_llama_dir(tmp_path / "hf")
     hf_model = _hf_llama(hf_dir)
@@ -196,7 +221,7 @@ def test_context_parallel_matches_one_process_and_its_plan(tmp_path):
     hf_planned = _ring_sends(hf_plan.collectives)
     assert hf_planned == ring_bytes_formula(MEASURED, hf.num_hidden_layers, hf.num_key_value_heads,
                                             hf.hidden_size // hf.num_attention_heads), hf_planned
-    run_distributed(_all_checks, 4, planned, hf_dir, hf_planned, timeout_s=300)
+    run_distributed(_all_checks, 4, planned, hf_dir, hf_planned, planned_memory, timeout_s=300)
 
 
 def _causal_pairs(positions: torch.Tensor) -> int:
@@ -219,3 +244,19 @@ def test_zigzag_positions_cover_the_sequence_once():
         shares = [zigzag_positions(16, cp, r) for r in range(cp)]
         assert torch.equal(torch.cat(shares).sort().values, torch.arange(16))
     assert zigzag_positions(16, 4, 1).tolist() == [2, 3, 12, 13]
+
+
+def test_explain_shows_attention_memory_and_refuses_a_length_that_does_not_split():
+    """explain's table has attention's own line: its saved bytes, the peak of one call and the ring's sends per
+    layer (the formula over the layers); a sequence that does not split into 2*cp chunks is an error naming
+    the fix, as in the trainer's config check, spmd.cp_slice and the ring."""
+    cfg, plan = tiny_model().cfg, plan_for(MEASURED)
+    per_layer = {ph: b // cfg.n_layers for ph, b in ring_bytes_formula(MEASURED, cfg.n_layers, cfg.n_kv_heads,
+                                                                       cfg.head_dim).items()}
+    assert plan.ring_sends_per_layer() == per_layer
+    assert 0 < plan.attention["saved"] < plan.memory["activations"] and plan.attention["peak"] > 0
+    line = plan.table().splitlines()[-1]
+    assert line.startswith("attention per rank: saved for backward") and \
+        f"ring sends per layer: forward {per_layer['forward']:,} B, backward {per_layer['backward']:,} B" in line
+    with pytest.raises(ValueError, match=r"sequence length 12 does not split over cp=4.*multiple of 8"):
+        spmd.explain(tiny_model(), spmd.Rules.default(), {"cp": 4}, batch_shape=(2, 12))

@@ -20,6 +20,7 @@ from ..layout.annotate import fake_copy
 from ..layout.dtypes import as_dtype
 from ..layout.mesh import MESH_AXES, check_sizes, mesh_sizes
 from ..layout.sequence import check_seq_len, rank_positions
+from ..runtime import attention_memory
 from ..runtime.checkpointing import apply_activation_checkpointing, parse_mode
 from ..runtime.optimizer import gather_updated, masters_of, reduce_gradients, shard_optimizer
 from ..runtime.parallelize import no_sync, parallelize
@@ -108,31 +109,34 @@ def dry_run(model, rules, sizes, batch_shape, dtype, optimizer, pipeline=None, a
         with fake:
             tokens = torch.zeros(batch // (data_parallel * grad_accum), seq // full["cp"], dtype=torch.long)
             positions = rank_positions(tokens.shape, mesh)
-            activations, unreduced = _run_step(model, recorder, tokens, grad_accum, positions)
+            activations, unreduced, attention = _run_step(model, recorder, tokens, grad_accum, positions)
         _optimizer_step(model, opt, optimizer, recorder, fake)
         memory = memory_per_rank(model, optimizer, activations)
         if unreduced > memory["gradients"]:  # held until the last micro-batch's backward reduces them
             memory["total"] += unreduced - memory["gradients"]
             memory["gradients"] = unreduced
         return Plan(**common, collectives=recorder.records,
-                    decisions=list(getattr(model, STATE_ATTR).decisions.values()), memory=memory)
+                    decisions=list(getattr(model, STATE_ATTR).decisions.values()), memory=memory,
+                    attention=attention)
 
 
-def _run_step(model: nn.Module, recorder, tokens, grad_accum: int, positions=None) -> tuple[int, int]:
+def _run_step(model: nn.Module, recorder, tokens, grad_accum: int, positions=None) -> tuple[int, int, dict]:
     """Forward and backward of `grad_accum` micro-batches, the first ones under no_sync, as the trainer runs
-    them. Returns (activation bytes of one micro-batch, bytes of the gradients accumulated unreduced)."""
+    them. Returns (activation bytes of one micro-batch, bytes of the gradients accumulated unreduced, attention's
+    memory in one micro-batch: bytes it saves for backward and the peak one call holds)."""
     unreduced = 0
     for i in range(grad_accum):
-        saved = {}
+        saved, attention = {}, {}
         sync = contextlib.nullcontext() if i == grad_accum - 1 else no_sync(model)
-        with recorder, observe_saved(saved):
-            loss = training_loss(model, tokens, positions)
-        activations = activation_bytes(saved, model)
-        with recorder, sync:
-            loss.backward()
+        with attention_memory.observe(attention):
+            with recorder, observe_saved(saved):
+                loss = training_loss(model, tokens, positions)
+            activations = activation_bytes(saved, model)
+            with recorder, sync:
+                loss.backward()
         if i == grad_accum - 2:
             unreduced = sum(local_bytes(p.grad) for p in model.parameters() if p.grad is not None)
-    return activations, unreduced
+    return activations, unreduced, {"saved": sum(attention["saved"].values()), "peak": attention["peak"]}
 
 
 def _optimizer_step(model, opt, optimizer: str, recorder, fake):

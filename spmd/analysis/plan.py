@@ -19,6 +19,7 @@ class Plan:
     decisions: list = field(default_factory=list)     # list[Decision]
     memory: dict = field(default_factory=dict)        # bytes per rank
     pipeline: dict = field(default_factory=dict)      # with pp > 1: stages, bubble, send/recv (explain_pipeline.py)
+    attention: dict = field(default_factory=dict)     # bytes per rank: "saved" for backward, "peak" of one call
 
     def totals(self, by=("phase", "kind", "axes")) -> dict:
         """Sum of bytes per rank grouped by record fields, e.g. totals(("kind",))."""
@@ -35,7 +36,8 @@ class Plan:
                 "collectives": [c.to_dict() for c in self.collectives],
                 "decisions": [d.to_dict() for d in self.decisions], "memory": self.memory,
                 "comm_bytes_per_step": self.comm_bytes(),
-                **({"pipeline": self.pipeline} if self.pipeline else {})}
+                **({"pipeline": self.pipeline} if self.pipeline else {}),
+                **({"attention": self.attention} if self.attention else {})}
 
     def to_json(self, indent: int | None = 2) -> str:
         return json.dumps(self.to_dict(), indent=indent)
@@ -46,7 +48,7 @@ class Plan:
                    collectives=[Collective(**{**c, "axes": tuple(c["axes"]), "shape": tuple(c["shape"])})
                                 for c in d["collectives"]],
                    decisions=[Decision(**x) for x in d["decisions"]], memory=d["memory"],
-                   pipeline=d.get("pipeline", {}))
+                   pipeline=d.get("pipeline", {}), attention=d.get("attention", {}))
 
     def table(self) -> str:
         """One row per (phase, module pattern, why, kind, axes): repeated layers fold into `layers.*`."""
@@ -80,7 +82,25 @@ class Plan:
         if self.memory:
             lines.append("")
             lines.append("memory per rank: " + ", ".join(f"{k} {v / 2**20:,.1f} MiB" for k, v in self.memory.items()))
+        if self.attention:
+            lines.append(self.attention_line())
         return "\n".join(lines)
+
+    def ring_sends_per_layer(self) -> dict:
+        """Bytes per rank the cp ring sends in one attention layer, {"forward": B, "backward": B}."""
+        sends = [c for c in self.collectives if c.kind == "send" and "ring" in c.reason]
+        layers = max(len({c.module for c in sends}), 1)
+        return {ph: sum(c.bytes for c in sends if c.phase == ph) // layers for ph in ("forward", "backward")}
+
+    def attention_line(self) -> str:
+        """Attention's memory per rank (part of activations: what it saves; on top: the peak while one call
+        runs, the ring's blocks included) and the ring's sends per layer."""
+        a, ring = self.attention, self.ring_sends_per_layer()
+        line = (f"attention per rank: saved for backward {a['saved'] / 2**20:,.2f} MiB (part of activations), "
+                f"peak of one call {a['peak'] / 2**20:,.2f} MiB")
+        if ring["forward"]:
+            line += f"; ring sends per layer: forward {ring['forward']:,} B, backward {ring['backward']:,} B"
+        return line
 
     def __str__(self):
         return self.table()

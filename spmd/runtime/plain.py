@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
-from . import direct, ring, tags
+from . import attention_memory, direct, ring, tags
 from .activations import grad_layout, move
 
 __all__ = ["GlobalView"]
@@ -48,8 +48,9 @@ class GlobalView(TorchFunctionMode):
                 return DTensor.from_local(t, mesh, [Replicate()] * mesh.ndim, run_check=False) if _plain(t) else t
             args, kwargs = tree_map(replicate, args), tree_map(replicate, kwargs)
             flat = _tensors(args, kwargs)
-        if func is F.scaled_dot_product_attention and ring.applies(args[0]):
-            return ring.ring_attention(*args, **kwargs)
+        if func is F.scaled_dot_product_attention:
+            attend = ring.ring_attention if ring.applies(args[0]) else func
+            return attention_memory.attending(attend, *args, **kwargs)
         if func in _VIEWS and isinstance(args[0], DTensor) and tags.current_module():
             x = _gather_merged(args[0], args[0].shape, _shape(args[0], args[1:]))
             out = func(x, *args[1:], **kwargs)

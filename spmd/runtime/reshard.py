@@ -10,7 +10,7 @@ import torch
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
 
-from . import tags
+from . import attention_memory, tags
 
 __all__ = ["CHECKPOINTED_ATTR", "reshard_after_forward", "storage_key", "observe_saved"]
 
@@ -75,6 +75,7 @@ def _observe(t):
         storage = local.untyped_storage()
         for seen in _observers:
             seen[storage._cdata] = storage.nbytes()
+        attention_memory.note_saved(storage._cdata, storage.nbytes())
 
 
 @contextlib.contextmanager

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from ..layout.sequence import check_seq_len
-from . import tags
+from . import attention_memory, tags
 
 __all__ = ["applies", "cp_active", "ring_attention", "check_sequence_order"]
 
@@ -174,6 +174,10 @@ class _Ring(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        return attention_memory.attending(_Ring.ring_backward, ctx, grad)
+
+    @staticmethod
+    def ring_backward(ctx, grad):
         q, k, v, out, lse = ctx.saved_tensors
         group, module = ctx.group, ctx.module
         n, me, t = group.size(), group.rank(), q.shape[2]
