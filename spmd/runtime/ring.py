@@ -106,25 +106,29 @@ def _blocks(me: int, src: int, t: int, causal: bool):
     return [(every, first, False)] if src < me else [(second, every, False)]
 
 
+def _scores(q, k, causal: bool, scale: float):
+    """Scaled (and causally masked) scores of one block, fp32, in one buffer: the ring's largest allocation,
+    b · heads · tq · tk floats, so every later step works on it in place."""
+    s = torch.einsum("bhgqd,bhkd->bhgqk", q.float(), k.float()).mul_(scale)
+    if causal:
+        s.masked_fill_(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    return s
+
+
 def _attend(q, k, v, causal: bool, scale: float):
     """q [b, hkv, g, tq, d] on one block k, v [b, hkv, tk, d]: (out, lse [b, hkv, g, tq]) in fp32."""
-    s = torch.einsum("bhgqd,bhkd->bhgqk", q.float(), k.float()) * scale
-    if causal:
-        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    s = _scores(q, k, causal, scale)
     lse = s.logsumexp(-1)
-    return torch.einsum("bhgqk,bhkd->bhgqd", (s - lse[..., None]).exp(), v.float()), lse
+    return torch.einsum("bhgqk,bhkd->bhgqd", s.sub_(lse[..., None]).exp_(), v.float()), lse
 
 
 def _attend_backward(q, k, v, dout, delta, lse, causal: bool, scale: float):
     """Gradients (dq, dk, dv) of one block, given the merged output's lse and delta = rowsum(dout * out)."""
-    qf, kf, vf = q.float(), k.float(), v.float()
-    s = torch.einsum("bhgqd,bhkd->bhgqk", qf, kf) * scale
-    if causal:
-        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
-    p = (s - lse[..., None]).exp()
+    p = _scores(q, k, causal, scale).sub_(lse[..., None]).exp_()
     dv = torch.einsum("bhgqk,bhgqd->bhkd", p, dout)
-    ds = p * (torch.einsum("bhgqd,bhkd->bhgqk", dout, vf) - delta[..., None]) * scale
-    return torch.einsum("bhgqk,bhkd->bhgqd", ds, kf), torch.einsum("bhgqk,bhgqd->bhkd", ds, qf), dv
+    ds = torch.einsum("bhgqd,bhkd->bhgqk", dout, v.float()).sub_(delta[..., None]).mul_(p).mul_(scale)
+    del p
+    return torch.einsum("bhgqk,bhkd->bhgqd", ds, k.float()), torch.einsum("bhgqk,bhgqd->bhkd", ds, q.float()), dv
 
 
 def _exchange(t: torch.Tensor, group, module: str, why: str, tag: int = 0):
