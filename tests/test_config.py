@@ -58,6 +58,9 @@ def test_missing_config_file():
     (["--mesh", "fsdp=2,tp=2"], 2, "has 4 devices but 2 processes were started"),
     (["--mesh", "fsdp=2,tq=2"], 4, "unknown mesh axis 'tq'"),
     (["--mesh", "tp=2", "--sp", "--seq-len", "127"], 2, "must divide by tp=2"),
+    (["--mesh", "cp=4", "--seq-len", "100"], 4, r"--seq-len: sequence length 100 does not split over cp=4: .*use a "
+                                                r"length that is a multiple of 8 \(e.g. 96\) or a smaller cp"),
+    (["--mesh", "fsdp=2,cp=2", "--compile"], 4, "--compile with cp is not supported yet"),
     (["--model", "huge"], 1, "unknown model preset 'huge'"),
     (["--resume"], 1, "--resume needs --ckpt-dir"),
     (["--steps", "0"], 1, "--steps must be >= 1"),
