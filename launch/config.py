@@ -50,7 +50,7 @@ class TrainConfig:
     zero: int = 3                  # ZeRO stage: 1 shards optimizer states over fsdp, 2 + gradients, 3 + parameters
     master: str = "params"         # fp32 master weights with --dtype bf16/fp16: params | optimizer (spmd.parallelize)
     offload: str = ""              # "" | optimizer | nvme:DIR: AdamW states and fp32 masters on the host (or in files)
-    compile: bool = False          # torch.compile each block (spmd.compile_blocks); checkpointed blocks stay eager
+    compile: bool = False          # torch.compile each block (spmd.compile_blocks), checkpointed ones too
     kernels: str = "auto"          # auto | torch | triton: the model's RMSNorm/SwiGLU/RoPE/CE implementation
     # data
     data: str = "stdlib"           # stdlib | PATH_OR_GLOB of text/.jsonl/.parquet files | datasets dir | FILE.bin

@@ -25,8 +25,8 @@ collective is bounded by --collective-timeout, a step with a non-finite loss or 
 and --max-bad-steps of them in a row stop the run (`launch.nonfinite`), and --resume starts from the newest
 checkpoint whose checksums verify.
 
-`--compile`: each block runs as one compiled graph with its collectives inside (`spmd.compile_blocks`);
-blocks under activation checkpointing stay eager. `--kernels triton` selects the fused Triton kernels.
+`--compile`: each block runs as one compiled graph with its collectives inside (`spmd.compile_blocks`); a
+block under activation checkpointing compiles its body. `--kernels triton` selects the fused Triton kernels.
 
 Checkpoints (`--ckpt-async`, the default): the loop waits only while the state is copied to host memory; a
 thread writes, hashes and commits it (spmd.checkpoint.AsyncSaver). The next save and the end of training wait

@@ -64,3 +64,15 @@ def test_ac_plan_lists_exactly_the_collectives_of_a_real_checkpointed_step():
     plan = spmd.explain(tiny_model(), spmd.Rules.default(sequence_parallel=True), spmd.parse_spec(spec)[0],
                         batch_shape=(BATCH, SEQ), ac="full")
     run_distributed(_run_step, 4, spec, Counter(_key(c) for c in plan.collectives), "full", timeout_s=240)
+
+
+def test_recompute_regathers_each_block_as_one_bucket():
+    """Under full checkpointing a block's recompute gathers its parameters as its forward did: one all-gather
+    per block and fsdp axis in backward, not one per parameter (the real run equals this plan, above)."""
+    plan = plan_for("fsdp=2,tp=2,sp", "full")
+    blocks = {c.module.split(".")[1] for c in plan.collectives if c.module.startswith("layers.")}
+    regathers = [c for c in plan.collectives if c.module.startswith("layers.") and c.phase == "backward"
+                 and c.kind == "all_gather" and c.axes == ("fsdp",)]
+    assert Counter(c.module for c in regathers) == {f"layers.{b}": 1 for b in blocks}, regathers
+    n_params = len(list(tiny_model().layers[0].parameters()))
+    assert all(f"({n_params} parameters, one buffer)" in c.reason for c in regathers), regathers

@@ -80,8 +80,8 @@ def test_grad_accumulation_matches_one_big_batch():
 
 
 def test_compiled_blocks_track_eager():
-    """--compile with --ac selective:2 on the tiny model: block 0 checkpointed (eager), block 1 compiled by
-    inductor. The compiler fuses and reorders fp32 arithmetic, so losses agree to 1e-5, not bit for bit."""
+    """--compile with --ac selective:2 on the tiny model: block 0 checkpointed (its body compiled, the checkpoint
+    outside), block 1 compiled whole, by inductor. The compiler fuses and reorders fp32 arithmetic, so losses agree to 1e-5, not bit for bit."""
     eager = _train("--steps", "3", "--ac", "selective:2")
     compiled = _train("--steps", "3", "--ac", "selective:2", "--compile")
     for a, b in zip(eager, compiled):

@@ -19,7 +19,7 @@ from . import tags
 from .gradients import grads_layout, held_for_step, join_unreduced, reduce_for_step, reduce_to, slice_onto_shards
 from .reshard import CHECKPOINTED_ATTR
 
-__all__ = ["Bucket", "make_buckets", "gather_bucket", "shard_dims"]
+__all__ = ["Bucket", "make_buckets", "gather_bucket", "regather_for_recompute", "shard_dims"]
 
 
 def _wait(t):
@@ -210,6 +210,13 @@ def gather_bucket(bucket: Bucket, state) -> dict:
         state.prefetched[id(nxt)] = nxt.issue(state.param_dtype, f"gather {nxt.name} to its compute layout, "
                                                                   f"prefetched")
     return {id(p): v for p, v in zip(bucket.params, values)}
+
+
+def regather_for_recompute(bucket: Bucket, state) -> dict:
+    """{id(param): gathered DTensor} for a checkpointed block's recompute: the bucket at once, as in forward
+    (one all-gather per mesh axis). Differentiable like forward's, so the recompute saves what forward saved."""
+    pending = bucket.issue(state.param_dtype, f"regather {bucket.name} for recompute")
+    return {id(p): v for p, v in zip(bucket.params, _GatherBucket.apply(bucket, state, pending, *bucket.params))}
 
 
 def make_buckets(model, mesh) -> tuple[dict, dict]:

@@ -5,14 +5,17 @@ reductions inside it as functional collectives, so the compiler sees and schedul
 block the pass uses DTensor's own redistribute (the same layouts as in eager, see spmd.runtime.params), inductor
 buckets the block's collectives of each kind into one (as spmd.runtime.buckets does in eager), and
 ZeRO-3's reshard-after-forward becomes a selective-checkpoint policy: the gathered parameter is recomputed
-(regathered) in backward, not saved. Two differences from eager: the collectives are not recorded
-(record a step in eager, or use `explain`, for the plan), and gradients of compiled blocks are reduced
-on every backward, also under `no_sync`.
+(regathered) in backward, not saved. A block under activation checkpointing compiles its body and keeps
+torch's checkpoint outside the graph: the recompute in backward runs the same compiled graph (torch 2.13
+cannot trace a checkpoint around DTensor collectives: its partitioner saves a DeviceMesh for backward).
+Two differences from eager: the collectives are not recorded (record a step in eager, or use `explain`, for
+the plan), and gradients of compiled blocks are reduced on every backward, also under `no_sync`.
 """
 import torch
 import torch.nn as nn
 
 from ..layout.blocks import find_blocks
+from .checkpointing import compile_body
 from .reshard import CHECKPOINTED_ATTR
 
 __all__ = ["compile_blocks"]
@@ -20,23 +23,25 @@ __all__ = ["compile_blocks"]
 
 def compile_blocks(model: nn.Module, blocks: str | None = None, bucket: bool = True, **compile_kwargs) -> list[int]:
     """Compiles the blocks of `model`'s block list in place (parameter names do not change); returns the
-    indices compiled. Blocks under activation checkpointing stay eager: torch 2.13 cannot yet compile a
-    checkpointed block whose graph holds DTensor collectives. `bucket` turns on inductor's bucketing of
-    all-gathers, reduce-scatters and all-reduces (a global inductor setting): a block's collectives of one
-    kind merge into one, as spmd.runtime.buckets does in eager. `compile_kwargs` go to `torch.compile`."""
+    indices compiled (every block). Apply activation checkpointing first: a checkpointed block compiles the
+    body its checkpoint recomputes. `bucket` turns on inductor's bucketing of all-gathers, reduce-scatters and
+    all-reduces (a global inductor setting): a block's collectives of one kind merge into one, as
+    spmd.runtime.buckets does in eager. `compile_kwargs` go to `torch.compile`."""
     _, block_list = find_blocks(model, blocks)
     if bucket:
         from torch._inductor import config as inductor_config
         inductor_config.bucket_all_gathers_fx = "all"
         inductor_config.bucket_reduce_scatters_fx = "all"
         inductor_config.bucket_all_reduces_fx = "all"
-    chosen = [i for i, block in enumerate(block_list) if not getattr(block, CHECKPOINTED_ATTR, False)]
-    for block in (block_list[i] for i in chosen):
+    for block in block_list:
         for m in block.modules():
             # hook ids are global counters, and dynamo guards on them being in this set: with it empty,
             # every block of a type shares one graph (in a compiled graph an error aborts it anyway)
             m._forward_hooks_always_called.clear()
-        block.compile(**compile_kwargs)
+        if getattr(block, CHECKPOINTED_ATTR, False):
+            compile_body(block, **compile_kwargs)
+        else:
+            block.compile(**compile_kwargs)
     # blocks of one type share a graph; room for a recompile per block where guards differ (shapes)
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 2 * len(block_list))
-    return chosen
+    return list(range(len(block_list)))

@@ -179,7 +179,7 @@ def _pre_hook(state: SPMDState, name: str, module: nn.Module, is_root: bool):
             state.prefetched.clear()  # left over only if a forward stopped early
             args = tuple(_to_dtensor(state, a, i) for i, a in enumerate(args))
             kwargs = {k: _to_dtensor(state, v, k) for k, v in kwargs.items()}
-        if (is_root or not state.global_view) and not torch.compiler.is_compiling():
+        if not torch.compiler.is_compiling() and (is_root or not state.global_view):
             # the root's forward, or a checkpointed block recomputing in backward
             state.global_view.append((mod, GlobalView(state)))
             state.global_view[-1][1].__enter__()
@@ -188,7 +188,9 @@ def _pre_hook(state: SPMDState, name: str, module: nn.Module, is_root: bool):
         if is_linear and args and isinstance(args[0], DTensor):
             x, weight_layout = move_linear_input(state, name, mod._parameters["weight"], args[0], kind == 1)
             args = (x,) + tuple(args[1:])
-        state.saved_hooks.append(gather_module_params(state, mod, name, param_names, weight_layout))
+        hooks = gather_module_params(state, mod, name, param_names, weight_layout)
+        if not torch.compiler.is_compiling():  # (no hooks under the compiler; the stack's depth is not guarded)
+            state.saved_hooks.append(hooks)
         return args, kwargs
 
     return hook
@@ -199,12 +201,14 @@ def _post_hook(state: SPMDState, module: nn.Module, is_root: bool):
     has_children = next(module.children(), None) is not None
 
     def hook(mod, args, output):
-        release_module_params(state, mod, param_names, state.saved_hooks.pop() if state.saved_hooks else None)
+        compiling = torch.compiler.is_compiling()
+        release_module_params(state, mod, param_names,
+                              state.saved_hooks.pop() if not compiling and state.saved_hooks else None)
         if has_children:
             state.move_cache.clear()
         else:
             output = map_tensors(output, lambda t: reduce_partials(t, state.rules, mod, tags.current_module()))
-        if state.global_view and state.global_view[-1][0] is mod:
+        if not compiling and state.global_view and state.global_view[-1][0] is mod:
             state.global_view.pop()[1].__exit__(None, None, None)
         if is_root:
             state.shared_gathers.clear()

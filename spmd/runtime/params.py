@@ -25,7 +25,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from . import tags
 from .buckets import gather_bucket
 from .gradients import grads_layout, held_for_step, join_unreduced, reduce_for_step, reduce_to
-from .reshard import CHECKPOINTED_ATTR, reshard_after_forward, storage_key
+from .reshard import BODY_COMPILED_ATTR, CHECKPOINTED_ATTR, reshard_after_forward, storage_key
 
 __all__ = ["gather_param", "gather_block", "gather_module_params", "release_module_params", "gather_shared"]
 
@@ -82,7 +82,8 @@ _recompute_in_backward = functools.partial(create_selective_checkpoint_contexts,
 
 def gather_block(state, mod):
     """Gathers the bucket of `mod`, if it is a bucketed block, for its modules to find (eager only)."""
-    bucket = None if torch.compiler.is_compiling() else state.buckets.get(id(mod))
+    bucket = None if torch.compiler.is_compiling() or getattr(mod, BODY_COMPILED_ATTR, False) \
+        else state.buckets.get(id(mod))
     if bucket is not None:
         state.bucket_values.update(gather_bucket(bucket, state))
 

@@ -12,9 +12,10 @@ from torch.distributed.tensor import DTensor
 
 from . import attention_memory, tags
 
-__all__ = ["CHECKPOINTED_ATTR", "reshard_after_forward", "storage_key", "observe_saved"]
+__all__ = ["CHECKPOINTED_ATTR", "BODY_COMPILED_ATTR", "reshard_after_forward", "storage_key", "observe_saved"]
 
 CHECKPOINTED_ATTR = "_spmd_checkpointed"
+BODY_COMPILED_ATTR = "_spmd_body_compiled"  # a checkpointed block whose hooks run eager, its body compiled
 _observers: list[dict] = []
 
 

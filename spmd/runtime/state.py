@@ -5,6 +5,8 @@
 """
 import contextlib
 
+import torch
+
 __all__ = ["STATE_ATTR", "MASTERS", "OFFLOADS", "SPMDState", "active_state", "activated", "push", "pop"]
 
 STATE_ATTR = "_spmd_state"
@@ -46,19 +48,30 @@ class SPMDState:
 
 
 _active: list[SPMDState] = []
+# the top of _active, read under the compiler: a guard on this one object holds in forward and in a
+# checkpointed block's recompute alike, where a guard on the stack's depth would recompile the block
+_top: SPMDState | None = None
 
 
 def active_state() -> SPMDState | None:
-    return _active[-1] if _active else None
+    return _top
+
+
+def _set_top():
+    global _top
+    _top = _active[-1] if _active else None
 
 
 def push(state: SPMDState):
-    _active.append(state)
+    if not torch.compiler.is_compiling():  # a compiled block runs inside the root's or its recompute's push
+        _active.append(state)
+        _set_top()
 
 
 def pop():
-    if _active:
+    if not torch.compiler.is_compiling() and _active:
         _active.pop()
+        _set_top()
 
 
 @contextlib.contextmanager
@@ -67,8 +80,8 @@ def activated(state: SPMDState | None):
     if state is None:
         yield
         return
-    _active.append(state)
+    push(state)
     try:
         yield
     finally:
-        _active.pop()
+        pop()

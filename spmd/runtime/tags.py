@@ -43,11 +43,14 @@ def push_module(name: str):
 
 
 def pop_module():
-    if _module_stack and not torch.compiler.is_compiling():
+    if not torch.compiler.is_compiling() and _module_stack:
         _module_stack.pop()
 
 
 def current_module() -> str:
+    """The innermost running module's name; "" under the compiler (a graph serves every block of a type)."""
+    if torch.compiler.is_compiling():
+        return ""
     return _module_stack[-1] if _module_stack else ""
 
 
