@@ -214,3 +214,14 @@ def test_unsupported_expert_layouts_are_named(rules, sizes, match):
     """Checked with the parameters' layouts, before parallelize's first collective (here on a fake world)."""
     with pytest.raises(ValueError, match=match):
         spmd.explain(moe_tiny(), rules, sizes, batch_shape=(12, SEQ))
+
+
+def test_compiling_expert_blocks_is_an_error_naming_why():
+    """The dispatch's split sizes are data (the routing): compile_blocks and launch.train --compile refuse it,
+    on every rank before any collective (the config check), instead of recompiling for every routing."""
+    from launch.config import load_config
+    with pytest.raises(ValueError, match="layers.0.feed_forward.routed.experts.*depend on the routing"):
+        spmd.compile_blocks(moe_tiny())
+    with pytest.raises(ValueError, match="--compile with a mixture of experts is not supported"):
+        load_config(["--model", "moe-tiny", "--mesh", "ep=4", "--compile"]).validate(4)
+    load_config(["--model", "moe-tiny", "--mesh", "pp=2,ep=2"]).validate(4)  # pp with experts is a valid config
