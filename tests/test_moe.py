@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 import models
 import spmd
+from spmd import checkpoint
 from spmd.analysis.record import CollectiveRecorder
 from tests.dist_utils import run_distributed
 from tests.measured import saved_bytes
@@ -150,6 +151,7 @@ def _train_and_compare(spec, reference, planned=None):
         for name, p in model.named_parameters():
             err = norm_rel_err(p.full_tensor(), ref["params"][name])
             assert err <= TOL, f"{spec} step {step}: parameter {name} off by {err:.2e}"
+    return model
 
 
 def _pipeline_matches_one_process(reference, loss_scale=4.0, max_norm=0.5):
@@ -182,18 +184,38 @@ def _pipeline_matches_one_process(reference, loss_scale=4.0, max_norm=0.5):
             assert err <= TOL, f"pp=2,ep=2 step {step}: parameter {name} off by {err:.2e}"
 
 
-def _all_specs(rank, world, reference, planned, pipelined):
+def _checkpoint_reshards_to_ep4(ckpt_dir, params):
+    """The PLANNED model after its steps, saved, loads at ep=4 (2 whole experts per rank instead of 4 halves)
+    and gives the logits of one process holding the reference's parameters."""
+    mesh, rules = spmd.make_mesh({"ep": 4}), spmd.Rules.default()
+    model = spmd.parallelize(moe_tiny(seed=1), mesh, rules)
+    checkpoint.load(ckpt_dir, checkpoint.model_state(model))
+    ref = moe_tiny(seed=1)
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            p.copy_(params[name])
+        tokens = global_batch(5)[0]
+        logits = model(_data_slice(tokens, mesh, rules)).full_tensor()
+        err = norm_rel_err(logits, ref(tokens))
+    assert err <= TOL, f"logits after fsdp=2,ep=2 -> ep=4 off by {err:.2e}"
+
+
+def _all_specs(rank, world, reference, planned, pipelined, ckpt_dir):
     for spec in SPECS:
-        _train_and_compare(spec, reference, planned if spec == PLANNED else None)
+        model = _train_and_compare(spec, reference, planned if spec == PLANNED else None)
+        if spec == PLANNED:
+            checkpoint.save(ckpt_dir, len(reference), checkpoint.model_state(model))
+    _checkpoint_reshards_to_ep4(ckpt_dir, reference[-1]["params"])
     _pipeline_matches_one_process(pipelined)
 
 
 @pytest.mark.slow
-def test_expert_parallel_matches_one_process_and_explain():
+def test_expert_parallel_matches_one_process_and_explain(tmp_path):
     """Also, on PLANNED: the all-to-alls of a real step move exactly the bytes the routing that occurred
     implies (uneven: they differ from rank to rank), and explain lists the same exchanges at the
     balanced-routing figure, labelled so; the bytes autograd keeps for backward, summed over the ranks, are
-    within ACT_TOL of explain's balanced figure times the world size (measured: 0.15% over)."""
+    within ACT_TOL of explain's balanced figure times the world size (measured: 0.15% over). Its checkpoint
+    loads at ep=4 with the one-process logits (checkpoints reshard between ep sizes)."""
     plan = spmd.explain(moe_tiny(), spmd.Rules.default(), spmd.parse_spec(PLANNED)[0], batch_shape=(BATCH, SEQ))
     assert all(BALANCED in c.reason for c in plan.collectives if c.kind == "all_to_all")
     # fsdp's gathered expert weights are not kept for backward (ZeRO-3 regathers them): the step keeps what
@@ -202,7 +224,7 @@ def test_expert_parallel_matches_one_process_and_explain():
     assert plan.memory["activations"] == unsharded.memory["activations"]
     planned = {"exchanges": _token_exchanges(plan.collectives), "activations": plan.memory["activations"]}
     pipelined = _reference(micro=_micro_batches(2, MICROBATCHES), max_norm=0.5)  # pp=2,ep=2: ep splits the data
-    run_distributed(_all_specs, 4, _reference(), planned, pipelined, timeout_s=400)
+    run_distributed(_all_specs, 4, _reference(), planned, pipelined, str(tmp_path / "ckpt"), timeout_s=400)
 
 
 @pytest.mark.parametrize("rules, sizes, match", [
