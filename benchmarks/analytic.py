@@ -25,6 +25,9 @@ The textbook terms, and the terms the textbooks leave out that a real step has (
                                (Ψ): "3Ψ"; Ψ is the tp-local parameter bytes. Mixed precision: gathers move the
                                compute dtype, gradient reductions fp32 (our trainer's policy)
   DP over d                    all-reduce of the gradients (fp32; of the fsdp shard under HSDP): "2Ψ"
+  EP over ep (expert_comm)     a mixture of experts at balanced routing: 4 all-to-alls per MoE layer of
+                               top_k*b*s*h*e (ep-1)/ep, the token counts, the router statistics; its expert
+                               parameters per rank: expert_states. The dense terms under ep are not modelled
 
 Model states (ZeRO paper, Adam): `zero_model_states` gives DESIGN.md's formulas (mixed precision K=12: DP 16Ψ,
 ZeRO-1 4Ψ+12Ψ/N, ZeRO-2 2Ψ+14Ψ/N, ZeRO-3 16Ψ/N; fp32: 4Ψ+4Ψ+8Ψ). `model_states` gives what our layout holds:
@@ -49,6 +52,7 @@ class Spec:
     fsdp: int = 1
     tp: int = 1
     pp: int = 1
+    ep: int = 1
     sp: bool = False
 
     @classmethod
@@ -62,22 +66,23 @@ class Spec:
                 sizes[k.strip()] = int(v)
             else:
                 flags.add(part)
-        unknown = set(sizes) - {"dp", "fsdp", "tp", "pp"} or flags - {"sp"}
+        unknown = set(sizes) - {"dp", "fsdp", "tp", "pp", "ep"} or flags - {"sp"}
         if unknown:
             raise ValueError(f"spec {text!r}: unknown axes or flags {sorted(unknown)}")
         return cls(**sizes, sp="sp" in flags)
 
     @property
     def world(self) -> int:
-        return self.dp * self.fsdp * self.tp * self.pp
+        return self.dp * self.fsdp * self.ep * self.tp * self.pp
 
     @property
     def data_parallel(self) -> int:
-        return self.dp * self.fsdp
+        """Ranks the batch is split over: ep splits it too (expert parallelism as DeepSpeed-MoE lays it out)."""
+        return self.dp * self.fsdp * self.ep
 
     @property
     def sizes(self) -> dict:
-        return {"pp": self.pp, "dp": self.dp, "fsdp": self.fsdp, "tp": self.tp}
+        return {"pp": self.pp, "dp": self.dp, "fsdp": self.fsdp, "ep": self.ep, "tp": self.tp}
 
     @property
     def sequence_parallel(self) -> bool:
@@ -193,6 +198,8 @@ def comm(cfg, spec: Spec | str, batch: int, seq: int, dtype: str = "fp32") -> Co
     spec = Spec.parse(spec) if isinstance(spec, str) else spec
     if spec.pp > 1:
         raise NotImplementedError("pipeline parallelism is not in the analytic model yet")
+    if spec.ep > 1:
+        raise NotImplementedError("under ep only the expert-parallel traffic is modelled: expert_comm")
     if batch % spec.data_parallel:
         raise ValueError(f"batch {batch} does not divide by dp*fsdp={spec.data_parallel}")
     e = BYTES[dtype]
@@ -252,6 +259,36 @@ def comm(cfg, spec: Spec | str, batch: int, seq: int, dtype: str = "fp32") -> Co
     return m
 
 
+def expert_comm(cfg, spec: Spec | str, batch: int, seq: int, dtype: str = "fp32") -> CommModel:
+    """A mixture of experts' own traffic per rank per step at balanced routing (each expert gets an equal share
+    of each rank's tokens): per MoE layer the dispatch and combine all-to-alls forward and their mirrors in
+    backward, each top_k*b*s*h*e*(ep-1)/ep (DESIGN.md), and the forward exchange of the E token counts
+    (int64); the router statistics of the load-balancing loss (f_e and P_e, E fp32 each) and of the z-loss
+    (1 fp32) are all-reduced over every data axis."""
+    spec = Spec.parse(spec) if isinstance(spec, str) else spec
+    L, E, ep = cfg.n_layers, cfg.n_experts, spec.ep
+    S = cfg.top_k * batch // spec.data_parallel * seq * cfg.dim * BYTES[dtype]   # this rank's routed rows
+    m = CommModel(spec, batch, seq, dtype)
+    if ep > 1:
+        m.terms += [Term("EP dispatch + combine", "ep", ("all_to_all",), "forward+backward", 4 * L,
+                         4 * L * (S * (ep - 1) // ep), True, "4L * top_k*b*s*h*e (ep-1)/ep"),
+                    Term("EP token counts", "ep", ("all_to_all",), "forward", L, L * (E * 8 * (ep - 1) // ep),
+                         False, "L * E int64 (ep-1)/ep")]
+    for axis, size in (("dp", spec.dp), ("fsdp", spec.fsdp), ("ep", ep)):
+        if size > 1:
+            m.terms.append(Term(f"router statistics over {axis}", axis, ("all_reduce",), "forward", 3 * L,
+                                L * (2 * ring("all_reduce", E * LOSS_BYTES, size) + ring("all_reduce", LOSS_BYTES, size)),
+                                False, "L * AR of f_e, P_e (E fp32 each) and of the z-loss (1 fp32)"))
+    return m
+
+
+def expert_states(cfg, spec: Spec | str) -> int:
+    """Bytes of expert parameters per rank (fp32): E/ep experts of 3 * expert_dim * dim per MoE layer, mlp split
+    over tp and embed over fsdp."""
+    spec = Spec.parse(spec) if isinstance(spec, str) else spec
+    return 4 * cfg.n_layers * cfg.n_experts // spec.ep * 3 * cfg.expert_dim * cfg.dim // spec.tp // spec.fsdp
+
+
 def textbook_comm(cfg, spec: Spec | str, batch: int, seq: int, dtype: str = "fp32") -> dict:
     """DESIGN.md's formulas in closed form (no per-tensor rounding): Megatron 8bsh(t-1)/t per block, ZeRO-3 3Ψ,
     DP 2Ψ, with Ψ the tp-local parameter bytes (gathers in the compute dtype, reductions in fp32)."""
@@ -292,6 +329,10 @@ def zero_model_states(psi: int, n: int, stage: int, mixed_precision: bool = True
 
 def summary(cfg, spec: Spec | str, batch: int, seq: int, dtype: str = "fp32") -> dict:
     spec = Spec.parse(spec) if isinstance(spec, str) else spec
+    if getattr(cfg, "n_experts", 0):
+        return {"spec": str(spec), "expert_comm": expert_comm(cfg, spec, batch, seq, dtype).to_dict(),
+                "expert_parameters": expert_states(cfg, spec),
+                "flops_per_rank": cfg.flops_per_token(seq) * batch * seq / spec.world}
     c = comm(cfg, spec, batch, seq, dtype)
     return {"spec": str(spec), "comm": c.to_dict(), "textbook": textbook_comm(cfg, spec, batch, seq, dtype),
             "model_states": model_states(cfg, spec),
@@ -302,7 +343,7 @@ if __name__ == "__main__":
     import argparse
     import json
 
-    from models.llama import LlamaConfig
+    import models
 
     ap = argparse.ArgumentParser(description="analytic comm and model-state bytes per rank per step")
     ap.add_argument("--model", default="tiny")
@@ -311,5 +352,5 @@ if __name__ == "__main__":
     ap.add_argument("--seq", type=int, default=16)
     ap.add_argument("--dtype", default="fp32")
     a = ap.parse_args()
-    print(json.dumps(summary(LlamaConfig.preset(a.model), a.spec, a.batch, a.seq, a.dtype), indent=1,
+    print(json.dumps(summary(models.preset(a.model), a.spec, a.batch, a.seq, a.dtype), indent=1,
                      default=lambda x: math.nan))

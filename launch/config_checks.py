@@ -146,6 +146,9 @@ def _model_problems(cfg, world_size: int, sizes: dict, model_cfg) -> list[str]:
         problem = model_cfg.init_problem(cfg.init_from_hf)
         if problem is not None:
             problems.append(f"--init-from-hf {cfg.init_from_hf}: {problem}")
+    if model_cfg is not None and cfg.compile and getattr(model_cfg, "n_experts", 0):
+        problems.append("--compile with a mixture of experts is not supported (the token dispatch's split sizes "
+                        "depend on the routing, so torch.compile recompiles for every step); leave --compile out")
     if model_cfg is not None:
         problem = model_cfg.mesh_problem(sizes)
         if problem is not None:

@@ -74,9 +74,6 @@ class MoEConfig:
     def mesh_problem(self, sizes: dict) -> str | None:
         """Why a mesh cannot lay this model out, or None: tp splits whole heads, ep whole experts."""
         tp, ep = sizes.get("tp", 1), sizes.get("ep", 1)
-        if sizes.get("pp", 1) > 1:
-            return ("pipeline parallelism is not supported for the mixture of experts yet (the stages would drop "
-                    "the router losses of their layers); use a mesh without pp, e.g. fsdp=2,ep=2")
         if tp > 1 and (self.n_heads % tp or self.n_kv_heads % tp):
             return (f"tp={tp} would split attention heads (n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}); "
                     f"tensor parallelism shards whole heads: use a tp dividing both")
@@ -214,7 +211,12 @@ class MoE(Llama):
         out = super().forward(tokens, targets, positions)
         if targets is None:
             return out
-        return out + sum(layer.feed_forward.aux_loss for layer in self.layers)
+        return out + self.blocks_loss(self.layers)
+
+    def blocks_loss(self, blocks) -> torch.Tensor:
+        """The router losses of `blocks` in their last forward. The whole model adds every block's to its
+        loss; a pipeline stage adds its own blocks' (spmd.pipeline.stage), so no stage drops them."""
+        return sum(block.feed_forward.aux_loss for block in blocks)
 
     def router_stats(self) -> dict:
         """The last forward's router losses (summed over layers) and tokens per expert ([layers, experts])."""

@@ -8,6 +8,7 @@ import torch
 
 import spmd
 from benchmarks import analytic as A
+import models
 from models.llama import Llama, LlamaConfig
 
 B, T = 8, 16
@@ -114,3 +115,26 @@ def test_tied_embeddings_move_three_psi_under_fsdp():
     excess = plan.comm_bytes() - m.total()
     print(f"tied fsdp=2: explain - analytic = {excess:,} B = {excess / (tied // 2):.2f} x the tied weight's ring bytes")
     assert plan.comm_bytes() == m.total()
+
+
+# ------------------------------------------------------------------ a mixture of experts under ep
+@pytest.mark.parametrize("spec", ["fsdp=2,ep=4", "dp=2,ep=2,tp=2"])
+def test_expert_traffic_and_memory_match_explain_at_balanced_routing(spec):
+    """explain's all-to-alls (dispatch, combine, their backward, the token counts) and the router statistics'
+    all-reduces, per mesh axis, and the expert parameters per rank equal expert_comm / expert_states."""
+    torch.manual_seed(0)
+    cfg = models.preset("moe-tiny", kernels="torch")
+    plan = plan_for(cfg.build(), spec)
+    got: dict = {}
+    for c in plan.collectives:
+        if c.kind == "all_to_all" or (c.kind == "all_reduce" and c.module.endswith("feed_forward")):
+            count, nbytes = got.get("+".join(c.axes), (0, 0))
+            got["+".join(c.axes)] = (count + 1, nbytes + c.bytes)
+    m = A.expert_comm(cfg, spec, B, T)
+    want = {axis: (sum(t.count for t in m.terms if t.axis == axis), nbytes) for axis, nbytes in m.by_axis().items()}
+    assert got == want
+    ep = A.Spec.parse(spec).ep
+    dispatch = [t for t in m.terms if t.textbook]  # DESIGN.md: 4 per layer of top_k*b*s*h*e (ep-1)/ep
+    assert sum(t.bytes for t in dispatch) == 4 * cfg.n_layers * cfg.top_k * B // (A.Spec.parse(spec).data_parallel) \
+        * T * cfg.dim * 4 * (ep - 1) // ep
+    assert ratio(f"{spec} expert parameters", plan.memory["expert_parameters"], A.expert_states(cfg, spec)) == 1

@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 
+import models
 import spmd
 from spmd.analysis import summaries
 from models.llama import Llama, LlamaConfig
@@ -46,6 +47,24 @@ def test_block_extrapolation_equals_the_full_plan():
         fast = summaries.plan_summary(model, sizes, "sp" in flags, (8, 16), "fp32")
         assert {k: v for k, v in fast.groups.items() if v[0]} == full.groups
         assert fast.memory == full.memory
+
+
+def test_a_mixture_of_experts_is_searched_over_ep_dividing_its_experts():
+    """ep joins the candidates only for a model with experts, and only where it divides them; an MoE plan
+    (all-to-alls at balanced routing, expert parameters per rank) extrapolates from 1 and 2 blocks exactly."""
+    dense = [S.spec_name(s, sp) for s, sp in S.candidate_specs(8)]
+    moe = [S.spec_name(s, sp) for s, sp in S.candidate_specs(8, experts=4)]
+    assert not any("ep=" in n for n in dense) and set(dense) < set(moe) and len(moe) == len(set(moe))
+    assert {"ep=4,tp=2", "fsdp=2,ep=4", "dp=2,fsdp=2,ep=2", "ep=2,tp=4,sp"} <= set(moe)
+    assert not any("ep=8" in n for n in moe) and all(math.prod(s.values()) == 8 for s, _ in S.candidate_specs(8, experts=4))
+    torch.manual_seed(0)
+    cfg = models.preset("moe-tiny", kernels="torch", n_layers=3)
+    model, sizes = cfg.build(), {"fsdp": 2, "ep": 2}
+    full = summaries.summarize(spmd.explain(model, spmd.Rules.default(), sizes, batch_shape=(8, 16)))
+    summaries._cache.clear()
+    fast = summaries.plan_summary(model, sizes, False, (8, 16), "fp32")
+    assert {k: v for k, v in fast.groups.items() if v[0]} == full.groups and fast.memory == full.memory
+    assert fast.memory["expert_parameters"] == 3 * cfg.n_experts // 2 * 3 * cfg.expert_dim * cfg.dim * 4 // 2
 
 
 def test_model_state_floor_matches_explain():

@@ -3,9 +3,10 @@
     rows = spmd.search(LlamaConfig.preset("8b"), 8, device="h100", batch_shape=(16, 8192))  # or an nn.Module
     print(rows.table())   # or: python -m spmd.search --model 8b --world 8 --device h100 --batch 16 --seq 8192
 
-1. Enumerate the meshes of the world size: every dp x fsdp x cp x tp = world (tp at most one node, 8 devices),
-   each tp > 1 with and without sequence parallelism; cp > 1 only for sequences longer than 4096 tokens,
-   keeping at least 1024 on each rank. (pp comes later.)
+1. Enumerate the meshes of the world size: every dp x fsdp x ep x cp x tp = world (tp at most one node, 8
+   devices), each tp > 1 with and without sequence parallelism; cp > 1 only for sequences longer than 4096
+   tokens, keeping at least 1024 on each rank; ep > 1 only for a mixture of experts, dividing its experts
+   (ep splits the data like dp and fsdp; explain plans its all-to-alls at balanced routing). (pp comes later.)
 2. Plan each one with `spmd.explain`: its collectives (bytes per rank, per mesh axis) and its memory per
    rank (parameters, gradients, optimizer states, saved activations). A model's blocks are identical, so the
    plan of the full model is the plan of a 1-block copy plus (L-1) times the difference between the 2-block
@@ -34,6 +35,7 @@ from ..layout.blocks import find_blocks
 from ..layout.mesh import MESH_AXES, parse_spec
 from ..layout.rules import Rules
 from ..runtime.checkpointing import parse_mode
+from ..runtime.experts import expert_modules
 from .devices import Device, get_device
 from .search_rows import Row, SearchResult
 from .step_time import flops_per_token, links, predict, recompute_fraction
@@ -60,21 +62,28 @@ def _cp_sizes(world: int, seq: int | None) -> list[int]:
     return [cp for cp in _divisors(world) if cp == 1 or (seq % (2 * cp) == 0 and seq // cp >= MIN_CP_TOKENS)]
 
 
-def candidate_specs(world: int, max_tp: int = 8, sequence_parallel=(False, True), seq: int | None = None
-                    ) -> list[tuple[dict, bool]]:
-    """Every (sizes, sp) with dp * fsdp * cp * tp = world and tp <= max_tp; sp only where tp > 1; cp > 1 only
-    for a sequence longer than LONG_SEQ."""
+def candidate_specs(world: int, max_tp: int = 8, sequence_parallel=(False, True), seq: int | None = None,
+                    experts: int = 0) -> list[tuple[dict, bool]]:
+    """Every (sizes, sp) with dp * fsdp * ep * cp * tp = world and tp <= max_tp; sp only where tp > 1; cp > 1
+    only for a sequence longer than LONG_SEQ; ep > 1 only for a model of `experts` experts, dividing them."""
     out = []
     for tp in _divisors(world):
         if tp > max_tp:
             continue
         for cp in [c for c in _cp_sizes(world, seq) if (world // tp) % c == 0]:
-            for fsdp in _divisors(world // tp // cp):
-                dp = world // tp // cp // fsdp
-                sizes = {a: s for a, s in (("dp", dp), ("fsdp", fsdp), ("cp", cp), ("tp", tp)) if s > 1} or {"dp": 1}
-                for sp in (sequence_parallel if tp > 1 else (False,)):
-                    out.append((sizes, sp))
+            for ep in [e for e in _divisors(world // tp // cp) if e == 1 or (experts and experts % e == 0)]:
+                for fsdp in _divisors(world // tp // cp // ep):
+                    dp = world // tp // cp // ep // fsdp
+                    sizes = {a: s for a, s in (("dp", dp), ("fsdp", fsdp), ("ep", ep), ("cp", cp), ("tp", tp))
+                             if s > 1} or {"dp": 1}
+                    for sp in (sequence_parallel if tp > 1 else (False,)):
+                        out.append((sizes, sp))
     return out
+
+
+def _experts(model: nn.Module) -> int:
+    """How many experts the model's expert modules stack (0: not a mixture of experts)."""
+    return max((p.shape[0] for m in expert_modules(model).values() for p in m.parameters(recurse=False)), default=0)
 
 
 def spec_name(sizes: dict, sp: bool) -> str:
@@ -115,7 +124,7 @@ def search(model, world_size: int, device="h100", memory_budget_bytes: float | N
     cfg = getattr(net, "cfg", None)
     batch, seq = batch_shape or (world_size, min(getattr(cfg, "max_seq_len", 2048), 4096))
     budget = memory_budget_bytes if memory_budget_bytes is not None else 0.9 * dev.memory_per_rank(world_size)
-    candidates = _candidates(world_size, specs, max_tp or dev.per_node, sequence_parallel, seq)
+    candidates = _candidates(world_size, specs, max_tp or dev.per_node, sequence_parallel, seq, _experts(net))
     compute_s = flops_per_token(net, seq) * batch * seq / world_size / (dev.peak(dtype) * dev.efficiency)
     unplanned = _screen(net, candidates, world_size, budget)
     todo = [(sizes, sp) for sizes, sp in candidates if frozen(sizes) not in unplanned]
@@ -224,9 +233,9 @@ def _least_that_fits(none, full, modes, k: int, budget: float):
     return s, mode, k
 
 
-def _candidates(world_size: int, specs, max_tp: int, sequence_parallel, seq=None) -> list[tuple[dict, bool]]:
+def _candidates(world_size: int, specs, max_tp: int, sequence_parallel, seq=None, experts=0) -> list[tuple[dict, bool]]:
     if specs is None:
-        return candidate_specs(world_size, max_tp, sequence_parallel, seq)
+        return candidate_specs(world_size, max_tp, sequence_parallel, seq, experts)
     out = []
     for s in specs:
         sizes, flags = parse_spec(s)

@@ -13,7 +13,8 @@ runs the schedule: `PipelineStage` sends and receives the local activations and 
 neighbouring pp ranks, and the schedule (`gpipe`, `1f1b`, `interleaved-1f1b`, `zero-bubble`, `zbv`)
 orders the micro-batches. The last stage computes the loss of each micro-batch (the model's `head`,
 vocab-parallel cross-entropy on DTensor logits); it is scaled by 1/M so gradients are those of the mean
-over the global batch, and the step's loss is broadcast over the pp group. Gradient reduction over
+over the global batch, and the step's loss is broadcast over the pp group (summed over it when the model's
+blocks add loss terms of their own, which each stage adds: stage.py). Gradient reduction over
 dp/fsdp runs once per step, in the last backward of each stage (the others run under spmd's no_sync); a
 weight tied across the first and last stage then has its two gradients summed over those pp ranks.
 """
@@ -31,7 +32,7 @@ from .cut import cut_stage, plan_cut, sum_tied_grads, trace_uses
 from .runtime import PipelineRuntime, default_microbatches, validate_pipeline
 from .shapes import fake_model, hidden_of
 from .split import split_stages
-from .stage import LocalModel, NamedParams, StageModule, has_parts
+from .stage import LocalModel, NamedParams, StageModule, has_blocks_loss, has_parts
 
 __all__ = ["Pipeline", "build_pipeline", "checkpoint_stage", "without_pp"]
 
@@ -90,12 +91,22 @@ class Pipeline(PipelineRuntime):
         tokens, targets and `positions` are this rank's zigzag share of the sequence (spmd.cp_slice)."""
         if self._schedule is None or tuple(tokens.shape) != self._shape:
             self._build_schedule(tokens)
+        for module in self.stage_modules:
+            module.loss_weight = loss_scale / self.microbatches  # what _scaled_loss weighs a micro-batch's loss by
         # targets reach the last stage's module as a keyword (every stage gets it; only the last uses it)
         extra = {} if positions is None else {"positions": positions}
         loss = self._run(tokens, targets, loss_scale, sync, targets=targets, **extra)
         if sync and self._tie_group is not None:
             sum_tied_grads(dict(self.named_parameters()), self._cut, self._tie_group)
         return loss
+
+    def _stage_losses(self):
+        """This rank's stages' own loss terms (a model's blocks_loss) before the last stage, as the mean over
+        the micro-batches; None for a model without them."""
+        if not has_blocks_loss(self._shadow[0]):
+            return None
+        values = [v for v in (m.take_reported() for m in self.stage_modules) if v is not None]
+        return torch.stack(values).sum() / self.microbatches if values else torch.zeros(())
 
     def _norm_parameters(self):
         """A tied parameter counts once in the gradient norm: on the first stage."""

@@ -148,5 +148,15 @@ class PipelineRuntime:
             loss = torch.stack([l.detach().float() for l in losses]).sum().to(device) / self._scale
         else:
             loss = torch.zeros((), dtype=torch.float32, device=device)
-        dist.broadcast(loss, group=self.pp_group, group_src=self.last_stage_rank)
+        extra = self._stage_losses()
+        if extra is None:
+            dist.broadcast(loss, group=self.pp_group, group_src=self.last_stage_rank)
+        else:  # the loss terms of stages before the last (router losses) join the last stage's loss
+            loss += extra.float().to(device)
+            dist.all_reduce(loss, group=self.pp_group)
         return loss
+
+    def _stage_losses(self) -> torch.Tensor | None:
+        """Loss terms this rank's stages before the last added in this step (mean over micro-batches), or
+        None when the model has none (then the last stage's loss is the step's)."""
+        return None

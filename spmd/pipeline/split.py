@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 
 from ..layout.blocks import find_blocks
+from ..runtime.experts import balanced_routing
 from .shapes import fake_inputs, fake_model
 
 __all__ = ["COSTS", "StageInfo", "StageSplit", "split_stages", "min_max_partition", "stage_ranks", "outside_blocks",
@@ -167,7 +168,7 @@ def _count_flops(model: nn.Module, block_list: nn.ModuleList, example_inputs):
                 lambda mod, a: order.append((names[id(mod)], "start" in marks and "end" in marks))))
     inputs = fake_inputs(mode, example_inputs)
     try:
-        with mode, counter, torch.no_grad():
+        with mode, counter, torch.no_grad(), balanced_routing(meta):
             meta(*inputs)
     finally:
         for h in hooks:

@@ -10,12 +10,16 @@ torch's checkpoint outside the graph: the recompute in backward runs the same co
 cannot trace a checkpoint around DTensor collectives: its partitioner saves a DeviceMesh for backward).
 Two differences from eager: the collectives are not recorded (record a step in eager, or use `explain`, for
 the plan), and gradients of compiled blocks are reduced on every backward, also under `no_sync`.
+Blocks holding expert modules (a mixture of experts) are refused: the token dispatch's split sizes and
+tokens per expert are data (the routing), read as Python ints, so dynamo breaks the graph and recompiles
+for every routing (on 2 ranks of moe-tiny it hit its recompile limit and the step did not finish in 400 s).
 """
 import torch
 import torch.nn as nn
 
 from ..layout.blocks import find_blocks
 from .checkpointing import compile_body
+from .experts import expert_modules
 from .reshard import CHECKPOINTED_ATTR
 
 __all__ = ["compile_blocks"]
@@ -27,7 +31,12 @@ def compile_blocks(model: nn.Module, blocks: str | None = None, bucket: bool = T
     body its checkpoint recomputes. `bucket` turns on inductor's bucketing of all-gathers, reduce-scatters and
     all-reduces (a global inductor setting): a block's collectives of one kind merge into one, as
     spmd.runtime.buckets does in eager. `compile_kwargs` go to `torch.compile`."""
-    _, block_list = find_blocks(model, blocks)
+    path, block_list = find_blocks(model, blocks)
+    routed = [f"{path}.{i}.{name}" for i, block in enumerate(block_list) for name in expert_modules(block)]
+    if routed:
+        raise ValueError(f"compile_blocks: the blocks hold expert modules ({', '.join(routed[:2])}, ...), whose token "
+                         f"dispatch has split sizes that depend on the routing: torch.compile breaks the graph and "
+                         f"recompiles for every routing. Run a mixture of experts without compile_blocks (--compile)")
     if bucket:
         from torch._inductor import config as inductor_config
         inductor_config.bucket_all_gathers_fx = "all"

@@ -19,6 +19,8 @@ share of each rank's tokens, and the plan's all-to-all records say so.
 An expert's gradient is this rank's share of the tokens: a partial sum over the batch axes that hold the
 expert whole (dp, fsdp), reduced into its storage layout as every parameter's is.
 """
+import contextlib
+
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
@@ -30,7 +32,7 @@ from ..layout.annotate import get_axes
 from . import tags
 from .activations import grad_layout, move
 
-__all__ = ["EXPERTS", "expert_modules", "check_expert_layout", "install_expert_hooks"]
+__all__ = ["EXPERTS", "expert_modules", "check_expert_layout", "install_expert_hooks", "balanced_routing"]
 
 EXPERTS = "experts"
 
@@ -39,6 +41,21 @@ def expert_modules(model: nn.Module) -> dict[str, nn.Module]:
     """{qualified name: module} of the modules whose own parameters carry the `experts` axis."""
     return {name: m for name, m in model.named_modules()
             if any(EXPERTS in (get_axes(p) or ()) for p in m.parameters(recurse=False))}
+
+
+@contextlib.contextmanager
+def balanced_routing(model: nn.Module):
+    """While it is open, a forward of `model` on fake tensors (no data to route by) gives each expert module
+    an equal share of the tokens, as explain plans; a dropless layer's FLOPs are the same for any routing."""
+    def balance(module, args):
+        x, counts, *rest = args
+        return (x, _balanced_counts(x.shape[0], counts.shape[0]), *rest) if is_fake(x) else None
+    handles = [m.register_forward_pre_hook(balance) for m in expert_modules(model).values()]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def check_expert_layout(model: nn.Module, mesh, rules) -> None:
