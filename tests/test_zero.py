@@ -19,7 +19,8 @@ bytes equal them, and the numbers equal one process the same. With bf16 paramete
 fp32 master in the optimizer (`master="optimizer"`, stage 2), the bytes equal the plan's and 3 steps track
 fp32 one-process training within BF16_TOL. With `offload="nvme:DIR"` (stage 2 on dp=2,fsdp=2) the masters
 and moments are memory-mapped files under DIR that hold their values, counted by the plan as NVMe bytes,
-and the numbers equal one process. A stage-1 checkpoint loads into stage 3.
+and the numbers equal one process; on a wider model the step streams that state, one parameter's resident
+at a time (tests/zero_offload.py). A stage-1 checkpoint loads into stage 3.
 """
 import collections
 import contextlib
@@ -32,6 +33,7 @@ from spmd import checkpoint
 from spmd.analysis.record import CollectiveRecorder
 from tests.dist_utils import run_distributed
 from tests.spmd_cases import BATCH, SEQ, global_batch, local_slice, norm_rel_err, tiny_model
+from tests.zero_offload import nvme_memory, nvme_streams_its_state, wide_reference
 
 TOL = 1e-5
 # bf16 parameters and gradients against fp32 one-process training: Adam normalises each gradient element, so
@@ -81,7 +83,8 @@ def _storage(t) -> int:
 def _measured_memory(model, opt, grads: int, offload) -> dict:
     """Bytes of the real tensors: AdamW's moments plus each master that is a copy (a view of its parameter's
     shard costs nothing); offloaded, those and the gradient shards copied out are host bytes, and each
-    lives where it should: off the parameter's storage, in host memory, pinned when there is a CUDA device."""
+    lives where it should: off the parameter's storage, in host memory, pinned when there is a CUDA device
+    (under nvme:DIR, in files, streamed: tests/zero_offload.py)."""
     states = masters = grads_out = 0
     for p, m in _masters(opt):
         states += sum(_local_nbytes(opt.state[m][k]) for k in ("exp_avg", "exp_avg_sq"))
@@ -89,16 +92,17 @@ def _measured_memory(model, opt, grads: int, offload) -> dict:
         if offload == "optimizer":
             for t in (m, m.grad, opt.state[m]["exp_avg"], opt.state[m]["exp_avg_sq"]):
                 assert t.device.type == "cpu" and t._local_tensor.is_pinned() == torch.cuda.is_available()
-        if offload and offload.startswith("nvme:"):
-            _check_in_files(m, opt.state[m], offload[len("nvme:"):])
-        if offload:
             assert _storage(m) != _storage(p) and _storage(m.grad) != _storage(p.grad if p.grad is not None else p)
             grads_out += _local_nbytes(m.grad)
+        if offload and offload.startswith("nvme:"):
+            _check_in_files(m, opt.state[m], offload[len("nvme:"):])
+            assert m.grad is None and _storage(m) != _storage(p)  # the streamed step dropped its copy
     got = {"parameters": sum(_local_nbytes(p) for p in model.parameters()), "gradients": grads,
            "optimizer": 0 if offload else states + masters}
-    if offload:
-        got.update({"gradients_host": grads_out,
-                    "optimizer_host" if offload == "optimizer" else "optimizer_nvme": states + masters})
+    if offload == "optimizer":
+        got.update({"gradients_host": grads_out, "optimizer_host": states + masters})
+    elif offload:
+        got.update(nvme_memory(opt, offload[len("nvme:"):]))
     return got
 
 
@@ -218,13 +222,14 @@ def _stage1_checkpoint_loads_into_stage3(model, opt, tmp):
         assert torch.equal(p.full_tensor(), q.full_tensor()), name
 
 
-def _all_runs(rank, world, plans, bf16_plan, reference, tmp):
+def _all_runs(rank, world, plans, bf16_plan, reference, wide, tmp):
     for (spec, zero, offload), planned in zip(RUNS, plans):
         model, opt = _train(spec, zero, _in(offload, tmp), planned, reference, (spec, zero, offload) in ACCUMULATE)
         if (spec, zero, offload) == ("fsdp=4", 1, None):
             _stage1_checkpoint_loads_into_stage3(model, opt, tmp)
     _train("dp=2,fsdp=2", 2, "optimizer", None, reference, accumulate=True)
     _bf16_master_in_optimizer(bf16_plan, reference)
+    nvme_streams_its_state(wide, f"{tmp}/wide")
 
 
 @pytest.mark.slow
@@ -246,4 +251,4 @@ def test_zero_stages_match_one_device_and_their_plans(tmp_path):
     sizes, rules = _rules("fsdp=4", 2)
     bf16_plan = spmd.explain(tiny_model(), rules, sizes, batch_shape=(BATCH, SEQ), dtype=torch.bfloat16,
                              reduce_dtype=torch.bfloat16, master="optimizer").memory
-    run_distributed(_all_runs, 4, plans, bf16_plan, _reference(), str(tmp_path), timeout_s=400)
+    run_distributed(_all_runs, 4, plans, bf16_plan, _reference(), wide_reference(), str(tmp_path), timeout_s=400)
