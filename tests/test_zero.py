@@ -30,10 +30,9 @@ import torch
 
 import spmd
 from spmd import checkpoint
-from spmd.analysis.record import CollectiveRecorder
 from tests.dist_utils import run_distributed
 from tests.spmd_cases import BATCH, SEQ, global_batch, local_slice, norm_rel_err, tiny_model
-from tests.zero_offload import nvme_memory, nvme_streams_its_state, wide_reference
+from tests.zero_offload import GatherInputs, nvme_memory, nvme_streams_its_state, params_on_host, wide_reference
 
 TOL = 1e-5
 # bf16 parameters and gradients against fp32 one-process training: Adam normalises each gradient element, so
@@ -41,7 +40,8 @@ TOL = 1e-5
 BF16_TOL = 2e-2
 RUNS = [("fsdp=4", 1, None), ("fsdp=4", 2, None), ("dp=2,fsdp=2", 1, None), ("dp=2,fsdp=2", 2, None),
         ("fsdp=2,tp=2,sp", 1, None), ("fsdp=2,tp=2,sp", 2, None),  # stage 3: test_spmd_numerics.py (default rules)
-        ("fsdp=4", 3, "optimizer"), ("fsdp=2,tp=2,sp", 1, "optimizer"), ("dp=2,fsdp=2", 2, "nvme:")]
+        ("fsdp=4", 3, "optimizer"), ("fsdp=2,tp=2,sp", 1, "optimizer"), ("dp=2,fsdp=2", 2, "nvme:"),
+        ("fsdp=4", 3, "params")]
 ACCUMULATE = {("dp=2,fsdp=2", 1, None)}  # two micro-batches: stage 1's backward moves nothing, the step reduces once
 
 
@@ -99,7 +99,9 @@ def _measured_memory(model, opt, grads: int, offload) -> dict:
             assert m.grad is None and _storage(m) != _storage(p)  # the streamed step dropped its copy
     got = {"parameters": sum(_local_nbytes(p) for p in model.parameters()), "gradients": grads,
            "optimizer": 0 if offload else states + masters}
-    if offload == "optimizer":
+    if offload == "params":
+        got.update(params_on_host(model, opt, {**got, "optimizer": states + masters}))
+    elif offload == "optimizer":
         got.update({"gradients_host": grads_out, "optimizer_host": states + masters})
     elif offload:
         got.update(nvme_memory(opt, offload[len("nvme:"):]))
@@ -138,7 +140,7 @@ def _train(spec, zero, offload, planned, reference, accumulate=False):
     opt = spmd.shard_optimizer(model, torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1))
     for step, (ref_loss, ref_grads, ref_params) in enumerate(reference):
         tokens, targets = global_batch(step)
-        recorder = CollectiveRecorder(mesh) if step == 0 else contextlib.nullcontext()  # a dispatch mode: slow
+        recorder = GatherInputs(mesh) if step == 0 else contextlib.nullcontext()  # a dispatch mode: slow
         with recorder:
             loss = _forward_backward(model, local_slice(tokens, mesh), local_slice(targets, mesh), accumulate)
         assert abs(loss - ref_loss) <= TOL * abs(ref_loss), (spec, zero, step, loss, ref_loss)
@@ -155,6 +157,8 @@ def _train(spec, zero, offload, planned, reference, accumulate=False):
         if step == 0 and planned is not None:
             memory, comm = planned
             got = _measured_memory(model, opt, grads, offload)
+            if offload == "params":  # every gather read a device copy, never the shard stored on the host
+                assert recorder.inputs and not recorder.inputs & {_storage(p) for p in model.parameters()}
             assert set(got) == set(memory) - {"activations", "total"}, (got, memory)
             assert got == {k: memory[k] for k in got}, f"{spec} zero={zero}: measured {got}, plan {memory}"
             measured = _comm([c for c in recorder.records if c.origin == "planned"])

@@ -16,7 +16,8 @@ import spmd
 from spmd.analysis.record import CollectiveRecorder
 from tests.spmd_cases import global_batch, local_slice, norm_rel_err, tiny_model
 
-__all__ = ["WIDE", "wide_model", "wide_reference", "nvme_memory", "nvme_streams_its_state"]
+__all__ = ["WIDE", "wide_model", "wide_reference", "nvme_memory", "nvme_streams_its_state", "params_on_host",
+           "GatherInputs"]
 
 # many weights of similar size, so that one parameter's state is a small part of the whole (3.4M parameters)
 WIDE = dict(dim=256, n_layers=4, ffn_dim=768)
@@ -115,3 +116,32 @@ def nvme_streams_its_state(reference, directory: str) -> None:
     for name, p in model.named_parameters():
         err = norm_rel_err(p.full_tensor(), ref_params[name])
         assert err <= 1e-5, f"nvme wide: parameter {name} off by {err:.2e}"
+
+
+class GatherInputs(CollectiveRecorder):
+    """A collective recorder that also keeps the storages its all-gathers read (`inputs`)."""
+
+    def __init__(self, mesh):
+        super().__init__(mesh)
+        self.inputs = set()
+
+    def _add(self, kind, axes, nbytes, op, t):
+        if kind == "all_gather":
+            self.inputs.add(t.untyped_storage()._cdata)
+        super()._add(kind, axes, nbytes, op, t)
+
+
+def params_on_host(model, opt, device: dict) -> dict:
+    """Under offload="params" (stage 3, fp32): each parameter's shard is its own master and lives on the host
+    (pinned when there is a CUDA device), and so do its gradient and AdamW's moments. The device holds none
+    of them between uses: `device`'s bytes become the host's."""
+    masters = [m for group in opt.param_groups for m in group["params"]]
+    assert {id(m) for m in masters} == {id(p) for p in model.parameters()}
+    for p in model.parameters():
+        state = opt.state[p]
+        for t in (p, p.grad, state["exp_avg"], state["exp_avg_sq"]):
+            assert t.device.type == "cpu", (p._spmd_name, t.device)
+        assert p._local_tensor.is_pinned() == torch.cuda.is_available(), p._spmd_name
+    host = {"parameters_host": device["parameters"], "gradients_host": device["gradients"],
+            "optimizer_host": device["optimizer"]}
+    return {**host, "parameters": 0, "gradients": 0, "optimizer": 0}

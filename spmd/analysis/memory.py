@@ -45,11 +45,12 @@ def memory_per_rank(model: nn.Module, optimizer: str, activations: int = 0) -> d
     Offloaded (`offload="optimizer"`): `optimizer_host` holds the masters and states, `gradients_host` the
     gradient shards copied out for the step, and `optimizer` on the device is 0; under "nvme:DIR" the masters
     and states are `optimizer_nvme` (files) and the step streams them through host memory one parameter at a
-    time: `optimizer_host` and `gradients_host` are then the largest parameter's. `total` is the device's."""
+    time: `optimizer_host` and `gradients_host` are then the largest parameter's. Under "params" the parameter
+    shards and their gradients are `parameters_host` and `gradients_host` too. `total` is the device's."""
     state = getattr(model, STATE_ATTR, None)
     copies = state is not None and state.master == "optimizer"
-    offload = None if state is None or state.offload is None else "optimizer" if state.offload == "optimizer" \
-        else "nvme"
+    offload = None if state is None or state.offload is None else "nvme" if state.offload.startswith("nvme:") \
+        else state.offload
     states = OPTIMIZER_STATES[optimizer]
     params = grads = 0
     opt, grads_host = [], []  # per parameter
@@ -58,13 +59,16 @@ def memory_per_rank(model: nn.Module, optimizer: str, activations: int = 0) -> d
         grads += _numel(p, "_spmd_grads") * p.element_size()
         separate = copies and p.dtype != torch.float32 and p.dtype.is_floating_point
         master_size = 4 if separate else p.element_size()
-        opt.append(_numel(p, "_spmd_optim") * master_size * (states + (separate or offload is not None)))
+        opt.append(_numel(p, "_spmd_optim") * master_size * (states + (separate or offload in ("optimizer", "nvme"))))
         grads_host.append(_numel(p, "_spmd_optim") * master_size)
     mem = {"parameters": params, "gradients": grads, "optimizer": 0 if offload else sum(opt),
            "activations": activations}
     mem["total"] = sum(mem.values())
     if offload == "optimizer":
         mem.update({"gradients_host": sum(grads_host), "optimizer_host": sum(opt)})
+    elif offload == "params":  # every state on the host; the device holds a parameter only while in use
+        mem.update({"parameters": 0, "gradients": 0, "total": activations, "parameters_host": params,
+                    "gradients_host": grads, "optimizer_host": sum(opt)})
     elif offload == "nvme":  # the files hold it all; the step brings one parameter's state in at a time
         mem.update({"optimizer_nvme": sum(opt), "optimizer_host": max(opt, default=0),
                     "gradients_host": max(grads_host, default=0)})

@@ -13,7 +13,9 @@ import torch
 import torch.nn as nn
 
 from ..layout.blocks import find_blocks
+from .host import host_params
 from .reshard import CHECKPOINTED_ATTR
+from .state import STATE_ATTR
 
 __all__ = ["compile_blocks"]
 
@@ -24,6 +26,9 @@ def compile_blocks(model: nn.Module, blocks: str | None = None, bucket: bool = T
     checkpointed block whose graph holds DTensor collectives. `bucket` turns on inductor's bucketing of
     all-gathers, reduce-scatters and all-reduces (a global inductor setting): a block's collectives of one
     kind merge into one, as spmd.runtime.buckets does in eager. `compile_kwargs` go to `torch.compile`."""
+    if host_params(getattr(model, STATE_ATTR, None)):
+        raise ValueError("compile_blocks does not support parallelize(offload='params') (a compiled block gathers "
+                         "parameters where they are stored); leave the blocks eager, or use offload='optimizer'")
     _, block_list = find_blocks(model, blocks)
     if bucket:
         from torch._inductor import config as inductor_config

@@ -124,7 +124,7 @@ def refresh_masters(opt: torch.optim.Optimizer) -> None:
 def _master(p: DTensor, state) -> DTensor:
     optim = optim_layout(p)
     lower = state.master == "optimizer" and p.dtype != torch.float32 and p.dtype.is_floating_point
-    if optim == tuple(p.placements) and not lower and state.offload is None:
+    if optim == tuple(p.placements) and not lower and state.offload in (None, "params"):  # params: on the host
         return p
     if grads_layout(p) != optim and not _only_slices(grads_layout(p), optim):
         raise ValueError(f"{p._spmd_name}: the optimizer map must shard at least as much as the grads map "
