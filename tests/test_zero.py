@@ -8,8 +8,8 @@ gradients (reduced, before the step) and optimizer states (with any master copy)
 on the wire per phase and collective kind, exactly, which also equal the reference formulas with
 Ψ' = 4Ψ(n-1)/n bytes (ring convention): data parallel (zero=0) all-reduce 2Ψ'; stage 1 2Ψ', all in the
 step: backward leaves the gradients whole and unreduced, and spmd.reduce_gradients (before the step, where
-the trainer clips) reduce-scatters them into the optimizer's shards (Ψ') before the all-gather of updated
-shards (Ψ'); with two accumulated micro-batches (dp=2,fsdp=2) that reduction still runs once per step, as
+the trainer clips) reduce-scatters them into the optimizer's shards (Ψ'), in flat buffers: one collective
+per mesh axis, before the all-gather of updated shards (Ψ'); with two accumulated micro-batches (dp=2,fsdp=2) that reduction still runs once per step, as
 planned; stage 2 reduce-scatter Ψ' in backward + all-gather Ψ'; stage 3 all-gather Ψ' forward, the regather of every weight but the
 embedding's backward, reduce-scatter Ψ' (0 as planned; real runs of it: test_plan_matches_run.py).
 With `offload="optimizer"` (stage 3 on fsdp=4, stage 1 on fsdp=2,tp=2,sp, and stage 2 with no_sync
@@ -163,6 +163,12 @@ def _train(spec, zero, offload, planned, reference, accumulate=False):
             assert got == {k: memory[k] for k in got}, f"{spec} zero={zero}: measured {got}, plan {memory}"
             measured = _comm([c for c in recorder.records if c.origin == "planned"])
             assert measured == comm, f"{spec} zero={zero}: measured {measured}, plan {comm}"
+            if zero == 1:  # the step's reductions in flat buffers: one collective per mesh axis and kind
+                reductions = collections.Counter((c.kind, c.axes) for c in recorder.records
+                                                 if c.phase == "optimizer" and c.kind != "all_gather")
+                if torch.distributed.get_rank() == 0:
+                    print(f"{spec} zero=1 step reductions: {dict(reductions)}")
+                assert reductions and set(reductions.values()) == {1}, (spec, reductions)
         opt.zero_grad()
         assert all(p.grad is None for p in model.parameters())
         for name, p in model.named_parameters():

@@ -24,9 +24,10 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from . import tags
-from .gradients import HELD_ATTR, grads_layout, held_for_step, optim_layout, reduce_to, slice_onto_shards
+from .gradients import HELD_ATTR, grads_layout, held_for_step, optim_layout, slice_onto_shards
 from .offload import file_backed_adam_state, host_copy, nvme_dir, release_pages
 from .state import STATE_ATTR
+from .step_reduce import reduce_all_to
 
 __all__ = ["shard_optimizer", "reduce_gradients", "masters_of", "refresh_masters", "gather_updated",
            "MASTER_OF_ATTR"]
@@ -88,21 +89,21 @@ def shard_optimizer(model: nn.Module, opt: torch.optim.Optimizer) -> torch.optim
 @torch.no_grad()
 def reduce_gradients(model: nn.Module) -> None:
     """Reduces the gradients backward left unreduced under ZeRO-1 straight into the optimizer map's layout (a
-    reduce-scatter, Ψ, where an all-reduce would move 2Ψ to keep a shard), in the reduce dtype. Once per step
+    reduce-scatter, Ψ, where an all-reduce would move 2Ψ to keep a shard), in the reduce dtype, in flat
+    buffers: one collective per mesh axis (spmd.runtime.step_reduce). Once per step
     however many backward passes accumulated; call it before clipping so the norm sees reduced gradients (the
     step calls it too: a no-op for gradients already reduced)."""
     state = getattr(model, STATE_ATTR, None)
     if state is None:
         raise ValueError("reduce_gradients needs a model laid out by spmd.parallelize")
     dtype = state.reduce_dtype or state.param_dtype
+    held = [p for p in model.parameters() if p.grad is not None and held_for_step(p)
+            and any(pl.is_partial() for pl in p.grad.placements)]
+    grads = [p.grad if dtype is None else p.grad.to(dtype) for p in held]
     with tags.phase("optimizer"):
-        for p in model.parameters():
-            g = p.grad
-            if g is None or not held_for_step(p) or not any(pl.is_partial() for pl in g.placements):
-                continue
-            with tags.reason("", f"reduce gradient of {p._spmd_name} into its optimizer shard"):
-                g = reduce_to(g if dtype is None else g.to(dtype), optim_layout(p))
-            p.grad = g.to(p.dtype)
+        reduced = reduce_all_to(grads, [optim_layout(p) for p in held], "reduce gradients into their optimizer shards")
+    for p, g in zip(held, reduced):
+        p.grad = g.to(p.dtype)
 
 
 def masters_of(opt: torch.optim.Optimizer) -> dict:
