@@ -232,7 +232,25 @@ def _stage1_checkpoint_loads_into_stage3(model, opt, tmp):
         assert torch.equal(p.full_tensor(), q.full_tensor()), name
 
 
+def _uneven_step_reduction():
+    """The step's flat-buffer reduction of gradients whose chunks differ in size (one empty), and of one that
+    shards two dims over dp and fsdp, equals DTensor's redistribute of each within 1e-6 (sums of 4 normal
+    values; gloo may add them in another order for another buffer size)."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+    from spmd.runtime.step_reduce import reduce_all_to
+    mesh = spmd.make_mesh({"dp": 2, "fsdp": 2})
+    torch.manual_seed(torch.distributed.get_rank())
+    shapes = [(5, 3), (7,), (3, 9), (1, 4), (6, 6)]
+    targets = [(Replicate(), Shard(0))] * 2 + [(Replicate(), Shard(1)), (Replicate(), Shard(0)), (Shard(0), Shard(1))]
+    grads = [DTensor.from_local(torch.randn(s), mesh, (Partial(), Partial()), run_check=False) for s in shapes]
+    for got, g, t in zip(reduce_all_to(grads, targets, "test"), grads, targets):
+        want = g.redistribute(mesh, t)
+        assert tuple(got.placements) == t and got.to_local().shape == want.to_local().shape, (g.shape, t)
+        assert torch.allclose(got.to_local(), want.to_local(), rtol=0, atol=1e-6), (g.shape, t)
+
+
 def _all_runs(rank, world, plans, bf16_plan, reference, wide, tmp):
+    _uneven_step_reduction()
     for (spec, zero, offload), planned in zip(RUNS, plans):
         model, opt = _train(spec, zero, _in(offload, tmp), planned, reference, (spec, zero, offload) in ACCUMULATE)
         if (spec, zero, offload) == ("fsdp=4", 1, None):

@@ -101,7 +101,7 @@ def reduce_gradients(model: nn.Module) -> None:
             and any(pl.is_partial() for pl in p.grad.placements)]
     grads = [p.grad if dtype is None else p.grad.to(dtype) for p in held]
     with tags.phase("optimizer"):
-        reduced = reduce_all_to(grads, [optim_layout(p) for p in held], "reduce gradients into their optimizer shards")
+        reduced = reduce_all_to(grads, [optim_layout(p) for p in held], "reduce gradient buckets into optimizer shards")
     for p, g in zip(held, reduced):
         p.grad = g.to(p.dtype)
 
