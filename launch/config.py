@@ -49,7 +49,8 @@ class TrainConfig:
     ac: str = "none"               # activation checkpointing: none | full | selective:N (every N-th block)
     zero: int = 3                  # ZeRO stage: 1 shards optimizer states over fsdp, 2 + gradients, 3 + parameters
     master: str = "params"         # fp32 master weights with --dtype bf16/fp16: params | optimizer (spmd.parallelize)
-    offload: str = ""              # "" | optimizer | nvme:DIR: AdamW states and fp32 masters on the host (or in files)
+    offload: str = ""              # "" | optimizer | params | nvme:DIR: AdamW states and fp32 masters on the host
+                                   # (params: stage-3 parameter shards too; nvme: states in files)
     compile: bool = False          # torch.compile each block (spmd.compile_blocks), checkpointed ones too
     kernels: str = "auto"          # auto | torch | triton: the model's RMSNorm/SwiGLU/RoPE/CE implementation
     # data
@@ -188,7 +189,8 @@ def parser() -> argparse.ArgumentParser:
         "collective_timeout": "seconds a collective waits for a dead or stuck rank",
         "zero": "ZeRO stage 0|1|2|3: which states fsdp shards (1 optimizer, 2 + gradients, 3 + parameters)",
         "master": "params|optimizer: where fp32 master weights live under --dtype bf16/fp16",
-        "offload": "optimizer | nvme:DIR: AdamW states and fp32 masters in host memory (or files under DIR), the step on the CPU",
+        "offload": "optimizer | params | nvme:DIR: AdamW states and fp32 masters in host memory (params: stage-3 "
+                   "parameter shards too; nvme: files under DIR), the step on the CPU",
     }
     for f in fields(TrainConfig):
         flag = "--" + flag_name(f.name)

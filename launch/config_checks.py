@@ -65,13 +65,16 @@ def _zero_problems(cfg) -> list[str]:
     if cfg.compile and cfg.zero in (1, 2):
         problems.append(f"--compile with --zero {cfg.zero} is not supported yet (compiled blocks reduce gradients "
                         f"to the parameters' layout); use --zero 3 with --compile, or leave --compile out")
-    if cfg.offload == "params":
-        problems.append("--offload params is not supported yet (it would keep stage-3 parameter shards on the "
-                        "host); use --offload optimizer, with any --zero")
-    elif cfg.offload not in ("", "optimizer") and not (cfg.offload.startswith("nvme:") and len(cfg.offload) > 5):
+    if cfg.offload == "params" and cfg.zero != 3:
+        problems.append(f"--offload params keeps stage-3 parameter shards on the host; --zero {cfg.zero} keeps "
+                        f"parameters whole on the device: use --zero 3, or --offload optimizer")
+    if cfg.offload == "params" and cfg.compile:
+        problems.append("--offload params with --compile is not supported (compiled blocks gather parameters "
+                        "where they are stored); leave --compile out, or use --offload optimizer")
+    elif cfg.offload not in ("", "optimizer", "params") and not (cfg.offload.startswith("nvme:") and len(cfg.offload) > 5):
         problems.append(f"--offload {cfg.offload!r} is not supported; use --offload optimizer (AdamW states and "
-                        f"fp32 masters in host memory, the step on the CPU), --offload nvme:DIR (them in files "
-                        f"under DIR) or leave it out")
+                        f"fp32 masters in host memory, the step on the CPU), --offload params (stage-3 parameter "
+                        f"shards too), --offload nvme:DIR (states in files under DIR) or leave it out")
     return problems
 
 

@@ -3,7 +3,7 @@
 
     python -m spmd.explain --model 8b --mesh fsdp=8,tp=8,sp --batch 8 --seq 4096 --dtype bf16 [--ac full]
                            [--grad-accum 2] [--json FILE] [--zero 1|2|3] [--master params|optimizer]
-                           [--reduce-dtype fp32|bf16] [--offload optimizer|nvme:DIR]
+                           [--reduce-dtype fp32|bf16] [--offload optimizer|params|nvme:DIR]
 
 prints `plan.table()` of a registry model (meta tensors, no devices) laid out by the default rules of ZeRO
 stage `--zero`; `--model hf:DIR` plans the transformers model of a local Hugging Face directory (config.json
@@ -36,7 +36,8 @@ def parser() -> argparse.ArgumentParser:
                     "parameters sharded over fsdp (Rules.default(zero=...))")
     ap.add_argument("--master", default="params", help="params|optimizer: where fp32 master weights live")
     ap.add_argument("--reduce-dtype", default="fp32", help="gradient reduction dtype: fp32|bf16")
-    ap.add_argument("--offload", default=None, help="optimizer|nvme:DIR: optimizer states off the device")
+    ap.add_argument("--offload", default=None,
+                    help="optimizer|params|nvme:DIR: optimizer states (params: stage-3 parameter shards too) off the device")
     return ap
 
 

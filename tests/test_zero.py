@@ -8,8 +8,8 @@ gradients (reduced, before the step) and optimizer states (with any master copy)
 on the wire per phase and collective kind, exactly, which also equal the reference formulas with
 Ψ' = 4Ψ(n-1)/n bytes (ring convention): data parallel (zero=0) all-reduce 2Ψ'; stage 1 2Ψ', all in the
 step: backward leaves the gradients whole and unreduced, and spmd.reduce_gradients (before the step, where
-the trainer clips) reduce-scatters them into the optimizer's shards (Ψ') before the all-gather of updated
-shards (Ψ'); with two accumulated micro-batches (dp=2,fsdp=2) that reduction still runs once per step, as
+the trainer clips) reduce-scatters them into the optimizer's shards (Ψ'), in flat buffers: one collective
+per mesh axis, before the all-gather of updated shards (Ψ'); with two accumulated micro-batches (dp=2,fsdp=2) that reduction still runs once per step, as
 planned; stage 2 reduce-scatter Ψ' in backward + all-gather Ψ'; stage 3 all-gather Ψ' forward, the regather of every weight but the
 embedding's backward, reduce-scatter Ψ' (0 as planned; real runs of it: test_plan_matches_run.py).
 With `offload="optimizer"` (stage 3 on fsdp=4, stage 1 on fsdp=2,tp=2,sp, and stage 2 with no_sync
@@ -19,7 +19,8 @@ bytes equal them, and the numbers equal one process the same. With bf16 paramete
 fp32 master in the optimizer (`master="optimizer"`, stage 2), the bytes equal the plan's and 3 steps track
 fp32 one-process training within BF16_TOL. With `offload="nvme:DIR"` (stage 2 on dp=2,fsdp=2) the masters
 and moments are memory-mapped files under DIR that hold their values, counted by the plan as NVMe bytes,
-and the numbers equal one process. A stage-1 checkpoint loads into stage 3.
+and the numbers equal one process; on a wider model the step streams that state, one parameter's resident
+at a time (tests/zero_offload.py). A stage-1 checkpoint loads into stage 3.
 """
 import collections
 import contextlib
@@ -29,9 +30,9 @@ import torch
 
 import spmd
 from spmd import checkpoint
-from spmd.analysis.record import CollectiveRecorder
 from tests.dist_utils import run_distributed
 from tests.spmd_cases import BATCH, SEQ, global_batch, local_slice, norm_rel_err, tiny_model
+from tests.zero_offload import GatherInputs, nvme_memory, nvme_streams_its_state, params_on_host, wide_reference
 
 TOL = 1e-5
 # bf16 parameters and gradients against fp32 one-process training: Adam normalises each gradient element, so
@@ -39,7 +40,8 @@ TOL = 1e-5
 BF16_TOL = 2e-2
 RUNS = [("fsdp=4", 1, None), ("fsdp=4", 2, None), ("dp=2,fsdp=2", 1, None), ("dp=2,fsdp=2", 2, None),
         ("fsdp=2,tp=2,sp", 1, None), ("fsdp=2,tp=2,sp", 2, None),  # stage 3: test_spmd_numerics.py (default rules)
-        ("fsdp=4", 3, "optimizer"), ("fsdp=2,tp=2,sp", 1, "optimizer"), ("dp=2,fsdp=2", 2, "nvme:")]
+        ("fsdp=4", 3, "optimizer"), ("fsdp=2,tp=2,sp", 1, "optimizer"), ("dp=2,fsdp=2", 2, "nvme:"),
+        ("fsdp=4", 3, "params")]
 ACCUMULATE = {("dp=2,fsdp=2", 1, None)}  # two micro-batches: stage 1's backward moves nothing, the step reduces once
 
 
@@ -81,7 +83,8 @@ def _storage(t) -> int:
 def _measured_memory(model, opt, grads: int, offload) -> dict:
     """Bytes of the real tensors: AdamW's moments plus each master that is a copy (a view of its parameter's
     shard costs nothing); offloaded, those and the gradient shards copied out are host bytes, and each
-    lives where it should: off the parameter's storage, in host memory, pinned when there is a CUDA device."""
+    lives where it should: off the parameter's storage, in host memory, pinned when there is a CUDA device
+    (under nvme:DIR, in files, streamed: tests/zero_offload.py)."""
     states = masters = grads_out = 0
     for p, m in _masters(opt):
         states += sum(_local_nbytes(opt.state[m][k]) for k in ("exp_avg", "exp_avg_sq"))
@@ -89,16 +92,19 @@ def _measured_memory(model, opt, grads: int, offload) -> dict:
         if offload == "optimizer":
             for t in (m, m.grad, opt.state[m]["exp_avg"], opt.state[m]["exp_avg_sq"]):
                 assert t.device.type == "cpu" and t._local_tensor.is_pinned() == torch.cuda.is_available()
-        if offload and offload.startswith("nvme:"):
-            _check_in_files(m, opt.state[m], offload[len("nvme:"):])
-        if offload:
             assert _storage(m) != _storage(p) and _storage(m.grad) != _storage(p.grad if p.grad is not None else p)
             grads_out += _local_nbytes(m.grad)
+        if offload and offload.startswith("nvme:"):
+            _check_in_files(m, opt.state[m], offload[len("nvme:"):])
+            assert m.grad is None and _storage(m) != _storage(p)  # the streamed step dropped its copy
     got = {"parameters": sum(_local_nbytes(p) for p in model.parameters()), "gradients": grads,
            "optimizer": 0 if offload else states + masters}
-    if offload:
-        got.update({"gradients_host": grads_out,
-                    "optimizer_host" if offload == "optimizer" else "optimizer_nvme": states + masters})
+    if offload == "params":
+        got.update(params_on_host(model, opt, {**got, "optimizer": states + masters}))
+    elif offload == "optimizer":
+        got.update({"gradients_host": grads_out, "optimizer_host": states + masters})
+    elif offload:
+        got.update(nvme_memory(opt, offload[len("nvme:"):]))
     return got
 
 
@@ -134,7 +140,7 @@ def _train(spec, zero, offload, planned, reference, accumulate=False):
     opt = spmd.shard_optimizer(model, torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1))
     for step, (ref_loss, ref_grads, ref_params) in enumerate(reference):
         tokens, targets = global_batch(step)
-        recorder = CollectiveRecorder(mesh) if step == 0 else contextlib.nullcontext()  # a dispatch mode: slow
+        recorder = GatherInputs(mesh) if step == 0 else contextlib.nullcontext()  # a dispatch mode: slow
         with recorder:
             loss = _forward_backward(model, local_slice(tokens, mesh), local_slice(targets, mesh), accumulate)
         assert abs(loss - ref_loss) <= TOL * abs(ref_loss), (spec, zero, step, loss, ref_loss)
@@ -151,10 +157,18 @@ def _train(spec, zero, offload, planned, reference, accumulate=False):
         if step == 0 and planned is not None:
             memory, comm = planned
             got = _measured_memory(model, opt, grads, offload)
+            if offload == "params":  # every gather read a device copy, never the shard stored on the host
+                assert recorder.inputs and not recorder.inputs & {_storage(p) for p in model.parameters()}
             assert set(got) == set(memory) - {"activations", "total"}, (got, memory)
             assert got == {k: memory[k] for k in got}, f"{spec} zero={zero}: measured {got}, plan {memory}"
             measured = _comm([c for c in recorder.records if c.origin == "planned"])
             assert measured == comm, f"{spec} zero={zero}: measured {measured}, plan {comm}"
+            if zero == 1:  # the step's reductions in flat buffers: one collective per mesh axis and kind
+                reductions = collections.Counter((c.kind, c.axes) for c in recorder.records
+                                                 if c.phase == "optimizer" and c.kind != "all_gather")
+                if torch.distributed.get_rank() == 0:
+                    print(f"{spec} zero=1 step reductions: {dict(reductions)}")
+                assert reductions and set(reductions.values()) == {1}, (spec, reductions)
         opt.zero_grad()
         assert all(p.grad is None for p in model.parameters())
         for name, p in model.named_parameters():
@@ -218,13 +232,32 @@ def _stage1_checkpoint_loads_into_stage3(model, opt, tmp):
         assert torch.equal(p.full_tensor(), q.full_tensor()), name
 
 
-def _all_runs(rank, world, plans, bf16_plan, reference, tmp):
+def _uneven_step_reduction():
+    """The step's flat-buffer reduction of gradients whose chunks differ in size (one empty), and of one that
+    shards two dims over dp and fsdp, equals DTensor's redistribute of each within 1e-6 (sums of 4 normal
+    values; gloo may add them in another order for another buffer size)."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+    from spmd.runtime.step_reduce import reduce_all_to
+    mesh = spmd.make_mesh({"dp": 2, "fsdp": 2})
+    torch.manual_seed(torch.distributed.get_rank())
+    shapes = [(5, 3), (7,), (3, 9), (1, 4), (6, 6)]
+    targets = [(Replicate(), Shard(0))] * 2 + [(Replicate(), Shard(1)), (Replicate(), Shard(0)), (Shard(0), Shard(1))]
+    grads = [DTensor.from_local(torch.randn(s), mesh, (Partial(), Partial()), run_check=False) for s in shapes]
+    for got, g, t in zip(reduce_all_to(grads, targets, "test"), grads, targets):
+        want = g.redistribute(mesh, t)
+        assert tuple(got.placements) == t and got.to_local().shape == want.to_local().shape, (g.shape, t)
+        assert torch.allclose(got.to_local(), want.to_local(), rtol=0, atol=1e-6), (g.shape, t)
+
+
+def _all_runs(rank, world, plans, bf16_plan, reference, wide, tmp):
+    _uneven_step_reduction()
     for (spec, zero, offload), planned in zip(RUNS, plans):
         model, opt = _train(spec, zero, _in(offload, tmp), planned, reference, (spec, zero, offload) in ACCUMULATE)
         if (spec, zero, offload) == ("fsdp=4", 1, None):
             _stage1_checkpoint_loads_into_stage3(model, opt, tmp)
     _train("dp=2,fsdp=2", 2, "optimizer", None, reference, accumulate=True)
     _bf16_master_in_optimizer(bf16_plan, reference)
+    nvme_streams_its_state(wide, f"{tmp}/wide")
 
 
 @pytest.mark.slow
@@ -246,4 +279,4 @@ def test_zero_stages_match_one_device_and_their_plans(tmp_path):
     sizes, rules = _rules("fsdp=4", 2)
     bf16_plan = spmd.explain(tiny_model(), rules, sizes, batch_shape=(BATCH, SEQ), dtype=torch.bfloat16,
                              reduce_dtype=torch.bfloat16, master="optimizer").memory
-    run_distributed(_all_runs, 4, plans, bf16_plan, _reference(), str(tmp_path), timeout_s=400)
+    run_distributed(_all_runs, 4, plans, bf16_plan, _reference(), wide_reference(), str(tmp_path), timeout_s=400)

@@ -53,13 +53,17 @@ def test_bad_zero_settings_fail_naming_the_fix():
         spmd.Rules({"embed": "tp"}, optimizer={"embed": "fsdp"})
     with pytest.raises(ValueError, match="master='fp32' is not one of"):
         spmd.parallelize(tiny_model(), None, spmd.Rules.default(), master="fp32")
-    with pytest.raises(ValueError, match="offload='params' is not supported; use None, 'optimizer'.*'nvme:DIR'"):
-        spmd.parallelize(tiny_model(), None, spmd.Rules.default(), offload="params")
+    with pytest.raises(ValueError, match="offload='disk' is not supported; use None, 'optimizer'.*'params'"):
+        spmd.parallelize(tiny_model(), None, spmd.Rules.default(), offload="disk")
+    with pytest.raises(ValueError, match="offload='params' keeps stage-3 parameter shards on the host, but "
+                                         "'tok_embeddings.weight' is stored.*use Rules.default\\(zero=3\\)"):
+        spmd.explain(tiny_model(), spmd.Rules.default(zero=2), {"fsdp": 4}, (8, 16), offload="params")
     problems = [(dict(zero=4), "--zero 4 is not a ZeRO stage; use 1"),
                 (dict(master="host"), "--master 'host' is not one of params|optimizer"),
                 (dict(mesh="pp=2,fsdp=2", zero=1), "--zero 1 with a pp axis is not supported.*use --zero 3"),
                 (dict(zero=2, compile=True), "--compile with --zero 2 is not supported yet.*use --zero 3"),
-                (dict(offload="params"), "--offload params is not supported yet.*use --offload optimizer"),
+                (dict(offload="params", zero=2), "--offload params keeps stage-3 .*--zero 2.*use --zero 3"),
+                (dict(offload="params", compile=True), "--offload params with --compile is not supported"),
                 (dict(offload="nvme:"), "--offload 'nvme:' is not supported; use --offload optimizer.*nvme:DIR")]
     for fields, message in problems:
         with pytest.raises(ValueError, match=message):

@@ -44,24 +44,34 @@ def memory_per_rank(model: nn.Module, optimizer: str, activations: int = 0) -> d
     """Bytes per rank of parameters, gradients and optimizer states, from the local shards of each state's layout.
     Offloaded (`offload="optimizer"`): `optimizer_host` holds the masters and states, `gradients_host` the
     gradient shards copied out for the step, and `optimizer` on the device is 0; under "nvme:DIR" the masters
-    and states are `optimizer_nvme` (files). `total` is the device's."""
+    and states are `optimizer_nvme` (files) and the step streams them through host memory one parameter at a
+    time: `optimizer_host` and `gradients_host` are then the largest parameter's. Under "params" the parameter
+    shards and their gradients are `parameters_host` and `gradients_host` too. `total` is the device's."""
     state = getattr(model, STATE_ATTR, None)
     copies = state is not None and state.master == "optimizer"
-    offload = state is not None and state.offload is not None
+    offload = None if state is None or state.offload is None else "nvme" if state.offload.startswith("nvme:") \
+        else state.offload
     states = OPTIMIZER_STATES[optimizer]
-    params = grads = opt = grads_host = 0
+    params = grads = 0
+    opt, grads_host = [], []  # per parameter
     for p in {id(p): p for p in model.parameters()}.values():
         params += local_bytes(p)
         grads += _numel(p, "_spmd_grads") * p.element_size()
         separate = copies and p.dtype != torch.float32 and p.dtype.is_floating_point
         master_size = 4 if separate else p.element_size()
-        opt += _numel(p, "_spmd_optim") * master_size * (states + (separate or offload))
-        grads_host += _numel(p, "_spmd_optim") * master_size
-    mem = {"parameters": params, "gradients": grads, "optimizer": 0 if offload else opt, "activations": activations}
+        opt.append(_numel(p, "_spmd_optim") * master_size * (states + (separate or offload in ("optimizer", "nvme"))))
+        grads_host.append(_numel(p, "_spmd_optim") * master_size)
+    mem = {"parameters": params, "gradients": grads, "optimizer": 0 if offload else sum(opt),
+           "activations": activations}
     mem["total"] = sum(mem.values())
-    if offload:
-        where = "optimizer_host" if state.offload == "optimizer" else "optimizer_nvme"
-        mem.update({"gradients_host": grads_host, where: opt})
+    if offload == "optimizer":
+        mem.update({"gradients_host": sum(grads_host), "optimizer_host": sum(opt)})
+    elif offload == "params":  # every state on the host; the device holds a parameter only while in use
+        mem.update({"parameters": 0, "gradients": 0, "total": activations, "parameters_host": params,
+                    "gradients_host": grads, "optimizer_host": sum(opt)})
+    elif offload == "nvme":  # the files hold it all; the step brings one parameter's state in at a time
+        mem.update({"optimizer_nvme": sum(opt), "optimizer_host": max(opt, default=0),
+                    "gradients_host": max(grads_host, default=0)})
     experts = sum(local_bytes(p) for p in model.parameters() if EXPERTS in (get_axes(p) or ()))
     if experts:  # part of `parameters`: the stacked experts this rank holds (E/ep of them under ep)
         mem["expert_parameters"] = experts

@@ -20,7 +20,9 @@ import torch.nn as nn
 from ..layout.blocks import find_blocks
 from .checkpointing import compile_body
 from .experts import expert_modules
+from .host import host_params
 from .reshard import CHECKPOINTED_ATTR
+from .state import STATE_ATTR
 
 __all__ = ["compile_blocks"]
 
@@ -37,6 +39,9 @@ def compile_blocks(model: nn.Module, blocks: str | None = None, bucket: bool = T
         raise ValueError(f"compile_blocks: the blocks hold expert modules ({', '.join(routed[:2])}, ...), whose token "
                          f"dispatch has split sizes that depend on the routing: torch.compile breaks the graph and "
                          f"recompiles for every routing. Run a mixture of experts without compile_blocks (--compile)")
+    if host_params(getattr(model, STATE_ATTR, None)):
+        raise ValueError("compile_blocks does not support parallelize(offload='params') (a compiled block gathers "
+                         "parameters where they are stored); leave the blocks eager, or use offload='optimizer'")
     if bucket:
         from torch._inductor import config as inductor_config
         inductor_config.bucket_all_gathers_fx = "all"

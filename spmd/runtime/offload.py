@@ -4,14 +4,18 @@
 memory-mapped file under DIR (`torch.from_file(shared=True)`), so the operating system pages it in while the
 optimizer updates that tensor and writes it back after: a state larger than host memory still trains.
 `file_backed_adam_state` gives Adam/AdamW their moments in files too, before the first step (the optimizer
-then updates them in place).
+then updates them in place). `release_pages` hands a file-backed tensor's pages back to the operating
+system once the step has updated it (its values stay in the file), so the step streams the state through
+memory one parameter at a time instead of leaving all of it resident.
 """
+import ctypes
+import mmap
 import os
 
 import torch
 from torch.distributed.tensor import DTensor
 
-__all__ = ["nvme_dir", "host_copy", "file_backed_adam_state"]
+__all__ = ["nvme_dir", "host_copy", "file_backed_adam_state", "release_pages"]
 
 
 def nvme_dir(offload) -> str | None:
@@ -55,3 +59,19 @@ def file_backed_adam_state(opt: torch.optim.Optimizer, masters, directory: str) 
             state[key] = DTensor.from_local(t, m.device_mesh, m.placements, run_check=False, shape=m.shape,
                                             stride=m.stride())
         opt.state[m] = state
+
+
+_libc = ctypes.CDLL(None, use_errno=True) if hasattr(mmap, "MADV_DONTNEED") else None
+
+
+def release_pages(tensors) -> None:
+    """Unmaps the resident pages of each memory-mapped file tensor from this process (madvise DONTNEED on
+    the shared mapping: dirty pages stay in the file; the next access reads them back). Tensors that are
+    not file-backed are left alone."""
+    for t in tensors:
+        storage = (t._local_tensor if isinstance(t, DTensor) else t).untyped_storage()
+        if _libc is None or storage.filename is None or storage.nbytes() == 0:
+            continue
+        if _libc.madvise(ctypes.c_void_p(storage.data_ptr()), ctypes.c_size_t(storage.nbytes()),
+                         mmap.MADV_DONTNEED) != 0:
+            raise OSError(ctypes.get_errno(), f"madvise(MADV_DONTNEED) failed on {storage.filename}")

@@ -12,7 +12,10 @@ three layouts agree (stage 3, or any stage on a mesh with no data axis) are thei
 device), so the optimizer's states are made there too and its step runs on the CPU; gradients are copied
 out before the step and the updated masters copied back to the device before the all-gather. On a CPU-only
 machine host memory is the device, and the same path runs. `offload="nvme:DIR"`: the masters and the
-AdamW moments are memory-mapped files under DIR instead (spmd.runtime.offload).
+AdamW moments are memory-mapped files under DIR instead (spmd.runtime.offload), and the step streams them:
+one parameter at a time its gradient is copied out, the optimizer updates its master and moments, the update
+is all-gathered into the parameter and the files' pages leave memory, so one parameter's state is resident
+at a time, however large the whole.
 """
 import torch
 import torch.nn as nn
@@ -21,9 +24,10 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from . import tags
-from .gradients import HELD_ATTR, grads_layout, held_for_step, optim_layout, reduce_to, slice_onto_shards
-from .offload import file_backed_adam_state, host_copy, nvme_dir
+from .gradients import HELD_ATTR, grads_layout, held_for_step, optim_layout, slice_onto_shards
+from .offload import file_backed_adam_state, host_copy, nvme_dir, release_pages
 from .state import STATE_ATTR
+from .step_reduce import reduce_all_to
 
 __all__ = ["shard_optimizer", "reduce_gradients", "masters_of", "refresh_masters", "gather_updated",
            "MASTER_OF_ATTR"]
@@ -55,17 +59,23 @@ def shard_optimizer(model: nn.Module, opt: torch.optim.Optimizer) -> torch.optim
                 pairs.append((p, master))
                 setattr(p, HELD_ATTR, grads_layout(p) != tuple(master.placements))
                 group["params"][i] = master
-    if pairs and nvme_dir(state.offload) is not None and not isinstance(pairs[0][1]._local_tensor, FakeTensor):
+    streamed = bool(pairs) and nvme_dir(state.offload) is not None
+    if streamed and not isinstance(pairs[0][1]._local_tensor, FakeTensor):
         file_backed_adam_state(opt, [m for _, m in pairs], nvme_dir(state.offload))
+        release_pages(_file_tensors(opt, [m for _, m in pairs]))
     if pairs:
         copy_out = state.offload is not None  # a real copy even where host memory is the device
 
         def before_step(*_):  # returns None: a pre-hook's return value would replace the step's arguments
             reduce_gradients(model)
-            _grads_to_masters(pairs, copy_out)
+            if streamed:  # the step proper then finds no gradient left and does nothing
+                _stream_step(opt, pairs)
+            else:
+                _grads_to_masters(pairs, copy_out)
 
         opt.register_step_pre_hook(before_step)
-        opt.register_step_post_hook(lambda *_: gather_updated(opt))
+        if not streamed:
+            opt.register_step_post_hook(lambda *_: gather_updated(opt))
         clear = opt.zero_grad
 
         def zero_grad(set_to_none: bool = True):
@@ -79,21 +89,21 @@ def shard_optimizer(model: nn.Module, opt: torch.optim.Optimizer) -> torch.optim
 @torch.no_grad()
 def reduce_gradients(model: nn.Module) -> None:
     """Reduces the gradients backward left unreduced under ZeRO-1 straight into the optimizer map's layout (a
-    reduce-scatter, Ψ, where an all-reduce would move 2Ψ to keep a shard), in the reduce dtype. Once per step
+    reduce-scatter, Ψ, where an all-reduce would move 2Ψ to keep a shard), in the reduce dtype, in flat
+    buffers: one collective per mesh axis (spmd.runtime.step_reduce). Once per step
     however many backward passes accumulated; call it before clipping so the norm sees reduced gradients (the
     step calls it too: a no-op for gradients already reduced)."""
     state = getattr(model, STATE_ATTR, None)
     if state is None:
         raise ValueError("reduce_gradients needs a model laid out by spmd.parallelize")
     dtype = state.reduce_dtype or state.param_dtype
+    held = [p for p in model.parameters() if p.grad is not None and held_for_step(p)
+            and any(pl.is_partial() for pl in p.grad.placements)]
+    grads = [p.grad if dtype is None else p.grad.to(dtype) for p in held]
     with tags.phase("optimizer"):
-        for p in model.parameters():
-            g = p.grad
-            if g is None or not held_for_step(p) or not any(pl.is_partial() for pl in g.placements):
-                continue
-            with tags.reason("", f"reduce gradient of {p._spmd_name} into its optimizer shard"):
-                g = reduce_to(g if dtype is None else g.to(dtype), optim_layout(p))
-            p.grad = g.to(p.dtype)
+        reduced = reduce_all_to(grads, [optim_layout(p) for p in held], "reduce gradient buckets into optimizer shards")
+    for p, g in zip(held, reduced):
+        p.grad = g.to(p.dtype)
 
 
 def masters_of(opt: torch.optim.Optimizer) -> dict:
@@ -115,7 +125,7 @@ def refresh_masters(opt: torch.optim.Optimizer) -> None:
 def _master(p: DTensor, state) -> DTensor:
     optim = optim_layout(p)
     lower = state.master == "optimizer" and p.dtype != torch.float32 and p.dtype.is_floating_point
-    if optim == tuple(p.placements) and not lower and state.offload is None:
+    if optim == tuple(p.placements) and not lower and state.offload in (None, "params"):  # params: on the host
         return p
     if grads_layout(p) != optim and not _only_slices(grads_layout(p), optim):
         raise ValueError(f"{p._spmd_name}: the optimizer map must shard at least as much as the grads map "
@@ -167,8 +177,31 @@ def gather_updated(opt: torch.optim.Optimizer) -> None:
     """The masters' updated shards into their parameters' storage layout (all-gathers; run after each step)."""
     with tags.phase("optimizer"):
         for master in (m for g in opt.param_groups for m in g["params"] if hasattr(m, MASTER_OF_ATTR)):
-            p = getattr(master, MASTER_OF_ATTR)
-            m = master.detach().to(p.device, p.dtype)
-            with tags.reason("", f"all-gather updated {p._spmd_name} to its params layout"):
-                full = m.redistribute(p.device_mesh, p.placements)
-            p._local_tensor.copy_(full.to_local())
+            _gather_into_param(master)
+
+
+def _gather_into_param(master) -> None:
+    p = getattr(master, MASTER_OF_ATTR)
+    m = master.detach().to(p.device, p.dtype)
+    with tags.reason("", f"all-gather updated {p._spmd_name} to its params layout"):
+        full = m.redistribute(p.device_mesh, p.placements)
+    p._local_tensor.copy_(full.to_local())
+
+
+@torch.no_grad()
+def _stream_step(opt: torch.optim.Optimizer, pairs) -> None:
+    """offload="nvme:DIR": the optimizer steps one master at a time (only that master has a gradient), its
+    update is all-gathered into the parameter, and its files' pages are released before the next."""
+    step = type(opt).step.__wrapped__  # the step without its hooks: this runs inside them
+    with tags.phase("optimizer"):
+        for p, master in pairs:
+            _grads_to_masters([(p, master)], copy_out=True)
+            if master.grad is not None:
+                step(opt)
+                master.grad = None
+            _gather_into_param(master)
+            release_pages(_file_tensors(opt, [master]))
+
+
+def _file_tensors(opt, masters) -> list:
+    return [t for m in masters for t in (m, *opt.state.get(m, {}).values()) if isinstance(t, torch.Tensor)]

@@ -23,6 +23,7 @@ from .activations import finish_output, map_tensors, move_linear_input
 from .agree import check_layout_agrees
 from .buckets import make_buckets
 from .experts import check_expert_layout, install_expert_hooks
+from .host import host_params, host_tensor
 from .params import gather_block, gather_module_params, release_module_params
 from .partials import reduce_partials
 from .plain import GlobalView
@@ -69,8 +70,8 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, rules: Rules, *, param_dtype
     (default: `batch`, the rest whole; an unnamed dim 1 is split over cp); tensors made in forward are replicated.
     A scalar (the loss), alone or in a dict, tuple or ModelOutput, comes back plain, equal on every rank.
 
-    `bucket`: the parameters of each repeated block (spmd.find_blocks) gather in one collective per mesh
-    axis and their gradients reduce in one (spmd.runtime.buckets); False moves every parameter on its own.
+    `bucket`: the parameters of each repeated block (spmd.find_blocks) gather in one collective per mesh axis
+    and their gradients reduce in one (spmd.runtime.buckets); False (and offload="params") moves each alone.
 
     A model built on the meta device (too large for one device) needs `param_init(name, meta_tensor)`:
     it returns the full initial value of each meta parameter and buffer (called once each, in
@@ -79,16 +80,16 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, rules: Rules, *, param_dtype
 
     `master`: where the fp32 master weights live when `param_dtype` is lower. "params": the parameters stay
     fp32 and are cast when gathered; "optimizer": the parameters are stored in `param_dtype` and the fp32
-    copy lives with the optimizer states, in the optimizer map's layout (spmd.shard_optimizer).
-    `offload="optimizer"`: the masters and optimizer states live in host memory and the step runs there.
+    copy lives with the optimizer states, in the optimizer map's layout (spmd.shard_optimizer). `offload`: they
+    live in host memory ("optimizer"; "nvme:DIR": files; "params": stage-3 parameter shards too, runtime.host).
     """
     if hasattr(model, STATE_ATTR):
         raise ValueError("this model is already parallelized; build a fresh model to lay it out again")
     state = SPMDState(mesh, rules, param_dtype, reduce_dtype, input_axes, master, offload)
     layouts = param_layouts(model, mesh, rules)  # every check runs before anything changes
-    meta = next((n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta), None)
-    if meta is not None and param_init is None:
-        raise _needs_param_init(meta)
+    bucket = bucket and not _offloads_stage_3(state, layouts)
+    if param_init is None and any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
+        raise _needs_param_init(next(n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta))
     check_layout_agrees(model, mesh, rules, layouts, param_dtype=param_dtype, reduce_dtype=reduce_dtype, bucket=bucket,
                         master=master, offload=offload)
     converted: dict[int, nn.Parameter] = {}
@@ -126,11 +127,27 @@ def _laid_out(p, name: str, layout, state: SPMDState, param_init) -> nn.Paramete
     storage, compute, grads, optim = layout
     value = _initial(p, name, param_init)
     dt = distribute_tensor(value.to(state.storage_dtype(value.dtype)), state.mesh, storage, src_data_rank=None)
+    if host_params(state):
+        dt = DTensor.from_local(host_tensor(dt._local_tensor), state.mesh, storage, run_check=False,
+                                shape=dt.shape, stride=dt.stride())
     new = nn.Parameter(dt, requires_grad=p.requires_grad)
     copy_annotations(p, new)
     new._spmd_compute, new._spmd_grads, new._spmd_optim = compute, grads, optim
     new._spmd_name = name
     return new
+
+
+def _offloads_stage_3(state, layouts) -> bool:
+    """Whether parameters live on the host (offload="params"), which needs stage-3 layouts."""
+    if not host_params(state):
+        return False
+    for name, (storage, _, grads, optim) in layouts.items():
+        if not storage == grads == optim:
+            raise ValueError(f"offload='params' keeps stage-3 parameter shards on the host, but {name!r} is stored "
+                             f"{storage} with gradients {grads} and optimizer state {optim}; use "
+                             f"Rules.default(zero=3) (parameters sharded as their optimizer state), or "
+                             f"offload='optimizer'")
+    return True
 
 
 def _needs_param_init(name: str) -> ValueError:

@@ -24,6 +24,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from . import tags
 from .buckets import gather_bucket
+from .host import to_compute, to_host
 from .gradients import grads_layout, held_for_step, join_unreduced, reduce_for_step, reduce_to
 from .reshard import BODY_COMPILED_ATTR, CHECKPOINTED_ATTR, reshard_after_forward, storage_key
 
@@ -35,7 +36,7 @@ class _GatherParam(torch.autograd.Function):
     def forward(ctx, p: DTensor, placements, dtype, reduce_dtype, state, module, name):
         ctx.p, ctx.storage = p, grads_layout(p)
         ctx.reduce_dtype, ctx.state, ctx.module, ctx.name = reduce_dtype, state, module, name
-        x = p if dtype is None or p.dtype == dtype else p.to(dtype)
+        x = to_compute(p, dtype, state)
         if tuple(x.placements) == tuple(placements):
             return x.view_as(x) if x is p else x
         with tags.reason(module, f"gather {name} to its compute layout"):
@@ -47,7 +48,7 @@ class _GatherParam(torch.autograd.Function):
         if ctx.reduce_dtype is not None and g.dtype != ctx.reduce_dtype:
             g = g.to(ctx.reduce_dtype)
         if not ctx.state.sync:
-            return g.to(p.dtype), None, None, None, None, None, None
+            return to_host(g, p, ctx.state), None, None, None, None, None, None
         if held_for_step(p):
             with tags.reason(ctx.module, f"reduce gradient of {ctx.name} but over the axes its step shards"):
                 return reduce_for_step(p, g).to(p.dtype), None, None, None, None, None, None
@@ -55,7 +56,7 @@ class _GatherParam(torch.autograd.Function):
         if tuple(g.placements) != ctx.storage:
             with tags.reason(ctx.module, f"reduce gradient of {ctx.name} to its storage layout"):
                 g = reduce_to(g, ctx.storage)
-        return g.to(p.dtype), None, None, None, None, None, None
+        return to_host(g, p, ctx.state), None, None, None, None, None, None
 
 
 def gather_param(p, placements, dtype, reduce_dtype, state, module: str, name: str) -> DTensor:

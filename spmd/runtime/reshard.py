@@ -11,6 +11,7 @@ from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
 
 from . import attention_memory, tags
+from .host import to_compute
 
 __all__ = ["CHECKPOINTED_ATTR", "BODY_COMPILED_ATTR", "reshard_after_forward", "storage_key", "observe_saved"]
 
@@ -24,10 +25,11 @@ def storage_key(t: DTensor) -> int:
 
 
 class _Regather:
-    __slots__ = ("param", "compute", "dtype", "module", "local_view", "spec", "bucket")
+    __slots__ = ("param", "compute", "dtype", "module", "local_view", "spec", "bucket", "state")
 
-    def __init__(self, param, compute, dtype, module, t: torch.Tensor, bucket=None):
+    def __init__(self, param, compute, dtype, module, t: torch.Tensor, bucket=None, state=None):
         self.param, self.compute, self.dtype, self.module, self.bucket = param, compute, dtype, module, bucket
+        self.state = state
         local = t._local_tensor if isinstance(t, DTensor) else t
         self.local_view = (local.size(), local.stride(), local.storage_offset())
         # a plain tensor is a view of the gathered local shard (experts compute on local tensors)
@@ -37,9 +39,7 @@ class _Regather:
         if self.bucket is not None:  # the whole block's parameters, gathered once for its backward
             full = self.bucket.regather(self.dtype)[id(self.param)]
         else:
-            p = self.param.detach()
-            if self.dtype is not None and p.dtype != self.dtype:
-                p = p.to(self.dtype)
+            p = to_compute(self.param.detach(), self.dtype, self.state)
             with tags.reason(self.module, f"regather {self.param._spmd_name} for backward"):
                 full = p.redistribute(p.device_mesh, self.compute)
         size, stride, offset = self.local_view
@@ -60,7 +60,7 @@ def reshard_after_forward(gathered: dict, state, module: str):
         local = t._local_tensor if isinstance(t, DTensor) else t
         hit = gathered.get(local.untyped_storage()._cdata)
         if hit is not None:
-            return _Regather(hit[0], hit[1], state.param_dtype, module, t, state.bucket_of.get(id(hit[0])))
+            return _Regather(hit[0], hit[1], state.param_dtype, module, t, state.bucket_of.get(id(hit[0])), state)
         _observe(t)
         return t
 

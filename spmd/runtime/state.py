@@ -13,15 +13,15 @@ STATE_ATTR = "_spmd_state"
 
 
 MASTERS = ("params", "optimizer")  # where fp32 master weights live under a lower compute dtype
-OFFLOADS = (None, "optimizer")     # which states live in host memory instead of on the device (or "nvme:DIR")
+OFFLOADS = (None, "optimizer", "params")  # which states live in host memory instead of on the device (or "nvme:DIR")
 
 
 class SPMDState:
     def __init__(self, mesh, rules, param_dtype, reduce_dtype, input_axes, master="params", offload=None):
         if offload not in OFFLOADS and not (isinstance(offload, str) and len(offload) > 5 and offload[:5] == "nvme:"):
             raise ValueError(f"offload={offload!r} is not supported; use None, 'optimizer' (AdamW states and fp32 "
-                             f"masters in host memory, the step on the CPU) or 'nvme:DIR' (them in files under DIR). "
-                             f"Parameters are not offloaded yet")
+                             f"masters in host memory, the step on the CPU), 'nvme:DIR' (them in files under DIR) or "
+                             f"'params' (stage-3 parameter shards too)")
         if master not in MASTERS:
             raise ValueError(f"master={master!r} is not one of {MASTERS}: 'params' keeps fp32 parameters and casts "
                              f"them for compute, 'optimizer' stores parameters in param_dtype and the fp32 master "

@@ -1,0 +1,47 @@
+"""`parallelize(offload="params")`: parameter shards live in host memory between uses (ZeRO-3 with offload).
+
+A parameter's local shard is a host tensor (pinned when there is a CUDA device); before it is gathered it
+is copied to the compute device in the compute dtype (so bf16 halves the transfer), and its reduced
+gradient is copied back to the host, where the optimizer steps on the shard itself. On a CPU-only machine
+host memory is the device and the same path runs: both copies are real copies, so the gathers never read
+the stored shard and the gradient never stays in the tensor the reduction wrote.
+"""
+import torch
+
+__all__ = ["PARAMS", "host_params", "compute_device", "to_compute", "to_host", "host_tensor"]
+
+PARAMS = "params"
+
+
+def host_params(state) -> bool:
+    """Whether the parameters of the model `state` describes live in host memory between uses."""
+    return state is not None and state.offload == PARAMS
+
+
+def compute_device(mesh) -> torch.device:
+    """The device this rank computes on: the mesh's, at the current CUDA device when it is CUDA."""
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh.device_type)
+
+
+def host_tensor(local: torch.Tensor) -> torch.Tensor:
+    """A host copy of `local`, pinned when there is a CUDA device (copies to and from it can then overlap)."""
+    out = local.to("cpu", copy=True)
+    return out.pin_memory() if torch.cuda.is_available() else out
+
+
+def to_compute(p, dtype, state):
+    """Parameter `p` as stored, in `dtype` (None: its own) and, under offload="params", copied to the compute
+    device; otherwise `p` itself when no cast is needed."""
+    dtype = p.dtype if dtype is None else dtype
+    if host_params(state):
+        return p.to(compute_device(state.mesh), dtype, copy=True)
+    return p if p.dtype == dtype else p.to(dtype)
+
+
+def to_host(g, p, state):
+    """Gradient `g` in `p`'s dtype and, under offload="params", copied to the host where `p` lives."""
+    if host_params(state):
+        return g.to(p.device, p.dtype, copy=True)
+    return g.to(p.dtype)
