@@ -98,7 +98,8 @@ def gather_module_params(state, mod, name: str, param_names, weight_layout=None)
         compute = weight_layout if (weight_layout is not None and p_name == "weight") else p._spmd_compute
         g = _gathered(state, p, compute, name, compiling)
         mod.__dict__[p_name] = g
-        if not compiling and _moves_data(p.placements, compute, state.mesh):
+        bucket = state.bucket_of.get(id(p))
+        if not compiling and _moves_data(p.placements, compute, state.mesh) and not (bucket and bucket.keep):
             regather[storage_key(g)] = (p, compute)
     if not regather or compiling or getattr(mod, CHECKPOINTED_ATTR, False):
         return None
