@@ -187,6 +187,8 @@ def _pre_hook(state: SPMDState, name: str, module: nn.Module, is_root: bool):
             state.move_cache.clear()
             state.shared_gathers.clear()
             state.prefetched.clear()  # left over only if a forward stopped early
+            if state.reducer is not None:
+                state.reducer.reset()  # left over only if a backward stopped early
             args = tuple(_to_dtensor(state, a, i) for i, a in enumerate(args))
             kwargs = {k: _to_dtensor(state, v, k) for k, v in kwargs.items()}
         else:

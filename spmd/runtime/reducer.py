@@ -31,6 +31,10 @@ class GradientReducer:
         self.issued: list = []   # (kind, mesh dim, members, shapes, async result)
         self.queued = False
 
+    def reset(self):
+        """Forgets buffers a backward that failed part-way left (called as each forward starts)."""
+        self.open, self.sizes, self.issued, self.queued = {}, {}, [], False
+
     def add(self, p, g: DTensor, kind: str, m: int, block: str):
         """Takes `g` (a partial sum over mesh dim `m` only) for `p`; it is reduced by the end of backward."""
         key = (kind, m, g.dtype)
