@@ -223,7 +223,9 @@ def gather_bucket(bucket: Bucket, state) -> dict:
     pending = state.prefetched.pop(id(bucket), None)
     values = _GatherBucket.apply(bucket, state, pending, *bucket.params)
     nxt = bucket.next
-    if nxt is not None and id(nxt) not in state.prefetched:
+    # a compiled block gathers inside its graph: nothing would take a prefetch
+    compiled = nxt is not None and getattr(nxt.module, "_compiled_call_impl", None) is not None
+    if nxt is not None and id(nxt) not in state.prefetched and not compiled:
         state.prefetched[id(nxt)] = nxt.issue(state.param_dtype, f"gather {nxt.name} to its compute layout, "
                                                                   f"prefetched")
     return {id(p): v for p, v in zip(bucket.params, values)}
