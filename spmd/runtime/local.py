@@ -151,8 +151,10 @@ def _contiguous(shape) -> tuple:
 def enter_local(state, mod, name: str, args, kwargs):
     """(args, kwargs) on local tensors when `mod` is a data-only block fed batch-split inputs (and pushes
     the call on `state.local`); None otherwise."""
+    if torch.compiler.is_compiling() or getattr(mod, CHECKPOINTED_ATTR, False):
+        return None
     members = state.local_members.get(id(mod))
-    if members is None or torch.compiler.is_compiling() or getattr(mod, CHECKPOINTED_ATTR, False):
+    if members is None:
         return None
     layout = _batch_layout(args, kwargs, state.mesh)
     if layout is None:
