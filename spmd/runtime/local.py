@@ -51,9 +51,18 @@ def _batch_layout(args, kwargs, mesh) -> tuple | None:
             if not all(p.is_replicate() or (p.is_shard() and p.dim == 0) for p in placements):
                 return None
             layout = placements
+            first_batch = t.shape[0] if t.ndim else None
         elif placements != layout and not all(p.is_replicate() for p in placements):
             return None
+        elif placements != layout and t.ndim and t.shape[0] == first_batch and any(q.is_shard() for q in layout):
+            return None  # whole along a batch the others split (a mask made from global shapes): DTensor slices it
     return layout
+
+
+def _whole_batch_plain(args, kwargs) -> bool:
+    first = next(iter(_dtensors(args, kwargs)))
+    plain = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor) and not isinstance(a, DTensor)]
+    return first.ndim > 0 and any(a.ndim and a.shape[0] == first.shape[0] for a in plain)
 
 
 def _dtensors(args, kwargs) -> list:
@@ -157,8 +166,8 @@ def enter_local(state, mod, name: str, args, kwargs):
     if members is None:
         return None
     layout = _batch_layout(args, kwargs, state.mesh)
-    if layout is None:
-        return None
+    if layout is None or (any(q.is_shard() for q in layout) and _whole_batch_plain(args, kwargs)):
+        return None  # a plain tensor made from global shapes (a mask) meets the split batch: DTensor slices it
     call = LocalBlock(state, mod, name, members, layout)
     out = call.enter(args, kwargs)
     state.local.append(call)
