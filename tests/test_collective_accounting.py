@@ -73,10 +73,12 @@ def test_sequence_parallel_turns_each_all_reduce_into_all_gather_plus_reduce_sca
                 assert all(c.bytes == S * (t - 1) // t for c in got)
         act_bytes = sum(c.bytes for c in block if c.kind != "all_reduce")
         report(f"sp block {layer} activation bytes (same as TP)", act_bytes, 8 * S * (t - 1) // t)
-        # sequence-sharded norms see different tokens on each rank: their weight gradients all-reduce
-        norms = [c for c in block if c.kind == "all_reduce"]
-        report(f"sp block {layer} norm-gradient all-reduces", sum(c.bytes for c in norms),
-               2 * (2 * cfg.dim * F32 * (t - 1) // t))
+    # sequence-sharded norms (two a block, the final one) see different tokens on each rank: their weight
+    # gradients all-reduce, every block's in one buffer (spmd.runtime.reducer)
+    norms = planned(plan, "all_reduce", "tp", "backward", why="all-reduce gradients")
+    report("sp norm-gradient all-reduces", len(norms), 1)
+    report("sp norm-gradient bytes", sum(c.bytes for c in norms),
+           2 * ((2 * cfg.n_layers + 1) * cfg.dim * F32 * (t - 1) // t))
     assert all(d.choice == "gather activation" for d in plan.decisions)
     assert not [c for c in plan.collectives if c.origin == "implicit"]
 
@@ -89,9 +91,12 @@ def test_fsdp_moves_three_psi():
     embedding = param_bytes(model, lambda name: name == "tok_embeddings.weight")
     ring = lambda b: b * (n - 1) // n  # noqa: E731
     report("fsdp forward all-gather", sum(c.bytes for c in planned(plan, "all_gather", "fsdp", "forward")), ring(psi))
-    # backward regathers every weight its backward reads; the embedding's backward needs only indices
+    # backward regathers the blocks' weights; the root unit (embedding, final norm, output) stays gathered
+    # from forward to backward, as FSDP2's root does
+    outside = param_bytes(model, lambda name: not name.startswith("layers."))
     report("fsdp backward all-gather", sum(c.bytes for c in planned(plan, "all_gather", "fsdp", "backward")),
-           ring(psi - embedding))
+           ring(psi - outside))
+    assert len(planned(plan, "all_gather", "fsdp", "forward")) == len(model.layers) + 1  # one per unit
     report("fsdp reduce-scatter", sum(c.bytes for c in planned(plan, "reduce_scatter", "fsdp", "backward")),
            ring(psi))
     assert not planned(plan, "all_reduce")
@@ -103,10 +108,10 @@ def test_data_parallel_moves_two_psi():
     psi = param_bytes(tiny_model())
     report("dp gradient all-reduce", sum(c.bytes for c in planned(plan, "all_reduce", "dp", "backward")),
            2 * psi * (n - 1) // n)
-    # DDP-style buckets: one all-reduce per block (its parameters in one buffer), one per parameter outside
-    model = tiny_model()
-    outside = [n for n, _ in model.named_parameters() if not n.startswith("layers.")]
-    assert len(planned(plan, "all_reduce", "dp", "backward")) == len(model.layers) + len(outside)
+    # DDP's buckets: every gradient, blocks and root unit alike, in one all-reduce while they fit 25 MB
+    assert psi < 25 * 2**20
+    assert len(planned(plan, "all_reduce", "dp", "backward")) == 1
+
 
 
 def test_hsdp_gathers_over_fsdp_and_all_reduces_shards_over_dp():

@@ -56,6 +56,7 @@ class Bucket:
         self.prev: Bucket | None = None
         self.regathered: dict | None = None  # id(param) -> gathered DTensor, during this bucket's backward
         self.pending_regather = None         # a regather issued ahead, during the next block's backward
+        self.keep = False                    # the root unit: gathered values stay alive for backward
 
     def issue(self, dtype, why: str):
         """Starts the all-gather of the first mesh axis (asynchronous); `finish` completes the gather. Issued
@@ -130,6 +131,8 @@ class Bucket:
                     out[i] = reduce_for_step(p, g).to(p.dtype)
                 continue
             work[i] = slice_onto_shards(join_unreduced(p, g), grads_layout(p))
+            if state.reducer is not None and self._hand_over(p, work[i], state.reducer):
+                del work[i]  # reduced with other blocks' gradients, by the end of backward (spmd.runtime.reducer)
         for kind in ("reduce_scatter", "all_reduce"):
             for m in range(mesh.ndim):
                 if mesh.size(m) == 1:
@@ -145,6 +148,20 @@ class Bucket:
                     g = reduce_to(g, storage)
             out[i] = g.to(self.params[i].dtype)
         return out
+
+    def _hand_over(self, p, g, reducer) -> bool:
+        """Gives `g` to the cross-block reducer when one collective over one mesh axis completes it."""
+        storage = grads_layout(p)
+        active = [m for m in range(self.mesh.ndim) if self.mesh.size(m) > 1]
+        partial = [m for m in active if g.placements[m].is_partial()]
+        if len(partial) != 1 or any(g.placements[k] != storage[k] for k in active if k != partial[0]):
+            return False
+        m = partial[0]
+        for kind in ("reduce_scatter", "all_reduce"):
+            if _bucketable(g.placements[m], storage[m], kind, g, self.mesh.size(m)):
+                reducer.add(p, g, kind, m, self.name)
+                return True
+        return False
 
     def _reduce_group(self, work: dict, group: list, m: int, kind: str):
         mesh, n = self.mesh, self.mesh.size(m)
@@ -206,7 +223,9 @@ def gather_bucket(bucket: Bucket, state) -> dict:
     pending = state.prefetched.pop(id(bucket), None)
     values = _GatherBucket.apply(bucket, state, pending, *bucket.params)
     nxt = bucket.next
-    if nxt is not None and id(nxt) not in state.prefetched:
+    # a compiled block gathers inside its graph: nothing would take a prefetch
+    compiled = nxt is not None and getattr(nxt.module, "_compiled_call_impl", None) is not None
+    if nxt is not None and id(nxt) not in state.prefetched and not compiled:
         state.prefetched[id(nxt)] = nxt.issue(state.param_dtype, f"gather {nxt.name} to its compute layout, "
                                                                   f"prefetched")
     return {id(p): v for p, v in zip(bucket.params, values)}
@@ -220,8 +239,8 @@ def regather_for_recompute(bucket: Bucket, state) -> dict:
 
 
 def make_buckets(model, mesh) -> tuple[dict, dict]:
-    """({id(block): Bucket}, {id(param): Bucket}) for the model's repeated blocks (none without a block list).
-    A bucket holds the block's parameters that shard_dims covers and no other module shares."""
+    """({id(module): Bucket}, {id(param): Bucket}) for the model's repeated blocks and its root unit (the
+    parameters outside the blocks). A bucket holds parameters that shard_dims covers and no two modules share."""
     try:
         path, blocks = find_blocks(model)
     except ValueError:
@@ -237,4 +256,12 @@ def make_buckets(model, mesh) -> tuple[dict, dict]:
             chain.append(b)
     for a, b in zip(chain, chain[1:]):  # blocks run in list order: each prefetches the next
         a.next, b.prev = b, a
+    rest = list({id(p): p for p in model.parameters() if isinstance(p, DTensor) and id(p) not in by_param
+                 and not getattr(p, "_spmd_shared", False) and shard_dims(p, mesh) is not None}.values())
+    if rest:  # the root unit (FSDP2's): gathered once as the model starts, kept until backward
+        root = Bucket(type(model).__name__, model, rest, mesh)
+        root.keep = True
+        root.next = chain[0] if chain else None
+        by_block[id(model)] = root
+        by_param.update({id(p): root for p in rest})
     return by_block, by_param

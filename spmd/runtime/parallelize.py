@@ -24,9 +24,11 @@ from .agree import check_layout_agrees
 from .buckets import make_buckets
 from .experts import check_expert_layout, install_expert_hooks
 from .host import host_params, host_tensor
+from .local import enter_local, local_blocks
 from .params import gather_block, gather_module_params, release_module_params
 from .partials import reduce_partials
 from .plain import GlobalView
+from .reducer import DEFAULT_BUCKET_MB, GradientReducer
 from .state import STATE_ATTR, SPMDState
 
 __all__ = ["parallelize", "no_sync", "param_layouts"]
@@ -62,7 +64,7 @@ def param_layouts(model: nn.Module, mesh: DeviceMesh, rules: Rules):
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, rules: Rules, *, param_dtype: torch.dtype | None = None,
                 reduce_dtype: torch.dtype | None = torch.float32, input_axes=None, param_init=None,
-                bucket: bool = True, master: str = "params", offload: str | None = None) -> nn.Module:
+                bucket: bool = True, master: str = "params", offload=None, bucket_mb=DEFAULT_BUCKET_MB) -> nn.Module:
     """Lays `model` out on `mesh` following `rules`, in place, and returns it.
 
     Plain-tensor inputs are this rank's slice of the batch (as with DDP) and, under cp, its zigzag share of the
@@ -70,13 +72,14 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, rules: Rules, *, param_dtype
     (default: `batch`, the rest whole; an unnamed dim 1 is split over cp); tensors made in forward are replicated.
     A scalar (the loss), alone or in a dict, tuple or ModelOutput, comes back plain, equal on every rank.
 
-    `bucket`: the parameters of each repeated block (spmd.find_blocks) gather in one collective per mesh axis
-    and their gradients reduce in one (spmd.runtime.buckets); False (and offload="params") moves each alone.
+    `bucket`: each block's parameters, and the rest as a root unit, gather in one collective per mesh axis
+    (spmd.runtime.buckets), gradients reduce across blocks in `bucket_mb` MB buffers (spmd.runtime.reducer),
+    data-only blocks run on local tensors (spmd.runtime.local). False (and offload="params") moves each alone.
 
-    A model built on the meta device (too large for one device) needs `param_init(name, meta_tensor)`:
-    it returns the full initial value of each meta parameter and buffer (called once each, in
-    `named_parameters` order), and this rank keeps its slice, so one full tensor exists at a time. Given
-    the values a one-device build has (e.g. `Llama.initializer(seed)`), every layout holds the same model.
+    A model built on the meta device needs `param_init(name, meta_tensor)`: the full initial value of each
+    meta parameter and buffer (called once each, in `named_parameters` order); this rank keeps its slice, so
+    one full tensor exists at a time. Given a one-device build's values (`Llama.initializer(seed)`), every
+    layout holds the same model.
 
     `master`: where the fp32 master weights live when `param_dtype` is lower. "params": the parameters stay
     fp32 and are cast when gathered; "optimizer": the parameters are stored in `param_dtype` and the fp32
@@ -117,9 +120,15 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, rules: Rules, *, param_dtype
     for p in (p for p in converted.values() if uses[id(p)] > 1):
         p._spmd_shared = True
     if bucket:
-        state.buckets, state.bucket_of = make_buckets(model, mesh)
+        _install_buckets(model, state, bucket_mb)
     setattr(model, STATE_ATTR, state)
     return model
+
+
+def _install_buckets(model: nn.Module, state: SPMDState, bucket_mb: float):
+    state.buckets, state.bucket_of = make_buckets(model, state.mesh)
+    state.local_members = local_blocks(model, state)
+    state.reducer = GradientReducer(state.mesh, bucket_mb) if bucket_mb > 0 else None
 
 
 def _laid_out(p, name: str, layout, state: SPMDState, param_init) -> nn.Parameter:
@@ -188,15 +197,23 @@ def _pre_hook(state: SPMDState, name: str, module: nn.Module, is_root: bool):
     is_linear = kind is not None and not isinstance(module, nn.Embedding)
 
     def hook(mod, args, kwargs):
+        if state.local:  # inside a block running on local tensors (spmd.runtime.local): nothing moves here
+            return None
         active.push(state)
         tags.push_module(name)
         if is_root:
             state.move_cache.clear()
             state.shared_gathers.clear()
             state.prefetched.clear()  # left over only if a forward stopped early
+            if state.reducer is not None:
+                state.reducer.reset()  # left over only if a backward stopped early
             args = tuple(_to_dtensor(state, a, i) for i, a in enumerate(args))
             kwargs = {k: _to_dtensor(state, v, k) for k, v in kwargs.items()}
-        if not torch.compiler.is_compiling() and (is_root or not state.global_view):
+        else:
+            local = enter_local(state, mod, name, args, kwargs)
+            if local is not None:
+                return local
+        if (is_root or not state.global_view) and not torch.compiler.is_compiling():
             # the root's forward, or a checkpointed block recomputing in backward
             state.global_view.append((mod, GlobalView(state)))
             state.global_view[-1][1].__enter__()
@@ -218,6 +235,13 @@ def _post_hook(state: SPMDState, module: nn.Module, is_root: bool):
     has_children = next(module.children(), None) is not None
 
     def hook(mod, args, output):
+        if state.local:
+            if state.local[-1].module is not mod:
+                return None
+            output = state.local.pop().leave(output)
+            tags.pop_module()
+            active.pop()
+            return output
         compiling = torch.compiler.is_compiling()
         release_module_params(state, mod, param_names,
                               state.saved_hooks.pop() if not compiling and state.saved_hooks else None)

@@ -100,7 +100,7 @@ def gather_module_params(state, mod, name: str, param_names, weight_layout=None)
         compute = weight_layout if (weight_layout is not None and p_name == "weight") else p._spmd_compute
         g = _gathered(state, p, compute, name, compiling)
         mod.__dict__[p_name] = g
-        if not compiling and _moves_data(p.placements, compute, state.mesh):
+        if not compiling and _moves_data(p.placements, compute, state.mesh) and not _kept(state, p):
             regather[storage_key(g)] = (p, compute)
     if not regather or compiling or getattr(mod, CHECKPOINTED_ATTR, False):
         return None
@@ -139,6 +139,12 @@ def release_module_params(state, mod, param_names, hooks):
         hooks.__exit__(None, None, None)
     for n in param_names:
         mod.__dict__.pop(n, None)
+
+
+def _kept(state, p) -> bool:
+    """Whether `p` stays gathered from forward to backward (the root unit's, as FSDP2's root)."""
+    bucket = state.bucket_of.get(id(p))
+    return bucket is not None and bucket.keep
 
 
 def _moves_data(storage, compute, mesh) -> bool:

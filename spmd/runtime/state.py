@@ -38,6 +38,9 @@ class SPMDState:
         self.bucket_of: dict = {}              # id(param) -> its Bucket
         self.bucket_values: dict = {}          # id(param) -> gathered value, while its block runs forward
         self.prefetched: dict = {}             # id(bucket) -> its gather, issued while the block before ran
+        self.reducer = None                    # reducer.GradientReducer: bucket gradients reduced across blocks
+        self.local_members: dict = {}          # id(block) -> its (module, name, param): blocks that may run locally
+        self.local: list = []                  # the local.LocalBlock calls running now
         self.global_view: list = []            # (module, plain.GlobalView) entered by the root or a recomputed block
 
     def storage_dtype(self, dtype):

@@ -1,0 +1,174 @@
+"""Blocks whose compute layout is data-only run on local tensors, as DDP and FSDP2 run theirs.
+
+A repeated block whose parameters are all replicated in compute over every active mesh axis, fed activations
+split along the batch dim only, computes on each rank exactly what that rank's slice of the batch needs: no
+op inside needs DTensor's dispatch. Such a block gathers its parameters as before (its bucket), then runs on
+their local tensors and its inputs' local tensors, and its outputs go back into DTensors in the input's
+layout. The local tensors carry their gradient layout across: a parameter's gradient comes back as this
+rank's partial sum over the mesh axes that split the batch, which the bucket reduces as before, and an
+input's gradient in the input's layout. Collectives, ZeRO-3's regather and no_sync are those of the DTensor
+path; only the per-op dispatch is gone. Blocks under activation checkpointing (their recomputation runs
+inside the block, past these hooks), compiled blocks and blocks holding experts keep the DTensor path.
+"""
+import torch
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+from .buckets import gather_bucket
+from .experts import expert_modules
+from .params import gather_param, gather_shared
+from .reshard import CHECKPOINTED_ATTR, reshard_after_forward, storage_key
+
+__all__ = ["local_blocks", "enter_local", "LocalBlock"]
+
+
+def local_blocks(model, state) -> dict:
+    """{id(block): [(module, name, param)]} for the bucketed blocks whose parameters are all replicated in
+    compute on every mesh axis of size > 1, and that hold no experts."""
+    mesh = state.mesh
+    experts = {id(m) for m in expert_modules(model).values()}
+    found = {}
+    for bucket in state.buckets.values():
+        if bucket.module is model:
+            continue  # the root unit: the model itself, whose inputs and outputs are not a block's
+        members = [(m, n, p) for m in bucket.module.modules() for n, p in m._parameters.items()
+                   if isinstance(p, DTensor)]
+        if any(id(m) in experts for m in bucket.module.modules()):
+            continue
+        if all(c.is_replicate() or mesh.size(i) == 1 for _, _, p in members for i, c in enumerate(p._spmd_compute)):
+            found[id(bucket.module)] = members
+    return found
+
+
+def _batch_layout(args, kwargs, mesh) -> tuple | None:
+    """The placements of the block's first DTensor input when it is split along dim 0 at most (the batch) and
+    every other DTensor input is split the same way or whole; else None."""
+    layout = None
+    for t in _dtensors(args, kwargs):
+        if t.device_mesh != mesh:
+            return None
+        placements = tuple(Replicate() if mesh.size(i) == 1 else p for i, p in enumerate(t.placements))
+        if layout is None:
+            if not all(p.is_replicate() or (p.is_shard() and p.dim == 0) for p in placements):
+                return None
+            layout = placements
+            first_batch = t.shape[0] if t.ndim else None
+        elif placements != layout and not all(p.is_replicate() for p in placements):
+            return None
+        elif placements != layout and t.ndim and t.shape[0] == first_batch and any(q.is_shard() for q in layout):
+            return None  # whole along a batch the others split (a mask made from global shapes): DTensor slices it
+    return layout
+
+
+def _whole_batch_plain(args, kwargs) -> bool:
+    first = next(iter(_dtensors(args, kwargs)))
+    plain = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor) and not isinstance(a, DTensor)]
+    return first.ndim > 0 and any(a.ndim and a.shape[0] == first.shape[0] for a in plain)
+
+
+def _dtensors(args, kwargs) -> list:
+    found = []
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, DTensor):
+            found.append(a)
+        elif isinstance(a, (tuple, list)):
+            found.extend(x for x in a if isinstance(x, DTensor))
+    return found
+
+
+def _to_local(x, partial_axes: tuple):
+    """`x`'s local tensor; its gradient comes back in `x`'s layout, a partial sum over `partial_axes` where
+    `x` is replicated (this rank saw only its slice of the batch)."""
+    if not isinstance(x, DTensor):
+        if isinstance(x, (tuple, list)):
+            return type(x)(_to_local(v, partial_axes) for v in x)
+        return x
+    grad = tuple(Partial() if (s and p.is_replicate()) else p for s, p in zip(partial_axes, x.placements))
+    return x.to_local(grad_placements=grad)
+
+
+class LocalBlock:
+    """One call of a data-only block on local tensors: `enter` before its forward, `leave` after."""
+
+    def __init__(self, state, module, name: str, members: list, layout: tuple):
+        self.state, self.module, self.name, self.members, self.layout = state, module, name, members, layout
+        self.split = tuple(p.is_shard() for p in layout)
+        self.hooks = None
+        self.batch = None
+
+    def enter(self, args, kwargs):
+        """Gathers the block's parameters into its modules as local tensors; returns the local inputs."""
+        state = self.state
+        values = gather_bucket(state.buckets[id(self.module)], state)
+        regather = {}
+        for m, n, p in self.members:
+            g = values.get(id(p))
+            if g is None:  # outside the bucket: shared with another module, or moving on its own
+                g = gather_shared(state, p, p._spmd_compute, self.name) if getattr(p, "_spmd_shared", False) \
+                    else gather_param(p, p._spmd_compute, state.param_dtype, state.reduce_dtype, state, self.name,
+                                      p._spmd_name)
+            m.__dict__[n] = _to_local(g, self.split)
+            if any(s != c and state.mesh.size(i) > 1 for i, (s, c) in enumerate(zip(p.placements, p._spmd_compute))):
+                regather[storage_key(g)] = (p, p._spmd_compute)
+        if regather and not getattr(self.module, CHECKPOINTED_ATTR, False):
+            self.hooks = reshard_after_forward(regather, state, self.name)
+            self.hooks.__enter__()
+        first = next(iter(_dtensors(args, kwargs)))
+        self.batch = (first.to_local().shape[0] if first.ndim else None, first.shape[0] if first.ndim else None)
+        return (tuple(_to_local(a, self.split) for a in args),
+                {k: _to_local(v, self.split) for k, v in kwargs.items()})
+
+    def leave(self, output):
+        """Drops the local parameters and wraps the block's tensor outputs back into DTensors."""
+        if self.hooks is not None:
+            self.hooks.__exit__(None, None, None)
+        for m, n, _ in self.members:
+            m.__dict__.pop(n, None)
+        return _wrap(output, self.state.mesh, self.layout, self.batch)
+
+
+def _wrap(output, mesh, layout, batch):
+    local_batch, global_batch = batch
+
+    def wrap(t):
+        if isinstance(t, DTensor) or not isinstance(t, torch.Tensor):
+            return t
+        if t.ndim and t.shape[0] == local_batch:
+            shape = torch.Size((global_batch, *t.shape[1:]))
+            return DTensor.from_local(t, mesh, layout, run_check=False, shape=shape, stride=_contiguous(shape))
+        raise ValueError(f"a block running on local tensors returned a tensor of shape {tuple(t.shape)} whose dim 0 "
+                         f"is not the batch ({local_batch} on this rank); a block's outputs must lead with the "
+                         f"batch dim. Pass parallelize(..., bucket=False) to run it on DTensors")
+
+    if isinstance(output, torch.Tensor):
+        return wrap(output)
+    if isinstance(output, (tuple, list)):
+        return type(output)(wrap(v) for v in output)
+    if isinstance(output, dict):
+        for k in list(output.keys()):
+            output[k] = wrap(output[k])
+    return output
+
+
+def _contiguous(shape) -> tuple:
+    stride, acc = [], 1
+    for s in reversed(shape):
+        stride.append(acc)
+        acc *= s
+    return tuple(reversed(stride))
+
+
+def enter_local(state, mod, name: str, args, kwargs):
+    """(args, kwargs) on local tensors when `mod` is a data-only block fed batch-split inputs (and pushes
+    the call on `state.local`); None otherwise."""
+    if torch.compiler.is_compiling() or getattr(mod, CHECKPOINTED_ATTR, False):
+        return None
+    members = state.local_members.get(id(mod))
+    if members is None:
+        return None
+    layout = _batch_layout(args, kwargs, state.mesh)
+    if layout is None or (any(q.is_shard() for q in layout) and _whole_batch_plain(args, kwargs)):
+        return None  # a plain tensor made from global shapes (a mask) meets the split batch: DTensor slices it
+    call = LocalBlock(state, mod, name, members, layout)
+    out = call.enter(args, kwargs)
+    state.local.append(call)
+    return out
