@@ -76,10 +76,9 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, rules: Rules, *, param_dtype
     (spmd.runtime.buckets), gradients reduce across blocks in `bucket_mb` MB buffers (spmd.runtime.reducer),
     data-only blocks run on local tensors (spmd.runtime.local). False (and offload="params") moves each alone.
 
-    A model built on the meta device needs `param_init(name, meta_tensor)`: the full initial value of each
-    meta parameter and buffer (called once each, in `named_parameters` order); this rank keeps its slice, so
-    one full tensor exists at a time. Given a one-device build's values (`Llama.initializer(seed)`), every
-    layout holds the same model.
+    A model built on the meta device needs `param_init(name, meta_tensor)`: the full initial value of each meta
+    parameter and buffer (once each, in `named_parameters` order); this rank keeps its slice, one full tensor at
+    a time. Given a one-device build's values (`Llama.initializer(seed)`), every layout holds the same model.
 
     `master`: where the fp32 master weights live when `param_dtype` is lower. "params": the parameters stay
     fp32 and are cast when gathered; "optimizer": the parameters are stored in `param_dtype` and the fp32
