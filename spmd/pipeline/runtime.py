@@ -9,6 +9,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from ..runtime.host import compute_device
+
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv")
 INTERLEAVED = ("interleaved-1f1b", "zero-bubble", "zbv")  # several stages per rank
 
@@ -121,8 +123,7 @@ class PipelineRuntime:
         return self.parameters()
 
     def _device(self):
-        return torch.device("cuda", torch.cuda.current_device()) if self.mesh.device_type == "cuda" else \
-            torch.device(self.mesh.device_type)
+        return compute_device(self.mesh)
 
     def _scaled_loss(self, loss, target):
         return loss * (self._scale / self.microbatches)

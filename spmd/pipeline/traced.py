@@ -10,6 +10,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from ..runtime.host import compute_device
 from .runtime import PipelineRuntime, default_microbatches, validate_pipeline
 from .split import split_stages
 from .stage import NamedParams
@@ -51,8 +52,7 @@ def build_traced_pipeline(model: nn.Module, mesh: DeviceMesh, example_inputs: tu
         raise ValueError(f"tracing {type(model).__name__} gave {traced.num_stages} stages, not {split.n_stages}: "
                          f"the blocks in {split.block_path!r} must run in order in its forward")
     rank = mesh.get_local_rank("pp")
-    device = torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else \
-        torch.device(mesh.device_type)
+    device = compute_device(mesh)
     mine = [s.index for s in split.stages_of_rank(rank)]
     stages = [traced.build_stage(i, device, group=mesh.get_group("pp")) for i in mine]
     named = [(n, p) for st in stages for n, p in st.submod.named_parameters()]

@@ -15,6 +15,8 @@ import os
 import torch
 from torch.distributed.tensor import DTensor
 
+from .host import host_tensor
+
 __all__ = ["nvme_dir", "host_copy", "file_backed_adam_state", "release_pages"]
 
 
@@ -36,8 +38,7 @@ def host_copy(local: torch.Tensor, offload, name: str) -> torch.Tensor:
     """A copy of `local` in host memory (pinned with CUDA) or, under nvme:DIR, in a memory-mapped file."""
     directory = nvme_dir(offload)
     if directory is None:
-        out = local.to("cpu", copy=True)
-        return out.pin_memory() if torch.cuda.is_available() else out
+        return host_tensor(local)
     if isinstance(local, torch._subclasses.FakeTensor):  # explain: nothing to write
         return local.to("cpu", copy=True)
     out = _file_tensor(directory, f"{name}.master", local)
