@@ -20,11 +20,16 @@ The textbook terms, and the terms the textbooks leave out that a real step has (
                                all-reduce of (loss sum, token count), 2 fp32
   SP norm-weight gradients     sequence-sharded RMSNorms see different tokens per tp rank: each norm weight's
                                gradient (h fp32, its fsdp shard) is all-reduced over tp; 2 per block + final
-  ZeRO-3 / FSDP over n         all-gather forward (Ψ), all-gather again for backward (Ψ minus the input
-                               embedding, whose backward reads only token ids), reduce-scatter of gradients
-                               (Ψ): "3Ψ"; Ψ is the tp-local parameter bytes. Mixed precision: gathers move the
-                               compute dtype, gradient reductions fp32 (our trainer's policy)
+  ZeRO-3 / FSDP over n         all-gather forward (Ψ), all-gather again for backward (Ψ), reduce-scatter of
+                               gradients (Ψ): "3Ψ"; Ψ is the tp-local parameter bytes. Mixed precision: gathers
+                               move the compute dtype, gradient reductions fp32 (our trainer's policy). One
+                               gather per unit (each block, the root, a tied weight); the root (embedding,
+                               final norm, output) stays gathered for backward, as FSDP2's root does, so
+                               backward regathers Ψ minus the root
   DP over d                    all-reduce of the gradients (fp32; of the fsdp shard under HSDP): "2Ψ"
+  gradient buffers             a gradient one collective completes joins a buffer across blocks, issued at
+                               bucket_mb (DDP's 25 MB); under HSDP, and for the sequence-parallel norms (also
+                               partial over tp) and a tied weight, each unit reduces its own
   EP over ep (expert_comm)     a mixture of experts at balanced routing: 4 all-to-alls per MoE layer of
                                top_k*b*s*h*e (ep-1)/ep, the token counts, the router statistics; its expert
                                parameters per rank: expert_states. The dense terms under ep are not modelled
@@ -42,6 +47,7 @@ from dataclasses import dataclass, field
 
 BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}
 REDUCE_BYTES = 4   # gradients are reduced in fp32
+DEFAULT_BUCKET_MB = 25.0  # spmd.runtime.reducer's (DDP's) gradient buffer
 LOSS_BYTES = 4     # the loss statistics are fp32
 
 
@@ -106,13 +112,13 @@ class Param:
     name: str
     numel: int
     tp_sharded: bool   # heads/kv_heads/mlp/vocab dim split over tp (norm weights are not)
-    role: str          # "embedding" | "output" | "block" | "norm"
+    role: str          # "embedding" | "output" | "tied" (an embedding that is also the output) | "block" | "norm"
 
 
 def parameters(cfg) -> list[Param]:
     """The Llama parameters by role, as models/llama.py builds them (a tied output is the embedding)."""
     d, hd = cfg.dim, cfg.dim // cfg.n_heads
-    out = [Param("tok_embeddings.weight", cfg.vocab_size * d, True, "embedding")]
+    out = [Param("tok_embeddings.weight", cfg.vocab_size * d, True, "tied" if cfg.tie_embeddings else "embedding")]
     for i in range(cfg.n_layers):
         p = f"layers.{i}."
         out += [Param(p + "attention_norm.weight", d, False, "norm"),
@@ -130,11 +136,30 @@ def parameters(cfg) -> list[Param]:
     return out
 
 
-def collectives(params: list[Param]) -> int:
-    """spmd moves a block's parameters in one buffer (spmd/runtime/buckets.py): one collective per block, one per
-    parameter outside the blocks."""
-    blocks = {p.name.split(".")[1] for p in params if p.name.startswith("layers.")}
-    return len(blocks) + sum(1 for p in params if not p.name.startswith("layers."))
+def parameter_units(params: list[Param], tied: bool = False) -> dict:
+    """The units spmd gathers in one buffer each (spmd/runtime/buckets.py): every block, the root (the
+    parameters outside the blocks, gathered once and kept for backward as FSDP2's root), and a tied weight on
+    its own (two modules use it). Keys in forward order."""
+    units: dict[str, list] = {"root": []}
+    for p in params:
+        key = p.name.split(".")[1] if p.name.startswith("layers.") else ("tied" if p.role == "tied" else "root")
+        units.setdefault(key, []).append(p)
+    return units
+
+
+def buffers(params: list[Param], nbytes, bucket_mb: float) -> list[int]:
+    """Bytes of each gradient buffer spmd.runtime.reducer issues: gradients arrive block by block in backward
+    order (the last block first, the root last) and a buffer goes out as soon as it holds `bucket_mb` MB."""
+    units = list(parameter_units(params).items())
+    order = [u for k, u in reversed(units) if k.isdigit()] + [u for k, u in units if not k.isdigit()]
+    cap, out, open_ = int(bucket_mb * 2**20), [], 0
+    for unit in order:
+        for p in unit:
+            open_ += nbytes(p)
+            if open_ >= cap:
+                out.append(open_)
+                open_ = 0
+    return out + ([open_] if open_ else [])
 
 
 def tp_local(p: Param, spec: Spec) -> int:
@@ -193,7 +218,8 @@ class CommModel:
                 "terms": [t.__dict__ | {"kinds": list(t.kinds)} for t in self.terms if t.count]}
 
 
-def comm(cfg, spec: Spec | str, batch: int, seq: int, dtype: str = "fp32") -> CommModel:
+def comm(cfg, spec: Spec | str, batch: int, seq: int, dtype: str = "fp32",
+         bucket_mb: float = DEFAULT_BUCKET_MB) -> CommModel:
     """Expected collectives of one training step (forward + backward + gradient reduction) per rank."""
     spec = Spec.parse(spec) if isinstance(spec, str) else spec
     if spec.pp > 1:
@@ -217,9 +243,14 @@ def comm(cfg, spec: Spec | str, batch: int, seq: int, dtype: str = "fp32") -> Co
                      8 * L, 8 * L * ring("all_gather", S, t), True, "L * 8 * S(t-1)/t as 4 AG + 4 RS"))
             add(Term("TP embedding + output (SP)", "tp", ("reduce_scatter", "all_gather"), "forward+backward",
                      4, 4 * ring("all_gather", S, t), False, "embedding RS fwd + AG bwd; output AG fwd + RS bwd"))
-            add(Term("SP norm-weight gradients", "tp", ("all_reduce",), "backward", L + 1,
-                     (2 * L + 1) * ring("all_reduce", h * REDUCE_BYTES // n, t), False,
-                     "(2L+1) * 2 * (h*4/fsdp)(t-1)/t, a block's two in one buffer"))
+            norms = (2 * L + 1) * h * REDUCE_BYTES // n
+            if n == 1 and d == 1:   # one all-reduce over tp completes them: one buffer across blocks
+                add(Term("SP norm-weight gradients", "tp", ("all_reduce",), "backward", 1,
+                         ring("all_reduce", norms, t), False, "2 * ((2L+1)*h*4)(t-1)/t, one buffer"))
+            else:                   # partial over a data axis too: each unit reduces its own
+                add(Term("SP norm-weight gradients", "tp", ("all_reduce",), "backward", L + 1,
+                         (2 * L + 1) * ring("all_reduce", h * REDUCE_BYTES // n, t), False,
+                         "(2L+1) * 2 * (h*4/fsdp)(t-1)/t, a block's two in one buffer"))
         else:
             add(Term("TP blocks (Megatron)", "tp", ("all_reduce",), "forward+backward", 4 * L,
                      4 * L * ring("all_reduce", S, t), True, "L * 8 * S(t-1)/t as 4 AR"))
@@ -234,28 +265,51 @@ def comm(cfg, spec: Spec | str, batch: int, seq: int, dtype: str = "fp32") -> Co
                      ring("all_reduce", 2 * LOSS_BYTES, size), False, "AR of (loss sum, count), 2 fp32"))
 
     params = parameters(cfg)
+    units = parameter_units(params, cfg.tie_embeddings)
+    sp_norms = spec.sequence_parallel
     if n > 1:
-        fwd = sum(ring("all_gather", tp_local(p, spec) * e, n) for p in params)
-        emb = [p for p in params if p.role == "embedding"]
-        emb_bytes = sum(ring("all_gather", tp_local(p, spec) * e, n) for p in emb)
-        rs = sum(ring("reduce_scatter", tp_local(p, spec) * REDUCE_BYTES, n) for p in params)
-        add(Term("FSDP all-gather forward", "fsdp", ("all_gather",), "forward", collectives(params), fwd, True,
-                 "Ψ(n-1)/n, compute dtype"))
-        if cfg.tie_embeddings:
-            # the input embedding needs no weight in backward, but a tied output projection does
-            add(Term("FSDP all-gather backward", "fsdp", ("all_gather",), "backward", collectives(params), fwd, True,
-                     "Ψ(n-1)/n (tied embedding: the output projection regathers it)"))
-        else:
-            add(Term("FSDP all-gather backward", "fsdp", ("all_gather",), "backward", collectives(params), fwd, True,
-                     "Ψ(n-1)/n"))
-            add(Term("FSDP no backward gather of the input embedding", "fsdp", ("all_gather",), "backward",
-                     -len(emb), -emb_bytes, False, "-Ψ_embedding(n-1)/n"))
-        add(Term("FSDP gradient reduce-scatter", "fsdp", ("reduce_scatter",), "backward", collectives(params), rs, True,
-                 "Ψ(n-1)/n, fp32"))
-    if d > 1:
-        ar = sum(ring("all_reduce", tp_local(p, spec) // n * REDUCE_BYTES, d) for p in params)
-        add(Term("DP gradient all-reduce", "dp", ("all_reduce",), "backward", collectives(params), ar, True,
-                 "2Ψ(d-1)/d, fp32" + (" (of the fsdp shard)" if n > 1 else "")))
+        def gathered(unit):
+            return ring("all_gather", sum(tp_local(p, spec) for p in unit) * e, n)
+        fwd = sum(gathered(u) for u in units.values())
+        add(Term("FSDP all-gather forward", "fsdp", ("all_gather",), "forward", len(units), fwd, True,
+                 "Ψ(n-1)/n, compute dtype, one per unit (each block, the root, a tied weight)"))
+        add(Term("FSDP all-gather backward", "fsdp", ("all_gather",), "backward", len(units), fwd, True,
+                 "Ψ(n-1)/n"))
+        add(Term("FSDP root unit kept gathered for backward", "fsdp", ("all_gather",), "backward", -1,
+                 -gathered(units["root"]), False, "-Ψ_root(n-1)/n (FSDP2's root: embedding, final norm, output)"))
+    if n > 1 and d == 1:
+        # one reduce-scatter completes each gradient: buffers across units (spmd.runtime.reducer), except the
+        # sequence-parallel norms (also partial over tp: per unit, then all-reduced over tp) and a tied weight
+        rest = [p for p in params if not (sp_norms and p.role == "norm") and p.role != "tied"]
+        bufs = buffers(rest, lambda p: tp_local(p, spec) * REDUCE_BYTES, bucket_mb)
+        add(Term("FSDP gradient reduce-scatter", "fsdp", ("reduce_scatter",), "backward", len(bufs),
+                 sum(ring("reduce_scatter", b, n) for b in bufs), True,
+                 f"Ψ(n-1)/n, fp32, in {bucket_mb:g} MB buffers across blocks"))
+        for what, members in (("sequence-parallel norms", [p for p in params if sp_norms and p.role == "norm"]),
+                              ("tied weight", [p for p in params if p.role == "tied"])):
+            per_unit = [sum(tp_local(p, spec) * REDUCE_BYTES for p in u if p in members) for u in units.values()]
+            per_unit = [b for b in per_unit if b]
+            add(Term(f"FSDP gradient reduce-scatter, {what} per unit", "fsdp", ("reduce_scatter",), "backward",
+                     len(per_unit), sum(ring("reduce_scatter", b, n) for b in per_unit), True, "fp32"))
+    elif n > 1:
+        # HSDP: two collectives complete each gradient, so each unit reduces its own (reduce-scatter over fsdp,
+        # then all-reduce of the shard over dp)
+        rs = [sum(tp_local(p, spec) for p in u) * REDUCE_BYTES for u in units.values()]
+        add(Term("FSDP gradient reduce-scatter", "fsdp", ("reduce_scatter",), "backward", len(rs),
+                 sum(ring("reduce_scatter", b, n) for b in rs), True, "Ψ(n-1)/n, fp32, one per unit"))
+        add(Term("DP gradient all-reduce", "dp", ("all_reduce",), "backward", len(rs),
+                 sum(ring("all_reduce", b // n, d) for b in rs), True, "2Ψ(d-1)/d, fp32, of the fsdp shard, one per unit"))
+    elif d > 1:
+        rest = [p for p in params if not (sp_norms and p.role == "norm")]
+        bufs = buffers(rest, lambda p: tp_local(p, spec) * REDUCE_BYTES, bucket_mb)
+        add(Term("DP gradient all-reduce", "dp", ("all_reduce",), "backward", len(bufs),
+                 sum(ring("all_reduce", b, d) for b in bufs), True,
+                 f"2Ψ(d-1)/d, fp32, in {bucket_mb:g} MB buffers across blocks"))
+        if sp_norms:
+            per_unit = [sum(tp_local(p, spec) * REDUCE_BYTES for p in u if p.role == "norm") for u in units.values()]
+            per_unit = [b for b in per_unit if b]
+            add(Term("DP gradient all-reduce, sequence-parallel norms per unit", "dp", ("all_reduce",), "backward",
+                     len(per_unit), sum(ring("all_reduce", b, d) for b in per_unit), True, "fp32"))
     return m
 
 
