@@ -263,7 +263,9 @@ def _all_runs(rank, world, plans, bf16_plan, reference, wide, tmp):
 @pytest.mark.slow
 def test_zero_stages_match_one_device_and_their_plans(tmp_path):
     plans = [_plan(spec, zero, _in(offload, str(tmp_path))) for spec, zero, offload in RUNS]
-    by_stage = {zero: comm for (spec, zero, offload), (_, comm) in zip(RUNS, plans) if spec == "fsdp=4"}
+    by_stage = {zero: comm for (spec, zero, offload), (_, comm) in zip(RUNS, plans)
+                if spec == "fsdp=4" and offload != "params"}
+    params_offload = plans[RUNS.index(("fsdp=4", 3, "params"))][1]
     by_stage[0] = _plan("fsdp=4", 0)[1]
     psi = 4 * sum(p.numel() for p in tiny_model().parameters())
     ring = psi * 3 // 4
@@ -277,6 +279,10 @@ def test_zero_stages_match_one_device_and_their_plans(tmp_path):
     for zero, comm in sorted(by_stage.items()):
         print(f"zero={zero}: planned {comm}, formula {formulas[zero]}, total/Ψ' {sum(comm.values()) / ring:.4f}")
         assert comm == formulas[zero], (zero, comm)
+    # with its shards on the host, stage 3 moves each parameter on its own: no root unit kept gathered, only
+    # the input embedding (its backward reads token ids alone) is not regathered
+    embedding = 4 * tiny_model().tok_embeddings.weight.numel() * 3 // 4
+    assert params_offload == formulas[3] | {("backward", "all_gather"): ring - embedding}, params_offload
     sizes, rules = _rules("fsdp=4", 2)
     bf16_plan = spmd.explain(tiny_model(), rules, sizes, batch_shape=(BATCH, SEQ), dtype=torch.bfloat16,
                              reduce_dtype=torch.bfloat16, master="optimizer").memory

@@ -15,15 +15,11 @@ import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor
 
 from ..layout.blocks import find_blocks
-from . import tags
+from . import flat, tags
 from .gradients import grads_layout, held_for_step, join_unreduced, reduce_for_step, reduce_to, slice_onto_shards
 from .reshard import CHECKPOINTED_ATTR
 
 __all__ = ["Bucket", "make_buckets", "gather_bucket", "regather_for_recompute", "shard_dims"]
-
-
-def _wait(t):
-    return t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t
 
 
 def shard_dims(p, mesh) -> dict | None:
@@ -70,9 +66,9 @@ class Bucket:
     def _launch(self, locals_, m: int, why: str) -> list:
         launched = []
         for group in _by_dtype([i for i, dims in enumerate(self.shard_dims) if m in dims], locals_):
-            flat = torch.cat([locals_[i].reshape(-1) for i in group])
+            buffer = torch.cat([locals_[i].reshape(-1) for i in group])
             with tags.reason(self.name, f"{why} ({len(group)} parameters, one buffer)"):
-                launched.append((group, funcol.all_gather_single(flat, 0, (self.mesh, m))))
+                launched.append((group, funcol.all_gather_single(buffer, 0, (self.mesh, m))))
         return launched
 
     def finish(self, pending) -> list[DTensor]:
@@ -84,7 +80,7 @@ class Bucket:
                 launched = self._launch(locals_, m, why)
             n = self.mesh.size(m)
             for group, out in launched:
-                out = _wait(out).view(n, -1)
+                out = flat.wait(out).view(n, -1)
                 offset = 0
                 for i in group:
                     t = locals_[i]
@@ -164,28 +160,20 @@ class Bucket:
         return False
 
     def _reduce_group(self, work: dict, group: list, m: int, kind: str):
-        mesh, n = self.mesh, self.mesh.size(m)
+        mesh, what = self.mesh, f"gradients of {self.name} ({len(group)} parameters, one buffer)"
+        tensors = [work[i]._local_tensor for i in group]
         if kind == "reduce_scatter":
-            chunks = {i: work[i]._local_tensor.chunk(n, dim=grads_layout(self.params[i])[m].dim) for i in group}
-            flat = torch.cat([chunks[i][r].reshape(-1) for r in range(n) for i in group])
-            with tags.reason(self.name, f"reduce-scatter gradients of {self.name} ({len(group)} parameters, one buffer)"):
-                reduced = _wait(funcol.reduce_scatter_single(flat, "sum", 0, (mesh, m)))
-            shapes = {i: chunks[i][0].shape for i in group}
+            with tags.reason(self.name, f"reduce-scatter {what}"):
+                pending = flat.reduce_scatter(tensors, [grads_layout(self.params[i])[m].dim for i in group], mesh, m)
         else:
-            flat = torch.cat([work[i]._local_tensor.reshape(-1) for i in group])
-            with tags.reason(self.name, f"all-reduce gradients of {self.name} ({len(group)} parameters, one buffer)"):
-                reduced = _wait(funcol.all_reduce(flat, "sum", (mesh, m)))
-            shapes = {i: work[i]._local_tensor.shape for i in group}
-        offset = 0
-        for i in group:
+            with tags.reason(self.name, f"all-reduce {what}"):
+                pending = flat.all_reduce(tensors, mesh, m)
+        for i, reduced in zip(group, pending.results()):
             g = work[i]
-            k = shapes[i].numel()
             placements = list(g.placements)
             placements[m] = grads_layout(self.params[i])[m]
-            work[i] = DTensor.from_local(reduced[offset:offset + k].view(shapes[i]), mesh, tuple(placements),
-                                         run_check=False, shape=g.shape, stride=g.stride())
-            offset += k
-
+            work[i] = DTensor.from_local(reduced, mesh, tuple(placements), run_check=False, shape=g.shape,
+                                         stride=g.stride())
 
 def _bucketable(current, storage, kind: str, g, n: int) -> bool:
     if not (current.is_partial() and getattr(current, "reduce_op", "sum") == "sum"):

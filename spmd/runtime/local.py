@@ -11,7 +11,7 @@ path; only the per-op dispatch is gone. Blocks under activation checkpointing (t
 inside the block, past these hooks), compiled blocks and blocks holding experts keep the DTensor path.
 """
 import torch
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from .buckets import gather_bucket
 from .experts import expert_modules

@@ -212,8 +212,9 @@ def _pre_hook(state: SPMDState, name: str, module: nn.Module, is_root: bool):
             local = enter_local(state, mod, name, args, kwargs)
             if local is not None:
                 return local
-        if (is_root or not state.global_view) and not torch.compiler.is_compiling():
-            # the root's forward, or a checkpointed block recomputing in backward
+        if not torch.compiler.is_compiling() and (is_root or not state.global_view):
+            # the root's forward, or a checkpointed block recomputing in backward (the compiler must not read
+            # the stack: its entries differ between forward and recompute, and a guard on them recompiles)
             state.global_view.append((mod, GlobalView(state)))
             state.global_view[-1][1].__enter__()
         gather_block(state, mod)

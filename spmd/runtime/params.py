@@ -122,7 +122,7 @@ def gather_shared(state, p, compute, module: str) -> DTensor:
 def _gathered(state, p, compute, module: str, compiling: bool) -> DTensor:
     if getattr(p, "_spmd_shared", False):
         return gather_shared(state, p, compute, module)
-    if state.bucket_values and not compiling and compute is p._spmd_compute:
+    if not compiling and state.bucket_values and compute is p._spmd_compute:  # (compiler: no guard on it)
         g = state.bucket_values.get(id(p))  # gathered with its block
         if g is not None:
             return g

@@ -3,17 +3,13 @@ shards in one reduce-scatter per mesh axis (and one all-reduce per axis that kee
 DDP's and FSDP's buckets do, instead of one collective per parameter.
 
 Each gradient is first sliced onto the shards it already may keep (free), as `gradients.reduce_to` does.
-Then, per mesh axis that turns a partial sum into a shard, every gradient's chunks (DTensor's own split
-along its shard dim) are laid out rank by rank in one buffer, each rank's segment padded to the longest;
-one reduce-scatter leaves each rank its segment, which splits back into the shards. The bytes on the wire
-are the per-parameter reductions' (plus any padding of uneven chunks). A gradient whose target shards one
+Then, per mesh axis that turns a partial sum into a shard, one flat reduce-scatter (spmd.runtime.flat)
+leaves each rank its chunk of every gradient. A gradient whose target shards one
 dim over two mesh axes takes the per-parameter path.
 """
-import torch
-import torch.distributed._functional_collectives as funcol
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate
 
-from . import tags
+from . import flat, tags
 from .gradients import reduce_to, slice_onto_shards
 
 __all__ = ["reduce_all_to"]
@@ -61,33 +57,9 @@ def _bucketable(g: DTensor, target) -> bool:
 
 def _reduce_scatter(mesh, m: int, members: dict) -> dict:
     """{i: (local, shard dim)} -> {i: this rank's shard of the sum over mesh axis m}."""
-    n, rank = mesh.size(m), mesh.get_local_rank(m)
-    chunks = {i: _chunks(t, d, n) for i, (t, d) in members.items()}
-    seg = max(sum(c[r].numel() for c in chunks.values()) for r in range(n))
-    rows = []
-    for r in range(n):
-        row = torch.cat([c[r].reshape(-1) for c in chunks.values()])
-        rows.append(torch.nn.functional.pad(row, (0, seg - row.numel())))
-    mine = funcol.reduce_scatter_single(torch.cat(rows), "sum", 0, (mesh, m))
-    mine = mine.wait() if hasattr(mine, "wait") else mine
-    out, at = {}, 0
-    for i, c in chunks.items():
-        out[i] = mine[at:at + c[rank].numel()].view(c[rank].shape)
-        at += c[rank].numel()
-    return out
-
-
-def _chunks(t: torch.Tensor, dim: int, n: int) -> list:
-    pieces, _ = Shard(dim)._split_tensor(t, n, with_padding=False)
-    return pieces
+    pending = flat.reduce_scatter([t for t, _ in members.values()], [d for _, d in members.values()], mesh, m)
+    return dict(zip(members, pending.results()))
 
 
 def _all_reduce(mesh, m: int, members: dict) -> dict:
-    flat = torch.cat([t.reshape(-1) for t in members.values()])
-    summed = funcol.all_reduce(flat, "sum", (mesh, m))
-    summed = summed.wait() if hasattr(summed, "wait") else summed
-    out, at = {}, 0
-    for i, t in members.items():
-        out[i] = summed[at:at + t.numel()].view(t.shape)
-        at += t.numel()
-    return out
+    return dict(zip(members, flat.all_reduce(list(members.values()), mesh, m).results()))
