@@ -10,6 +10,7 @@ server's environment is the session's at its start, so each worker takes the cal
 at the launch.
 """
 import datetime
+import io
 import os
 import time
 
@@ -24,7 +25,8 @@ PRELOAD = ["torch", "torch._dynamo", "torch.distributed.tensor", "torch.distribu
            "torch.distributed.fsdp", "spmd", "models", "transformers", "tests.dist_utils"]
 
 
-def _worker(rank: int, fn, world_size: int, port: int, args, timeout_s: float, env: dict):
+def _worker(rank: int, fn, world_size: int, port: int, packed: bytes, timeout_s: float, env: dict):
+    args = torch.load(io.BytesIO(packed), weights_only=False)
     os.environ.clear()
     os.environ.update(env)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
@@ -47,7 +49,9 @@ def run_distributed(fn, world_size: int, *args, timeout_s: float = 120.0):
     server = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
                            timeout=datetime.timedelta(seconds=timeout_s))
     mp.set_forkserver_preload(PRELOAD)  # a module that fails to import is skipped (and imported by the worker)
-    ctx = mp.start_processes(_worker, args=(fn, world_size, server.port, args, timeout_s, dict(os.environ)),
+    packed = io.BytesIO()
+    torch.save(args, packed)  # by value: shared-memory tensors would pass a descriptor each, past the server's limit
+    ctx = mp.start_processes(_worker, args=(fn, world_size, server.port, packed.getvalue(), timeout_s, dict(os.environ)),
                              nprocs=world_size, join=False, start_method="forkserver")
     deadline = time.monotonic() + timeout_s
     try:
