@@ -22,7 +22,9 @@ from spmd.layout.mesh import exit_process
 
 
 PRELOAD = ["torch", "torch._dynamo", "torch.distributed.tensor", "torch.distributed.checkpoint", "torch.distributed.pipelining",
-           "torch.distributed.fsdp", "spmd", "models", "transformers", "tests.dist_utils"]
+           "torch.distributed.fsdp", "spmd", "models", "transformers", "tests.dist_utils",
+           *(f"transformers.models.{m}.modeling_{m}" for m in ("llama", "mistral", "qwen2", "gemma", "phi3", "gpt2",
+                                                                "gpt_neox", "opt"))]
 
 
 def _worker(rank: int, fn, world_size: int, port: int, packed: bytes, timeout_s: float, env: dict):
