@@ -116,6 +116,27 @@ def nvme_streams_its_state(reference, directory: str) -> None:
     for name, p in model.named_parameters():
         err = norm_rel_err(p.full_tensor(), ref_params[name])
         assert err <= 1e-5, f"nvme wide: parameter {name} off by {err:.2e}"
+    _checkpoint_leaves_nothing_resident(model, opt, state, directory)
+
+
+def _checkpoint_leaves_nothing_resident(model, opt, state, directory: str) -> None:
+    """A save reads the file-backed state and a load writes it in place: after either, none of it stays
+    resident, and the loaded values are the saved ones."""
+    from spmd import checkpoint
+    ckpt = f"{directory}/ckpt"
+    def whole(t):
+        return t.full_tensor() if hasattr(t, "full_tensor") else t
+    saved = {name: whole(t).clone() for name, t in checkpoint.optim_state(model, opt).items()}
+    checkpoint.save(ckpt, 1, checkpoint.model_state(model), checkpoint.optim_state(model, opt))
+    after_save = resident_bytes(state)
+    with torch.no_grad():
+        for t in state[1::3] + state[2::3]:  # the moments (state holds master, exp_avg, exp_avg_sq per parameter)
+            t.zero_()
+    checkpoint.load(ckpt, checkpoint.model_state(model), checkpoint.optim_state(model, opt))
+    after_load = resident_bytes(state)
+    assert after_save == 0 and after_load == 0, (after_save, after_load)
+    for name, t in checkpoint.optim_state(model, opt).items():
+        assert torch.equal(whole(t), saved[name]), name
 
 
 class GatherInputs(CollectiveRecorder):

@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from ..runtime.offload import release_pages
 from .common import FORMAT, LATEST, RNG_CPU, RNG_CUDA, rank_file, rank_world, region
 
 __all__ = ["latest", "load", "read_full", "read_into", "read_meta", "resolve", "tensor_names"]
@@ -132,6 +133,7 @@ def load(path: str | os.PathLike, model_state: dict[str, torch.Tensor] | None = 
                 continue
             entry = index[key]
             read_into(t, key, entry["shards"], files, entry["shape"])
+            release_pages([t])  # a file-backed (nvme-offloaded) tensor: its values are in its file now
         unexpected += [k for k in index if k.startswith(prefix) and k[len(prefix):] not in state]
     if strict and (missing or unexpected):
         raise KeyError(f"checkpoint {step_dir} does not match the model: missing {missing[:8]}"

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from ..runtime.offload import release_pages
 from .common import FORMAT, LATEST, RNG_CPU, RNG_CUDA, all_gather, barrier, dtype_name, fsync_dir, rank_file, \
     rank_world, region
 from .verify import file_record
@@ -89,6 +90,7 @@ def prepare(ckpt_dir, step: int, model_state: dict, optim_state: dict | None, me
     mine = {key: local.detach() for key, local in locals_.items()
             if writer.get((key, tuple(proposals[key][2]), tuple(proposals[key][3]))) == rank}
     out = dict(stage(mine))
+    release_pages(locals_.values())  # file-backed (nvme-offloaded) state: staged, its pages go back to the file
     out[RNG_CPU] = torch.get_rng_state()
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         out[RNG_CUDA] = torch.cuda.get_rng_state()
