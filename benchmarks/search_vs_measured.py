@@ -143,7 +143,7 @@ def main(argv=None) -> int:
     for model in a.models:
         cfg = LlamaConfig.preset(model)
         rows = spmd.search(cfg, a.nproc, device=dev, batch_shape=(a.batch, a.seq), dtype="fp32", ac="none",
-                           grad_accum=1)  # as run_spec trains
+                           grad_accum=1, zero=3)  # as run_spec trains
         chosen = list(rows[:a.top]) + [r for r in rows[max(a.top, len(rows) - a.bottom):]]
         print(f"[search_vs_measured] {model}: {len(rows)} specs ranked; running "
               f"{', '.join(r.spec for r in chosen)}", flush=True)
@@ -191,7 +191,8 @@ def rerank(rep: dict) -> int:
     print(f"re-ranked {rep['environment']['commit'][:12]}'s measurements with today's spmd.search")
     for m in rep["models"]:
         rows = {r.spec: r for r in spmd.search(LlamaConfig.preset(m["model"]), args["nproc"], device=dev, dtype="fp32",
-                                               batch_shape=(args["batch"], args["seq"]), ac="none", grad_accum=1)}
+                                               batch_shape=(args["batch"], args["seq"]), ac="none", grad_accum=1,
+                                               zero=3)}
         measured = [x["measured_s"] for x in m["rows"]]
         ours = spearman([rows[x["spec"]].step_s for x in m["rows"]], measured)
         count = spearman([rows[x["spec"]].collectives for x in m["rows"]], measured)

@@ -2,9 +2,11 @@
 and its command line:
 
     python -m spmd.search --model 8b --world 8 --device h100 --batch 16 --seq 8192 [--ac full] [--grad-accum 2]
+                          [--zero 1|2|3]
     python -m spmd.search --model hf:DIR --world 8 --device h100   # a local Hugging Face directory
 
-Each ranked row ends in the launch.train flags it assumes: --mesh SPEC --ac MODE --grad-accum K.
+Each ranked row ends in the launch.train flags it assumes: --mesh SPEC [--zero K] --ac MODE --grad-accum K
+(--zero where the mesh has an fsdp axis: each stage is a row of its own unless --zero pins one).
 """
 import argparse
 import os
@@ -29,6 +31,8 @@ def main(argv=None) -> int:
                     "instead of the least that fits")
     ap.add_argument("--grad-accum", type=int, default=None, help="assume this many micro-batches per step instead "
                     "of the fewest that fit")
+    ap.add_argument("--zero", type=int, default=None, help="assume this ZeRO stage (1|2|3) on meshes with an fsdp "
+                    "axis instead of trying each")
     ap.add_argument("--top", type=int, default=None)
     ap.add_argument("--workers", type=int, default=min(os.cpu_count() or 1, 8), help="planning processes")
     a = ap.parse_args(argv)
@@ -37,7 +41,7 @@ def main(argv=None) -> int:
         cfg = model_config(a)
         return search(cfg, a.world, a.device, None if a.budget_gib is None else a.budget_gib * 2**30,
                       batch_shape(a, cfg, a.world), a.dtype, a.top, workers=a.workers, ac=a.ac,
-                      grad_accum=a.grad_accum)
+                      grad_accum=a.grad_accum, zero=a.zero)
     return report("spmd.search", a.json, ranked)
 
 

@@ -69,17 +69,18 @@ def test_a_mixture_of_experts_is_searched_over_ep_dividing_its_experts():
 
 def test_model_state_floor_matches_explain():
     model = tiny()
-    for spec in ("fsdp=4", "tp=2,dp=2", "dp=4"):
+    for spec, zero in (("fsdp=4", 3), ("fsdp=4", 2), ("dp=2,fsdp=2", 1), ("tp=2,dp=2", 3), ("dp=4", 3)):
         sizes, flags = spmd.parse_spec(spec)
-        plan = spmd.explain(model, spmd.Rules.default(), sizes, batch_shape=(8, 16))
+        rules = spmd.Rules.default(zero=zero)
+        plan = spmd.explain(model, rules, sizes, batch_shape=(8, 16))
         want = plan.memory["parameters"] + plan.memory["gradients"] + plan.memory["optimizer"]
-        assert S.model_state_bytes(model, sizes, spmd.Rules.default()) == want
+        assert S.model_state_bytes(model, sizes, rules) == want, (spec, zero)
 
 
 @pytest.fixture(scope="module")
 def tiny_search():
     dev = DEVICES["h100"]
-    return S.search(tiny(), 4, device=dev, batch_shape=(8, 32), dtype="fp32")
+    return S.search(tiny(), 4, device=dev, batch_shape=(8, 32), dtype="fp32", zero=3)
 
 
 def test_search_ranks_every_spec_by_predicted_step_time(tiny_search):
@@ -102,7 +103,7 @@ def test_search_drops_what_does_not_fit(tiny_search):
     mems = sorted(r.memory["total"] for r in tiny_search)
     budget = (mems[0] + mems[-1]) / 2
     rows = S.search(tiny(), 4, device="h100", batch_shape=(8, 32), dtype="fp32", memory_budget_bytes=budget,
-                    ac="none", grad_accum=1)
+                    ac="none", grad_accum=1, zero=3)
     assert rows and rows.dropped
     assert all(r.memory["total"] <= budget for r in rows)
     assert all(not r.fits and "budget" in r.note for r in rows.dropped)
@@ -112,7 +113,7 @@ def test_search_drops_what_does_not_fit(tiny_search):
 
 def test_specs_that_do_not_divide_are_dropped_with_the_reason():
     rows = spmd.search(tiny(), 8, device="h100", batch_shape=(8, 32), dtype="fp32", specs=["tp=8", "fsdp=8"])
-    assert [r.spec for r in rows] == ["fsdp=8"]
+    assert sorted((r.spec, r.zero) for r in rows) == [("fsdp=8", z) for z in (1, 2, 3)]
     assert "tp=8 would split attention heads" in rows.dropped[0].note  # 4 kv heads over tp=8
     # a spec that does not divide for another reason: explain's error names it
     rows = spmd.search(tiny(), 8, device="h100", batch_shape=(4, 32), dtype="fp32", specs=["dp=8", "tp=4,dp=2"])
@@ -123,7 +124,7 @@ def test_only_prefetched_gathers_hide_and_bandwidth_matters():
     model = tiny()
     slow = Device("slow", {"fp32": 1e9}, 1e12, intra_bw=1e6, inter_bw=1e6, intra_latency=0, inter_latency=0,
                   efficiency=1.0)
-    rows = {r.spec: r for r in S.search(model, 4, device=slow, batch_shape=(8, 32), dtype="fp32",
+    rows = {r.spec: r for r in S.search(model, 4, device=slow, batch_shape=(8, 32), dtype="fp32", zero=3,
                                          specs=["fsdp=4", "tp=4"])}
     plan = spmd.explain(model, spmd.Rules.default(), {"fsdp": 4}, batch_shape=(8, 32))
     ahead = {ph: sum(c.bytes for c in plan.collectives if c.phase == ph and "prefetched" in c.reason) / 1e6
@@ -171,12 +172,12 @@ def test_micro_batches_repeat_all_but_the_reductions():
 def test_search_assumes_the_least_recompute_then_the_fewest_micro_batches_that_fit():
     model = tiny(n_layers=4)
     total = lambda sizes, sp, ac: summaries.plan_summary(model, sizes, sp, SHAPE, "fp32", ac=ac).memory["total"]  # noqa
-    ask = dict(device="h100", batch_shape=SHAPE, dtype="fp32")
+    ask = dict(device="h100", batch_shape=SHAPE, dtype="fp32", zero=3)
     row = S.search(model, 4, memory_budget_bytes=total(SIZES, True, "selective:2"), specs=[SPEC], **ask)[0]
     assert (row.ac, row.grad_accum) == ("selective:2", 1)
     assert total(SIZES, True, "selective:4") > total(SIZES, True, "selective:2")
     assert row.recompute_s == pytest.approx(row.compute_s / 3 * 2 / 4)  # 2 of 4 blocks run forward again
-    assert row.flags == "--mesh fsdp=2,tp=2,sp --ac selective:2 --grad-accum 1"
+    assert row.flags == "--mesh fsdp=2,tp=2,sp --zero 3 --ac selective:2 --grad-accum 1"
     dropped = S.search(model, 4, memory_budget_bytes=total(SIZES, True, "full") - 1, specs=[SPEC], ac="full",
                        grad_accum=1, **ask).dropped
     assert "even with --ac full --grad-accum 1" in dropped[0].note
@@ -202,7 +203,8 @@ def test_llama_8b_on_8_h100_fits_with_activation_checkpointing():
     """The issue's case: 16 x 8192 bf16 on 8 H100s drops every spec without checkpointing."""
     from models import preset
     budget = 0.9 * 80e9
-    rows = spmd.search(preset("8b"), 8, device="h100", batch_shape=(16, 8192), dtype="bf16", specs=["fsdp=8"])
+    rows = spmd.search(preset("8b"), 8, device="h100", batch_shape=(16, 8192), dtype="bf16", specs=["fsdp=8"],
+                       zero=3)
     row = rows[0]
     print(row.flags, f"{row.memory['total'] / 1e9:.1f} GB of 80 GB")
     assert row.ac != "none" and row.grad_accum in (1, 2) and row.memory["total"] <= budget
@@ -213,10 +215,48 @@ def test_llama_8b_on_8_h100_fits_with_activation_checkpointing():
 def test_llama_70b_on_64_h100_fits_with_activation_checkpointing():
     from models import preset
     rows = spmd.search(preset("70b"), 64, device="h100", batch_shape=(64, 4096), dtype="bf16",
-                       specs=["fsdp=8,tp=8,sp"])  # a node of tp, fsdp across the 8 nodes
+                       specs=["fsdp=8,tp=8,sp"], zero=3)  # a node of tp, fsdp across the 8 nodes
     row = rows[0]
     print(row.flags, f"{row.memory['total'] / 1e9:.1f} GB of 80 GB")
     assert row.ac != "none" and row.memory["total"] <= 0.9 * 80e9
+
+
+def test_each_zero_stage_of_a_mesh_with_fsdp_is_a_row_of_its_own():
+    """A mesh with an fsdp axis is planned at ZeRO stages 1, 2 and 3 (each row the plan explain gives at
+    that stage, its flags naming the stage); a mesh without one is one row. Where bytes decide and compute
+    hides nothing, stages 1 and 2 (a reduce-scatter and an all-gather of the parameters per step) beat stage
+    3 (its gathers in forward and backward too); of the two, stage 2 holds less. A budget between stage 3's
+    model states and stage 2's drops stages 1 and 2 before planning them."""
+    model = tiny()
+    slow = Device("slow", {"fp32": 1e18}, 1e12, intra_bw=1e6, inter_bw=1e6, intra_latency=0, inter_latency=0,
+                  efficiency=1.0)
+    ask = dict(device=slow, batch_shape=(8, 32), dtype="fp32", specs=["fsdp=4", "dp=4"])
+    rows = S.search(model, 4, **ask)
+    by = {(r.spec, r.zero): r for r in rows}
+    assert [k for k in by if k[0] == "fsdp=4"] == [("fsdp=4", 2), ("fsdp=4", 1), ("fsdp=4", 3)]
+    floors = {}
+    for z in (1, 2, 3):
+        rules = spmd.Rules.default(zero=z)
+        plan = spmd.explain(model, rules, {"fsdp": 4}, batch_shape=(8, 32))
+        row = by[("fsdp=4", z)]
+        assert row.memory == plan.memory
+        assert row.comm_bytes == sum(c.bytes for c in plan.collectives if c.kind != "recv")
+        assert row.flags == f"--mesh fsdp=4 --zero {z} --ac none --grad-accum 1"
+        floors[z] = S.model_state_bytes(model, {"fsdp": 4}, rules)
+    assert by[("dp=4", None)].flags == "--mesh dp=4 --ac none --grad-accum 1"
+    assert by[("fsdp=4", 1)].comm_bytes == by[("fsdp=4", 2)].comm_bytes < by[("fsdp=4", 3)].comm_bytes
+    assert by[("fsdp=4", 2)].memory["total"] < by[("fsdp=4", 1)].memory["total"]
+    assert floors[3] < floors[2] < floors[1]
+    short = {**ask, "batch_shape": (4, 8)}  # few activations: stage 3 fits where stage 2's states alone do not
+    budget = next(r for r in S.search(model, 4, zero=3, **short) if r.spec == "fsdp=4").memory["total"]
+    assert budget < floors[2]
+    pinned = S.search(model, 4, memory_budget_bytes=budget, **short)
+    assert [(r.spec, r.zero) for r in pinned if r.spec == "fsdp=4"] == [("fsdp=4", 3)]
+    assert {r.zero for r in pinned.dropped if r.spec == "fsdp=4"} == {1, 2}
+    assert all("alone need" in r.note for r in pinned.dropped if r.spec == "fsdp=4")
+    assert {(r.spec, r.zero) for r in S.search(model, 4, zero=1, **ask)} == {("fsdp=4", 1), ("dp=4", None)}
+    with pytest.raises(ValueError, match="zero must be a ZeRO stage"):
+        S.search(model, 4, zero=4, **ask)
 
 
 def test_flops_follow_design_formula():
@@ -230,6 +270,7 @@ def test_cli_prints_a_table(capsys):
     out = capsys.readouterr().out
     assert "spec search" in out and "fsdp=2" in out and "tp=2,sp" in out
     assert "--mesh tp=2,sp --ac none --grad-accum 1" in out
+    assert all(f"--mesh fsdp=2 --zero {z} --ac none --grad-accum 1" in out for z in (1, 2, 3))
 
 
 def test_long_sequences_also_try_context_parallelism():
@@ -245,5 +286,6 @@ def test_long_sequences_also_try_context_parallelism():
     cfg, b, s, cp = model.cfg, 8 // 2, 32 // 2, 2
     ring = 3 * cfg.n_layers * (cp - 1) * 2 * b * s * cfg.n_kv_heads * cfg.head_dim * 4
     grads = 2 * (4 * cfg.num_params() // 2) * (cp - 1) // cp
-    row, = S.search(model, 4, device="h100", batch_shape=(8, 32), dtype="fp32", specs=["fsdp=2,cp=2"])
+    row, = S.search(model, 4, device="h100", batch_shape=(8, 32), dtype="fp32", specs=["fsdp=2,cp=2"],
+                    zero=3)
     assert row.bytes_by_axis["cp"] == ring + grads + 2 * (2 * 4) * (cp - 1) // cp

@@ -7,6 +7,8 @@
    devices), each tp > 1 with and without sequence parallelism; cp > 1 only for sequences longer than 4096
    tokens, keeping at least 1024 on each rank; ep > 1 only for a mixture of experts, dividing its experts
    (ep splits the data like dp and fsdp; explain plans its all-to-alls at balanced routing). (pp comes later.)
+   A mesh with an fsdp axis is tried at each ZeRO stage (`Rules.default(zero=k)`): 1 shards the optimizer
+   states over fsdp, 2 also the gradients, 3 also the parameters; `zero=` pins one.
 2. Plan each one with `spmd.explain`: its collectives (bytes per rank, per mesh axis) and its memory per
    rank (parameters, gradients, optimizer states, saved activations). A model's blocks are identical, so the
    plan of the full model is the plan of a 1-block copy plus (L-1) times the difference between the 2-block
@@ -21,8 +23,9 @@
    divide (batch, heads, ...), are dropped with the reason. `ac=` / `grad_accum=` pin the choice.
 4. Rank the rest by predicted step time, spmd/analysis/step_time.py: compute, recompute, each collective on
    its link (activation traffic, TP/SP and the cp ring, on the critical path), minus the parameter
-   gathers the runtime prefetches behind compute.
-Each row names what it assumes as launch.train flags: `--mesh SPEC --ac MODE --grad-accum K`.
+   gathers the runtime prefetches behind compute. Stages 1 and 2 move 2Ψ per step against stage 3's 3Ψ,
+   but their all-gather of the updated parameters after the step is on the critical path.
+Each row names what it assumes as launch.train flags: `--mesh SPEC [--zero K] --ac MODE --grad-accum K`.
 """
 from __future__ import annotations
 
@@ -32,76 +35,22 @@ import math
 import torch.nn as nn
 
 from ..layout.blocks import find_blocks
-from ..layout.mesh import MESH_AXES, parse_spec
-from ..layout.rules import Rules
+from ..layout.rules import ZERO_STAGES, Rules
 from ..runtime.checkpointing import parse_mode
-from ..runtime.experts import expert_modules
+from .candidates import candidate_specs, candidates, experts, mesh_problem, spec_name, zero_stages
 from .devices import Device, get_device
 from .search_rows import Row, SearchResult
 from .step_time import flops_per_token, links, predict, recompute_fraction
-from .summaries import accumulated, as_model, checkpointed, frozen, model_state_bytes, plan_all
+from .summaries import accumulated, as_model, checkpointed, frozen, model_state_bytes, plan_all, rules_for
 
 __all__ = ["Row", "SearchResult", "candidate_specs", "spec_name", "links", "flops_per_token", "predict", "search",
            "model_state_bytes", "ac_modes"]
 
 
-# ------------------------------------------------------------------------------------------ candidates
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-LONG_SEQ = 4096      # longer sequences also try context parallelism,
-MIN_CP_TOKENS = 1024  # keeping at least this many tokens on each cp rank
-
-
-def _cp_sizes(world: int, seq: int | None) -> list[int]:
-    """cp sizes worth trying for sequences of `seq` tokens: 1, and for a long sequence every cp that splits it
-    into 2·cp equal chunks of a few hundred tokens or more."""
-    if not seq or seq <= LONG_SEQ:
-        return [1]
-    return [cp for cp in _divisors(world) if cp == 1 or (seq % (2 * cp) == 0 and seq // cp >= MIN_CP_TOKENS)]
-
-
-def candidate_specs(world: int, max_tp: int = 8, sequence_parallel=(False, True), seq: int | None = None,
-                    experts: int = 0) -> list[tuple[dict, bool]]:
-    """Every (sizes, sp) with dp * fsdp * ep * cp * tp = world and tp <= max_tp; sp only where tp > 1; cp > 1
-    only for a sequence longer than LONG_SEQ; ep > 1 only for a model of `experts` experts, dividing them."""
-    out = []
-    for tp in _divisors(world):
-        if tp > max_tp:
-            continue
-        for cp in [c for c in _cp_sizes(world, seq) if (world // tp) % c == 0]:
-            for ep in [e for e in _divisors(world // tp // cp) if e == 1 or (experts and experts % e == 0)]:
-                for fsdp in _divisors(world // tp // cp // ep):
-                    dp = world // tp // cp // ep // fsdp
-                    sizes = {a: s for a, s in (("dp", dp), ("fsdp", fsdp), ("ep", ep), ("cp", cp), ("tp", tp))
-                             if s > 1} or {"dp": 1}
-                    for sp in (sequence_parallel if tp > 1 else (False,)):
-                        out.append((sizes, sp))
-    return out
-
-
-def _experts(model: nn.Module) -> int:
-    """How many experts the model's expert modules stack (0: not a mixture of experts)."""
-    return max((p.shape[0] for m in expert_modules(model).values() for p in m.parameters(recurse=False)), default=0)
-
-
-def spec_name(sizes: dict, sp: bool) -> str:
-    return ",".join(f"{a}={sizes[a]}" for a in MESH_AXES if a in sizes) + (",sp" if sp else "")
-
-
-
-def _mesh_problem(model: nn.Module, sizes: dict) -> str | None:
-    """Why the model says a mesh cannot lay it out (its config's `mesh_problem`), or None."""
-    check = getattr(getattr(model, "cfg", None), "mesh_problem", None)
-    return check(sizes) if check is not None else None
-
-
-# ------------------------------------------------------------------------------------------ the search
 def search(model, world_size: int, device="h100", memory_budget_bytes: float | None = None,
            batch_shape=None, dtype: str = "bf16", top: int | None = None, max_tp: int | None = None,
            sequence_parallel=(False, True), specs=None, workers: int | None = None, ac: str | None = None,
-           grad_accum: int | None = None) -> SearchResult:
+           grad_accum: int | None = None, zero: int | None = None) -> SearchResult:
     """Ranks the specs of `world_size` ranks for `model` by predicted step time. `model`: an nn.Module (the
     meta device will do), or a model config with `build()` (e.g. a LlamaConfig).
 
@@ -119,15 +68,20 @@ def search(model, world_size: int, device="h100", memory_budget_bytes: float | N
         parse_mode(ac)
     if grad_accum is not None and (not isinstance(grad_accum, int) or grad_accum < 1):
         raise ValueError(f"grad_accum must be an integer >= 1 (micro-batches per step), got {grad_accum!r}")
+    if zero is not None and zero not in ZERO_STAGES:
+        raise ValueError(f"zero must be a ZeRO stage {ZERO_STAGES} (1 shards optimizer states over fsdp, 2 also "
+                         f"gradients, 3 also parameters), got {zero!r}")
     dev = get_device(device, world_size)
     net = as_model(model)
     cfg = getattr(net, "cfg", None)
     batch, seq = batch_shape or (world_size, min(getattr(cfg, "max_seq_len", 2048), 4096))
     budget = memory_budget_bytes if memory_budget_bytes is not None else 0.9 * dev.memory_per_rank(world_size)
-    candidates = _candidates(world_size, specs, max_tp or dev.per_node, sequence_parallel, seq, _experts(net))
+    tried = [(sizes, sp, z) for sizes, sp in
+             candidates(world_size, specs, max_tp or dev.per_node, sequence_parallel, seq, experts(net))
+             for z in zero_stages(sizes, zero)]
     compute_s = flops_per_token(net, seq) * batch * seq / world_size / (dev.peak(dtype) * dev.efficiency)
-    unplanned = _screen(net, candidates, world_size, budget)
-    todo = [(sizes, sp) for sizes, sp in candidates if frozen(sizes) not in unplanned]
+    unplanned = _screen(net, tried, world_size, budget)
+    todo = [c for c in tried if _floor_key(c) not in unplanned]
     quiet = logging.getLogger("torch.distributed.tensor._redistribute")
     level = quiet.level
     quiet.setLevel(logging.ERROR)
@@ -136,19 +90,19 @@ def search(model, world_size: int, device="h100", memory_budget_bytes: float | N
     finally:
         quiet.setLevel(level)
     ranked, dropped = [], []
-    for sizes, sp in candidates:
-        row = Row(spec_name(sizes, sp), dict(sizes), sp, budget=budget)
-        if frozen(sizes) in unplanned:
-            row.fits, (row.note, row.memory) = False, unplanned[frozen(sizes)]
+    for sizes, sp, z in tried:
+        row = Row(spec_name(sizes, sp), dict(sizes), sp, zero=z, budget=budget)
+        if _floor_key((sizes, sp, z)) in unplanned:
+            row.fits, (row.note, row.memory) = False, unplanned[_floor_key((sizes, sp, z))]
         else:
-            _fill(row, chosen[(frozen(sizes), sp)], dev, compute_s, _count_blocks(net),
+            _fill(row, chosen[_key((sizes, sp, z))], dev, compute_s, _count_blocks(net),
                   batch * seq, flops_per_token(net, seq) / (dev.peak(dtype) * world_size))
         (ranked if row.fits else dropped).append(row)
     ranked.sort(key=lambda r: (r.step_s, r.memory.get("total", 0)))
     meta = {"model": type(net).__name__ if cfg is None else _model_label(cfg),
             "world": world_size, "device": dev.name, "batch_shape": [batch, seq], "dtype": str(dtype),
             "budget": budget, "compute_s": compute_s, "efficiency": dev.efficiency,
-            "peak_flops": dev.peak(dtype), "candidates": len(candidates), "ac": ac, "grad_accum": grad_accum}
+            "peak_flops": dev.peak(dtype), "candidates": len(tried), "ac": ac, "grad_accum": grad_accum, "zero": zero}
     return SearchResult(ranked[:top] if top else ranked, dropped, meta)
 
 
@@ -171,16 +125,28 @@ def _count_blocks(net: nn.Module) -> int:
         return 0
 
 
+def _key(candidate) -> tuple:
+    """A candidate (sizes, sp, zero stage) as a dict key."""
+    sizes, sp, zero = candidate
+    return frozen(sizes), sp, zero
+
+
+def _floor_key(candidate) -> tuple:
+    """What a candidate's model-state floor depends on: its mesh and ZeRO stage."""
+    sizes, _, zero = candidate
+    return frozen(sizes), zero
+
+
 def _fit(net, model, todo, shape, budget, pinned, workers) -> dict:
-    """{(frozen sizes, sp): (Summary or error, ac, K)}: per spec the first (K, ac) of step 3 that fits the
+    """{candidate key: (Summary or error, ac, K)}: per spec the first (K, ac) of step 3 that fits the
     budget, else the last tried. Planned in rounds, every spec's next try in one `plan_all`."""
     batch = shape[0]
     ac, grad_accum = pinned
     modes = [ac] if ac is not None else ac_modes(_count_blocks(net))
     out, pending = {}, {}
-    for sizes, sp in todo:
+    for sizes, sp, z in todo:
         local = batch // Rules.default(sp).data_parallel_size(sizes)
-        pending[(frozen(sizes), sp)] = [grad_accum] if grad_accum else [k for k in range(1, local + 1) if local % k == 0] or [1]
+        pending[_key((sizes, sp, z))] = [grad_accum] if grad_accum else [k for k in range(1, local + 1) if local % k == 0] or [1]
     while pending:
         nones = _plan_round(net, model, pending, "none", shape, workers)
         needs = {key: pending[key] for key, none in nones.items()
@@ -220,8 +186,8 @@ def _passes(k: int) -> int:
 
 def _job(key, k: int, mode: str, batch: int, seq: int, dtype: str) -> tuple:
     """The plan_all job of a spec at K micro-batches: K = 1 as it is, else two of them (no_sync, then sync)."""
-    sizes, sp = key
-    return (sizes, sp, (batch * _passes(k) // k, seq), dtype, mode, _passes(k))
+    sizes, sp, zero = key
+    return (sizes, sp, zero, (batch * _passes(k) // k, seq), dtype, mode, _passes(k))
 
 
 def _least_that_fits(none, full, modes, k: int, budget: float):
@@ -233,33 +199,24 @@ def _least_that_fits(none, full, modes, k: int, budget: float):
     return s, mode, k
 
 
-def _candidates(world_size: int, specs, max_tp: int, sequence_parallel, seq=None, experts=0) -> list[tuple[dict, bool]]:
-    if specs is None:
-        return candidate_specs(world_size, max_tp, sequence_parallel, seq, experts)
-    out = []
-    for s in specs:
-        sizes, flags = parse_spec(s)
-        out.append(({a: v for a, v in sizes.items() if v > 1} or {"dp": 1}, "sp" in flags))
-    return out
-
-
 def _screen(net: nn.Module, candidates, world_size: int, budget: float) -> dict:
-    """{frozen sizes: (why, memory)} of the meshes not worth a dry run: wrong size, model states alone over
-    the budget, or a mesh the model says it cannot take."""
+    """{(frozen sizes, zero): (why, memory)} of the meshes and stages not worth a dry run: wrong size, model
+    states alone over the budget, or a mesh the model says it cannot take."""
     out = {}
-    for sizes, _ in candidates:
+    for sizes, sp, zero in candidates:
+        key = _floor_key((sizes, sp, zero))
         n = math.prod(sizes.values())
         if n != world_size:
-            out[frozen(sizes)] = (f"mesh has {n} ranks, not {world_size}", {})
+            out[key] = (f"mesh has {n} ranks, not {world_size}", {})
             continue
-        floor = model_state_bytes(net, sizes, Rules.default())
-        problem = _mesh_problem(net, sizes)
+        floor = model_state_bytes(net, sizes, rules_for(False, zero))
+        problem = mesh_problem(net, sizes)
         if floor > budget:
-            out[frozen(sizes)] = (f"parameters, gradients and optimizer states alone need {floor / 2**30:,.1f} "
+            out[key] = (f"parameters, gradients and optimizer states alone need {floor / 2**30:,.1f} "
                                   f"GiB per rank > budget {budget / 2**30:,.1f} GiB (not planned)",
                                   {"states": floor, "total": floor})
         elif problem:
-            out[frozen(sizes)] = (problem, {})
+            out[key] = (problem, {})
     return out
 
 

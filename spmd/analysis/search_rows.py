@@ -13,6 +13,7 @@ class Row:
     spec: str
     sizes: dict
     sp: bool
+    zero: int | None = None     # ZeRO stage assumed (launch.train --zero); None: no fsdp axis, nothing to shard
     ac: str = "none"            # activation checkpointing assumed (launch.train --ac)
     grad_accum: int = 1         # micro-batches per step assumed (launch.train --grad-accum)
     step_s: float = math.nan
@@ -39,7 +40,8 @@ class Row:
     @property
     def flags(self) -> str:
         """The layout as launch.train's flags."""
-        return f"--mesh {self.spec} --ac {self.ac} --grad-accum {self.grad_accum}"
+        zero = "" if self.zero is None else f" --zero {self.zero}"
+        return f"--mesh {self.spec}{zero} --ac {self.ac} --grad-accum {self.grad_accum}"
 
     def to_dict(self) -> dict:
         return {**asdict(self), "comm_s": self.comm_s, "flags": self.flags}
@@ -60,7 +62,7 @@ class SearchResult(list):
         m = self.meta
         lines = [f"spec search: {m['model']} on {m['world']} x {m['device']}, batch {tuple(m['batch_shape'])}, "
                  f"{m['dtype']}, budget {m['budget'] / 2**30:,.1f} GiB/rank; each row's flags are launch.train's",
-                 f"{'#':>3} {'spec':<22} {'step s':>9} {'compute':>9} {'recomp':>8} {'act comm':>9} {'par comm':>9} "
+                 f"{'#':>3} {'spec':<22} {'zero':>4} {'step s':>9} {'compute':>9} {'recomp':>8} {'act comm':>9} {'par comm':>9} "
                  f"{'hidden':>8} {'tok/s':>11} {'MFU':>6} {'mem GiB':>8} {'comm GB':>9}  flags"]
         for i, r in enumerate(self, 1):
             lines.append(_fmt_row(str(i), r))
@@ -68,11 +70,13 @@ class SearchResult(list):
             lines.append("dropped:")
             for r in self.dropped:
                 mem = f"{r.memory['total'] / 2**30:,.1f} GiB" if r.memory else ""
-                lines.append(f"  {r.spec:<22} {mem:>12}  {r.note}")
+                zero = "" if r.zero is None else f"zero {r.zero}"
+                lines.append(f"  {r.spec:<22} {zero:>6} {mem:>12}  {r.note}")
         return "\n".join(lines)
 
 
 def _fmt_row(rank, r: Row) -> str:
-    return (f"{rank:>3} {r.spec:<22} {r.step_s:>9.4g} {r.compute_s:>9.4g} {r.recompute_s:>8.3g} "
+    zero = "-" if r.zero is None else str(r.zero)
+    return (f"{rank:>3} {r.spec:<22} {zero:>4} {r.step_s:>9.4g} {r.compute_s:>9.4g} {r.recompute_s:>8.3g} "
             f"{r.activation_comm_s:>9.4g} {r.param_comm_s:>9.4g} {r.hidden_s:>8.3g} {r.tokens_per_s:>11,.0f} "
             f"{100 * r.mfu:>5.1f}% {r.memory.get('total', 0) / 2**30:>8.2f} {r.comm_bytes / 1e9:>9.3f}  {r.flags}")

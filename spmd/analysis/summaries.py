@@ -24,14 +24,14 @@ from ..runtime.checkpointing import parse_mode
 from .explain import explain
 
 __all__ = ["Summary", "summarize", "plan_summary", "planned", "checkpointed", "plan_all", "accumulated", "model_state_bytes",
-           "frozen", "as_model", "TRAFFIC", "traffic"]
+           "frozen", "as_model", "rules_for", "TRAFFIC", "traffic"]
 
 # how a collective's time is spent: "gather" parameters (critical path), "prefetch-forward"/"prefetch-backward"
 # (a block's gather issued while the block before computes, spmd.runtime.buckets), "reduce" gradients (once
 # per step under gradient accumulation), "activation" (tensor/sequence-parallel moves, losses)
 TRAFFIC = ("activation", "gather", "prefetch-forward", "prefetch-backward", "reduce")
 REDUCE_REASONS = ("reduce gradient ", "reduce-scatter gradients ", "all-reduce gradients ")
-GATHER_REASONS = ("gather ", "regather ")
+GATHER_REASONS = ("gather ", "regather ", "all-gather updated ")  # the last: ZeRO 1/2 after the step
 
 
 def traffic(c) -> str:
@@ -107,9 +107,10 @@ def summarize(plan) -> Summary:
 
 
 def model_state_bytes(model: nn.Module, sizes: dict, rules: Rules, optimizer_states: int = 2) -> int:
-    """Parameters + gradients + optimizer states per rank from the annotations and the params map alone
-    (no dry run): the floor under a spec's memory, used to drop hopeless specs before planning them.
-    Parameters pinned by the user count as sharded over the whole mesh (a floor stays a floor)."""
+    """Parameters + gradients + optimizer states per rank from the annotations and the rules' params, grads
+    and optimizer maps alone (no dry run): the floor under a spec's memory, used to drop hopeless specs
+    before planning them. Parameters pinned by the user count as sharded over the whole mesh (a floor stays
+    a floor)."""
     axes = infer_axes(model)
     world = math.prod(sizes.values())
     total, seen = 0, set()
@@ -117,13 +118,20 @@ def model_state_bytes(model: nn.Module, sizes: dict, rules: Rules, optimizer_sta
         if id(p) in seen:
             continue
         seen.add(id(p))
-        if name in axes:
-            dims = rules.mesh_axes(axes[name], "params", f"parameter {name!r}")
-            shards = math.prod(sizes.get(a, 1) for d in dims for a in d)
-        else:
-            shards = world
-        total += p.numel() // shards * p.element_size()
-    return total * (2 + optimizer_states)
+        for which, copies in (("params", 1), ("grads", 1), ("optimizer", optimizer_states)):
+            if name in axes:
+                dims = rules.mesh_axes(axes[name], which, f"parameter {name!r}")
+                shards = math.prod(sizes.get(a, 1) for d in dims for a in d)
+            else:
+                shards = world
+            total += copies * (p.numel() // shards) * p.element_size()
+    return total
+
+
+def rules_for(sp: bool, zero: int | None) -> Rules:
+    """The default rules of a searched candidate: sequence parallel or not, at ZeRO stage `zero` (None: a
+    mesh without fsdp, where the stage changes nothing; the default, 3)."""
+    return Rules.default(sequence_parallel=sp, zero=3 if zero is None else zero)
 
 
 _cache: dict = {}
@@ -217,9 +225,9 @@ def _worker_init(model_or_cfg):
 
 
 def _plan_or_error(job):
-    sizes, sp, batch_shape, dtype, *how = job
+    sizes, sp, zero, batch_shape, dtype, *how = job
     try:
-        return job, planned(_worker_model, sizes, sp, batch_shape, dtype, Rules.default(sp), *how)
+        return job, planned(_worker_model, sizes, sp, batch_shape, dtype, rules_for(sp, zero), *how)
     except (ValueError, RuntimeError) as e:
         return job, ValueError(_first_line(e))
 
@@ -233,14 +241,15 @@ def _blocks(model: nn.Module) -> tuple:
 
 def _job_key(net, job):
     """planned()'s cache key of a plan_all job."""
-    sizes, sp, batch_shape, dtype, ac, grad_accum, block = job
+    sizes, sp, zero, batch_shape, dtype, ac, grad_accum, block = job
     block = block or len(_blocks(net)[1]) > 2
-    return _cache_key(net, sizes, sp, batch_shape, dtype, Rules.default(sp), (ac, grad_accum, block))
+    return _cache_key(net, sizes, sp, batch_shape, dtype, rules_for(sp, zero), (ac, grad_accum, block))
 
 
 def plan_all(net: nn.Module, model_arg, jobs: list, workers: int) -> dict:
     """{job: Summary or ValueError}, planned in this process or in `workers` spawned processes. A job is
-    (sizes, sp, batch_shape, dtype, ac, grad_accum, block): `planned`'s arguments."""
+    (sizes, sp, zero, batch_shape, dtype, ac, grad_accum, block): `planned`'s arguments, with the rules
+    as `rules_for(sp, zero)`."""
     todo = [j for j in jobs if _job_key(net, j) not in _cache]
     results = {}
     if workers > 1 and len(todo) > 1:
@@ -254,7 +263,8 @@ def plan_all(net: nn.Module, model_arg, jobs: list, workers: int) -> dict:
     for job in jobs:
         if job not in results:
             try:
-                results[job] = planned(net, *job[:4], Rules.default(job[1]), *job[4:])
+                sizes, sp, zero, batch_shape, dtype, *how = job
+                results[job] = planned(net, sizes, sp, batch_shape, dtype, rules_for(sp, zero), *how)
             except (ValueError, RuntimeError) as e:  # a layout that does not divide (DTensor says RuntimeError)
                 results[job] = ValueError(_first_line(e))
     return results

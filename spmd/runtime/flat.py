@@ -6,14 +6,18 @@ chunk of every tensor. An all-reduce lays the tensors back to back. Both are iss
 when the results are read, so a caller may go on while they travel. The bytes on the wire are those of the
 per-tensor collectives (plus the padding of uneven chunks).
 
+An all-gather is the reverse of a reduce-scatter: each rank packs its chunk of every tensor into its padded
+segment, and every rank receives every segment, from which the whole tensors are cut and joined.
+
 Used by the block buckets' gradient reductions (spmd.runtime.buckets), the reductions across blocks
-(spmd.runtime.reducer) and ZeRO-1/2's step reductions (spmd.runtime.step_reduce).
+(spmd.runtime.reducer), ZeRO-1/2's step reductions (spmd.runtime.step_reduce) and their all-gathers of the
+updated parameters (spmd.runtime.optimizer).
 """
 import torch
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import Shard
 
-__all__ = ["wait", "Flat", "reduce_scatter", "all_reduce"]
+__all__ = ["wait", "Flat", "reduce_scatter", "all_reduce", "all_gather"]
 
 
 def wait(t: torch.Tensor) -> torch.Tensor:
@@ -36,6 +40,18 @@ class Flat:
         return pieces
 
 
+def _chunk_shapes(shape, dim: int, n: int) -> list:
+    """The shapes of the n chunks DTensor's Shard(dim) cuts a tensor of `shape` into (uneven ones allowed)."""
+    chunks = Shard(dim)._split_tensor(torch.empty(shape, device="meta"), n, with_padding=False)[0]
+    return [c.shape for c in chunks]
+
+
+def _segments(shapes: list, dims: list, n: int) -> tuple[list, int]:
+    """Per tensor the shapes of its n chunks, and the longest rank's segment (the padded length of each)."""
+    chunks = [_chunk_shapes(s, d, n) for s, d in zip(shapes, dims)]
+    return chunks, max(sum(c[r].numel() for c in chunks) for r in range(n))
+
+
 def reduce_scatter(tensors: list, dims: list, mesh, m: int) -> Flat:
     """Sums `tensors` over mesh dim `m`; each rank receives its chunk of each along its dim in `dims`."""
     n, rank = mesh.size(m), mesh.get_local_rank(m)
@@ -54,3 +70,23 @@ def all_reduce(tensors: list, mesh, m: int) -> Flat:
     """Sums `tensors` over mesh dim `m`; every rank receives each whole."""
     out = funcol.all_reduce(torch.cat([t.reshape(-1) for t in tensors]), "sum", (mesh, m))
     return Flat(out, [t.shape for t in tensors])
+
+
+def all_gather(tensors: list, dims: list, shapes: list, mesh, m: int) -> list:
+    """Each rank's chunk (`tensors`) of whole tensors of `shapes`, split along their dims in `dims` over mesh
+    dim `m`, gathered: the whole tensors, on every rank."""
+    n = mesh.size(m)
+    chunks, seg = _segments(shapes, dims, n)
+    mine = [t.reshape(-1) for t in tensors]
+    short = seg - sum(x.numel() for x in mine)
+    buf = torch.cat(mine + ([mine[0].new_zeros(short)] if short else []))
+    gathered = wait(funcol.all_gather_single(buf, 0, (mesh, m))).view(n, seg)
+    out, at = [], [0] * n
+    for c, d in zip(chunks, dims):
+        parts = []
+        for r in range(n):
+            k = c[r].numel()
+            parts.append(gathered[r, at[r]:at[r] + k].view(c[r]))
+            at[r] += k
+        out.append(torch.cat(parts, dim=d))
+    return out

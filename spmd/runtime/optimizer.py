@@ -23,9 +23,10 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from . import tags
+from . import flat, tags
 from .gradients import HELD_ATTR, grads_layout, held_for_step, optim_layout, slice_onto_shards
 from .offload import file_backed_adam_state, host_copy, nvme_dir, release_pages
+from .reducer import DEFAULT_BUCKET_MB
 from .state import STATE_ATTR
 from .step_reduce import reduce_all_to
 
@@ -174,10 +175,55 @@ def _grads_to_masters(pairs, copy_out: bool):
 
 @torch.no_grad()
 def gather_updated(opt: torch.optim.Optimizer) -> None:
-    """The masters' updated shards into their parameters' storage layout (all-gathers; run after each step)."""
+    """The masters' updated shards into their parameters' storage layout (all-gathers; run after each step):
+    masters sharded over one more mesh dim than their parameter gather in flat buffers of up to the
+    gradient buckets' size (spmd.runtime.flat), one collective per buffer; the others one by one."""
+    masters = [m for g in opt.param_groups for m in g["params"] if hasattr(m, MASTER_OF_ATTR)]
+    buffers, filled = {}, {}
     with tags.phase("optimizer"):
-        for master in (m for g in opt.param_groups for m in g["params"] if hasattr(m, MASTER_OF_ATTR)):
-            _gather_into_param(master)
+        for master in masters:
+            p = getattr(master, MASTER_OF_ATTR)
+            dims = _gathered_dims(master, p)
+            if dims is None:
+                _gather_into_param(master)
+                continue
+            key, size = (id(p.device_mesh), dims[0], p.dtype), p._local_tensor.numel() * p._local_tensor.element_size()
+            group = buffers.setdefault(key, [[]])
+            if group[-1] and filled[key] + size > GATHER_BUCKET_BYTES:
+                group.append([])
+                filled[key] = 0
+            group[-1].append(master)
+            filled[key] = filled.get(key, 0) + size
+        for (_, mesh_dim, _), group in buffers.items():
+            for bucket in group:
+                _gather_bucket(bucket, mesh_dim)
+
+
+GATHER_BUCKET_BYTES = int(DEFAULT_BUCKET_MB * 2**20)  # gathered bytes per buffer: a bounded transient
+
+
+def _gathered_dims(master, p):
+    """(mesh dim, tensor dim) when `master` is `p`'s layout sharded over one more mesh dim, else None."""
+    if master.device_mesh != p.device_mesh:
+        return None
+    differ = [i for i, (a, b) in enumerate(zip(master.placements, p.placements)) if a != b]
+    if len(differ) != 1 or not master.placements[differ[0]].is_shard() or not p.placements[differ[0]].is_replicate():
+        return None
+    dim = master.placements[differ[0]].dim
+    if any(pl.is_shard(dim) for pl in p.placements):  # the dim is also split over another mesh dim
+        return None
+    return differ[0], dim
+
+
+def _gather_bucket(bucket: list, mesh_dim: int) -> None:
+    params = [getattr(m, MASTER_OF_ATTR) for m in bucket]
+    dims = [_gathered_dims(m, p)[1] for m, p in zip(bucket, params)]
+    with tags.reason("", f"all-gather updated {len(bucket)} parameters to their params layout (one buffer)"):
+        full = flat.all_gather([m.to_local().to(p.device, p.dtype) for m, p in zip(bucket, params)],
+                               dims, [p._local_tensor.shape for p in params],
+                               params[0].device_mesh, mesh_dim)
+    for p, f in zip(params, full):
+        p._local_tensor.copy_(f)
 
 
 def _gather_into_param(master) -> None:
