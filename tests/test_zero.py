@@ -9,7 +9,7 @@ on the wire per phase and collective kind, exactly, which also equal the referen
 Ψ' = 4Ψ(n-1)/n bytes (ring convention): data parallel (zero=0) all-reduce 2Ψ'; stage 1 2Ψ', all in the
 step: backward leaves the gradients whole and unreduced, and spmd.reduce_gradients (before the step, where
 the trainer clips) reduce-scatters them into the optimizer's shards (Ψ'), in flat buffers: one collective
-per mesh axis, before the all-gather of updated shards (Ψ'); with two accumulated micro-batches (dp=2,fsdp=2) that reduction still runs once per step, as
+per mesh axis, before the all-gather of updated shards (Ψ', one flat buffer); with two accumulated micro-batches (dp=2,fsdp=2) that reduction still runs once per step, as
 planned; stage 2 reduce-scatter Ψ' in backward + all-gather Ψ'; stage 3 all-gather Ψ' forward, the regather of every weight but the
 embedding's backward, reduce-scatter Ψ' (0 as planned; real runs of it: test_plan_matches_run.py).
 With `offload="optimizer"` (stage 3 on fsdp=4, stage 1 on fsdp=2,tp=2,sp, and stage 2 with no_sync
@@ -169,6 +169,9 @@ def _train(spec, zero, offload, planned, reference, accumulate=False):
                 if torch.distributed.get_rank() == 0:
                     print(f"{spec} zero=1 step reductions: {dict(reductions)}")
                 assert reductions and set(reductions.values()) == {1}, (spec, reductions)
+            if zero in (1, 2) and not (offload or "").startswith("nvme:"):  # the updated shards: one buffer
+                gathers = [c for c in recorder.records if c.phase == "optimizer" and c.kind == "all_gather"]
+                assert len(gathers) == 1, (spec, zero, [c.reason for c in gathers])
         opt.zero_grad()
         assert all(p.grad is None for p in model.parameters())
         for name, p in model.named_parameters():
@@ -249,8 +252,24 @@ def _uneven_step_reduction():
         assert torch.allclose(got.to_local(), want.to_local(), rtol=0, atol=1e-6), (g.shape, t)
 
 
+def _uneven_gather():
+    """The all-gather of updated shards in one flat buffer, for chunks that differ in size (one empty) along
+    different dims, gives back each whole tensor exactly (gathers copy)."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from spmd.runtime import flat
+    mesh = spmd.make_mesh({"dp": 2, "fsdp": 2})
+    torch.manual_seed(0)
+    wholes = [torch.randn(s) for s in [(5, 3), (7,), (3, 9), (1, 4)]]
+    dims = [0, 0, 1, 0]
+    shards = [distribute_tensor(w, mesh, (Replicate(), Shard(d))).to_local() for w, d in zip(wholes, dims)]
+    assert shards[3].numel() == (4 if mesh.get_local_rank(1) == 0 else 0)  # one rank's chunk is empty
+    for got, want in zip(flat.all_gather(shards, dims, [w.shape for w in wholes], mesh, 1), wholes):
+        assert torch.equal(got, want), want.shape
+
+
 def _all_runs(rank, world, plans, bf16_plan, reference, wide, tmp):
     _uneven_step_reduction()
+    _uneven_gather()
     for (spec, zero, offload), planned in zip(RUNS, plans):
         model, opt = _train(spec, zero, _in(offload, tmp), planned, reference, (spec, zero, offload) in ACCUMULATE)
         if (spec, zero, offload) == ("fsdp=4", 1, None):

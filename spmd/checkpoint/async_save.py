@@ -11,6 +11,8 @@ SHA-256, rank 0's index and rename, and the atomic `latest`, so a kill mid-save 
 as `latest`. Its collectives run on a gloo group of their own, created by the first save, so they never
 interleave with the training's. A failed save raises on every rank: from `wait()`, from the next `save()`,
 and (`failed()`) from the trainer's next step.
+State in memory-mapped files (offload="nvme:DIR", possibly larger than host memory) is not copied to host
+buffers: such a save is written synchronously from the files (`save`), piece by piece.
 Choice: this thread over DCP's `async_save` with `HuggingFaceStorageWriter`, which would replace the rank
 files, the per-file SHA-256 index, the atomic `latest` and the interrupted-save points rather than keep them.
 """
@@ -22,7 +24,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-from .save import Job, prepare, write
+from ..runtime.offload import file_backed
+from .common import all_gather
+from .save import Job, prepare, save, write
 
 __all__ = ["AsyncSaver"]
 
@@ -45,6 +49,9 @@ class AsyncSaver:
         """Collective, arguments as `save`'s. Waits for the previous save (raising its error), copies this rank's
         shards to host buffers, starts the writer and returns the directory the checkpoint will be committed to."""
         self.wait()
+        mapped = any(file_backed(t) for t in (*model_state.values(), *(optim_state or {}).values()))
+        if any(all_gather(mapped)):  # every rank takes the same path: the two use different groups
+            return save(ckpt_dir, step, model_state, optim_state, meta, keep)
         job = prepare(ckpt_dir, step, model_state, optim_state, meta, keep, stage=self._stager.stage)
         if self._group is None and dist.is_initialized() and dist.get_world_size() > 1:
             self._group = dist.new_group(backend="gloo")  # collective: every rank is here, in the same order

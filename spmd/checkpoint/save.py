@@ -16,11 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
-
-from ..runtime.offload import release_pages
+from ..runtime.offload import file_backed, release_pages
 from .common import FORMAT, LATEST, RNG_CPU, RNG_CUDA, all_gather, barrier, dtype_name, fsync_dir, rank_file, \
     rank_world, region
+from .stream import save_file
 from .verify import file_record
 
 __all__ = ["Job", "save", "prepare", "write"]
@@ -115,7 +114,10 @@ def write(job: Job, group=None) -> Path:
 
 
 def _host_copy(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {k: x.to("cpu") if x.device.type != "cpu" else x.clone() for k, x in tensors.items()}
+    """Host copies to write from; a file-backed (nvme-offloaded) tensor is written from its file, uncopied:
+    nothing changes it before the synchronous write, which reads it piece by piece (spmd.checkpoint.stream)."""
+    return {k: x.to("cpu") if x.device.type != "cpu" else x if file_backed(x) else x.clone()
+            for k, x in tensors.items()}
 
 
 def _writable(out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

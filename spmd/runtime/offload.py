@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 
 from .host import host_tensor
 
-__all__ = ["nvme_dir", "host_copy", "file_backed_adam_state", "release_pages"]
+__all__ = ["nvme_dir", "host_copy", "file_backed_adam_state", "file_backed", "release_pages"]
 
 
 def nvme_dir(offload) -> str | None:
@@ -62,6 +62,11 @@ def file_backed_adam_state(opt: torch.optim.Optimizer, masters, directory: str) 
         opt.state[m] = state
 
 
+def file_backed(t: torch.Tensor) -> bool:
+    """Whether `t` (or a DTensor's local shard) lives in a memory-mapped file (offload="nvme:DIR")."""
+    return (t._local_tensor if isinstance(t, DTensor) else t).untyped_storage().filename is not None
+
+
 _libc = ctypes.CDLL(None, use_errno=True) if hasattr(mmap, "MADV_DONTNEED") else None
 
 
@@ -71,7 +76,7 @@ def release_pages(tensors) -> None:
     not file-backed are left alone."""
     for t in tensors:
         storage = (t._local_tensor if isinstance(t, DTensor) else t).untyped_storage()
-        if _libc is None or storage.filename is None or storage.nbytes() == 0:
+        if _libc is None or not file_backed(t) or storage.nbytes() == 0:
             continue
         if _libc.madvise(ctypes.c_void_p(storage.data_ptr()), ctypes.c_size_t(storage.nbytes()),
                          mmap.MADV_DONTNEED) != 0:
