@@ -8,7 +8,7 @@ import torch.nn as nn
 from ..layout.mesh import MESH_AXES, parse_spec
 from ..runtime.experts import expert_modules
 
-__all__ = ["candidate_specs", "candidates", "zero_stages", "spec_name", "experts", "mesh_problem", "LONG_SEQ",
+__all__ = ["candidate_specs", "candidates", "zero_stages", "spec_name", "expert_count", "mesh_problem", "LONG_SEQ",
            "MIN_CP_TOKENS"]
 
 
@@ -55,14 +55,13 @@ def zero_stages(sizes: dict, zero: int | None = None) -> list[int | None]:
     return [zero] if zero is not None else [1, 2, 3]
 
 
-def experts(model: nn.Module) -> int:
+def expert_count(model: nn.Module) -> int:
     """How many experts the model's expert modules stack (0: not a mixture of experts)."""
     return max((p.shape[0] for m in expert_modules(model).values() for p in m.parameters(recurse=False)), default=0)
 
 
 def spec_name(sizes: dict, sp: bool) -> str:
     return ",".join(f"{a}={sizes[a]}" for a in MESH_AXES if a in sizes) + (",sp" if sp else "")
-
 
 
 def mesh_problem(model: nn.Module, sizes: dict) -> str | None:

@@ -37,7 +37,7 @@ import torch.nn as nn
 from ..layout.blocks import find_blocks
 from ..layout.rules import ZERO_STAGES, Rules
 from ..runtime.checkpointing import parse_mode
-from .candidates import candidate_specs, candidates, experts, mesh_problem, spec_name, zero_stages
+from .candidates import candidate_specs, candidates, expert_count, mesh_problem, spec_name, zero_stages
 from .devices import Device, get_device
 from .search_rows import Row, SearchResult
 from .step_time import flops_per_token, links, predict, recompute_fraction
@@ -77,7 +77,7 @@ def search(model, world_size: int, device="h100", memory_budget_bytes: float | N
     batch, seq = batch_shape or (world_size, min(getattr(cfg, "max_seq_len", 2048), 4096))
     budget = memory_budget_bytes if memory_budget_bytes is not None else 0.9 * dev.memory_per_rank(world_size)
     tried = [(sizes, sp, z) for sizes, sp in
-             candidates(world_size, specs, max_tp or dev.per_node, sequence_parallel, seq, experts(net))
+             candidates(world_size, specs, max_tp or dev.per_node, sequence_parallel, seq, expert_count(net))
              for z in zero_stages(sizes, zero)]
     compute_s = flops_per_token(net, seq) * batch * seq / world_size / (dev.peak(dtype) * dev.efficiency)
     unplanned = _screen(net, tried, world_size, budget)
@@ -92,8 +92,9 @@ def search(model, world_size: int, device="h100", memory_budget_bytes: float | N
     ranked, dropped = [], []
     for sizes, sp, z in tried:
         row = Row(spec_name(sizes, sp), dict(sizes), sp, zero=z, budget=budget)
-        if _floor_key((sizes, sp, z)) in unplanned:
-            row.fits, (row.note, row.memory) = False, unplanned[_floor_key((sizes, sp, z))]
+        floor = _floor_key((sizes, sp, z))
+        if floor in unplanned:
+            row.fits, (row.note, row.memory) = False, unplanned[floor]
         else:
             _fill(row, chosen[_key((sizes, sp, z))], dev, compute_s, _count_blocks(net),
                   batch * seq, flops_per_token(net, seq) / (dev.peak(dtype) * world_size))

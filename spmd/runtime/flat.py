@@ -46,22 +46,25 @@ def _chunk_shapes(shape, dim: int, n: int) -> list:
     return [c.shape for c in chunks]
 
 
-def _segments(shapes: list, dims: list, n: int) -> tuple[list, int]:
-    """Per tensor the shapes of its n chunks, and the longest rank's segment (the padded length of each)."""
-    chunks = [_chunk_shapes(s, d, n) for s, d in zip(shapes, dims)]
-    return chunks, max(sum(c[r].numel() for c in chunks) for r in range(n))
+def _segment(chunks: list, n: int) -> int:
+    """The longest rank's segment: per tensor its n chunks (tensors or shapes), summed rank by rank."""
+    return max(sum(c[r].numel() for c in chunks) for r in range(n))
+
+
+def _padded(row: list, seg: int) -> list:
+    """A rank's flattened chunks, with zeros after them up to the segment's length."""
+    short = seg - sum(x.numel() for x in row)
+    return row + ([row[0].new_zeros(short)] if short else [])
 
 
 def reduce_scatter(tensors: list, dims: list, mesh, m: int) -> Flat:
     """Sums `tensors` over mesh dim `m`; each rank receives its chunk of each along its dim in `dims`."""
     n, rank = mesh.size(m), mesh.get_local_rank(m)
     chunks = [Shard(d)._split_tensor(t, n, with_padding=False)[0] for t, d in zip(tensors, dims)]
-    seg = max(sum(c[r].numel() for c in chunks) for r in range(n))
+    seg = _segment(chunks, n)
     parts = []
     for r in range(n):
-        row = [c[r].reshape(-1) for c in chunks]
-        short = seg - sum(x.numel() for x in row)
-        parts += row + ([row[0].new_zeros(short)] if short else [])
+        parts += _padded([c[r].reshape(-1) for c in chunks], seg)
     out = funcol.reduce_scatter_single(torch.cat(parts), "sum", 0, (mesh, m))
     return Flat(out, [c[rank].shape for c in chunks])
 
@@ -76,10 +79,9 @@ def all_gather(tensors: list, dims: list, shapes: list, mesh, m: int) -> list:
     """Each rank's chunk (`tensors`) of whole tensors of `shapes`, split along their dims in `dims` over mesh
     dim `m`, gathered: the whole tensors, on every rank."""
     n = mesh.size(m)
-    chunks, seg = _segments(shapes, dims, n)
-    mine = [t.reshape(-1) for t in tensors]
-    short = seg - sum(x.numel() for x in mine)
-    buf = torch.cat(mine + ([mine[0].new_zeros(short)] if short else []))
+    chunks = [_chunk_shapes(s, d, n) for s, d in zip(shapes, dims)]
+    seg = _segment(chunks, n)
+    buf = torch.cat(_padded([t.reshape(-1) for t in tensors], seg))
     gathered = wait(funcol.all_gather_single(buf, 0, (mesh, m))).view(n, seg)
     out, at = [], [0] * n
     for c, d in zip(chunks, dims):

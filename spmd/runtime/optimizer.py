@@ -179,23 +179,17 @@ def gather_updated(opt: torch.optim.Optimizer) -> None:
     masters sharded over one more mesh dim than their parameter gather in flat buffers of up to the
     gradient buckets' size (spmd.runtime.flat), one collective per buffer; the others one by one."""
     masters = [m for g in opt.param_groups for m in g["params"] if hasattr(m, MASTER_OF_ATTR)]
-    buffers, filled = {}, {}
+    gathered: dict = {}  # (mesh, mesh dim, dtype) -> [(master, tensor dim)]
     with tags.phase("optimizer"):
         for master in masters:
             p = getattr(master, MASTER_OF_ATTR)
             dims = _gathered_dims(master, p)
             if dims is None:
                 _gather_into_param(master)
-                continue
-            key, size = (id(p.device_mesh), dims[0], p.dtype), p._local_tensor.numel() * p._local_tensor.element_size()
-            group = buffers.setdefault(key, [[]])
-            if group[-1] and filled[key] + size > GATHER_BUCKET_BYTES:
-                group.append([])
-                filled[key] = 0
-            group[-1].append(master)
-            filled[key] = filled.get(key, 0) + size
-        for (_, mesh_dim, _), group in buffers.items():
-            for bucket in group:
+            else:
+                gathered.setdefault((id(p.device_mesh), dims[0], p.dtype), []).append((master, dims[1]))
+        for (_, mesh_dim, _), members in gathered.items():
+            for bucket in _capped(members, GATHER_BUCKET_BYTES):
                 _gather_bucket(bucket, mesh_dim)
 
 
@@ -215,12 +209,28 @@ def _gathered_dims(master, p):
     return differ[0], dim
 
 
+def _capped(members: list, cap: int) -> list:
+    """`members` ((master, dim) pairs) cut in order into runs whose parameters hold at most `cap` bytes (a
+    larger one alone)."""
+    runs, size = [[]], 0
+    for master, dim in members:
+        local = getattr(master, MASTER_OF_ATTR)._local_tensor
+        nbytes = local.numel() * local.element_size()
+        if runs[-1] and size + nbytes > cap:
+            runs.append([])
+            size = 0
+        runs[-1].append((master, dim))
+        size += nbytes
+    return runs
+
+
 def _gather_bucket(bucket: list, mesh_dim: int) -> None:
-    params = [getattr(m, MASTER_OF_ATTR) for m in bucket]
-    dims = [_gathered_dims(m, p)[1] for m, p in zip(bucket, params)]
+    """One flat all-gather over `mesh_dim` of the updated shards of `bucket`'s (master, tensor dim) pairs."""
+    masters = [m for m, _ in bucket]
+    params = [getattr(m, MASTER_OF_ATTR) for m in masters]
     with tags.reason("", f"all-gather updated {len(bucket)} parameters to their params layout (one buffer)"):
-        full = flat.all_gather([m.to_local().to(p.device, p.dtype) for m, p in zip(bucket, params)],
-                               dims, [p._local_tensor.shape for p in params],
+        full = flat.all_gather([m.to_local().to(p.device, p.dtype) for m, p in zip(masters, params)],
+                               [d for _, d in bucket], [p._local_tensor.shape for p in params],
                                params[0].device_mesh, mesh_dim)
     for p, f in zip(params, full):
         p._local_tensor.copy_(f)
