@@ -16,10 +16,11 @@ The textbook terms, and the terms the textbooks leave out that a real step has (
   TP outside the blocks        4 * S * (t-1)/t: the vocab-parallel embedding's forward all-reduce and the
                                output projection's backward all-reduce (SP: reduce-scatter + all-gather each)
   vocab-parallel loss          over tp: all-reduce of the row max (N fp32) and of (sum exp, target logit)
-                               (2N fp32), N = b*s local tokens; over each data axis (dp, fsdp) of size > 1:
-                               all-reduce of (loss sum, token count), 2 fp32
+                               (2N fp32), N = b*s local tokens; over the data axes (dp and fsdp of size > 1,
+                               one flattened group): all-reduce of (loss sum, token count), 2 fp32
   SP norm-weight gradients     sequence-sharded RMSNorms see different tokens per tp rank: each norm weight's
-                               gradient (h fp32, its fsdp shard) is all-reduced over tp; 2 per block + final
+                               gradient (h fp32, its fsdp shard) is all-reduced over tp (with dp: over the
+                               flattened dp x tp group); 2 per block + final
   ZeRO-3 / FSDP over n         all-gather forward (Ψ), all-gather again for backward (Ψ), reduce-scatter of
                                gradients (Ψ): "3Ψ"; Ψ is the tp-local parameter bytes. Mixed precision: gathers
                                move the compute dtype, gradient reductions fp32 (our trainer's policy). One
@@ -27,9 +28,9 @@ The textbook terms, and the terms the textbooks leave out that a real step has (
                                final norm, output) stays gathered for backward, as FSDP2's root does, so
                                backward regathers Ψ minus the root
   DP over d                    all-reduce of the gradients (fp32; of the fsdp shard under HSDP): "2Ψ"
-  gradient buffers             a gradient one collective completes joins a buffer across blocks, issued at
-                               bucket_mb (DDP's 25 MB); under HSDP, and for the sequence-parallel norms (also
-                               partial over tp) and a tied weight, each unit reduces its own
+  gradient buffers             gradients with the same reduction (a reduce-scatter over fsdp, then one all-
+                               reduce over the other axes they are summed over) share buffers across blocks,
+                               issued at bucket_mb (DDP's 25 MB); a tied weight reduces on its own
   EP over ep (expert_comm)     a mixture of experts at balanced routing: 4 all-to-alls per MoE layer of
                                top_k*b*s*h*e (ep-1)/ep, the token counts, the router statistics; its expert
                                parameters per rank: expert_states. The dense terms under ep are not modelled
@@ -162,6 +163,23 @@ def buffers(params: list[Param], nbytes, bucket_mb: float) -> list[int]:
     return out + ([open_] if open_ else [])
 
 
+def gradient_reductions(params: list[Param], spec: Spec) -> dict:
+    """{(reduce-scatter axis or None, all-reduce axes): parameters} as spmd.runtime.reducer groups them: a
+    gradient is summed over the data axes (and over tp too for a sequence-parallel norm weight); it is
+    reduce-scattered over fsdp, which shards every parameter, then all-reduced over the other axes as one
+    flattened group. A tied weight is left out (it reduces on its own)."""
+    out: dict = {}
+    for p in params:
+        if p.role == "tied":
+            continue
+        summed = (("dp",) if spec.dp > 1 else ()) + \
+                 (("tp",) if spec.sequence_parallel and spec.tp > 1 and p.role == "norm" else ())
+        key = ("fsdp" if spec.fsdp > 1 else None, summed)
+        if key != (None, ()):
+            out.setdefault(key, []).append(p)
+    return out
+
+
 def tp_local(p: Param, spec: Spec) -> int:
     return p.numel // spec.tp if p.tp_sharded else p.numel
 
@@ -243,14 +261,6 @@ def comm(cfg, spec: Spec | str, batch: int, seq: int, dtype: str = "fp32",
                      8 * L, 8 * L * ring("all_gather", S, t), True, "L * 8 * S(t-1)/t as 4 AG + 4 RS"))
             add(Term("TP embedding + output (SP)", "tp", ("reduce_scatter", "all_gather"), "forward+backward",
                      4, 4 * ring("all_gather", S, t), False, "embedding RS fwd + AG bwd; output AG fwd + RS bwd"))
-            norms = (2 * L + 1) * h * REDUCE_BYTES // n
-            if n == 1 and d == 1:   # one all-reduce over tp completes them: one buffer across blocks
-                add(Term("SP norm-weight gradients", "tp", ("all_reduce",), "backward", 1,
-                         ring("all_reduce", norms, t), False, "2 * ((2L+1)*h*4)(t-1)/t, one buffer"))
-            else:                   # partial over a data axis too: each unit reduces its own
-                add(Term("SP norm-weight gradients", "tp", ("all_reduce",), "backward", L + 1,
-                         (2 * L + 1) * ring("all_reduce", h * REDUCE_BYTES // n, t), False,
-                         "(2L+1) * 2 * (h*4/fsdp)(t-1)/t, a block's two in one buffer"))
         else:
             add(Term("TP blocks (Megatron)", "tp", ("all_reduce",), "forward+backward", 4 * L,
                      4 * L * ring("all_reduce", S, t), True, "L * 8 * S(t-1)/t as 4 AR"))
@@ -259,10 +269,11 @@ def comm(cfg, spec: Spec | str, batch: int, seq: int, dtype: str = "fp32",
         add(Term("vocab-parallel loss over tp", "tp", ("all_reduce",), "forward", 2,
                  ring("all_reduce", N * LOSS_BYTES, t) + ring("all_reduce", 2 * N * LOSS_BYTES, t), False,
                  "AR of row max (N fp32) + AR of (sum exp, target logit) (2N fp32)"))
-    for axis, size in (("dp", d), ("fsdp", n)):
-        if size > 1:
-            add(Term(f"loss mean over {axis}", axis, ("all_reduce",), "forward", 1,
-                     ring("all_reduce", 2 * LOSS_BYTES, size), False, "AR of (loss sum, count), 2 fp32"))
+    data = [a for a, size in (("dp", d), ("fsdp", n)) if size > 1]
+    if data:
+        add(Term("loss mean over the data axes", "+".join(data), ("all_reduce",), "forward", 1,
+                 ring("all_reduce", 2 * LOSS_BYTES, d * n), False,
+                 "AR of (loss sum, count), 2 fp32, over the flattened group of dp and fsdp"))
 
     params = parameters(cfg)
     units = parameter_units(params, cfg.tie_embeddings)
@@ -277,39 +288,29 @@ def comm(cfg, spec: Spec | str, batch: int, seq: int, dtype: str = "fp32",
                  "Ψ(n-1)/n"))
         add(Term("FSDP root unit kept gathered for backward", "fsdp", ("all_gather",), "backward", -1,
                  -gathered(units["root"]), False, "-Ψ_root(n-1)/n (FSDP2's root: embedding, final norm, output)"))
-    if n > 1 and d == 1:
-        # one reduce-scatter completes each gradient: buffers across units (spmd.runtime.reducer), except the
-        # sequence-parallel norms (also partial over tp: per unit, then all-reduced over tp) and a tied weight
-        rest = [p for p in params if not (sp_norms and p.role == "norm") and p.role != "tied"]
-        bufs = buffers(rest, lambda p: tp_local(p, spec) * REDUCE_BYTES, bucket_mb)
-        add(Term("FSDP gradient reduce-scatter", "fsdp", ("reduce_scatter",), "backward", len(bufs),
-                 sum(ring("reduce_scatter", b, n) for b in bufs), True,
-                 f"Ψ(n-1)/n, fp32, in {bucket_mb:g} MB buffers across blocks"))
-        for what, members in (("sequence-parallel norms", [p for p in params if sp_norms and p.role == "norm"]),
-                              ("tied weight", [p for p in params if p.role == "tied"])):
-            per_unit = [sum(tp_local(p, spec) * REDUCE_BYTES for p in u if p in members) for u in units.values()]
-            per_unit = [b for b in per_unit if b]
-            add(Term(f"FSDP gradient reduce-scatter, {what} per unit", "fsdp", ("reduce_scatter",), "backward",
-                     len(per_unit), sum(ring("reduce_scatter", b, n) for b in per_unit), True, "fp32"))
-    elif n > 1:
-        # HSDP: two collectives complete each gradient, so each unit reduces its own (reduce-scatter over fsdp,
-        # then all-reduce of the shard over dp)
-        rs = [sum(tp_local(p, spec) for p in u) * REDUCE_BYTES for u in units.values()]
-        add(Term("FSDP gradient reduce-scatter", "fsdp", ("reduce_scatter",), "backward", len(rs),
-                 sum(ring("reduce_scatter", b, n) for b in rs), True, "Ψ(n-1)/n, fp32, one per unit"))
-        add(Term("DP gradient all-reduce", "dp", ("all_reduce",), "backward", len(rs),
-                 sum(ring("all_reduce", b // n, d) for b in rs), True, "2Ψ(d-1)/d, fp32, of the fsdp shard, one per unit"))
-    elif d > 1:
-        rest = [p for p in params if not (sp_norms and p.role == "norm")]
-        bufs = buffers(rest, lambda p: tp_local(p, spec) * REDUCE_BYTES, bucket_mb)
-        add(Term("DP gradient all-reduce", "dp", ("all_reduce",), "backward", len(bufs),
-                 sum(ring("all_reduce", b, d) for b in bufs), True,
-                 f"2Ψ(d-1)/d, fp32, in {bucket_mb:g} MB buffers across blocks"))
-        if sp_norms:
-            per_unit = [sum(tp_local(p, spec) * REDUCE_BYTES for p in u if p.role == "norm") for u in units.values()]
-            per_unit = [b for b in per_unit if b]
-            add(Term("DP gradient all-reduce, sequence-parallel norms per unit", "dp", ("all_reduce",), "backward",
-                     len(per_unit), sum(ring("all_reduce", b, d) for b in per_unit), True, "fp32"))
+    sizes = {"dp": d, "fsdp": n, "tp": t}
+    for (scatter, summed), members in gradient_reductions(params, spec).items():
+        bufs = buffers(members, lambda p: tp_local(p, spec) * REDUCE_BYTES, bucket_mb)
+        norms = members[0].role == "norm" and "tp" in summed
+        what = ", sequence-parallel norms" if norms else ""
+        if scatter:
+            add(Term(f"FSDP gradient reduce-scatter{what}", "fsdp", ("reduce_scatter",), "backward", len(bufs),
+                     sum(ring("reduce_scatter", b, n) for b in bufs), True,
+                     f"Ψ(n-1)/n, fp32, in {bucket_mb:g} MB buffers across blocks"))
+        if summed:
+            group = math.prod(sizes[a] for a in summed)
+            add(Term("SP norm-weight gradients" if norms else "DP gradient all-reduce", "+".join(summed),
+                     ("all_reduce",), "backward", len(bufs), sum(ring("all_reduce", b // n, group) for b in bufs),
+                     not norms, f"2Ψ(g-1)/g over the {' x '.join(summed)} group, fp32"
+                     + (", of the fsdp shard" if scatter else "") + f", in {bucket_mb:g} MB buffers across blocks"))
+    for p in params:
+        if p.role == "tied":  # used by two modules: reduced on its own, axis by axis
+            if n > 1:
+                add(Term("FSDP gradient reduce-scatter, tied weight", "fsdp", ("reduce_scatter",), "backward", 1,
+                         ring("reduce_scatter", tp_local(p, spec) * REDUCE_BYTES, n), True, "fp32"))
+            if d > 1:
+                add(Term("DP gradient all-reduce, tied weight", "dp", ("all_reduce",), "backward", 1,
+                         ring("all_reduce", tp_local(p, spec) * REDUCE_BYTES // n, d), True, "fp32"))
     return m
 
 
@@ -328,11 +329,12 @@ def expert_comm(cfg, spec: Spec | str, batch: int, seq: int, dtype: str = "fp32"
                          4 * L * (S * (ep - 1) // ep), True, "4L * top_k*b*s*h*e (ep-1)/ep"),
                     Term("EP token counts", "ep", ("all_to_all",), "forward", L, L * (E * 8 * (ep - 1) // ep),
                          False, "L * E int64 (ep-1)/ep")]
-    for axis, size in (("dp", spec.dp), ("fsdp", spec.fsdp), ("ep", ep)):
-        if size > 1:
-            m.terms.append(Term(f"router statistics over {axis}", axis, ("all_reduce",), "forward", 3 * L,
-                                L * (2 * ring("all_reduce", E * LOSS_BYTES, size) + ring("all_reduce", LOSS_BYTES, size)),
-                                False, "L * AR of f_e, P_e (E fp32 each) and of the z-loss (1 fp32)"))
+    data = {a: size for a, size in (("dp", spec.dp), ("fsdp", spec.fsdp), ("ep", ep)) if size > 1}
+    if data:  # DTensor sums over the flattened group of the axes that split the tokens (spmd.parallelize made it)
+        size = math.prod(data.values())
+        m.terms.append(Term("router statistics over the data axes", "+".join(data), ("all_reduce",), "forward",
+                            3 * L, L * (2 * ring("all_reduce", E * LOSS_BYTES, size) + ring("all_reduce", LOSS_BYTES, size)),
+                            False, "L * AR of f_e, P_e (E fp32 each) and of the z-loss (1 fp32)"))
     return m
 
 

@@ -66,6 +66,18 @@ def _placement_dims(logits: DTensor):
     return vocab_dims, token_dims
 
 
+def _groups(mesh, dims) -> list:
+    """The process groups a sum over mesh dims `dims` runs in: the one group that flattens them where the mesh
+    has it (spmd.parallelize makes those of the axes that split tokens), so the sum is one collective, else
+    one per dim. Dims of size 1 sum nothing."""
+    dims = [d for d in dims if mesh.size(d) > 1]
+    if len(dims) > 1 and mesh.mesh_dim_names:
+        flat = mesh._get_root_mesh()._flatten_mapping.get("_".join(mesh.mesh_dim_names[d] for d in dims))
+        if flat is not None:
+            return [flat.get_group()]
+    return [mesh.get_group(d) for d in dims]
+
+
 def _local_targets(targets, logits: DTensor, token_dims) -> torch.Tensor:
     mesh = logits.device_mesh
     want = [logits.placements[d] if d in token_dims else Replicate() for d in range(mesh.ndim)]
@@ -107,5 +119,5 @@ def vocab_parallel_cross_entropy(logits: DTensor, targets, ignore_index: int = -
     loss = _VocabParallelCE.apply(
         logits.to_local().flatten(0, -2), local_targets.flatten(), _vocab_start(logits.shape[-1], mesh, vocab_dims),
         ignore_index,
-        [mesh.get_group(d) for d in vocab_dims], [mesh.get_group(d) for d in token_dims])
+        _groups(mesh, vocab_dims), _groups(mesh, token_dims))
     return DTensor.from_local(loss, mesh, [Replicate()] * mesh.ndim, run_check=False)

@@ -83,6 +83,18 @@ def test_sequence_parallel_turns_each_all_reduce_into_all_gather_plus_reduce_sca
     assert not [c for c in plan.collectives if c.origin == "implicit"]
 
 
+def test_norm_gradients_replicated_over_dp_and_tp_reduce_once_over_both():
+    """dp=2,tp=2,sp: a norm weight sees other tokens on every rank of dp x tp; its gradient is summed in one
+    all-reduce over the flattened group of 4 (2 S (4-1)/4 bytes), not one per axis (2 S (2-1)/2 twice)."""
+    plan = plan_for("dp=2,tp=2,sp")
+    cfg = tiny_model().cfg
+    n, norms = 4, (2 * cfg.n_layers + 1) * cfg.dim * F32
+    both = [c for c in planned(plan, "all_reduce", phase="backward") if c.axes == ("dp", "tp")]
+    report("dp x tp norm-gradient all-reduces", len(both), 1)
+    report("dp x tp norm-gradient bytes", both[0].bytes, 2 * norms * (n - 1) // n)
+    assert not planned(plan, "all_reduce", "tp", "backward", why="all-reduce gradients")
+
+
 def test_fsdp_moves_three_psi():
     n = 4
     plan = plan_for(f"fsdp={n}")
@@ -121,6 +133,13 @@ def test_hsdp_gathers_over_fsdp_and_all_reduces_shards_over_dp():
     report("hsdp reduce-scatter over fsdp", sum(c.bytes for c in planned(plan, "reduce_scatter", "fsdp")), psi // 2)
     report("hsdp all-reduce of shards over dp", sum(c.bytes for c in planned(plan, "all_reduce", "dp")),
            2 * (psi // 2) // 2)
+    # every block's gradients and the root unit's in one buffer while they fit 25 MB: one reduce-scatter, then
+    # one all-reduce of its shards (FSDP2's HSDP does both per unit)
+    report("hsdp reduce-scatters", len(planned(plan, "reduce_scatter", "fsdp")), 1)
+    report("hsdp all-reduces", len(planned(plan, "all_reduce", "dp")), 1)
+    # the loss's (sum, count) over the ranks that split the batch: one all-reduce over the flattened dp x fsdp
+    loss = [c for c in plan.collectives if c.origin == "op" and c.kind == "all_reduce"]
+    assert [c.axes for c in loss] == [("dp", "fsdp")], loss
     report("hsdp forward all-gather over fsdp", sum(c.bytes for c in planned(plan, "all_gather", "fsdp", "forward")),
            psi // 2)
 
@@ -153,3 +172,4 @@ def test_explain_answers_8b_on_64_ranks_without_processes():
     assert {c.axes for c in plan.collectives} == {("fsdp",), ("tp",)}
     assert "layers.*.attention.wq" in plan.table()
     assert not [c for c in plan.collectives if c.origin == "implicit"]
+

@@ -281,11 +281,12 @@ def test_long_sequences_also_try_context_parallelism():
     # on fsdp=2,cp=2 the cp axis carries the ring, counted once per exchange (its sends): per layer, forward
     # cp-1 hops of the rank's K and V block, backward twice that; and the all-reduce over cp of the
     # fsdp-sharded fp32 gradients (parameters are replicated over cp), 2 (cp-1)/cp of them; and the loss's
-    # all-reduce of its sum and token count (two fp32)
+    # all-reduce of its sum and token count (two fp32), once over the flattened fsdp x cp group
     model = tiny()
     cfg, b, s, cp = model.cfg, 8 // 2, 32 // 2, 2
     ring = 3 * cfg.n_layers * (cp - 1) * 2 * b * s * cfg.n_kv_heads * cfg.head_dim * 4
     grads = 2 * (4 * cfg.num_params() // 2) * (cp - 1) // cp
     row, = S.search(model, 4, device="h100", batch_shape=(8, 32), dtype="fp32", specs=["fsdp=2,cp=2"],
                     zero=3)
-    assert row.bytes_by_axis["cp"] == ring + grads + 2 * (2 * 4) * (cp - 1) // cp
+    assert row.bytes_by_axis["cp"] == ring + grads
+    assert row.bytes_by_axis["fsdp+cp"] == 2 * (2 * 4) * (4 - 1) // 4

@@ -7,6 +7,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.debug import CommDebugMode
 
 import kernels
+from spmd.layout.mesh import flatten_groups
 from dist_utils import run_distributed
 
 IGNORE = -100
@@ -90,6 +91,11 @@ def _dp2_tp2(rank, world):
     _check(mesh, [Replicate(), Shard(1)], [Replicate(), Replicate()], n=9, vocab=31, n_all_reduce=2)
     # vocab over both mesh dims: 43 -> 22 / 21 -> 11, 11 / 11, 10; two all-reduces per vocab dim
     _check(mesh, [Shard(1), Shard(1)], [Replicate(), Replicate()], n=6, vocab=43, n_all_reduce=4)
+    # once the mesh has the flattened dp x tp group (spmd.parallelize makes it), the max and the sums are one
+    # all-reduce each over it, and so is (loss sum, count) for tokens split over both dims
+    flatten_groups(mesh, ("dp", "tp"))
+    _check(mesh, [Shard(1), Shard(1)], [Replicate(), Replicate()], n=6, vocab=43, n_all_reduce=2)
+    _check(mesh, [Shard(0), Shard(0)], [Shard(0), Shard(0)], n=12, vocab=29, n_all_reduce=1)
 
 
 @pytest.mark.slow

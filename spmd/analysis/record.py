@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..layout.mesh import group_axes
 from ..runtime.tags import current_module, current_phase, current_reason, reason
 
 __all__ = ["Collective", "CollectiveRecorder", "wire_bytes"]
@@ -83,12 +84,12 @@ class CollectiveRecorder(TorchDispatchMode):
     def __init__(self, mesh=None):
         super().__init__()
         self.records: list[Collective] = []
-        self.group_axes: dict[str, tuple] = {}
-        if mesh is not None:
-            for name in mesh.mesh_dim_names:
-                self.group_axes[mesh.get_group(name).group_name] = (name,)
+        self.mesh = mesh
+        self.group_axes: dict[str, tuple] = group_axes(mesh) if mesh is not None else {}
 
     def _axes(self, group_name) -> tuple:
+        if group_name not in self.group_axes and self.mesh is not None:
+            self.group_axes.update(group_axes(self.mesh))  # a group flattened since (spmd.layout.mesh.group_over)
         return self.group_axes.get(group_name, (str(group_name),))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):

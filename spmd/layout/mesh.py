@@ -4,16 +4,18 @@ Mesh dims are laid out in a fixed order, pipeline outermost and tensor parallel 
 a tensor-parallel group are neighbours (one node, fastest links) whatever order the user wrote; context
 parallel (`cp`, the sequence across ranks) sits just outside tp, its ring the next-fastest links.
 """
+import itertools
 import logging
 import os
 import sys
 
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 __all__ = ["MESH_AXES", "SPEC_FLAGS", "parse_spec", "check_sizes", "format_sizes", "init_distributed",
-           "exit_process", "make_mesh", "mesh_sizes"]
+           "exit_process", "make_mesh", "mesh_sizes", "flatten_groups", "group_over", "group_axes"]
 
 MESH_AXES = ("pp", "dp", "fsdp", "ep", "cp", "tp")  # outermost first (Megatron's order: tp innermost, then cp, ep)
 SPEC_FLAGS = ("sp",)
@@ -113,3 +115,34 @@ def mesh_sizes(mesh: DeviceMesh) -> dict[str, int]:
 
 def format_sizes(sizes: dict[str, int]) -> str:
     return ",".join(f"{k}={v}" for k, v in sizes.items())
+
+
+def flatten_groups(mesh: DeviceMesh, axes) -> None:
+    """Makes the flattened process group of every set of two or more of `axes` that `mesh` has with size > 1,
+    so a sum over several axes (a gradient replicated over dp and tp, the loss over dp and fsdp) runs as one
+    collective (`group_over`). Making a group involves every rank of the world: it happens here, where all
+    ranks run the same code, and never during a step (pipeline stages reach their reductions at different
+    times)."""
+    names = [a for a in mesh.mesh_dim_names if a in axes and mesh.size(mesh.mesh_dim_names.index(a)) > 1]
+    for k in range(2, len(names) + 1):
+        for combo in itertools.combinations(names, k):
+            with unset_fake_temporarily():  # the mesh's own index tensors are real, also in a dry run
+                mesh[combo]._flatten()
+
+
+def group_over(mesh: DeviceMesh, dims):
+    """The process group of mesh dims `dims` together, as functional collectives take it: `(mesh, dim)` for
+    one dim; for several, the 1-D mesh that flattens them, or None where `flatten_groups` made none (the
+    caller then sums axis by axis)."""
+    dims = sorted(dims)
+    if len(dims) == 1:
+        return mesh, dims[0]
+    return mesh._get_root_mesh()._flatten_mapping.get("_".join(mesh.mesh_dim_names[d] for d in dims))
+
+
+def group_axes(mesh: DeviceMesh) -> dict[str, tuple]:
+    """{process-group name: the mesh axes it spans} for each axis of `mesh` and each flattened group of them."""
+    out = {mesh.get_group(name).group_name: (name,) for name in mesh.mesh_dim_names}
+    for name, flat in mesh._get_root_mesh()._flatten_mapping.items():
+        out[flat.get_group().group_name] = tuple(name.split("_"))  # torch joins the axis names with "_"
+    return out

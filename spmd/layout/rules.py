@@ -90,6 +90,11 @@ class Rules:
         """The mesh axes that split the batch (dp and fsdp by default): the data-parallel axes."""
         return self.compute.get("batch", ())
 
+    def token_axes(self) -> MeshAxes:
+        """The mesh axes that split the tokens (the batch's and the sequence's): those a weight's gradient and
+        the loss are summed over."""
+        return tuple(dict.fromkeys(a for logical in ("batch", "seq") for a in self.compute.get(logical, ())))
+
     def data_parallel_size(self, sizes) -> int:
         """How many ways the batch splits on a mesh (a DeviceMesh or {axis: size})."""
         sizes = _sizes(sizes)

@@ -146,18 +146,24 @@ class Bucket:
         return out
 
     def _hand_over(self, p, g, reducer) -> bool:
-        """Gives `g` to the cross-block reducer when one collective over one mesh axis completes it."""
+        """Gives `g` to the cross-block reducer when a reduce-scatter over one mesh axis and an all-reduce over
+        the others that replicate it (either may be absent) complete it."""
         storage = grads_layout(p)
-        active = [m for m in range(self.mesh.ndim) if self.mesh.size(m) > 1]
-        partial = [m for m in active if g.placements[m].is_partial()]
-        if len(partial) != 1 or any(g.placements[k] != storage[k] for k in active if k != partial[0]):
+        scatter, summed = [], []
+        for m in range(self.mesh.ndim):
+            n = self.mesh.size(m)
+            if n == 1 or g.placements[m] == storage[m]:
+                continue
+            if _bucketable(g.placements[m], storage[m], "reduce_scatter", g, n):
+                scatter.append(m)
+            elif _bucketable(g.placements[m], storage[m], "all_reduce", g, n):
+                summed.append(m)
+            else:
+                return False
+        if len(scatter) > 1 or not (scatter or summed):
             return False
-        m = partial[0]
-        for kind in ("reduce_scatter", "all_reduce"):
-            if _bucketable(g.placements[m], storage[m], kind, g, self.mesh.size(m)):
-                reducer.add(p, g, kind, m, self.name)
-                return True
-        return False
+        reducer.add(p, g, scatter[0] if scatter else None, tuple(summed), self.name)
+        return True
 
     def _reduce_group(self, work: dict, group: list, m: int, kind: str):
         mesh, what = self.mesh, f"gradients of {self.name} ({len(group)} parameters, one buffer)"

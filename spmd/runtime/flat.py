@@ -1,4 +1,4 @@
-"""Many tensors summed over one mesh axis in one collective: packed into one flat buffer, cut back after.
+"""Many tensors summed over one mesh axis (or one flattened group of axes) in one collective: packed into one flat buffer, cut back after.
 
 A reduce-scatter lays each tensor's chunks along its shard dim (DTensor's own split, so uneven chunks are
 allowed) out rank by rank, each rank's segment padded to the longest; each rank gets back its segment, its
@@ -16,6 +16,8 @@ updated parameters (spmd.runtime.optimizer).
 import torch
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import Shard
+
+from ..layout.mesh import group_over
 
 __all__ = ["wait", "Flat", "reduce_scatter", "all_reduce", "all_gather"]
 
@@ -69,9 +71,14 @@ def reduce_scatter(tensors: list, dims: list, mesh, m: int) -> Flat:
     return Flat(out, [c[rank].shape for c in chunks])
 
 
-def all_reduce(tensors: list, mesh, m: int) -> Flat:
-    """Sums `tensors` over mesh dim `m`; every rank receives each whole."""
-    out = funcol.all_reduce(torch.cat([t.reshape(-1) for t in tensors]), "sum", (mesh, m))
+def all_reduce(tensors: list, mesh, dims) -> Flat:
+    """Sums `tensors` over mesh dim `dims` (an int, or several dims as one flattened group); every rank
+    receives each whole."""
+    dims = (dims,) if isinstance(dims, int) else dims
+    group = group_over(mesh, dims)
+    out = torch.cat([t.reshape(-1) for t in tensors])
+    for g in [group] if group is not None else [(mesh, m) for m in dims]:  # no flattened group: axis by axis
+        out = funcol.all_reduce(out, "sum", g)
     return Flat(out, [t.shape for t in tensors])
 
 

@@ -15,6 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ..layout.annotate import copy_annotations, get_pin, infer_axes, out_dim
+from ..layout.mesh import flatten_groups
 from ..layout.rules import Rules, _as_axes, placements_for
 from . import ops  # noqa: F401  (registers sharding strategies)
 from . import state as active
@@ -94,8 +95,8 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, rules: Rules, *, param_dtype
         raise _needs_param_init(next(n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta))
     check_layout_agrees(model, mesh, rules, layouts, param_dtype=param_dtype, reduce_dtype=reduce_dtype, bucket=bucket,
                         master=master, offload=offload)
-    converted: dict[int, nn.Parameter] = {}
-    uses = Counter()
+    flatten_groups(mesh, rules.token_axes())  # every rank, now: sums over several axes become one collective
+    converted, uses = {}, Counter()  # id(parameter) -> its laid-out parameter; -> how many modules hold it
     for mod_name, module in model.named_modules():
         for p_name, p in list(module._parameters.items()):
             if p is None:

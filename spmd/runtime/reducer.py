@@ -1,11 +1,15 @@
 """Gradient reductions that span blocks, in buckets of a set size (DDP's, 25 MB by default).
 
-A bucket's backward (spmd.runtime.buckets) hands over each gradient that one collective over one mesh axis
-brings to its grads layout (DP's all-reduce, FSDP's reduce-scatter). They join the open buffer of their
-kind, mesh axis and dtype; a buffer that reaches the size is issued at once, asynchronously, while backward
-goes on. At the end of backward the rest are issued, everything is waited on, and each parameter's gradient
-is set (added to the one it already holds). So a model whose gradients fit one buffer reduces them in one
-collective per kind, as DDP does, instead of one per block.
+A bucket's backward (spmd.runtime.buckets) hands over each gradient whose reduction is at most one
+reduce-scatter (onto its shards over one mesh axis: FSDP) followed by one all-reduce (over the mesh axes that
+replicate it: DP, HSDP's dp axis, the dp and tp axes of a sequence-parallel norm weight, summed over their
+flattened group in one collective). They join the open buffer of their reduction and dtype; a buffer that
+reaches the size is issued at once, asynchronously, while backward goes on. A buffer that reduce-scatters and
+then all-reduces issues its all-reduce when the next buffer is issued (its reduce-scatter has had that much
+backward to travel) or at the end of backward. At the end of backward the rest are issued, everything is
+waited on, and each parameter's gradient is set (added to the one it already holds). So a model whose
+gradients fit one buffer reduces them in one collective per kind, as DDP does, instead of one per block and
+mesh axis.
 """
 import torch
 from torch.distributed.tensor import DTensor
@@ -18,21 +22,40 @@ __all__ = ["GradientReducer", "DEFAULT_BUCKET_MB"]
 DEFAULT_BUCKET_MB = 25.0  # torch DistributedDataParallel's bucket_cap_mb
 
 
+class _Issued:
+    """A buffer in flight: `pending` reduce-scatters over `scatter` (when set), then all-reduces over `summed`."""
+
+    def __init__(self, key, members, pending, block: str, what: str):
+        (self.scatter, self.summed, _), self.members, self.pending = key, members, pending
+        self.block, self.what = block, what
+        self.summing = self.scatter is None  # whether `pending` is the last collective
+
+    def advance(self, mesh):
+        """Waits for the reduce-scatter and issues the all-reduce of its shards (no-op when that is done)."""
+        if self.summing:
+            return
+        self.summing = True
+        if self.summed:
+            with tags.phase("backward"), tags.reason(self.block, f"all-reduce {self.what}, shards"):
+                self.pending = flat.all_reduce(self.pending.results(), mesh, self.summed)
+
+
 class GradientReducer:
     def __init__(self, mesh, bucket_mb: float = DEFAULT_BUCKET_MB):
         self.mesh, self.cap = mesh, int(bucket_mb * 2**20)
-        self.open: dict = {}     # (kind, mesh dim, dtype) -> [(param, unreduced DTensor gradient, block name)]
+        self.open: dict = {}     # (scatter dim | None, summed dims, dtype) -> [(param, unreduced gradient, block)]
         self.sizes: dict = {}    # same key -> bytes in the open buffer
-        self.issued: list = []   # (mesh dim, members, flat.Flat in flight)
+        self.issued: list = []   # _Issued, in order
         self.queued = False
 
     def reset(self):
         """Forgets buffers a backward that failed part-way left (called as each forward starts)."""
         self.open, self.sizes, self.issued, self.queued = {}, {}, [], False
 
-    def add(self, p, g: DTensor, kind: str, m: int, block: str):
-        """Takes `g` (a partial sum over mesh dim `m` only) for `p`; it is reduced by the end of backward."""
-        key = (kind, m, g.dtype)
+    def add(self, p, g: DTensor, scatter: int | None, summed: tuple, block: str):
+        """Takes `g` for `p`, a partial sum over mesh dim `scatter` (reduce-scattered onto p's grads shards)
+        and the dims `summed` (all-reduced) only; it is reduced by the end of backward."""
+        key = (scatter, tuple(summed), g.dtype)
         self.open.setdefault(key, []).append((p, g, block))
         self.sizes[key] = self.sizes.get(key, 0) + g._local_tensor.numel() * g._local_tensor.element_size()
         if not self.queued:
@@ -42,31 +65,37 @@ class GradientReducer:
             self._issue(key)
 
     def _issue(self, key):
-        kind, m, _ = key
+        scatter, summed, _ = key
         members = self.open.pop(key)
         self.sizes.pop(key)
         blocks = sorted({b for _, _, b in members})
         what = f"gradients of {', '.join(blocks)} ({len(members)} parameters, one buffer)"
         tensors = [g._local_tensor for _, g, _ in members]
+        for earlier in self.issued:
+            earlier.advance(self.mesh)
         with tags.phase("backward"):
-            if kind == "reduce_scatter":
+            if scatter is not None:
                 with tags.reason(blocks[0], f"reduce-scatter {what}"):
-                    pending = flat.reduce_scatter(tensors, [grads_layout(p)[m].dim for p, _, _ in members],
-                                                  self.mesh, m)
+                    pending = flat.reduce_scatter(tensors, [grads_layout(p)[scatter].dim for p, _, _ in members],
+                                                  self.mesh, scatter)
             else:
                 with tags.reason(blocks[0], f"all-reduce {what}"):
-                    pending = flat.all_reduce(tensors, self.mesh, m)
-        self.issued.append((m, members, pending))
+                    pending = flat.all_reduce(tensors, self.mesh, summed)
+        self.issued.append(_Issued(key, members, pending, blocks[0], what))
 
     def finish(self):
         """End of backward: issues the open buffers, waits for all, and sets the parameters' gradients."""
         for key in list(self.open):
             self._issue(key)
         issued, self.issued, self.queued = self.issued, [], False
-        for m, members, pending in issued:
-            for (p, g, _), reduced in zip(members, pending.results()):
+        for buffer in issued:
+            buffer.advance(self.mesh)
+        for buffer in issued:
+            reduced_dims = ([buffer.scatter] if buffer.scatter is not None else []) + list(buffer.summed)
+            for (p, g, _), reduced in zip(buffer.members, buffer.pending.results()):
                 placements = list(g.placements)
-                placements[m] = grads_layout(p)[m]
+                for m in reduced_dims:
+                    placements[m] = grads_layout(p)[m]
                 value = DTensor.from_local(reduced, self.mesh, tuple(placements), run_check=False, shape=g.shape,
                                            stride=g.stride())
                 if tuple(value.placements) != grads_layout(p):

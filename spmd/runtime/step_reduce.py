@@ -1,5 +1,6 @@
 """ZeRO-1's step reduction in flat buffers: the gradients backward left unreduced reach their optimizer
-shards in one reduce-scatter per mesh axis (and one all-reduce per axis that keeps them replicated), as
+shards in one reduce-scatter per mesh axis (and one all-reduce over the flattened group of the axes that keep
+them replicated), as
 DDP's and FSDP's buckets do, instead of one collective per parameter.
 
 Each gradient is first sliced onto the shards it already may keep (free), as `gradients.reduce_to` does.
@@ -35,12 +36,16 @@ def reduce_all_to(grads: list, targets: list, why: str) -> list:
                 locals_.update(_reduce_scatter(mesh, m, {i: (locals_[i], targets[i][m].dim) for i in members}))
             for i in members:
                 current[i][m] = targets[i][m]
-    for m in range(mesh.ndim):
-        members = [i for i in flat if current[i][m].is_partial()]
-        if members:
-            with tags.reason("", f"{why} (one all-reduce over {mesh.mesh_dim_names[m]})"):
-                locals_.update(_all_reduce(mesh, m, {i: locals_[i] for i in members}))
-            for i in members:
+    summed: dict = {}  # the mesh dims a gradient is still summed over -> its members
+    for i in flat:
+        dims = tuple(m for m in range(mesh.ndim) if current[i][m].is_partial())
+        if dims:
+            summed.setdefault(dims, []).append(i)
+    for dims, members in summed.items():
+        with tags.reason("", f"{why} (one all-reduce over {'+'.join(mesh.mesh_dim_names[m] for m in dims)})"):
+            locals_.update(_all_reduce(mesh, dims, {i: locals_[i] for i in members}))
+        for i in members:
+            for m in dims:
                 current[i][m] = Replicate()
     for i in flat:
         g = grads[i]
@@ -61,5 +66,5 @@ def _reduce_scatter(mesh, m: int, members: dict) -> dict:
     return dict(zip(members, pending.results()))
 
 
-def _all_reduce(mesh, m: int, members: dict) -> dict:
-    return dict(zip(members, flat.all_reduce(list(members.values()), mesh, m).results()))
+def _all_reduce(mesh, dims: tuple, members: dict) -> dict:
+    return dict(zip(members, flat.all_reduce(list(members.values()), mesh, dims).results()))
