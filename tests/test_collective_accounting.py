@@ -173,3 +173,19 @@ def test_explain_answers_8b_on_64_ranks_without_processes():
     assert "layers.*.attention.wq" in plan.table()
     assert not [c for c in plan.collectives if c.origin == "implicit"]
 
+
+def test_pipeline_stages_gather_and_reduce_in_buckets():
+    """pp=2,fsdp=2, 1F1B over 2 micro-batches: the last stage (the rank explain plans) holds block 1, the final
+    norm and the output. Each micro-batch's forward gathers the block in one all-gather; the step's block
+    gradients (reduced in the last backward) leave in one reduce-scatter, not one per parameter. The norm and
+    the output move one by one and are regathered in backward, not kept from forward (a copy per micro-batch)."""
+    plan = plan_for("pp=2,fsdp=2")
+    model = tiny_model()
+    block = param_bytes(model, lambda n: n.startswith("layers.1."))
+    gathers = planned(plan, "all_gather", "fsdp", "forward", module=r"layers\.1")
+    report("pp stage block all-gathers (one per micro-batch)", len(gathers), 2)
+    rs = planned(plan, "reduce_scatter", "fsdp", "backward", module=r"layers\.1")
+    report("pp stage block gradient reduce-scatters", len(rs), 1)
+    report("pp stage block gradient bytes", rs[0].bytes, block // 2)
+    for name in ("norm", "output"):
+        report(f"pp stage {name} regathers", len(planned(plan, "all_gather", "fsdp", "backward", module=name)), 2)

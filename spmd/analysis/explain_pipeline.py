@@ -14,12 +14,11 @@ from ..layout.annotate import fake_copy
 from ..layout.blocks import find_blocks
 from ..layout.rules import local_shape
 from ..layout.sequence import rank_positions
-from ..pipeline.build import checkpoint_stage, without_pp
+from ..pipeline.build import lay_out_stage, without_pp
 from ..pipeline.runtime import bubble_fraction, default_microbatches, validate_pipeline
 from ..pipeline.split import split_stages
 from ..pipeline.stage import LocalModel, StageModule, has_parts
 from ..runtime.checkpointing import parse_mode
-from ..runtime.parallelize import parallelize
 from ..runtime.reshard import observe_saved
 from ..runtime.state import STATE_ATTR
 from . import record
@@ -60,7 +59,7 @@ def explain_pipeline(model, rules, mesh, batch_shape, dtype, optimizer, fake, sc
 
     fake_model = fake_copy(model, fake)
     runs, decisions, saved = _run_stages(split, fake_model, stage_mesh, rules, param_dtype, fake, tokens, hidden,
-                                         hidden_dtype, m, parse_mode(ac))
+                                         hidden_dtype, m, parse_mode(ac), schedule)
 
     ranks = []
     for r in range(pp):
@@ -79,17 +78,16 @@ def explain_pipeline(model, rules, mesh, batch_shape, dtype, optimizer, fake, sc
     return worst["records"], decisions, worst["memory"], section
 
 
-def _run_stages(split, fake_model, stage_mesh, rules, param_dtype, fake, tokens, hidden, hidden_dtype, m, every):
+def _run_stages(split, fake_model, stage_mesh, rules, param_dtype, fake, tokens, hidden, hidden_dtype, m, every,
+                schedule):
     """Each stage laid out and run for one micro-batch, with gradient reduction off and on: ({stage: {sync:
     records}}, decisions, {stage: bytes autograd saved})."""
     runs, decisions, saved = {}, [], {}
     for info in split.stages:
         with fake:
             stage = StageModule(fake_model, split, info.index, HIDDEN_AXES)
-            parallelize(stage, stage_mesh, rules, param_dtype=param_dtype,
-                        input_axes={0: TOKEN_AXES if info.first else HIDDEN_AXES, "targets": TOKEN_AXES,
-                                    "positions": TOKEN_AXES})
-            checkpoint_stage(stage, info, every, fake_model.get_submodule(split.block_path))
+            lay_out_stage(stage, info, stage_mesh, rules, schedule, every, fake_model.get_submodule(split.block_path),
+                          hidden_axes=HIDDEN_AXES, token_axes=TOKEN_AXES, param_dtype=param_dtype)
             x = torch.zeros(tokens, dtype=torch.long) if info.first else \
                 torch.zeros(hidden, dtype=hidden_dtype, requires_grad=True)
             targets = torch.zeros(tokens, dtype=torch.long)

@@ -25,11 +25,12 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ..layout.blocks import find_blocks
 from ..layout.rules import local_shape
+from ..runtime.buckets import drop_root_unit
 from ..runtime.checkpointing import checkpoint_block, parse_mode
 from ..runtime.parallelize import parallelize
 from ..runtime.state import STATE_ATTR
 from .cut import cut_stage, plan_cut, sum_tied_grads, trace_uses
-from .runtime import PipelineRuntime, default_microbatches, validate_pipeline
+from .runtime import SPLIT_BACKWARD, PipelineRuntime, default_microbatches, validate_pipeline
 from .shapes import fake_model, hidden_of
 from .split import split_stages
 from .stage import LocalModel, NamedParams, StageModule, has_blocks_loss, has_parts
@@ -182,11 +183,9 @@ def build_pipeline(model: nn.Module, mesh: DeviceMesh, rules, schedule: str = "1
     modules = []
     for info in split.stages_of_rank(rank):
         stage = make(info)
-        parallelize(stage, stage_mesh, rules, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-                    input_axes={0: hidden_axes if not info.first else token_axes, "targets": token_axes,
-                                "positions": token_axes},
-                    param_init=param_init)
-        checkpoint_stage(stage, info, every, model.get_submodule(split.block_path))
+        lay_out_stage(stage, info, stage_mesh, rules, schedule, every, model.get_submodule(split.block_path),
+                      hidden_axes=hidden_axes, token_axes=token_axes, param_dtype=param_dtype,
+                      reduce_dtype=reduce_dtype, param_init=param_init)
         modules.append(stage)
     held = {i: (split.pre if s.first else []) + (split.post if s.last else []) for i, s in enumerate(split.stages)} \
         if cut is None else cut.held
@@ -195,6 +194,23 @@ def build_pipeline(model: nn.Module, mesh: DeviceMesh, rules, schedule: str = "1
         NamedParams(dict(p for m in modules for p in m.named_parameters()).items())
     return Pipeline(full_mesh, stage_mesh, rules, split, schedule, microbatches, modules, union, param_dtype, shadow,
                     hidden_axes, cut)
+
+
+def lay_out_stage(stage: nn.Module, info, stage_mesh, rules, schedule: str, every: int, blocks: nn.ModuleList, *,
+                  hidden_axes, token_axes, param_dtype=None, reduce_dtype=torch.float32, param_init=None) -> None:
+    """One stage module laid out by spmd.parallelize on the mesh without pp, with what a pipeline changes: a
+    split backward (`zero-bubble`, `zbv`) differentiates each parameter on its own in its weight pass
+    (torch.autograd.grad from the input pass's intermediates), which a bucket's one gather node does not
+    allow, so there parameters move one by one; and since several micro-batches run forward before their
+    backward, the parameters outside the blocks are not kept gathered as a root unit (a copy per
+    micro-batch) but move one by one, regathered in backward. Then the stage's activation checkpointing."""
+    parallelize(stage, stage_mesh, rules, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+                bucket=schedule not in SPLIT_BACKWARD,
+                input_axes={0: hidden_axes if not info.first else token_axes, "targets": token_axes,
+                            "positions": token_axes},
+                param_init=param_init)
+    drop_root_unit(getattr(stage, STATE_ATTR), stage)
+    checkpoint_stage(stage, info, every, blocks)
 
 
 def checkpoint_stage(stage: nn.Module, info, every: int, blocks: nn.ModuleList) -> None:

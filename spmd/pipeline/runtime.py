@@ -13,8 +13,9 @@ from ..runtime.host import compute_device
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv")
 INTERLEAVED = ("interleaved-1f1b", "zero-bubble", "zbv")  # several stages per rank
+SPLIT_BACKWARD = ("zero-bubble", "zbv")  # the weights' gradients in a pass of their own
 
-__all__ = ["SCHEDULES", "INTERLEAVED", "default_microbatches", "bubble_fraction", "validate_pipeline",
+__all__ = ["SCHEDULES", "INTERLEAVED", "SPLIT_BACKWARD", "default_microbatches", "bubble_fraction", "validate_pipeline",
            "PipelineRuntime"]
 
 
@@ -34,7 +35,7 @@ def bubble_fraction(schedule: str, pp: int, microbatches: int, virtual_stages: i
     Zero-bubble schedules fill the warm-up and cool-down with weight-gradient work; with equal forward,
     input-gradient and weight-gradient times (ZB-H1) the idle time shrinks to a third: (p-1)/(3m+p-1)/v."""
     p, m, v = pp, microbatches, virtual_stages
-    if schedule in ("zero-bubble", "zbv"):
+    if schedule in SPLIT_BACKWARD:
         return (p - 1) / (3 * m + p - 1) / v
     return (p - 1) / (m + p - 1) / (v if schedule in INTERLEAVED else 1)
 

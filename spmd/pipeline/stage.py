@@ -69,9 +69,11 @@ class StageModule(nn.Module):
         object.__setattr__(self, "_source", model)
         object.__setattr__(self, "_loss_fn", loss_fn)
         all_blocks = model.get_submodule(split.block_path)
-        blocks = nn.ModuleDict({str(i): all_blocks[i] for i in info.blocks})
+        blocks = nn.ModuleList()
+        for i in info.blocks:  # under their model indices, in a block list (spmd finds it: one bucket each)
+            blocks.add_module(str(i), all_blocks[i])
         _attach(self, split.block_path, blocks)
-        object.__setattr__(self, "_blocks", list(blocks.values()))
+        object.__setattr__(self, "_blocks", list(blocks))
         for name in (split.pre if self.first else []) + (split.post if self.last else []):
             _attach(self, name, model.get_submodule(name))
         for name, buf in model.named_buffers(recurse=False):

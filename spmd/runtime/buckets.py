@@ -19,7 +19,7 @@ from . import flat, tags
 from .gradients import grads_layout, held_for_step, join_unreduced, reduce_for_step, reduce_to, slice_onto_shards
 from .reshard import CHECKPOINTED_ATTR
 
-__all__ = ["Bucket", "make_buckets", "gather_bucket", "regather_for_recompute", "shard_dims"]
+__all__ = ["Bucket", "make_buckets", "drop_root_unit", "gather_bucket", "regather_for_recompute", "shard_dims"]
 
 
 def shard_dims(p, mesh) -> dict | None:
@@ -240,11 +240,11 @@ def make_buckets(model, mesh) -> tuple[dict, dict]:
     except ValueError:
         return {}, {}  # no repeated blocks: every parameter moves on its own
     by_block, by_param, chain = {}, {}, []
-    for i, block in enumerate(blocks):
+    for key, block in blocks._modules.items():  # keys: the blocks' indices in the model (a pipeline stage's too)
         params = list({id(p): p for p in block.parameters() if isinstance(p, DTensor)
                        and not getattr(p, "_spmd_shared", False) and shard_dims(p, mesh) is not None}.values())
         if len(params) > 1:
-            b = Bucket(f"{path}.{i}" if path else str(i), block, params, mesh)
+            b = Bucket(f"{path}.{key}" if path else key, block, params, mesh)
             by_block[id(block)] = b
             by_param.update({id(p): b for p in params})
             chain.append(b)
@@ -259,3 +259,12 @@ def make_buckets(model, mesh) -> tuple[dict, dict]:
         by_block[id(model)] = root
         by_param.update({id(p): root for p in rest})
     return by_block, by_param
+
+
+def drop_root_unit(state, model) -> None:
+    """Leaves the parameters outside the blocks out of any bucket: each moves on its own, and is regathered
+    in backward rather than kept from forward (a pipeline stage's micro-batches would each keep a copy)."""
+    root = state.buckets.pop(id(model), None)
+    if root is not None:
+        for p in root.params:
+            state.bucket_of.pop(id(p), None)
