@@ -176,10 +176,10 @@ def main(argv=None) -> int:
     from launch import schedule
     from launch.data import build_loader
     from launch.metrics import MetricsLogger, flops_per_token, peak_flops, peak_mem_bytes
-    from launch.setup import param_groups
+    from launch.setup import adamw
     from spmd.analysis.record import CollectiveRecorder
     cfg, model_cfg, model, mesh, dp_rank, dp_size, tp, layout, autocast = build(args, world, device)
-    opt = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
+    opt = adamw(model, cfg)
     loader, _ = build_loader(cfg, dp_rank, dp_size, model_cfg.vocab_size, device)
     peak, source = peak_flops(cfg.dtype, device) if rank == 0 else (0.0, "")
     metrics = MetricsLogger(cfg.steps, cfg.batch_size * cfg.seq_len, flops_per_token(model_cfg, cfg.seq_len), peak,

@@ -13,7 +13,7 @@ from spmd.layout.dtypes import DTYPES
 
 from .config import TrainConfig
 
-__all__ = ["ranks", "build_model", "param_groups", "resume_point"]
+__all__ = ["ranks", "build_model", "param_groups", "adamw", "resume_point"]
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -23,6 +23,14 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
         if p.requires_grad:
             (decay if p.dim() >= 2 else no_decay).append(p)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def adamw(model: torch.nn.Module, cfg) -> torch.optim.AdamW:
+    """The trainer's AdamW over `param_groups`. Its step runs as foreach kernels, one call per state update
+    for all tensors of a device and dtype (torch's default on a GPU, torchtitan's everywhere): on the CPU
+    torch would step tensor by tensor, and each of those ops on a DTensor parameter pays DTensor's dispatch."""
+    return torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8,
+                             foreach=True)
 
 
 def ranks() -> tuple[int, int, int]:

@@ -60,7 +60,7 @@ from .data import build_loader, model_inputs
 from .metrics import MetricsLogger, flops_per_token, peak_flops, peak_mem_bytes
 from .nonfinite import BadSteps, Diverged, LossScaler
 from .profile import StepProfiler
-from .setup import build_model, param_groups, ranks, resume_point
+from .setup import adamw, build_model, ranks, resume_point
 from .stopping import StopRequest, stop_everywhere
 
 
@@ -108,7 +108,7 @@ def train(cfg: TrainConfig, log=True) -> list[dict]:
     # a pipeline checkpoints inside its stages (build_pipeline's ac)
     ac_blocks = [] if pipe else spmd.apply_activation_checkpointing(model, cfg.ac)
     compiled = spmd.compile_blocks(model) if cfg.compile else []
-    opt = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
+    opt = adamw(model, cfg)
     if mesh is not None and pipe is None:  # --zero 1/2: the optimizer updates the optimizer map's shards
         spmd.shard_optimizer(model, opt)
     scaler = LossScaler(cfg.dtype == "fp16")
