@@ -102,11 +102,7 @@ def main(argv=None) -> int:
     markdown = (f"# Checkpoint save: time the training loop is blocked\n\n{env['device']}, {a.nproc} gloo "
                 f"processes (fsdp={a.nproc}), {a.repeats} repeats, slowest rank per repeat; commit "
                 f"{env['commit'][:10]}, load {env.get('loadavg_1m', 0):.1f}\n\n{table}\n")
-    stem = common.RESULTS / f"{common.today()}-{common.device_slug()}-checkpoint-blocking{'-' + a.tag if a.tag else ''}"
-    for path in common.write(stem, report, markdown):
-        print(path)
-    print(markdown)
-    return 0
+    return common.publish(f"checkpoint-blocking{'-' + a.tag if a.tag else ''}", report, markdown)
 
 
 if __name__ == "__main__":

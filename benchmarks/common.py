@@ -118,6 +118,14 @@ def write(stem: Path, report: dict, markdown: str) -> tuple[Path, Path]:
     return js, md
 
 
+def publish(name: str, report: dict, markdown: str) -> int:
+    """Writes results/<date>-<device>-`name`.{json,md}, prints their paths and the markdown; 0, a main's exit code."""
+    for path in write(RESULTS / f"{today()}-{device_slug()}-{name}", report, markdown):
+        print(path)
+    print(markdown)
+    return 0
+
+
 def md_table(headers: list[str], rows: list[list]) -> str:
     def cell(v):
         if isinstance(v, float):

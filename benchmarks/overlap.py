@@ -144,11 +144,7 @@ def main(argv=None) -> int:
                 f"Overlap (share of the reduction time hidden behind backward): {s['overlap']:.2f} "
                 f"[{lo:.2f}, {hi:.2f}] over rounds. Overlapped / serialized forward + backward time: "
                 f"{s['overlapped_over_serialized']:.3f} [{s['ratio_range'][0]:.3f}, {s['ratio_range'][1]:.3f}].\n")
-    stem = common.RESULTS / f"{common.today()}-{common.device_slug()}-overlap"
-    for path in common.write(stem, report, markdown):
-        print(path)
-    print(markdown)
-    return 0
+    return common.publish("overlap", report, markdown)
 
 
 if __name__ == "__main__":
