@@ -19,7 +19,7 @@ Writes benchmarks/results/<date>-<device>-<model>.{json,md,png} (the PNG needs m
 On CPU a "device" is one process; torchrun gives each process one thread; MFU uses this machine's measured
 GEMM peak (launch.metrics). `--compile` compiles every trainer's blocks (spmd.compile_blocks; torch.compile
 per block for native) and adds an eager spmd row per spec, so compiled / eager is measured in the same run.
-`--zero 1 2` adds a spmd row per spec and ZeRO stage (the `spmd` row is the trainer's default, stage 3), with
+`--zero 1 2` adds a spmd row per spec with an fsdp axis and ZeRO stage (the `spmd` row is the trainer's default, stage 3), with
 its tokens/s and peak memory from the same run; `--offload optimizer` runs those rows offloaded.
 """
 from __future__ import annotations
@@ -96,7 +96,7 @@ def _schedule(a) -> list[tuple[str, str | None]]:
     order = [] if a.no_single else [("single", None)]
     for spec in a.specs:
         order.append(("spmd", spec))
-        order += [(f"zero{stage}", spec) for stage in _zero_stages(a)]
+        order += [(f"zero{stage}", spec) for stage in _zero_stages(a, spec)]
         if a.compile:
             order.append(("eager", spec))
         if not a.no_native:
@@ -104,9 +104,11 @@ def _schedule(a) -> list[tuple[str, str | None]]:
     return order
 
 
-def _zero_stages(a) -> list[int]:
-    """The ZeRO stages with rows of their own (stage 3 is the trainer's default: the spmd row)."""
-    return [z for z in a.zero if z != 3]
+def _zero_stages(a, spec: str) -> list[int]:
+    """The ZeRO stages with rows of their own on `spec` (stage 3 is the trainer's default: the spmd row); none
+    on a mesh without an fsdp axis, where every stage is plain data parallelism."""
+    has_fsdp = any(part.partition("=")[0].strip() == "fsdp" for part in spec.split(","))
+    return [z for z in a.zero if z != 3] if has_fsdp else []
 
 
 def _zero_flags(a, kind: str) -> list[str]:
@@ -265,7 +267,7 @@ def main(argv=None) -> int:
         for kind, key in (("spmd", "spmd"), ("eager", "spmd_eager"), ("native", "native")):
             if (kind, row["spec"]) in runs:
                 row[key] = _median_run(runs[(kind, row["spec"])])
-        for stage in _zero_stages(a):
+        for stage in _zero_stages(a, row["spec"]):
             row.setdefault("zero", {})[stage] = _median_run(runs[(f"zero{stage}", row["spec"])])
         if "native" in row:
             row["vs_native"] = ratio_stats([o["tokens_per_s"] / n["tokens_per_s"] for o, n in
