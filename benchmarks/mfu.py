@@ -19,8 +19,9 @@ Writes benchmarks/results/<date>-<device>-<model>.{json,md,png} (the PNG needs m
 On CPU a "device" is one process; torchrun gives each process one thread; MFU uses this machine's measured
 GEMM peak (launch.metrics). `--compile` compiles every trainer's blocks (spmd.compile_blocks; torch.compile
 per block for native) and adds an eager spmd row per spec, so compiled / eager is measured in the same run.
-`--zero 1 2` adds a spmd row per spec with an fsdp axis and ZeRO stage (the `spmd` row is the trainer's default, stage 3), with
-its tokens/s and peak memory from the same run; `--offload optimizer` runs those rows offloaded.
+`--zero 1 2` adds a spmd row per spec with an fsdp axis and ZeRO stage (the `spmd` row is the trainer's
+default, stage 3), with its tokens/s and peak memory from the same run; `--offload optimizer` runs those rows
+offloaded.
 """
 from __future__ import annotations
 
@@ -107,8 +108,8 @@ def _schedule(a) -> list[tuple[str, str | None]]:
 def _zero_stages(a, spec: str) -> list[int]:
     """The ZeRO stages with rows of their own on `spec` (stage 3 is the trainer's default: the spmd row); none
     on a mesh without an fsdp axis, where every stage is plain data parallelism."""
-    has_fsdp = any(part.partition("=")[0].strip() == "fsdp" for part in spec.split(","))
-    return [z for z in a.zero if z != 3] if has_fsdp else []
+    from spmd.layout.mesh import parse_spec
+    return [z for z in a.zero if z != 3] if "fsdp" in parse_spec(spec)[0] else []
 
 
 def _zero_flags(a, kind: str) -> list[str]:

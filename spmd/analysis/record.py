@@ -88,9 +88,11 @@ class CollectiveRecorder(TorchDispatchMode):
         self.group_axes: dict[str, tuple] = group_axes(mesh) if mesh is not None else {}
 
     def _axes(self, group_name) -> tuple:
-        if group_name not in self.group_axes and self.mesh is not None:
-            self.group_axes.update(group_axes(self.mesh))  # a group flattened since (spmd.layout.mesh.group_over)
-        return self.group_axes.get(group_name, (str(group_name),))
+        if group_name not in self.group_axes:
+            if self.mesh is not None:
+                self.group_axes.update(group_axes(self.mesh))  # a group flattened since (spmd.layout.mesh)
+            self.group_axes.setdefault(group_name, (str(group_name),))  # not the mesh's: named once, not rescanned
+        return self.group_axes[group_name]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

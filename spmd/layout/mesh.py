@@ -124,9 +124,9 @@ def flatten_groups(mesh: DeviceMesh, axes) -> None:
     ranks run the same code, and never during a step (pipeline stages reach their reductions at different
     times)."""
     names = [a for a in mesh.mesh_dim_names if a in axes and mesh.size(mesh.mesh_dim_names.index(a)) > 1]
-    for k in range(2, len(names) + 1):
-        for combo in itertools.combinations(names, k):
-            with unset_fake_temporarily():  # the mesh's own index tensors are real, also in a dry run
+    with unset_fake_temporarily():  # the mesh's own index tensors are real, also in a dry run
+        for k in range(2, len(names) + 1):
+            for combo in itertools.combinations(names, k):
                 mesh[combo]._flatten()
 
 

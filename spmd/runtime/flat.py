@@ -1,4 +1,5 @@
-"""Many tensors summed over one mesh axis (or one flattened group of axes) in one collective: packed into one flat buffer, cut back after.
+"""Many tensors summed over one mesh axis (or one flattened group of axes) in one collective: packed into one
+flat buffer, cut back after.
 
 A reduce-scatter lays each tensor's chunks along its shard dim (DTensor's own split, so uneven chunks are
 allowed) out rank by rank, each rank's segment padded to the longest; each rank gets back its segment, its
