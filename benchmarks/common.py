@@ -41,7 +41,8 @@ def today() -> str:
 
 
 def git_commit() -> dict:
-    """The commit the results were made at, and whether the code differed from it (results files aside)."""
+    """The commit the results were made at, and whether the code differed from it (results files aside).
+    A copy of the tree without its git directory names its commit in `SPMD_COMMIT`."""
     def git(*args):
         return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True).stdout.strip()
     try:
@@ -49,7 +50,7 @@ def git_commit() -> dict:
         dirty = bool(git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!benchmarks/results"))
     except OSError:  # no git on this machine
         commit, dirty = "", False
-    return {"commit": commit or "unknown", "dirty": dirty}
+    return {"commit": commit or os.environ.get("SPMD_COMMIT", "unknown"), "dirty": dirty}
 
 
 def environment() -> dict:
