@@ -138,7 +138,7 @@ def placements_for(mesh: DeviceMesh, dims_axes: list[MeshAxes], shape, name: str
     """Per-mesh-dim placements for a tensor whose dim d is sharded over `dims_axes[d]`.
     Axes absent from the mesh or of size 1 are inactive. Checks divisibility."""
     names = mesh.mesh_dim_names
-    sizes = dict(zip(names, mesh.shape))
+    sizes = {n: mesh.size(i) for i, n in enumerate(names)}  # (not mesh.shape: torch 2.11's compiler cannot zip it)
     placements: list[Placement] = [Replicate() for _ in names]
     seen: dict[str, int] = {}
     for dim, axes in enumerate(dims_axes):

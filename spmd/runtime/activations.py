@@ -150,15 +150,22 @@ def move_linear_input(state, name, w, x, transposed: bool = False):
         x_target, w_target, decisions = linear_layouts(x, shape, compute, el, name)
         for d in decisions:
             state.decisions[(name, d.mesh_axis)] = d
-    key = (id(x), x_target)
-    if key not in state.move_cache:
-        why = "move input to the layout its weight needs"
-        moved = move(x, x_target, name, why, grad_placements=grad_layout(x.placements)) if x.requires_grad \
-            else move(x, x_target, name, why)
-        state.move_cache[key] = (x, moved)
+    if torch.compiler.is_compiling():  # the compiler merges repeated moves itself (and cannot key a cache by id)
+        moved = _move_input(x, x_target, name)
+    else:
+        key = (id(x), x_target)
+        if key not in state.move_cache:
+            state.move_cache[key] = (x, _move_input(x, x_target, name))
+        moved = state.move_cache[key][1]
     if w_target == compute:
-        return state.move_cache[key][1], None
-    return state.move_cache[key][1], (_transpose(w_target) if transposed else w_target)
+        return moved, None
+    return moved, (_transpose(w_target) if transposed else w_target)
+
+
+def _move_input(x, target, name: str):
+    why = "move input to the layout its weight needs"
+    return move(x, target, name, why, grad_placements=grad_layout(x.placements)) if x.requires_grad \
+        else move(x, target, name, why)
 
 
 def _transpose(placements) -> tuple:

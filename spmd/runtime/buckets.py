@@ -11,7 +11,6 @@ saved tensor it needs. Layouts the buckets do not cover move per parameter, as i
 blocks leave all of this to the compiler.
 """
 import torch
-import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor
 
 from ..layout.blocks import find_blocks
@@ -68,7 +67,7 @@ class Bucket:
         for group in _by_dtype([i for i, dims in enumerate(self.shard_dims) if m in dims], locals_):
             buffer = torch.cat([locals_[i].reshape(-1) for i in group])
             with tags.reason(self.name, f"{why} ({len(group)} parameters, one buffer)"):
-                launched.append((group, funcol.all_gather_single(buffer, 0, (self.mesh, m))))
+                launched.append((group, flat.all_gather_buffer(buffer, self.mesh, m)))
         return launched
 
     def finish(self, pending) -> list[DTensor]:

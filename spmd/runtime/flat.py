@@ -20,7 +20,11 @@ from torch.distributed.tensor import Shard
 
 from ..layout.mesh import group_over
 
-__all__ = ["wait", "Flat", "reduce_scatter", "all_reduce", "all_gather"]
+__all__ = ["wait", "Flat", "reduce_scatter", "all_reduce", "all_gather", "all_gather_buffer"]
+
+# torch 2.13 names the flat collectives *_single and deprecates the *_tensor names; earlier releases have only those
+_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+_reduce_scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
 
 
 def wait(t: torch.Tensor) -> torch.Tensor:
@@ -68,7 +72,7 @@ def reduce_scatter(tensors: list, dims: list, mesh, m: int) -> Flat:
     parts = []
     for r in range(n):
         parts += _padded([c[r].reshape(-1) for c in chunks], seg)
-    out = funcol.reduce_scatter_single(torch.cat(parts), "sum", 0, (mesh, m))
+    out = _reduce_scatter(torch.cat(parts), "sum", 0, (mesh, m))
     return Flat(out, [c[rank].shape for c in chunks])
 
 
@@ -90,7 +94,7 @@ def all_gather(tensors: list, dims: list, shapes: list, mesh, m: int) -> list:
     chunks = [_chunk_shapes(s, d, n) for s, d in zip(shapes, dims)]
     seg = _segment(chunks, n)
     buf = torch.cat(_padded([t.reshape(-1) for t in tensors], seg))
-    gathered = wait(funcol.all_gather_single(buf, 0, (mesh, m))).view(n, seg)
+    gathered = wait(all_gather_buffer(buf, mesh, m)).view(n, seg)
     out, at = [], [0] * n
     for c, d in zip(chunks, dims):
         parts = []
@@ -100,3 +104,8 @@ def all_gather(tensors: list, dims: list, shapes: list, mesh, m: int) -> list:
             at[r] += k
         out.append(torch.cat(parts, dim=d))
     return out
+
+
+def all_gather_buffer(buffer: torch.Tensor, mesh, m: int) -> torch.Tensor:
+    """Every rank's `buffer` (one flat tensor) over mesh dim `m`, back to back; issued, waited on when read."""
+    return _all_gather(buffer, 0, (mesh, m))

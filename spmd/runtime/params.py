@@ -137,8 +137,12 @@ def release_module_params(state, mod, param_names, hooks):
             state.bucket_values.pop(id(p), None)
     if hooks is not None:
         hooks.__exit__(None, None, None)
+    compiling = torch.compiler.is_compiling()
     for n in param_names:
-        mod.__dict__.pop(n, None)
+        if compiling:  # torch 2.11's compiler cannot trace removing a module's attribute; pointing the name back
+            mod.__dict__[n] = mod._parameters[n]  # at the stored parameter drops the gathered tensor the same way
+        else:
+            mod.__dict__.pop(n, None)
 
 
 def _kept(state, p) -> bool:
