@@ -49,7 +49,7 @@ class GlobalView(TorchFunctionMode):
             args, kwargs = tree_map(replicate, args), tree_map(replicate, kwargs)
             flat = _tensors(args, kwargs)
         if func is F.scaled_dot_product_attention:
-            attend = ring.ring_attention if ring.applies(args[0]) else func
+            attend = ring.ring_attention if ring.applies(args[0]) else _attention
             return attention_memory.attending(attend, *args, **kwargs)
         if func in _VIEWS and isinstance(args[0], DTensor) and tags.current_module():
             x = _gather_merged(args[0], args[0].shape, _shape(args[0], args[1:]))
@@ -61,6 +61,31 @@ class GlobalView(TorchFunctionMode):
         if func in direct.FUNCS and any(direct.stored(a) for a in flat):
             return direct.call(self.state, func, args, kwargs)
         return func(*args, **kwargs)
+
+
+def _attention(q, k, v, *rest, **kwargs):
+    """Attention of q, k, v ([batch, heads, seq, head_dim]) split alike over batch or heads, and evenly: each
+    rank attends its own sequences and heads, so the call runs on the local tensors. This also keeps the
+    backend's choice to the local tensors: DTensor's own dispatch of the math backend (fp32 with grouped
+    heads on CUDA) mixes in a plain mask. Anything else (a mask, dropout, uneven splits) goes to DTensor."""
+    local = (not rest and not any(isinstance(a, torch.Tensor) for a in kwargs.values())
+             and not kwargs.get("dropout_p") and _split_alike(q, k, v))
+    if not local:
+        return F.scaled_dot_product_attention(q, k, v, *rest, **kwargs)
+    out = F.scaled_dot_product_attention(q.to_local(), k.to_local(), v.to_local(), **kwargs)
+    return DTensor.from_local(out, q.device_mesh, q.placements, run_check=False)
+
+
+def _split_alike(*ts) -> bool:
+    if not all(isinstance(t, DTensor) and t.device_mesh == ts[0].device_mesh and t.placements == ts[0].placements
+               for t in ts):
+        return False
+    mesh = ts[0].device_mesh
+    for i, p in enumerate(ts[0].placements):
+        if p.is_partial() or (p.is_shard() and (p.dim not in (0, 1) or any(t.shape[p.dim] % mesh.size(i)
+                                                                            for t in ts))):
+            return False
+    return True
 
 
 def _tensors(args, kwargs) -> list:
