@@ -7,8 +7,10 @@ host memory is the device and the same path runs: both copies are real copies, s
 the stored shard and the gradient never stays in the tensor the reduction wrote.
 """
 import torch
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
-__all__ = ["PARAMS", "host_params", "compute_device", "to_compute", "to_host", "host_tensor"]
+__all__ = ["PARAMS", "host_params", "compute_device", "to_compute", "to_host", "host_tensor", "wrap_local"]
 
 PARAMS = "params"
 
@@ -29,6 +31,13 @@ def host_tensor(local: torch.Tensor) -> torch.Tensor:
     """A host copy of `local`, pinned when there is a CUDA device (copies to and from it can then overlap)."""
     out = local.to("cpu", copy=True)
     return out.pin_memory() if torch.cuda.is_available() else out
+
+
+def wrap_local(local: torch.Tensor, mesh, placements, shape, stride) -> DTensor:
+    """A DTensor of global `shape` and `stride` whose local tensor is `local` itself, wherever it lives
+    (`DTensor.from_local` moves a host tensor to the mesh's device: offloaded state would return to the GPU)."""
+    spec = DTensorSpec(mesh, tuple(placements), tensor_meta=TensorMeta(torch.Size(shape), tuple(stride), local.dtype))
+    return DTensor(local, spec, requires_grad=False)
 
 
 def to_compute(p, dtype, state):

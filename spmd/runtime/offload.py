@@ -15,7 +15,7 @@ import os
 import torch
 from torch.distributed.tensor import DTensor
 
-from .host import host_tensor
+from .host import host_tensor, wrap_local
 
 __all__ = ["nvme_dir", "host_copy", "file_backed_adam_state", "file_backed", "release_pages"]
 
@@ -57,8 +57,7 @@ def file_backed_adam_state(opt: torch.optim.Optimizer, masters, directory: str) 
         state = {"step": torch.zeros((), dtype=torch.float32)}
         for key in ("exp_avg", "exp_avg_sq"):
             t = _file_tensor(directory, f"{m._spmd_name}.{key}", local)
-            state[key] = DTensor.from_local(t, m.device_mesh, m.placements, run_check=False, shape=m.shape,
-                                            stride=m.stride())
+            state[key] = wrap_local(t, m.device_mesh, m.placements, m.shape, m.stride())
         opt.state[m] = state
 
 

@@ -25,6 +25,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from . import flat, tags
 from .gradients import HELD_ATTR, grads_layout, held_for_step, optim_layout, slice_onto_shards
+from .host import wrap_local
 from .offload import file_backed_adam_state, host_copy, nvme_dir, release_pages
 from .reducer import DEFAULT_BUCKET_MB
 from .state import STATE_ATTR
@@ -136,8 +137,7 @@ def _master(p: DTensor, state) -> DTensor:
         local = local.float().clone() if lower else local
         if state.offload is not None:
             local = host_copy(local, state.offload, p._spmd_name)
-        master = nn.Parameter(DTensor.from_local(local, p.device_mesh, optim, run_check=False,
-                                                 shape=p.shape, stride=p.stride()), requires_grad=p.requires_grad)
+        master = nn.Parameter(wrap_local(local, p.device_mesh, optim, p.shape, p.stride()), requires_grad=p.requires_grad)
     setattr(master, MASTER_OF_ATTR, p)
     master._spmd_name = p._spmd_name
     return master

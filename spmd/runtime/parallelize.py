@@ -24,7 +24,7 @@ from .activations import finish_output, map_tensors, move_linear_input
 from .agree import check_layout_agrees
 from .buckets import make_buckets
 from .experts import check_expert_layout, install_expert_hooks
-from .host import host_params, host_tensor
+from .host import host_params, host_tensor, wrap_local
 from .local import enter_local, local_blocks
 from .params import gather_block, gather_module_params, release_module_params
 from .partials import reduce_partials
@@ -137,8 +137,7 @@ def _laid_out(p, name: str, layout, state: SPMDState, param_init) -> nn.Paramete
     value = _initial(p, name, param_init)
     dt = distribute_tensor(value.to(state.storage_dtype(value.dtype)), state.mesh, storage, src_data_rank=None)
     if host_params(state):
-        dt = DTensor.from_local(host_tensor(dt._local_tensor), state.mesh, storage, run_check=False,
-                                shape=dt.shape, stride=dt.stride())
+        dt = wrap_local(host_tensor(dt._local_tensor), state.mesh, storage, dt.shape, dt.stride())
     new = nn.Parameter(dt, requires_grad=p.requires_grad)
     copy_annotations(p, new)
     new._spmd_compute, new._spmd_grads, new._spmd_optim = compute, grads, optim
