@@ -42,7 +42,10 @@ def today() -> str:
 
 def git_commit() -> dict:
     """The commit the results were made at, and whether the code differed from it (results files aside).
-    A copy of the tree without its git directory names its commit in `SPMD_COMMIT`."""
+    A copy of a committed tree whose git directory is missing or not its own (a device machine's) names its
+    commit in `SPMD_COMMIT`."""
+    if os.environ.get("SPMD_COMMIT"):
+        return {"commit": os.environ["SPMD_COMMIT"], "dirty": False}
     def git(*args):
         return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True).stdout.strip()
     try:
@@ -50,7 +53,7 @@ def git_commit() -> dict:
         dirty = bool(git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!benchmarks/results"))
     except OSError:  # no git on this machine
         commit, dirty = "", False
-    return {"commit": commit or os.environ.get("SPMD_COMMIT", "unknown"), "dirty": dirty}
+    return {"commit": commit or "unknown", "dirty": dirty}
 
 
 def environment() -> dict:

@@ -34,3 +34,16 @@ def __getattr__(name):  # spmd.search (callable) loads on first use, so `python 
         import importlib
         return importlib.import_module(".search", __name__)
     raise AttributeError(f"module 'spmd' has no attribute {name!r}")
+
+def _warn_if_untested_torch(tested=(2, 13)):
+    import warnings
+
+    import torch
+    if tuple(int(x) for x in torch.__version__.split(".")[:2]) < tested:
+        need = ".".join(map(str, tested))
+        warnings.warn(f"spmd is tested on torch >= {need}; this is torch {torch.__version__}, whose DTensor and "
+                      f"checkpoint internals differ: one-process training, compiled blocks and offload run, other "
+                      f"paths may fail. Upgrade: pip install 'torch>={need}'", stacklevel=3)
+
+
+_warn_if_untested_torch()
