@@ -6,10 +6,12 @@ every rank's tokens without gathering them either.
 Over the vocab-sharding mesh dims we all-reduce the row max, then the row sum of exp together with the
 target logit (taken on the rank whose vocab range holds the target); over the token-sharding dims we
 all-reduce the loss sum and the count of non-ignored tokens. The backward (softmax minus one-hot, over
-the local vocab slice) needs no communication.
+the local vocab slice) needs no communication. Logits with the whole vocab on every rank take torch's fused
+cross-entropy on the local tokens and the one all-reduce over the token dims.
 """
 import torch
 import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 
@@ -48,6 +50,18 @@ class _VocabParallelCE(torch.autograd.Function):
         g.scatter_add_(1, local_t.clamp(0, g.shape[1] - 1)[:, None], -mine.to(g.dtype)[:, None])
         g *= (valid.float() * (grad / count))[:, None]
         return g.to(logits.dtype), None, None, None, None, None
+
+
+def _token_parallel_ce(logits, targets, ignore_index: int, token_groups) -> torch.Tensor:
+    """Logits whose vocab is whole on every rank: torch's fused cross-entropy on the local tokens, then one
+    all-reduce of (loss sum, count). The value is the global mean; each rank's gradient is its own tokens'
+    share, d(local sum) / global count, as the vocab-parallel backward gives it."""
+    loss_sum = F.cross_entropy(logits.float(), targets, ignore_index=ignore_index, reduction="sum")
+    count = (targets != ignore_index).sum().float()
+    if not token_groups:
+        return loss_sum / count
+    total_sum, total_count = _all_reduce(torch.stack([loss_sum.detach(), count]), "sum", token_groups)
+    return (loss_sum + (total_sum - loss_sum.detach())) / total_count
 
 
 def _placement_dims(logits: DTensor):
@@ -116,6 +130,10 @@ def vocab_parallel_cross_entropy(logits: DTensor, targets, ignore_index: int = -
     vocab_dims, token_dims = _placement_dims(logits)
     mesh = logits.device_mesh
     local_targets = _local_targets(targets, logits, token_dims)
+    if not vocab_dims:
+        loss = _token_parallel_ce(logits.to_local().flatten(0, -2), local_targets.flatten(), ignore_index,
+                                  _groups(mesh, token_dims))
+        return DTensor.from_local(loss, mesh, [Replicate()] * mesh.ndim, run_check=False)
     loss = _VocabParallelCE.apply(
         logits.to_local().flatten(0, -2), local_targets.flatten(), _vocab_start(logits.shape[-1], mesh, vocab_dims),
         ignore_index,

@@ -76,7 +76,8 @@ def _tp2(rank, world):
     _check(mesh, [Shard(1)], [Replicate()], n=24, vocab=103, n_all_reduce=2)
     _check(mesh, [Shard(1)], None, n=7, vocab=37)  # plain global targets
     _check(mesh, [Shard(1)], [Replicate()], n=16, vocab=61, dtype=torch.bfloat16)
-    _check(mesh, [Shard(0)], [Shard(0)], n=10, vocab=29, n_all_reduce=1)  # data parallel only
+    _check(mesh, [Shard(0)], [Shard(0)], n=10, vocab=29, n_all_reduce=1)  # data parallel only: torch's fused CE
+    _check(mesh, [Shard(0)], [Shard(0)], n=10, vocab=29, dtype=torch.bfloat16, n_all_reduce=1)
     _check_linear(mesh)
     partial = DTensor.from_local(torch.randn(4, 8), mesh, [Partial()], run_check=False)
     with pytest.raises(ValueError, match="Partial"):
