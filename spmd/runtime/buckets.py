@@ -16,6 +16,7 @@ from torch.distributed.tensor import DTensor
 from ..layout.blocks import find_blocks
 from . import flat, tags
 from .gradients import grads_layout, held_for_step, join_unreduced, reduce_for_step, reduce_to, slice_onto_shards
+from .host import wrap_local
 from .reshard import CHECKPOINTED_ATTR
 
 __all__ = ["Bucket", "make_buckets", "drop_root_unit", "gather_bucket", "regather_for_recompute", "shard_dims"]
@@ -72,6 +73,12 @@ class Bucket:
 
     def finish(self, pending) -> list[DTensor]:
         """Every parameter in its compute layout (cast to the dtype `issue` got): one all-gather per mesh axis."""
+        # the DTensor constructor itself: from_local's autograd function would be a node for nothing here
+        return [wrap_local(local.view_as(local), self.mesh, p._spmd_compute, p.shape, p.stride())
+                for p, local in zip(self.params, self.finish_local(pending))]
+
+    def finish_local(self, pending) -> list[torch.Tensor]:
+        """`finish`'s values as this rank's local tensors."""
         locals_, axes, launched, why = pending
         locals_ = list(locals_)
         for k, m in enumerate(axes):
@@ -86,8 +93,7 @@ class Bucket:
                     pieces = [out[r, offset:offset + t.numel()].view(t.shape) for r in range(n)]
                     locals_[i] = torch.cat(pieces, dim=self.shard_dims[i][m])
                     offset += t.numel()
-        return [DTensor.from_local(local.view_as(local), self.mesh, tuple(p._spmd_compute), run_check=False,
-                                   shape=p.shape, stride=p.stride()) for p, local in zip(self.params, locals_)]
+        return locals_
 
     def regather(self, dtype) -> dict:
         """The parameters for this bucket's backward, gathered once (or finished, when prefetched), and the
@@ -210,11 +216,37 @@ class _GatherBucket(torch.autograd.Function):
         return (None, None, None) + tuple(ctx.bucket.reduce(list(grads), ctx.state))
 
 
-def gather_bucket(bucket: Bucket, state) -> dict:
+class _GatherBucketLocal(torch.autograd.Function):
+    """`_GatherBucket` for a block that runs on local tensors (spmd.runtime.local): the gathered local tensors
+    themselves, whose gradients backward puts in their gradient layouts before reducing them. One autograd
+    node for the bucket, where a DTensor per parameter and its `to_local` would make two."""
+
+    @staticmethod
+    def forward(ctx, bucket: Bucket, state, pending, grad_layouts, *params):
+        ctx.bucket, ctx.state, ctx.grad_layouts = bucket, state, grad_layouts
+        ctx.set_materialize_grads(False)
+        locals_ = bucket.finish_local(pending or bucket.issue(state.param_dtype,
+                                                              f"gather {bucket.name} to its compute layout"))
+        return tuple(t.view_as(t) for t in locals_)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        bucket = ctx.bucket
+        bucket.regathered = bucket.pending_regather = None
+        grads = [None if g is None else wrap_local(g, bucket.mesh, layout, p.shape, g.stride())
+                 for g, p, layout in zip(grads, bucket.params, ctx.grad_layouts)]
+        return (None, None, None, None) + tuple(bucket.reduce(grads, ctx.state))
+
+
+def gather_bucket(bucket: Bucket, state, grad_layouts=None) -> dict:
     """{id(param): gathered DTensor} for the bucket's parameters, differentiable (reductions in backward).
-    Finishes the gather issued ahead for this bucket, if any, and issues the next block's."""
+    Finishes the gather issued ahead for this bucket, if any, and issues the next block's. With
+    `grad_layouts` (one per parameter) the values are local tensors whose gradients take those layouts."""
     pending = state.prefetched.pop(id(bucket), None)
-    values = _GatherBucket.apply(bucket, state, pending, *bucket.params)
+    if grad_layouts is None:
+        values = _GatherBucket.apply(bucket, state, pending, *bucket.params)
+    else:
+        values = _GatherBucketLocal.apply(bucket, state, pending, tuple(grad_layouts), *bucket.params)
     nxt = bucket.next
     # a compiled block gathers inside its graph: nothing would take a prefetch
     compiled = nxt is not None and getattr(nxt.module, "_compiled_call_impl", None) is not None

@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 from .buckets import gather_bucket
 from .experts import expert_modules
 from .params import gather_param, gather_shared
-from .reshard import CHECKPOINTED_ATTR, reshard_after_forward, storage_key
+from .reshard import CHECKPOINTED_ATTR, reshard_after_forward
 
 __all__ = ["local_blocks", "enter_local", "LocalBlock"]
 
@@ -82,8 +82,11 @@ def _to_local(x, partial_axes: tuple):
         if isinstance(x, (tuple, list)):
             return type(x)(_to_local(v, partial_axes) for v in x)
         return x
-    grad = tuple(Partial() if (s and p.is_replicate()) else p for s, p in zip(partial_axes, x.placements))
-    return x.to_local(grad_placements=grad)
+    return x.to_local(grad_placements=_grad_layout(x.placements, partial_axes))
+
+
+def _grad_layout(placements, partial_axes: tuple) -> tuple:
+    return tuple(Partial() if (s and p.is_replicate()) else p for s, p in zip(partial_axes, placements))
 
 
 class LocalBlock:
@@ -98,17 +101,19 @@ class LocalBlock:
     def enter(self, args, kwargs):
         """Gathers the block's parameters into its modules as local tensors; returns the local inputs."""
         state = self.state
-        values = gather_bucket(state.buckets[id(self.module)], state)
+        bucket = state.buckets[id(self.module)]
+        values = gather_bucket(bucket, state, [_grad_layout(p._spmd_compute, self.split) for p in bucket.params])
         regather = {}
         for m, n, p in self.members:
-            g = values.get(id(p))
-            if g is None:  # outside the bucket: shared with another module, or moving on its own
+            local = values.get(id(p))
+            if local is None:  # outside the bucket: shared with another module, or moving on its own
                 g = gather_shared(state, p, p._spmd_compute, self.name) if getattr(p, "_spmd_shared", False) \
                     else gather_param(p, p._spmd_compute, state.param_dtype, state.reduce_dtype, state, self.name,
                                       p._spmd_name)
-            m.__dict__[n] = _to_local(g, self.split)
+                local = _to_local(g, self.split)
+            m.__dict__[n] = local
             if any(s != c and state.mesh.size(i) > 1 for i, (s, c) in enumerate(zip(p.placements, p._spmd_compute))):
-                regather[storage_key(g)] = (p, p._spmd_compute)
+                regather[local.untyped_storage()._cdata] = (p, p._spmd_compute)
         if regather and not getattr(self.module, CHECKPOINTED_ATTR, False):
             self.hooks = reshard_after_forward(regather, state, self.name)
             self.hooks.__enter__()
