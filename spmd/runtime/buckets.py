@@ -217,9 +217,8 @@ class _GatherBucket(torch.autograd.Function):
 
 
 class _GatherBucketLocal(torch.autograd.Function):
-    """`_GatherBucket` for a block that runs on local tensors (spmd.runtime.local): the gathered local tensors
-    themselves, whose gradients backward puts in their gradient layouts before reducing them. One autograd
-    node for the bucket, where a DTensor per parameter and its `to_local` would make two."""
+    """`_GatherBucket` for a block on local tensors (spmd.runtime.local): the gathered local tensors, whose
+    gradients backward lays out before reducing them (one node, not a DTensor and a `to_local` each)."""
 
     @staticmethod
     def forward(ctx, bucket: Bucket, state, pending, grad_layouts, *params):

@@ -16,6 +16,7 @@ from torch.distributed.tensor import DTensor
 
 from . import flat, tags
 from .gradients import grads_layout, reduce_to
+from .host import wrap_local
 
 __all__ = ["GradientReducer", "DEFAULT_BUCKET_MB"]
 
@@ -96,8 +97,7 @@ class GradientReducer:
                 placements = list(g.placements)
                 for m in reduced_dims:
                     placements[m] = grads_layout(p)[m]
-                value = DTensor.from_local(reduced, self.mesh, tuple(placements), run_check=False, shape=g.shape,
-                                           stride=g.stride())
+                value = wrap_local(reduced, self.mesh, placements, g.shape, g.stride())
                 if tuple(value.placements) != grads_layout(p):
                     value = reduce_to(value, grads_layout(p))
                 if value.dtype != p.dtype:
