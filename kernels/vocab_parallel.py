@@ -129,13 +129,11 @@ def vocab_parallel_cross_entropy(logits: DTensor, targets, ignore_index: int = -
                          "reduce them first, e.g. logits.redistribute(mesh, [Shard(1)])")
     vocab_dims, token_dims = _placement_dims(logits)
     mesh = logits.device_mesh
-    local_targets = _local_targets(targets, logits, token_dims)
-    if not vocab_dims:
-        loss = _token_parallel_ce(logits.to_local().flatten(0, -2), local_targets.flatten(), ignore_index,
-                                  _groups(mesh, token_dims))
-        return DTensor.from_local(loss, mesh, [Replicate()] * mesh.ndim, run_check=False)
-    loss = _VocabParallelCE.apply(
-        logits.to_local().flatten(0, -2), local_targets.flatten(), _vocab_start(logits.shape[-1], mesh, vocab_dims),
-        ignore_index,
-        _groups(mesh, vocab_dims), _groups(mesh, token_dims))
+    local_logits = logits.to_local().flatten(0, -2)
+    local_targets = _local_targets(targets, logits, token_dims).flatten()
+    if vocab_dims:
+        loss = _VocabParallelCE.apply(local_logits, local_targets, _vocab_start(logits.shape[-1], mesh, vocab_dims),
+                                      ignore_index, _groups(mesh, vocab_dims), _groups(mesh, token_dims))
+    else:
+        loss = _token_parallel_ce(local_logits, local_targets, ignore_index, _groups(mesh, token_dims))
     return DTensor.from_local(loss, mesh, [Replicate()] * mesh.ndim, run_check=False)

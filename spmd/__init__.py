@@ -35,6 +35,7 @@ def __getattr__(name):  # spmd.search (callable) loads on first use, so `python 
         return importlib.import_module(".search", __name__)
     raise AttributeError(f"module 'spmd' has no attribute {name!r}")
 
+
 def _warn_if_untested_torch(tested=(2, 13)):
     import warnings
 

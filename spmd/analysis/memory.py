@@ -15,16 +15,12 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from ..layout.annotate import get_axes
 from ..runtime.experts import EXPERTS
+from ..runtime.reshard import storage_key
 from ..runtime.state import STATE_ATTR
 
 __all__ = ["activation_bytes", "local_bytes", "memory_per_rank", "OPTIMIZER_STATES"]
 
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 0}  # states per parameter element
-
-
-def storage_key(t) -> int:
-    local = t._local_tensor if isinstance(t, DTensor) else t
-    return local.untyped_storage()._cdata
 
 
 def activation_bytes(saved: dict, model: nn.Module) -> int:

@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 from .buckets import gather_bucket
 from .experts import expert_modules
 from .params import gather_param, gather_shared
-from .reshard import CHECKPOINTED_ATTR, reshard_after_forward
+from .reshard import CHECKPOINTED_ATTR, reshard_after_forward, storage_key
 
 __all__ = ["local_blocks", "enter_local", "LocalBlock"]
 
@@ -113,7 +113,7 @@ class LocalBlock:
                 local = _to_local(g, self.split)
             m.__dict__[n] = local
             if any(s != c and state.mesh.size(i) > 1 for i, (s, c) in enumerate(zip(p.placements, p._spmd_compute))):
-                regather[local.untyped_storage()._cdata] = (p, p._spmd_compute)
+                regather[storage_key(local)] = (p, p._spmd_compute)
         if regather and not getattr(self.module, CHECKPOINTED_ATTR, False):
             self.hooks = reshard_after_forward(regather, state, self.name)
             self.hooks.__enter__()

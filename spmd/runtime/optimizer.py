@@ -137,7 +137,8 @@ def _master(p: DTensor, state) -> DTensor:
         local = local.float().clone() if lower else local
         if state.offload is not None:
             local = host_copy(local, state.offload, p._spmd_name)
-        master = nn.Parameter(wrap_local(local, p.device_mesh, optim, p.shape, p.stride()), requires_grad=p.requires_grad)
+        master = nn.Parameter(wrap_local(local, p.device_mesh, optim, p.shape, p.stride()),
+                              requires_grad=p.requires_grad)
     setattr(master, MASTER_OF_ATTR, p)
     master._spmd_name = p._spmd_name
     return master

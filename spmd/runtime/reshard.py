@@ -20,8 +20,10 @@ BODY_COMPILED_ATTR = "_spmd_body_compiled"  # a checkpointed block whose hooks r
 _observers: list[dict] = []
 
 
-def storage_key(t: DTensor) -> int:
-    return t._local_tensor.untyped_storage()._cdata
+def storage_key(t: torch.Tensor) -> int:
+    """The storage a tensor (a DTensor: its local tensor) views: tensors aliasing one storage share the key."""
+    local = t._local_tensor if isinstance(t, DTensor) else t
+    return local.untyped_storage()._cdata
 
 
 class _Regather:
@@ -57,8 +59,7 @@ def reshard_after_forward(gathered: dict, state, module: str):
     """saved_tensors_hooks that swap tensors aliasing `gathered` ({storage key: (param, compute)})."""
 
     def pack(t):
-        local = t._local_tensor if isinstance(t, DTensor) else t
-        hit = gathered.get(local.untyped_storage()._cdata)
+        hit = gathered.get(storage_key(t))
         if hit is not None:
             return _Regather(hit[0], hit[1], state.param_dtype, module, t, state.bucket_of.get(id(hit[0])), state)
         _observe(t)
