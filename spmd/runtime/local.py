@@ -1,42 +1,69 @@
 """Blocks whose compute layout is data-only run on local tensors, as DDP and FSDP2 run theirs.
 
-A repeated block whose parameters are all replicated in compute over every active mesh axis, fed activations
-split along the batch dim only, computes on each rank exactly what that rank's slice of the batch needs: no
-op inside needs DTensor's dispatch. Such a block gathers its parameters as before (its bucket), then runs on
-their local tensors and its inputs' local tensors, and its outputs go back into DTensors in the input's
-layout. The local tensors carry their gradient layout across: a parameter's gradient comes back as this
-rank's partial sum over the mesh axes that split the batch, which the bucket reduces as before, and an
+A repeated block whose parameters and buffers are all replicated in compute over every active mesh axis, fed
+activations split along the batch dim only, computes on each rank exactly what that rank's slice of the batch
+needs: no op inside needs DTensor's dispatch. Such a block gathers its parameters as before (its bucket), then
+runs on their local tensors and its inputs' local tensors, and its outputs go back into DTensors in the
+input's layout. The local tensors carry their gradient layout across: a parameter's gradient comes back as
+this rank's partial sum over the mesh axes that split the batch, which the bucket reduces as before, and an
 input's gradient in the input's layout. Collectives, ZeRO-3's regather and no_sync are those of the DTensor
 path; only the per-op dispatch is gone. Blocks under activation checkpointing (their recomputation runs
 inside the block, past these hooks), compiled blocks and blocks holding experts keep the DTensor path.
+
+The layers of the root unit (embedding, final norm, output projection: leaf modules outside the blocks whose
+parameters the root unit gathers once per forward) run the same way, on the local tensors of those gathered
+values. The code between modules (the model's own forward: residual adds, the loss) keeps the global view.
 """
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from .buckets import gather_bucket
 from .experts import expert_modules
-from .params import gather_param, gather_shared
+from .params import _kept, gather_param, gather_shared
 from .reshard import CHECKPOINTED_ATTR, reshard_after_forward, storage_key
 
 __all__ = ["local_blocks", "enter_local", "LocalBlock"]
 
 
 def local_blocks(model, state) -> dict:
-    """{id(block): [(module, name, param)]} for the bucketed blocks whose parameters are all replicated in
-    compute on every mesh axis of size > 1, and that hold no experts."""
+    """{id(module): ([(module, name, param)], [(module, name, buffer)])} for the bucketed blocks, and the
+    root unit's leaf modules, whose parameters and buffers are all replicated in compute on every mesh axis
+    of size > 1, and that hold no experts."""
     mesh = state.mesh
     experts = {id(m) for m in expert_modules(model).values()}
     found = {}
     for bucket in state.buckets.values():
         if bucket.module is model:
             continue  # the root unit: the model itself, whose inputs and outputs are not a block's
-        members = [(m, n, p) for m in bucket.module.modules() for n, p in m._parameters.items()
-                   if isinstance(p, DTensor)]
         if any(id(m) in experts for m in bucket.module.modules()):
             continue
-        if all(c.is_replicate() or mesh.size(i) == 1 for _, _, p in members for i, c in enumerate(p._spmd_compute)):
+        members = _members(bucket.module.modules(), mesh)
+        if members is not None:
             found[id(bucket.module)] = members
+    root = state.buckets.get(id(model))
+    if root is not None:
+        rooted = {id(p) for p in root.params}
+        for m in model.modules():
+            if next(m.children(), None) is not None or id(m) in experts:
+                continue
+            members = _members([m], mesh)
+            if members and members[0] and all(id(p) in rooted or getattr(p, "_spmd_shared", False)
+                                              for _, _, p in members[0]):
+                found[id(m)] = members
     return found
+
+
+def _members(modules, mesh) -> tuple | None:
+    """(parameters, buffers) of `modules` as (module, name, tensor), when every one is replicated in compute
+    on the mesh axes of size > 1; else None."""
+    params, buffers = [], []
+    for m in modules:
+        params += [(m, n, p) for n, p in m._parameters.items() if isinstance(p, DTensor)]
+        buffers += [(m, n, b) for n, b in m._buffers.items() if isinstance(b, DTensor)]
+    replicated = all(c.is_replicate() or mesh.size(i) == 1 for _, _, p in params for i, c in enumerate(p._spmd_compute))
+    replicated = replicated and all(c.is_replicate() or mesh.size(i) == 1
+                                    for _, _, b in buffers for i, c in enumerate(b.placements))
+    return (params, buffers) if replicated else None
 
 
 def _batch_layout(args, kwargs, mesh) -> tuple | None:
@@ -92,28 +119,36 @@ def _grad_layout(placements, partial_axes: tuple) -> tuple:
 class LocalBlock:
     """One call of a data-only block on local tensors: `enter` before its forward, `leave` after."""
 
-    def __init__(self, state, module, name: str, members: list, layout: tuple):
-        self.state, self.module, self.name, self.members, self.layout = state, module, name, members, layout
+    def __init__(self, state, module, name: str, members: tuple, layout: tuple):
+        self.state, self.module, self.name, self.layout = state, module, name, layout
+        self.members, self.buffers = members
         self.split = tuple(p.is_shard() for p in layout)
         self.hooks = None
         self.batch = None
+        self.mode = None
 
     def enter(self, args, kwargs):
         """Gathers the block's parameters into its modules as local tensors; returns the local inputs."""
         state = self.state
-        bucket = state.buckets[id(self.module)]
-        values = gather_bucket(bucket, state, [_grad_layout(p._spmd_compute, self.split) for p in bucket.params])
+        bucket = state.buckets.get(id(self.module))  # None: a layer of the root unit, gathered as the model began
+        values = {} if bucket is None else gather_bucket(
+            bucket, state, [_grad_layout(p._spmd_compute, self.split) for p in bucket.params])
         regather = {}
         for m, n, p in self.members:
             local = values.get(id(p))
-            if local is None:  # outside the bucket: shared with another module, or moving on its own
-                g = gather_shared(state, p, p._spmd_compute, self.name) if getattr(p, "_spmd_shared", False) \
-                    else gather_param(p, p._spmd_compute, state.param_dtype, state.reduce_dtype, state, self.name,
-                                      p._spmd_name)
+            if local is None:  # outside the block's bucket: the root unit's, shared, or moving on its own
+                g = (gather_shared(state, p, p._spmd_compute, self.name) if getattr(p, "_spmd_shared", False)
+                     else state.bucket_values.get(id(p)))
+                if g is None:
+                    g = gather_param(p, p._spmd_compute, state.param_dtype, state.reduce_dtype, state, self.name,
+                                     p._spmd_name)
                 local = _to_local(g, self.split)
             m.__dict__[n] = local
-            if any(s != c and state.mesh.size(i) > 1 for i, (s, c) in enumerate(zip(p.placements, p._spmd_compute))):
+            if not _kept(state, p) and any(s != c and state.mesh.size(i) > 1
+                                           for i, (s, c) in enumerate(zip(p.placements, p._spmd_compute))):
                 regather[storage_key(local)] = (p, p._spmd_compute)
+        for m, n, b in self.buffers:  # (a module's own buffers: its rotary tables, an embedding's scale)
+            m.__dict__[n] = b.to_local() if b.requires_grad else b._local_tensor
         if regather and not getattr(self.module, CHECKPOINTED_ATTR, False):
             self.hooks = reshard_after_forward(regather, state, self.name)
             self.hooks.__enter__()
@@ -124,11 +159,32 @@ class LocalBlock:
 
     def leave(self, output):
         """Drops the local parameters and wraps the block's tensor outputs back into DTensors."""
-        if self.hooks is not None:
-            self.hooks.__exit__(None, None, None)
-        for m, n, _ in self.members:
-            m.__dict__.pop(n, None)
-        return _wrap(output, self.state.mesh, self.layout, self.batch)
+        try:
+            if self.hooks is not None:
+                self.hooks.__exit__(None, None, None)
+            for m, n, _ in (*self.members, *self.buffers):
+                m.__dict__.pop(n, None)
+            return _wrap(output, self.state.mesh, self.layout, self.batch)
+        finally:
+            _resume(self.mode)
+
+
+def _suspend_global_view(state):
+    """Takes the model's global-view mode (spmd.runtime.plain) off the torch-function stack from the block's
+    entry to its exit: with no DTensor inside, it has nothing to do, yet it would see every op and every read
+    of a tensor's attributes. Returns it, to put back; None when another mode sits above it."""
+    if not state.global_view:
+        return None
+    n = torch._C._len_torch_function_stack()
+    mode = state.global_view[-1][1]
+    if n == 0 or torch._C._get_function_stack_at(n - 1) is not mode:
+        return None
+    return torch._C._pop_torch_function_stack()
+
+
+def _resume(mode) -> None:
+    if mode is not None:
+        torch._C._push_on_torch_function_stack(mode)
 
 
 def _wrap(output, mesh, layout, batch):
@@ -170,10 +226,17 @@ def enter_local(state, mod, name: str, args, kwargs):
     members = state.local_members.get(id(mod))
     if members is None:
         return None
-    layout = _batch_layout(args, kwargs, state.mesh)
-    if layout is None or (any(q.is_shard() for q in layout) and _whole_batch_plain(args, kwargs)):
-        return None  # a plain tensor made from global shapes (a mask) meets the split batch: DTensor slices it
-    call = LocalBlock(state, mod, name, members, layout)
-    out = call.enter(args, kwargs)
+    mode = _suspend_global_view(state)
+    try:
+        layout = _batch_layout(args, kwargs, state.mesh)
+        if layout is None or (any(q.is_shard() for q in layout) and _whole_batch_plain(args, kwargs)):
+            _resume(mode)
+            return None  # a plain tensor made from global shapes (a mask) meets the split batch: DTensor slices it
+        call = LocalBlock(state, mod, name, members, layout)
+        call.mode = mode
+        out = call.enter(args, kwargs)
+    except BaseException:
+        _resume(mode)
+        raise
     state.local.append(call)
     return out
