@@ -109,8 +109,8 @@ def train(cfg: TrainConfig, log=True) -> list[dict]:
     ac_blocks = [] if pipe else spmd.apply_activation_checkpointing(model, cfg.ac)
     compiled = spmd.compile_blocks(model) if cfg.compile else []
     opt = adamw(model, cfg)
-    if mesh is not None and pipe is None:  # --zero 1/2: the optimizer updates the optimizer map's shards
-        spmd.shard_optimizer(model, opt)
+    if mesh is not None:  # --zero 1/2: the optimizer updates the optimizer map's shards
+        spmd.shard_optimizer(model if pipe is None else pipe, opt)
     scaler = LossScaler(cfg.dtype == "fp16")
     bad = BadSteps(cfg.max_bad_steps, loss_scaling=scaler.enabled)
     loader, tokenizer = build_loader(cfg, dp_rank, dp_size, model_cfg.vocab_size, device)
@@ -192,8 +192,8 @@ def train(cfg: TrainConfig, log=True) -> list[dict]:
                             loss = loss * float("nan")
                         (loss * scaler.scale).backward()
                     loss_sum += loss.detach().float()
-                if mesh is not None and pipe is None:  # --zero 1: the gradients backward held, reduced before clipping
-                    spmd.reduce_gradients(model)
+                if mesh is not None:  # --zero 1: the gradients backward held, reduced before clipping
+                    spmd.reduce_gradients(model if pipe is None else pipe)
                 if scaler.enabled:
                     for p in params:
                         if p.grad is not None:

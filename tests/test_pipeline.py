@@ -38,13 +38,15 @@ def _model(n_layers, dtype=torch.float64):
 
 
 def _check(mesh, rules, spec, schedule, v, M, n_layers, dtype=torch.float64, steps=2, extra=False, ac="none",
-           plan=None, ckpt=None):
-    what = f"{spec} {schedule} v={v} M={M} {dtype} ac={ac}"
+           plan=None, ckpt=None, zero=None):
+    what = f"{spec} {schedule} v={v} M={M} {dtype} ac={ac} zero={zero}"
     ref = _model(n_layers, dtype)
     pipe = spmd.build_pipeline(_model(n_layers, dtype), mesh, rules, schedule=schedule, microbatches=M,
                                virtual_stages=v, reduce_dtype=None if dtype == torch.float64 else torch.float32,
                                ac=ac)
     opt = torch.optim.AdamW(pipe.parameters(), lr=1e-3, weight_decay=0.1)
+    if zero is not None:  # the optimizer steps on the optimizer map's shards, as the trainer's
+        spmd.shard_optimizer(pipe, opt)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.1)
     ref_params = dict(ref.named_parameters())
     names = [n for n, _ in pipe.named_parameters()]
@@ -56,6 +58,8 @@ def _check(mesh, rules, spec, schedule, v, M, n_layers, dtype=torch.float64, ste
         recorder = CollectiveRecorder(pipe.mesh)
         with recorder:
             loss = pipe.step(local_slice(tokens, pipe.stage_mesh), local_slice(targets, pipe.stage_mesh))
+            if zero is not None:  # ZeRO-1's held gradients reduced into the optimizer's shards, before clipping
+                spmd.reduce_gradients(pipe)
         ref_loss = ref(tokens, targets)
         ref_loss.backward()
         assert not isinstance(loss, torch.distributed.tensor.DTensor)
@@ -65,13 +69,21 @@ def _check(mesh, rules, spec, schedule, v, M, n_layers, dtype=torch.float64, ste
             assert err <= TOL, f"{what} step {step}: gradient of {name} off by {err:.2e}"
         reductions = [c.reason for c in recorder.records if c.reason.startswith("reduce gradient")]
         assert len(reductions) == len(set(reductions)), f"{what}: a gradient was reduced more than once in a step"
-        if plan is not None and step == 0:
+        if plan is not None and step == 0 and zero is None:
             _check_plan(pipe, recorder.records, plan, what)
         if extra and step == 0:
             _check_clipping(pipe, ref, what)
+        if dtype != torch.float64 and zero is None:
+            return
+        stepped = CollectiveRecorder(pipe.mesh)
+        with stepped:  # under ZeRO-1/2: the all-gather of the updated shards
+            opt.step()
+        if plan is not None and step == 0 and zero is not None:
+            _check_plan(pipe, recorder.records + stepped.records, plan, what)
+        if zero in (1, 2) and step == 0:
+            _check_zero_collectives(recorder.records + stepped.records, zero, what)
         if dtype != torch.float64:
             return
-        opt.step()
         ref_opt.step()
         opt.zero_grad()
         ref_opt.zero_grad()
@@ -104,6 +116,19 @@ def _check_checkpoints(pipe, opt, ref, ref_opt, n_layers, dtype, path, what):
     ref_params = dict(ref.named_parameters())
     for name, p in other.named_parameters():
         assert norm_rel_err(p.full_tensor(), ref_params[name].detach()) <= TOL, f"{what}: {name} after pp=1 -> pp=2"
+
+
+def _check_zero_collectives(records, zero, what):
+    """Over fsdp, a stage-1 step reduces gradients once, in the optimizer phase (a reduce-scatter into the
+    optimizer's shards), a stage-2 step in backward (a reduce-scatter); neither all-reduces a gradient, and
+    both all-gather the updated shards after the step. (The forward's all-reduces are the loss's.)"""
+    kinds = Counter((c.phase, c.kind) for c in records if c.axes == ("fsdp",))
+    reduced_in = "optimizer" if zero == 1 else "backward"
+    assert kinds[(reduced_in, "reduce_scatter")] > 0, (what, kinds)
+    assert kinds[("optimizer", "all_gather")] > 0, (what, kinds)
+    assert not any(k == "all_reduce" and phase != "forward" for phase, k in kinds), (what, kinds)
+    if zero == 1:
+        assert kinds[("backward", "reduce_scatter")] == 0, (what, kinds)
 
 
 def _key(c):
@@ -199,11 +224,12 @@ def _run_cases(rank, world, cases):
     for spec, n_layers, configs in cases:
         sizes, flags = spmd.parse_spec(spec)
         mesh = spmd.make_mesh(sizes)
-        rules = spmd.Rules.default(sequence_parallel="sp" in flags)
         for schedule, v, M, *options in configs:
             if options and options[0].get("traced"):
                 _check_traced(mesh, schedule, v, M)
                 continue
+            zero = options[0].get("zero") if options else None
+            rules = spmd.Rules.default(sequence_parallel="sp" in flags, zero=3 if zero is None else zero)
             _check(mesh, rules, spec, schedule, v, M, n_layers, **(options[0] if options else {}))
 
 
@@ -220,6 +246,36 @@ def test_every_schedule_on_two_stages_matches_one_device(tmp_path):
 def test_every_schedule_on_four_stages_matches_one_device():
     configs = [(s, v, 8 if s == "zbv" else 4) for s, v, _ in SCHEDULES]
     run_distributed(_run_cases, 4, [("pp=4", 8, configs)], timeout_s=300)
+
+
+def _plan_check(spec, zero=3, **kwargs):
+    """What _check_plan holds a run against: explain's plan for `spec` (made here, on a fake world)."""
+    sizes, flags = spmd.parse_spec(spec)
+    plan = spmd.explain(_model(4, torch.float32), spmd.Rules.default(sequence_parallel="sp" in flags, zero=zero),
+                        sizes, batch_shape=(BATCH, SEQ), **kwargs)
+    p = plan.pipeline
+    sends = [sum(c.kind in ("send", "recv") for c in plan.collectives)] * p["pp"]  # 2 per micro-batch per boundary
+    expected = Counter(_key(c) for c in plan.collectives if c.kind not in ("send", "recv", "broadcast"))
+    return expected, p["reported_rank"], tuple(p["activation_shape"]), sends
+
+
+@pytest.mark.slow
+def test_pipeline_with_zero_stages_0_1_2_matches_one_device(tmp_path):
+    """ZeRO stages with a pp axis: the optimizer steps on each stage's optimizer-map shards
+    (spmd.shard_optimizer(pipeline, opt)); stage 1 leaves gradients unreduced over the micro-batches and
+    spmd.reduce_gradients(pipeline) reduce-scatters them once, stage 2 reduce-scatters in the last backward;
+    both all-gather the updated shards after the step. Gradients (in the optimizer's layout), losses and
+    updated parameters equal one device, and an fp32 step issues exactly the collectives explain plans for it.
+    A stage-1 pipeline's checkpoint (sharded optimizer states) loads into one unsplit model."""
+    cases = [("pp=2,fsdp=2", 4, [("1f1b", 1, 2, {"zero": 1, "ckpt": str(tmp_path)}), ("zero-bubble", 2, 4, {"zero": 1}),
+                                 ("1f1b", 1, 2, {"zero": 2}), ("gpipe", 1, 2, {"zero": 0}),
+                                 ("1f1b", 1, 2, {"zero": 1, "dtype": torch.float32, "steps": 1,
+                                                 "plan": _plan_check("pp=2,fsdp=2", 1, schedule="1f1b",
+                                                                     microbatches=2)}),
+                                 ("1f1b", 1, 2, {"zero": 2, "dtype": torch.float32, "steps": 1,
+                                                 "plan": _plan_check("pp=2,fsdp=2", 2, schedule="1f1b",
+                                                                     microbatches=2)})])]
+    run_distributed(_run_cases, 4, cases, timeout_s=300)
 
 
 @pytest.mark.slow

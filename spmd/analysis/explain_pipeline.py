@@ -19,6 +19,7 @@ from ..pipeline.runtime import bubble_fraction, default_microbatches, validate_p
 from ..pipeline.split import split_stages
 from ..pipeline.stage import LocalModel, StageModule, has_parts
 from ..runtime.checkpointing import parse_mode
+from ..runtime.optimizer import gather_updated, masters_of, reduce_gradients, shard_optimizer
 from ..runtime.reshard import observe_saved
 from ..runtime.state import STATE_ATTR
 from . import record
@@ -59,14 +60,14 @@ def explain_pipeline(model, rules, mesh, batch_shape, dtype, optimizer, fake, sc
 
     fake_model = fake_copy(model, fake)
     runs, decisions, saved = _run_stages(split, fake_model, stage_mesh, rules, param_dtype, fake, tokens, hidden,
-                                         hidden_dtype, m, parse_mode(ac), schedule)
+                                         hidden_dtype, m, parse_mode(ac), schedule, optimizer)
 
     ranks = []
     for r in range(pp):
         mine = split.stages_of_rank(r)
         records = []
         for info in mine:
-            records += runs[info.index][False] * (m - 1) + runs[info.index].get(True, [])
+            records += runs[info.index][False] * (m - 1) + runs[info.index].get(True, []) + runs[info.index]["step"]
             records += _p2p(split, info, m, hidden_bytes, hidden, hidden_dtype)
         in_flight = m if schedule == "gpipe" else min(m, pp)
         local = LocalModel(fake_model, split, [s.index for s in mine])
@@ -79,9 +80,11 @@ def explain_pipeline(model, rules, mesh, batch_shape, dtype, optimizer, fake, sc
 
 
 def _run_stages(split, fake_model, stage_mesh, rules, param_dtype, fake, tokens, hidden, hidden_dtype, m, every,
-                schedule):
-    """Each stage laid out and run for one micro-batch, with gradient reduction off and on: ({stage: {sync:
-    records}}, decisions, {stage: bytes autograd saved})."""
+                schedule, optimizer):
+    """Each stage laid out and run for one micro-batch, with gradient reduction off and on, then its share of
+    the optimizer step (ZeRO-1's reduce-scatter into the optimizer's shards, the all-gather of updated shards
+    under ZeRO-1/2; nothing under ZeRO-3): ({stage: {sync: records, "step": records}}, decisions, {stage:
+    bytes autograd saved})."""
     runs, decisions, saved = {}, [], {}
     for info in split.stages:
         with fake:
@@ -93,6 +96,8 @@ def _run_stages(split, fake_model, stage_mesh, rules, param_dtype, fake, tokens,
             targets = torch.zeros(tokens, dtype=torch.long)
             positions = rank_positions(tokens, stage_mesh)
         state = getattr(stage, STATE_ATTR)
+        # made outside the fake mode, as explain's: a master's offsets are plain ints
+        opt = shard_optimizer(stage, torch.optim.AdamW(stage.parameters(), lr=0.0))  # before backward: ZeRO-1
         runs[info.index] = {}
         for sync in ((False, True) if m > 1 else (True,)):
             state.sync = sync
@@ -105,6 +110,12 @@ def _run_stages(split, fake_model, stage_mesh, rules, param_dtype, fake, tokens,
             runs[info.index][sync] = recorder.records
             saved[info.index] = activation_bytes(seen, stage)
         state.sync = True
+        recorder = record.CollectiveRecorder(stage_mesh)
+        with fake, recorder:
+            reduce_gradients(stage)
+            if masters_of(opt) and optimizer in ("adam", "adamw"):
+                gather_updated(opt)
+        runs[info.index]["step"] = recorder.records
         decisions.extend(state.decisions.values())
     return runs, decisions, saved
 

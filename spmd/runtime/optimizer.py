@@ -28,7 +28,7 @@ from .gradients import HELD_ATTR, grads_layout, held_for_step, optim_layout, sli
 from .host import wrap_local
 from .offload import file_backed_adam_state, host_copy, nvme_dir, release_pages
 from .reducer import DEFAULT_BUCKET_MB
-from .state import STATE_ATTR
+from .state import laid_out_parts
 from .step_reduce import reduce_all_to
 
 __all__ = ["shard_optimizer", "reduce_gradients", "masters_of", "refresh_masters", "gather_updated",
@@ -38,35 +38,34 @@ MASTER_OF_ATTR = "_spmd_master_of"  # on a master: the model parameter it stands
 
 
 def shard_optimizer(model: nn.Module, opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """Makes `opt` (built on `model.parameters()` of a model laid out by spmd.parallelize, before its first
-    step) update masters in the optimizer map's layout, and returns it. `opt.zero_grad` also clears the
+    """Makes `opt` (built on `model.parameters()` of a model laid out by spmd.parallelize, or of a pipeline
+    from spmd.build_pipeline, before its first step) update masters in the optimizer map's layout, and returns it. `opt.zero_grad` also clears the
     model's gradients. A no-op for parameters that are their own master (ZeRO-3, the default rules, when
     nothing is offloaded). Call it before the first backward: from then on backward leaves the gradients of
     parameters whose master shards beyond the grads map (ZeRO-1) for the step to reduce."""
-    state = getattr(model, STATE_ATTR, None)
-    if state is None:
-        raise ValueError("shard_optimizer needs a model laid out by spmd.parallelize; call it after parallelize")
+    parts = laid_out_parts(model, "shard_optimizer")
     if any(opt.state.values()):
         raise ValueError("shard_optimizer needs an optimizer that has not stepped yet; call it right after "
                          "building the optimizer (before loading a checkpoint into it)")
-    owned = {id(p) for p in model.parameters()}
+    owner = {id(p): state for part, state in parts for p in part.parameters()}
     pairs = []
     for group in opt.param_groups:
         for i, p in enumerate(group["params"]):
-            if id(p) not in owned:
+            if id(p) not in owner:
                 raise ValueError("the optimizer holds a tensor that is not a parameter of this model; build it "
                                  "from model.parameters() and pass the same model")
-            master = _master(p, state)
+            master = _master(p, owner[id(p)])
             if master is not p:
                 pairs.append((p, master))
                 setattr(p, HELD_ATTR, grads_layout(p) != tuple(master.placements))
                 group["params"][i] = master
-    streamed = bool(pairs) and nvme_dir(state.offload) is not None
+    offload = parts[0][1].offload  # a pipeline's stages are laid out alike
+    streamed = bool(pairs) and nvme_dir(offload) is not None
     if streamed and not isinstance(pairs[0][1]._local_tensor, FakeTensor):
-        file_backed_adam_state(opt, [m for _, m in pairs], nvme_dir(state.offload))
+        file_backed_adam_state(opt, [m for _, m in pairs], nvme_dir(offload))
         release_pages(_file_tensors(opt, [m for _, m in pairs]))
     if pairs:
-        copy_out = state.offload is not None  # a real copy even where host memory is the device
+        copy_out = offload is not None  # a real copy even where host memory is the device
 
         def before_step(*_):  # returns None: a pre-hook's return value would replace the step's arguments
             reduce_gradients(model)
@@ -82,7 +81,8 @@ def shard_optimizer(model: nn.Module, opt: torch.optim.Optimizer) -> torch.optim
 
         def zero_grad(set_to_none: bool = True):
             clear(set_to_none)
-            model.zero_grad(set_to_none)
+            for part, _ in parts:
+                part.zero_grad(set_to_none)
 
         opt.zero_grad = zero_grad
     return opt
@@ -95,11 +95,9 @@ def reduce_gradients(model: nn.Module) -> None:
     buffers: one collective per mesh axis (spmd.runtime.step_reduce). Once per step
     however many backward passes accumulated; call it before clipping so the norm sees reduced gradients (the
     step calls it too: a no-op for gradients already reduced)."""
-    state = getattr(model, STATE_ATTR, None)
-    if state is None:
-        raise ValueError("reduce_gradients needs a model laid out by spmd.parallelize")
-    dtype = state.reduce_dtype or state.param_dtype
-    held = [p for p in model.parameters() if p.grad is not None and held_for_step(p)
+    parts = laid_out_parts(model, "reduce_gradients")
+    dtype = parts[0][1].reduce_dtype or parts[0][1].param_dtype  # a pipeline's stages are laid out alike
+    held = [p for part, _ in parts for p in part.parameters() if p.grad is not None and held_for_step(p)
             and any(pl.is_partial() for pl in p.grad.placements)]
     grads = [p.grad if dtype is None else p.grad.to(dtype) for p in held]
     with tags.phase("optimizer"):
