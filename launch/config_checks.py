@@ -160,8 +160,6 @@ def _model_problems(cfg, world_size: int, sizes: dict, model_cfg) -> list[str]:
             problems.append(f"--seq-len {cfg.seq_len} exceeds the model's max_seq_len {model_cfg.max_seq_len}; "
                             f"use --seq-len {model_cfg.max_seq_len} or less")
     pp = sizes.get("pp", 1)
-    if pp > 1 and cfg.offload:
-        problems.append("--offload with a pp axis is not supported; leave it out, or use a mesh without pp")
     if world_size == 1 and cfg.offload:
         problems.append("--offload needs a mesh (torchrun with 2+ processes); one process trains plain PyTorch")
     if pp > 1 and model_cfg is not None:

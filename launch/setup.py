@@ -58,7 +58,8 @@ def build_model(cfg: TrainConfig, model_cfg, world: int, device: torch.device):
             pipe = spmd.build_pipeline(model, mesh, rules, schedule=cfg.pp_schedule,
                                        microbatches=cfg.pipeline_microbatches(world),
                                        virtual_stages=cfg.virtual_stages, param_dtype=param_dtype,
-                                       ac=cfg.ac, param_init=model.initializer(cfg.seed), master=cfg.master)
+                                       ac=cfg.ac, param_init=model.initializer(cfg.seed), master=cfg.master,
+                                       offload=cfg.offload or None)
         mesh, model = pipe.mesh, pipe.module
     else:
         with torch.device(device):

@@ -38,15 +38,21 @@ def _model(n_layers, dtype=torch.float64):
 
 
 def _check(mesh, rules, spec, schedule, v, M, n_layers, dtype=torch.float64, steps=2, extra=False, ac="none",
-           plan=None, ckpt=None, zero=None):
-    what = f"{spec} {schedule} v={v} M={M} {dtype} ac={ac} zero={zero}"
+           plan=None, ckpt=None, zero=None, offload=None):
+    what = f"{spec} {schedule} v={v} M={M} {dtype} ac={ac} zero={zero} offload={offload}"
     ref = _model(n_layers, dtype)
     pipe = spmd.build_pipeline(_model(n_layers, dtype), mesh, rules, schedule=schedule, microbatches=M,
                                virtual_stages=v, reduce_dtype=None if dtype == torch.float64 else torch.float32,
-                               ac=ac)
+                               ac=ac, offload=offload)
     opt = torch.optim.AdamW(pipe.parameters(), lr=1e-3, weight_decay=0.1)
     if zero is not None:  # the optimizer steps on the optimizer map's shards, as the trainer's
         spmd.shard_optimizer(pipe, opt)
+    if offload not in (None, "params"):  # every master a copy of its parameter's shard, apart from the device's
+        params = dict(pipe.named_parameters())
+        masters = spmd.runtime.optimizer.masters_of(opt)
+        assert len(masters) == len(params), (what, len(masters), len(params))
+        for m in (m for g in opt.param_groups for m in g["params"]):
+            assert m._local_tensor.data_ptr() != masters[id(m)]._local_tensor.data_ptr(), what
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.1)
     ref_params = dict(ref.named_parameters())
     names = [n for n, _ in pipe.named_parameters()]
@@ -266,9 +272,15 @@ def test_pipeline_with_zero_stages_0_1_2_matches_one_device(tmp_path):
     spmd.reduce_gradients(pipeline) reduce-scatters them once, stage 2 reduce-scatters in the last backward;
     both all-gather the updated shards after the step. Gradients (in the optimizer's layout), losses and
     updated parameters equal one device, and an fp32 step issues exactly the collectives explain plans for it.
-    A stage-1 pipeline's checkpoint (sharded optimizer states) loads into one unsplit model."""
+    With offload="optimizer" (stages 1 and 3) and "nvme:DIR" (stage 2) every master is a copy apart from
+    the device's parameters, and the numbers are the same. A stage-1 pipeline's checkpoint (sharded optimizer
+    states) loads into one unsplit model."""
     cases = [("pp=2,fsdp=2", 4, [("1f1b", 1, 2, {"zero": 1, "ckpt": str(tmp_path)}), ("zero-bubble", 2, 4, {"zero": 1}),
                                  ("1f1b", 1, 2, {"zero": 2}), ("gpipe", 1, 2, {"zero": 0}),
+                                 ("1f1b", 1, 2, {"zero": 1, "offload": "optimizer"}),
+                                 ("gpipe", 1, 2, {"zero": 3, "offload": "optimizer"}),
+                                 ("1f1b", 1, 2, {"zero": 3, "offload": "params"}),
+                                 ("1f1b", 1, 2, {"zero": 2, "offload": f"nvme:{tmp_path}/nvme"}),
                                  ("1f1b", 1, 2, {"zero": 1, "dtype": torch.float32, "steps": 1,
                                                  "plan": _plan_check("pp=2,fsdp=2", 1, schedule="1f1b",
                                                                      microbatches=2)}),

@@ -61,7 +61,6 @@ def test_bad_zero_settings_fail_naming_the_fix():
         spmd.explain(tiny_model(), spmd.Rules.default(zero=2), {"fsdp": 4}, (8, 16), offload="params")
     problems = [(dict(zero=4), "--zero 4 is not a ZeRO stage; use 1"),
                 (dict(master="host"), "--master 'host' is not one of params|optimizer"),
-                (dict(mesh="pp=2,fsdp=2", offload="optimizer"), "--offload with a pp axis is not supported"),
                 (dict(zero=2, compile=True), "--compile with --zero 2 is not supported yet.*use --zero 3"),
                 (dict(offload="params", zero=2), "--offload params keeps stage-3 .*--zero 2.*use --zero 3"),
                 (dict(offload="params", compile=True), "--offload params with --compile is not supported"),
@@ -69,8 +68,8 @@ def test_bad_zero_settings_fail_naming_the_fix():
     for fields, message in problems:
         with pytest.raises(ValueError, match=message):
             TrainConfig(**fields).validate(4)
-    for zero in (0, 1, 2):  # with pp, every stage (tests/test_pipeline.py)
-        TrainConfig(mesh="pp=2,fsdp=2", zero=zero).validate(4)
+    for zero, offload in ((0, ""), (1, ""), (2, ""), (1, "optimizer"), (2, "nvme:/tmp/x"), (3, "params")):
+        TrainConfig(mesh="pp=2,fsdp=2", zero=zero, offload=offload).validate(4)  # (tests/test_pipeline.py)
 
 
 def test_a_stage_without_a_data_axis_to_shard_over_is_stage_3():
@@ -82,3 +81,20 @@ def test_a_stage_without_a_data_axis_to_shard_over_is_stage_3():
     assert plans[0].comm_bytes("optimizer") == 0
     assert plans[0].memory == plans[1].memory
     assert [c.to_dict() for c in plans[0].collectives] == [c.to_dict() for c in plans[1].collectives]
+
+
+def test_explain_with_pp_plans_each_stage_offloaded():
+    """With a pp axis, explain lays every stage out with the offload it is given: under
+    offload="optimizer" the AdamW states and the fp32 master copies (K + 1 = 3 of the parameter's shard bytes
+    against the K = 2 states of a master that is a view of the parameter) leave the device for the host;
+    the parameters and gradients stay; the optimizer step's all-gather of updated shards is in the plan."""
+    from tests.spmd_cases import BATCH, SEQ, tiny_model
+    sizes = {"pp": 2, "fsdp": 2}
+    on_device, offloaded = (spmd.explain(tiny_model(), spmd.Rules.default(zero=1), sizes, batch_shape=(BATCH, SEQ),
+                                         schedule="1f1b", microbatches=2, offload=offload)
+                            for offload in (None, "optimizer"))
+    assert offloaded.memory["optimizer"] == 0
+    assert offloaded.memory["optimizer_host"] * 2 == on_device.memory["optimizer"] * 3
+    assert offloaded.memory["parameters"] == on_device.memory["parameters"] > 0
+    assert offloaded.memory["gradients"] == on_device.memory["gradients"] > 0
+    assert on_device.comm_bytes("optimizer") > 0

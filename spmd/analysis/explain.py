@@ -92,7 +92,8 @@ def dry_run(model, rules, sizes, batch_shape, dtype, optimizer, pipeline=None, a
                       dtype=str(dtype).replace("torch.", ""))
         if full["pp"] > 1:
             records, decisions, memory, section = explain_pipeline(model, rules, mesh, batch_shape, dtype, optimizer,
-                                                                   fake, **(pipeline or {}), ac=ac)
+                                                                   fake, **(pipeline or {}), ac=ac,
+                                                                   precision=precision)
             return Plan(**common, collectives=records, decisions=decisions, memory=memory, pipeline=section)
         model = fake_copy(model, fake)
         with fake:

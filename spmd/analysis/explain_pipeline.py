@@ -31,8 +31,9 @@ HIDDEN_AXES, TOKEN_AXES = ("batch", "seq", "embed"), ("batch", None)
 
 
 def explain_pipeline(model, rules, mesh, batch_shape, dtype, optimizer, fake, schedule="1f1b", microbatches=None,
-                  virtual_stages=1, split_cost="flops", blocks=None, ac="none"):
-    """(collectives, decisions, memory, pipeline section) of the pp rank whose memory is largest."""
+                  virtual_stages=1, split_cost="flops", blocks=None, ac="none", precision=None):
+    """(collectives, decisions, memory, pipeline section) of the pp rank whose memory is largest. `precision`:
+    spmd.parallelize's reduce_dtype, master and offload, for every stage."""
     _, stage_mesh = without_pp(mesh)
     # the stage group of pp rank 0 as a mesh of its own: a sliced mesh computes its rank layout with ops
     # that fake tensors cannot run
@@ -59,8 +60,9 @@ def explain_pipeline(model, rules, mesh, batch_shape, dtype, optimizer, fake, sc
     tokens = (mb_global[0] // n_dp,) + ((mb_global[1] // cp,) if len(mb_global) > 1 else ()) + mb_global[2:]
 
     fake_model = fake_copy(model, fake)
-    runs, decisions, saved = _run_stages(split, fake_model, stage_mesh, rules, param_dtype, fake, tokens, hidden,
-                                         hidden_dtype, m, parse_mode(ac), schedule, optimizer)
+    runs, decisions, saved, state = _run_stages(split, fake_model, stage_mesh, rules, param_dtype, fake, tokens,
+                                                hidden, hidden_dtype, m, parse_mode(ac), schedule, optimizer,
+                                                precision or {})
 
     ranks = []
     for r in range(pp):
@@ -71,7 +73,7 @@ def explain_pipeline(model, rules, mesh, batch_shape, dtype, optimizer, fake, sc
             records += _p2p(split, info, m, hidden_bytes, hidden, hidden_dtype)
         in_flight = m if schedule == "gpipe" else min(m, pp)
         local = LocalModel(fake_model, split, [s.index for s in mine])
-        memory = memory_per_rank(local, optimizer, in_flight * sum(saved[s.index] for s in mine))
+        memory = memory_per_rank(local, optimizer, in_flight * sum(saved[s.index] for s in mine), state=state)
         ranks.append({"rank": r, "stages": [s.index for s in mine], "records": records, "memory": memory,
                       "comm_bytes_per_step": sum(c.bytes for c in records)})
     worst = max(ranks, key=lambda x: x["memory"]["total"])
@@ -80,17 +82,17 @@ def explain_pipeline(model, rules, mesh, batch_shape, dtype, optimizer, fake, sc
 
 
 def _run_stages(split, fake_model, stage_mesh, rules, param_dtype, fake, tokens, hidden, hidden_dtype, m, every,
-                schedule, optimizer):
+                schedule, optimizer, precision):
     """Each stage laid out and run for one micro-batch, with gradient reduction off and on, then its share of
     the optimizer step (ZeRO-1's reduce-scatter into the optimizer's shards, the all-gather of updated shards
     under ZeRO-1/2; nothing under ZeRO-3): ({stage: {sync: records, "step": records}}, decisions, {stage:
-    bytes autograd saved})."""
+    bytes autograd saved}, the state of the stages' layout)."""
     runs, decisions, saved = {}, [], {}
     for info in split.stages:
         with fake:
             stage = StageModule(fake_model, split, info.index, HIDDEN_AXES)
             lay_out_stage(stage, info, stage_mesh, rules, schedule, every, fake_model.get_submodule(split.block_path),
-                          hidden_axes=HIDDEN_AXES, token_axes=TOKEN_AXES, param_dtype=param_dtype)
+                          hidden_axes=HIDDEN_AXES, token_axes=TOKEN_AXES, param_dtype=param_dtype, **precision)
             x = torch.zeros(tokens, dtype=torch.long) if info.first else \
                 torch.zeros(hidden, dtype=hidden_dtype, requires_grad=True)
             targets = torch.zeros(tokens, dtype=torch.long)
@@ -117,7 +119,7 @@ def _run_stages(split, fake_model, stage_mesh, rules, param_dtype, fake, tokens,
                 gather_updated(opt)
         runs[info.index]["step"] = recorder.records
         decisions.extend(state.decisions.values())
-    return runs, decisions, saved
+    return runs, decisions, saved, state
 
 
 def _section(split, schedule, pp, m, v, hidden_bytes, hidden, runs, ranks, worst) -> dict:

@@ -36,14 +36,15 @@ def local_bytes(t) -> int:
     return local.numel() * local.element_size()
 
 
-def memory_per_rank(model: nn.Module, optimizer: str, activations: int = 0) -> dict:
+def memory_per_rank(model: nn.Module, optimizer: str, activations: int = 0, state=None) -> dict:
     """Bytes per rank of parameters, gradients and optimizer states, from the local shards of each state's layout.
     Offloaded (`offload="optimizer"`): `optimizer_host` holds the masters and states, `gradients_host` the
     gradient shards copied out for the step, and `optimizer` on the device is 0; under "nvme:DIR" the masters
     and states are `optimizer_nvme` (files) and the step streams them through host memory one parameter at a
     time: `optimizer_host` and `gradients_host` are then the largest parameter's. Under "params" the parameter
-    shards and their gradients are `parameters_host` and `gradients_host` too. `total` is the device's."""
-    state = getattr(model, STATE_ATTR, None)
+    shards and their gradients are `parameters_host` and `gradients_host` too. `total` is the device's.
+    `state`: the layout's SPMDState where `model` holds none itself (a pipeline rank's stages)."""
+    state = state or getattr(model, STATE_ATTR, None)
     copies = state is not None and state.master == "optimizer"
     offload = None if state is None or state.offload is None else "nvme" if state.offload.startswith("nvme:") \
         else state.offload

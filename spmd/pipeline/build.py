@@ -150,7 +150,7 @@ def build_pipeline(model: nn.Module, mesh: DeviceMesh, rules, schedule: str = "1
                    virtual_stages: int = 1, loss_fn=None, param_dtype: torch.dtype | None = None,
                    reduce_dtype: torch.dtype | None = torch.float32, split_cost: str = "flops",
                    blocks: str | None = None, ac: str = "none", hidden_axes=("batch", "seq", "embed"),
-                   token_axes=("batch", None), param_init=None, master: str = "params") -> Pipeline:
+                   token_axes=("batch", None), param_init=None, master: str = "params", offload=None) -> Pipeline:
     """Splits `model` into pp * virtual_stages stages, lays this rank's stages out on `mesh` without its pp
     dim, and returns the Pipeline that trains them. Call it on every rank with the same model (same seed).
 
@@ -162,9 +162,9 @@ def build_pipeline(model: nn.Module, mesh: DeviceMesh, rules, schedule: str = "1
     `ac`: activation checkpointing of blocks, as spmd.apply_activation_checkpointing (`none`, `full`,
     `selective:N`, counted over the model's blocks). Parameters of stages on other ranks move to the meta
     device: each rank holds only its own stages. A model built on the meta device needs `param_init`
-    (as spmd.parallelize): each rank then materialises only its stages' shards. `master`: where fp32 master
-    weights live under a lower `param_dtype`, as spmd.parallelize's. ZeRO stages are the rules' as without
-    pp: spmd.shard_optimizer(pipeline, opt) makes the optimizer step on the optimizer map's shards.
+    (as spmd.parallelize): each rank then materialises only its stages' shards. `master` and `offload`: where
+    fp32 master weights and optimizer states live, as spmd.parallelize's. ZeRO stages are the rules' as
+    without pp: spmd.shard_optimizer(pipeline, opt) makes the optimizer step on the optimizer map's shards.
     """
     if "pp" not in mesh.mesh_dim_names:
         raise ValueError(f"build_pipeline needs a mesh with a 'pp' axis, got axes {mesh.mesh_dim_names}")
@@ -193,7 +193,7 @@ def build_pipeline(model: nn.Module, mesh: DeviceMesh, rules, schedule: str = "1
         stage = make(info)
         lay_out_stage(stage, info, stage_mesh, rules, schedule, every, model.get_submodule(split.block_path),
                       hidden_axes=hidden_axes, token_axes=token_axes, param_dtype=param_dtype,
-                      reduce_dtype=reduce_dtype, param_init=param_init, master=master)
+                      reduce_dtype=reduce_dtype, param_init=param_init, master=master, offload=offload)
         modules.append(stage)
     held = {i: (split.pre if s.first else []) + (split.post if s.last else []) for i, s in enumerate(split.stages)} \
         if cut is None else cut.held
@@ -206,7 +206,7 @@ def build_pipeline(model: nn.Module, mesh: DeviceMesh, rules, schedule: str = "1
 
 def lay_out_stage(stage: nn.Module, info, stage_mesh, rules, schedule: str, every: int, blocks: nn.ModuleList, *,
                   hidden_axes, token_axes, param_dtype=None, reduce_dtype=torch.float32, param_init=None,
-                  master="params") -> None:
+                  master="params", offload=None) -> None:
     """One stage module laid out by spmd.parallelize on the mesh without pp, with what a pipeline changes: a
     split backward (`zero-bubble`, `zbv`) differentiates each parameter on its own in its weight pass
     (torch.autograd.grad from the input pass's intermediates), which a bucket's one gather node does not
@@ -217,7 +217,7 @@ def lay_out_stage(stage: nn.Module, info, stage_mesh, rules, schedule: str, ever
                 bucket=schedule not in SPLIT_BACKWARD,
                 input_axes={0: hidden_axes if not info.first else token_axes, "targets": token_axes,
                             "positions": token_axes},
-                param_init=param_init, master=master)
+                param_init=param_init, master=master, offload=offload)
     drop_root_unit(getattr(stage, STATE_ATTR), stage)
     checkpoint_stage(stage, info, every, blocks)
 
