@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from .buckets import gather_bucket
 from .experts import expert_modules
-from .params import _kept, gather_param, gather_shared
+from .params import gather_param, gather_shared, kept_for_backward
 from .reshard import CHECKPOINTED_ATTR, reshard_after_forward, storage_key
 
 __all__ = ["local_blocks", "enter_local", "LocalBlock"]
@@ -144,7 +144,7 @@ class LocalBlock:
                                      p._spmd_name)
                 local = _to_local(g, self.split)
             m.__dict__[n] = local
-            if not _kept(state, p) and any(s != c and state.mesh.size(i) > 1
+            if not kept_for_backward(state, p) and any(s != c and state.mesh.size(i) > 1
                                            for i, (s, c) in enumerate(zip(p.placements, p._spmd_compute))):
                 regather[storage_key(local)] = (p, p._spmd_compute)
         for m, n, b in self.buffers:  # (a module's own buffers: its rotary tables, an embedding's scale)

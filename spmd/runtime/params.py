@@ -28,7 +28,8 @@ from .host import to_compute, to_host
 from .gradients import grads_layout, held_for_step, join_unreduced, reduce_for_step, reduce_to
 from .reshard import BODY_COMPILED_ATTR, CHECKPOINTED_ATTR, reshard_after_forward, storage_key
 
-__all__ = ["gather_param", "gather_block", "gather_module_params", "release_module_params", "gather_shared"]
+__all__ = ["gather_param", "gather_block", "gather_module_params", "release_module_params", "gather_shared",
+           "kept_for_backward"]
 
 
 class _GatherParam(torch.autograd.Function):
@@ -100,7 +101,7 @@ def gather_module_params(state, mod, name: str, param_names, weight_layout=None)
         compute = weight_layout if (weight_layout is not None and p_name == "weight") else p._spmd_compute
         g = _gathered(state, p, compute, name, compiling)
         mod.__dict__[p_name] = g
-        if not compiling and _moves_data(p.placements, compute, state.mesh) and not _kept(state, p):
+        if not compiling and _moves_data(p.placements, compute, state.mesh) and not kept_for_backward(state, p):
             regather[storage_key(g)] = (p, compute)
     if not regather or compiling or getattr(mod, CHECKPOINTED_ATTR, False):
         return None
@@ -145,7 +146,7 @@ def release_module_params(state, mod, param_names, hooks):
             mod.__dict__.pop(n, None)
 
 
-def _kept(state, p) -> bool:
+def kept_for_backward(state, p) -> bool:
     """Whether `p` stays gathered from forward to backward (the root unit's, as FSDP2's root)."""
     bucket = state.bucket_of.get(id(p))
     return bucket is not None and bucket.keep
