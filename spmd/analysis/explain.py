@@ -22,7 +22,6 @@ from ..layout.mesh import MESH_AXES, check_sizes, mesh_sizes
 from ..layout.sequence import check_seq_len, rank_positions
 from ..runtime import attention_memory
 from ..runtime.checkpointing import apply_activation_checkpointing, parse_mode
-from ..runtime.optimizer import gather_updated, masters_of, reduce_gradients, shard_optimizer
 from ..runtime.parallelize import no_sync, parallelize
 from ..runtime.reshard import observe_saved
 from ..runtime.state import STATE_ATTR
@@ -30,6 +29,7 @@ from . import record
 from .explain_pipeline import explain_pipeline
 from .fake import fake_world
 from .memory import activation_bytes, local_bytes, memory_per_rank
+from .optimizer_step import planning_optimizer, record_optimizer_step
 from .plan import Plan
 
 __all__ = ["explain", "dry_run", "training_loss"]
@@ -106,12 +106,12 @@ def dry_run(model, rules, sizes, batch_shape, dtype, optimizer, pipeline=None, a
             raise ValueError(f"batch {batch} does not divide by the data-parallel size "
                              f"{'*'.join(rules.batch_axes())}={data_parallel} times grad_accum={grad_accum}")
         recorder = record.CollectiveRecorder(mesh)
-        opt = shard_optimizer(model, torch.optim.AdamW(model.parameters(), lr=0.0))  # before backward: ZeRO-1
+        opt = planning_optimizer(model)
         with fake:
             tokens = torch.zeros(batch // (data_parallel * grad_accum), seq // full["cp"], dtype=torch.long)
             positions = rank_positions(tokens.shape, mesh)
             activations, unreduced, attention = _run_step(model, recorder, tokens, grad_accum, positions)
-        _optimizer_step(model, opt, optimizer, recorder, fake)
+        record_optimizer_step(model, opt, optimizer, recorder, fake)
         memory = memory_per_rank(model, optimizer, activations)
         if unreduced > memory["gradients"]:  # held until the last micro-batch's backward reduces them
             memory["total"] += unreduced - memory["gradients"]
@@ -138,17 +138,6 @@ def _run_step(model: nn.Module, recorder, tokens, grad_accum: int, positions=Non
         if i == grad_accum - 2:
             unreduced = sum(local_bytes(p.grad) for p in model.parameters() if p.grad is not None)
     return activations, unreduced, {"saved": sum(attention["saved"].values()), "peak": attention["peak"]}
-
-
-def _optimizer_step(model, opt, optimizer: str, recorder, fake):
-    """What a sharded optimizer's step communicates: the reduce-scatters of the gradients ZeRO-1's backward
-    left unreduced, and the all-gathers of updated shards into the parameters (none when every parameter is
-    its own master, as under ZeRO-3). The update itself moves nothing and is not run. The masters were made
-    outside the fake mode: their offsets are plain ints."""
-    with fake, recorder:
-        reduce_gradients(model)
-        if masters_of(opt) and optimizer in ("adam", "adamw"):
-            gather_updated(opt)
 
 
 def training_loss(model: nn.Module, tokens: torch.Tensor, positions=None) -> torch.Tensor:

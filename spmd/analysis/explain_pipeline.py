@@ -19,11 +19,11 @@ from ..pipeline.runtime import bubble_fraction, default_microbatches, validate_p
 from ..pipeline.split import split_stages
 from ..pipeline.stage import LocalModel, StageModule, has_parts
 from ..runtime.checkpointing import parse_mode
-from ..runtime.optimizer import gather_updated, masters_of, reduce_gradients, shard_optimizer
 from ..runtime.reshard import observe_saved
 from ..runtime.state import STATE_ATTR
 from . import record
 from .memory import activation_bytes, memory_per_rank
+from .optimizer_step import planning_optimizer, record_optimizer_step
 
 __all__ = ["explain_pipeline"]
 
@@ -98,8 +98,7 @@ def _run_stages(split, fake_model, stage_mesh, rules, param_dtype, fake, tokens,
             targets = torch.zeros(tokens, dtype=torch.long)
             positions = rank_positions(tokens, stage_mesh)
         state = getattr(stage, STATE_ATTR)
-        # made outside the fake mode, as explain's: a master's offsets are plain ints
-        opt = shard_optimizer(stage, torch.optim.AdamW(stage.parameters(), lr=0.0))  # before backward: ZeRO-1
+        opt = planning_optimizer(stage)
         runs[info.index] = {}
         for sync in ((False, True) if m > 1 else (True,)):
             state.sync = sync
@@ -113,10 +112,7 @@ def _run_stages(split, fake_model, stage_mesh, rules, param_dtype, fake, tokens,
             saved[info.index] = activation_bytes(seen, stage)
         state.sync = True
         recorder = record.CollectiveRecorder(stage_mesh)
-        with fake, recorder:
-            reduce_gradients(stage)
-            if masters_of(opt) and optimizer in ("adam", "adamw"):
-                gather_updated(opt)
+        record_optimizer_step(stage, opt, optimizer, recorder, fake)
         runs[info.index]["step"] = recorder.records
         decisions.extend(state.decisions.values())
     return runs, decisions, saved, state

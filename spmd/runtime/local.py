@@ -60,9 +60,8 @@ def _members(modules, mesh) -> tuple | None:
     for m in modules:
         params += [(m, n, p) for n, p in m._parameters.items() if isinstance(p, DTensor)]
         buffers += [(m, n, b) for n, b in m._buffers.items() if isinstance(b, DTensor)]
-    replicated = all(c.is_replicate() or mesh.size(i) == 1 for _, _, p in params for i, c in enumerate(p._spmd_compute))
-    replicated = replicated and all(c.is_replicate() or mesh.size(i) == 1
-                                    for _, _, b in buffers for i, c in enumerate(b.placements))
+    layouts = [p._spmd_compute for _, _, p in params] + [b.placements for _, _, b in buffers]
+    replicated = all(c.is_replicate() or mesh.size(i) == 1 for layout in layouts for i, c in enumerate(layout))
     return (params, buffers) if replicated else None
 
 
@@ -144,8 +143,9 @@ class LocalBlock:
                                      p._spmd_name)
                 local = _to_local(g, self.split)
             m.__dict__[n] = local
-            if not kept_for_backward(state, p) and any(s != c and state.mesh.size(i) > 1
-                                           for i, (s, c) in enumerate(zip(p.placements, p._spmd_compute))):
+            moves = any(s != c and state.mesh.size(i) > 1
+                        for i, (s, c) in enumerate(zip(p.placements, p._spmd_compute)))
+            if moves and not kept_for_backward(state, p):
                 regather[storage_key(local)] = (p, p._spmd_compute)
         for m, n, b in self.buffers:  # (a module's own buffers: its rotary tables, an embedding's scale)
             m.__dict__[n] = b.to_local() if b.requires_grad else b._local_tensor

@@ -39,8 +39,8 @@ MASTER_OF_ATTR = "_spmd_master_of"  # on a master: the model parameter it stands
 
 def shard_optimizer(model: nn.Module, opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """Makes `opt` (built on `model.parameters()` of a model laid out by spmd.parallelize, or of a pipeline
-    from spmd.build_pipeline, before its first step) update masters in the optimizer map's layout, and returns it. `opt.zero_grad` also clears the
-    model's gradients. A no-op for parameters that are their own master (ZeRO-3, the default rules, when
+    from spmd.build_pipeline, before its first step) update masters in the optimizer map's layout, and returns
+    it. `opt.zero_grad` also clears the model's gradients. A no-op for parameters that are their own master (ZeRO-3, the default rules, when
     nothing is offloaded). Call it before the first backward: from then on backward leaves the gradients of
     parameters whose master shards beyond the grads map (ZeRO-1) for the step to reduce."""
     parts = laid_out_parts(model, "shard_optimizer")

@@ -7,11 +7,10 @@ import contextlib
 
 import torch
 
-__all__ = ["STATE_ATTR", "PARTS_ATTR", "MASTERS", "OFFLOADS", "SPMDState", "laid_out_parts", "active_state", "activated",
-           "push", "pop"]
+__all__ = ["STATE_ATTR", "MASTERS", "OFFLOADS", "SPMDState", "laid_out_parts", "active_state", "activated", "push",
+           "pop"]
 
 STATE_ATTR = "_spmd_state"
-PARTS_ATTR = "laid_out_parts"  # on a model laid out in parts (a pipeline's stages): the modules holding a state
 
 
 MASTERS = ("params", "optimizer")  # where fp32 master weights live under a lower compute dtype
@@ -60,11 +59,11 @@ _top: SPMDState | None = None
 
 def laid_out_parts(model, needs: str) -> list:
     """[(module, SPMDState)] of the modules spmd.parallelize laid out that make up `model`: the model itself,
-    or each stage a pipeline runs (its `laid_out_parts`). `needs`: the caller, named in the error."""
+    or each stage a pipeline runs (spmd.Pipeline.laid_out_parts). `needs`: the caller, named in the error."""
     state = getattr(model, STATE_ATTR, None)
     if state is not None:
         return [(model, state)]
-    parts = [(m, getattr(m, STATE_ATTR, None)) for m in getattr(model, PARTS_ATTR, ())]
+    parts = [(m, getattr(m, STATE_ATTR, None)) for m in getattr(model, "laid_out_parts", ())]
     if not parts or any(st is None for _, st in parts):
         raise ValueError(f"{needs} needs a model laid out by spmd.parallelize (or a pipeline from "
                          f"spmd.build_pipeline); call it after laying the model out")
