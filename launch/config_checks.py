@@ -62,9 +62,6 @@ def _zero_problems(cfg) -> list[str]:
     if cfg.master not in MASTERS:
         problems.append(f"--master {cfg.master!r} is not one of {'|'.join(MASTERS)}: 'params' keeps fp32 parameters, "
                         f"'optimizer' keeps --dtype parameters and the fp32 master with the optimizer states")
-    if cfg.compile and cfg.zero in (1, 2):
-        problems.append(f"--compile with --zero {cfg.zero} is not supported yet (compiled blocks reduce gradients "
-                        f"to the parameters' layout); use --zero 3 with --compile, or leave --compile out")
     if cfg.offload == "params" and cfg.zero != 3:
         problems.append(f"--offload params keeps stage-3 parameter shards on the host; --zero {cfg.zero} keeps "
                         f"parameters whole on the device: use --zero 3, or --offload optimizer")

@@ -7,7 +7,9 @@ checkpointed, two micro-batches (the first under no_sync), backend "aot_eager" (
 and its partition into forward and backward, where a DeviceMesh saved for backward or a process group looked
 up at run time fail, without inductor's code generation): 3 AdamW steps match one eager device within 1e-5
 (fp32), with no graph break and one graph for every block, checkpointed or not, and for the recompute.
-Inductor itself runs in test_train's compiled trainer run.
+Inductor itself runs in test_train's compiled trainer run. ZeRO stages 1 and 2 compile too: a block's
+graph reduce-scatters stage-2 gradients onto the optimizer's shards and leaves stage-1 gradients partial
+sums for the step, which the test checks on the gradients' placements before the step.
 """
 import contextlib
 
@@ -33,14 +35,15 @@ def test_checkpointed_blocks_compile_and_gradients_are_unchanged():
         assert torch.equal(p.grad, ref_params[name].grad), name
 
 
-def _compiled_steps(rank, world, spec, ac, accum, backend):
+def _compiled_steps(rank, world, spec, ac, accum, backend, zero=3):
     sizes, flags = spmd.parse_spec(spec)
     mesh = spmd.make_mesh(sizes)
     ref, model = tiny_model(), tiny_model()
-    spmd.parallelize(model, mesh, spmd.Rules.default(sequence_parallel="sp" in flags))
+    spmd.parallelize(model, mesh, spmd.Rules.default(sequence_parallel="sp" in flags, zero=zero))
     spmd.apply_activation_checkpointing(model, ac)
     assert spmd.compile_blocks(model, backend=backend) == list(range(len(model.layers)))
     opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.1) for m in (model, ref))
+    opt = spmd.shard_optimizer(model, opt)
     ref_params = dict(ref.named_parameters())
     for step in range(3):
         tokens, targets = global_batch(step)
@@ -50,6 +53,9 @@ def _compiled_steps(rank, world, spec, ac, accum, backend):
             with spmd.no_sync(model) if j < accum - 1 else contextlib.nullcontext():
                 (model(local_slice(x, mesh), local_slice(y, mesh)) / accum).backward()
             (ref(x, y) / accum).backward()
+        if zero < 3:
+            _check_block_gradients_in_step_layout(model, zero)
+        spmd.reduce_gradients(model)
         for name, p in model.named_parameters():
             err = norm_rel_err(p.grad.full_tensor(), ref_params[name].grad)
             assert err <= TOL, f"{spec} step {step}: gradient of {name} off by {err:.2e}"
@@ -63,6 +69,31 @@ def _compiled_steps(rank, world, spec, ac, accum, backend):
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
 
 
+def _check_block_gradients_in_step_layout(model, zero):
+    """After backward, before the step: a compiled block's gradient is reduce-scattered onto the optimizer's
+    shards (ZeRO-2) or still a partial sum over the axes the optimizer's shards add (ZeRO-1)."""
+    from spmd.runtime.gradients import grads_layout, optim_layout
+    moved = 0
+    for name, p in model.layers.named_parameters():
+        added = [m for m, (s, o) in enumerate(zip(p.placements, optim_layout(p))) if s != o]
+        if not added:
+            continue
+        moved += 1
+        if zero == 2:
+            assert tuple(p.grad.placements) == grads_layout(p) != tuple(p.placements), (name, p.grad.placements)
+        else:
+            assert all(p.grad.placements[m].is_partial() for m in added), (name, p.grad.placements)
+    assert moved, "no block parameter has optimizer shards beyond its storage"
+
+
 @pytest.mark.slow
 def test_compiled_checkpointed_accumulated_steps_match_one_device():
     run_distributed(_compiled_steps, 4, "fsdp=2,tp=2,sp", "selective:2", 2, "aot_eager", timeout_s=600)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("zero", [1, 2])
+def test_compiled_zero_stages_1_and_2_match_one_device(zero):
+    """Compiled blocks hold gradients as the stage says: stage 2 reduce-scattered onto the optimizer's shards in
+    backward, stage 1 unreduced for the step; the numbers stay one device's."""
+    run_distributed(_compiled_steps, 4, "fsdp=2,tp=2,sp", "selective:2", 2, "aot_eager", zero, timeout_s=600)

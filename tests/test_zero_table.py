@@ -61,7 +61,6 @@ def test_bad_zero_settings_fail_naming_the_fix():
         spmd.explain(tiny_model(), spmd.Rules.default(zero=2), {"fsdp": 4}, (8, 16), offload="params")
     problems = [(dict(zero=4), "--zero 4 is not a ZeRO stage; use 1"),
                 (dict(master="host"), "--master 'host' is not one of params|optimizer"),
-                (dict(zero=2, compile=True), "--compile with --zero 2 is not supported yet.*use --zero 3"),
                 (dict(offload="params", zero=2), "--offload params keeps stage-3 .*--zero 2.*use --zero 3"),
                 (dict(offload="params", compile=True), "--offload params with --compile is not supported"),
                 (dict(offload="nvme:"), "--offload 'nvme:' is not supported; use --offload optimizer.*nvme:DIR")]
@@ -70,6 +69,8 @@ def test_bad_zero_settings_fail_naming_the_fix():
             TrainConfig(**fields).validate(4)
     for zero, offload in ((0, ""), (1, ""), (2, ""), (1, "optimizer"), (2, "nvme:/tmp/x"), (3, "params")):
         TrainConfig(mesh="pp=2,fsdp=2", zero=zero, offload=offload).validate(4)  # (tests/test_pipeline.py)
+    for zero in (1, 2):
+        TrainConfig(zero=zero, compile=True).validate(4)  # (tests/test_compile.py)
 
 
 def test_a_stage_without_a_data_axis_to_shard_over_is_stage_3():

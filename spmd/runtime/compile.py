@@ -9,7 +9,8 @@ ZeRO-3's reshard-after-forward becomes a selective-checkpoint policy: the gather
 torch's checkpoint outside the graph: the recompute in backward runs the same compiled graph (torch 2.13
 cannot trace a checkpoint around DTensor collectives: its partitioner saves a DeviceMesh for backward).
 Two differences from eager: the collectives are not recorded (record a step in eager, or use `explain`, for
-the plan), and gradients of compiled blocks are reduced on every backward, also under `no_sync`.
+the plan), and gradients of compiled blocks are reduced on every backward, also under `no_sync` (to the
+grads map's layout: ZeRO-2 reduce-scatters onto the optimizer's shards; ZeRO-1 leaves them for the step).
 Blocks holding expert modules (a mixture of experts) are refused: the token dispatch's split sizes and
 tokens per expert are data (the routing), read as Python ints, so dynamo breaks the graph and recompiles
 for every routing (on 2 ranks of moe-tiny it hit its recompile limit and the step did not finish in 400 s).

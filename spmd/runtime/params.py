@@ -14,7 +14,8 @@ so an FSDP gather moves bf16); its backward casts the gradient to the reduce dty
 storage layout: all-reduce over replicated axes, reduce-scatter over sharded ones. Under `no_sync` the
 gradient stays unreduced until the step that syncs; under ZeRO-1 until the optimizer step. Inside a
 compiled block the same move is DTensor's redistribute under a recompute-in-backward policy (ZeRO-3's
-regather, as the compiler sees it).
+regather, as the compiler sees it); where the grads map holds the gradient beyond the storage layout (ZeRO-1
+and 2) a function whose backward reduces to that layout, or leaves it for the step, as the eager path does.
 """
 import functools
 
@@ -71,7 +72,31 @@ def gather_param(p, placements, dtype, reduce_dtype, state, module: str, name: s
 
 
 def _redistribute_param(p, placements, dtype, reduce_dtype):
+    if held_for_step(p) or grads_layout(p) != tuple(p.placements):
+        return _GatherToGrads.apply(p, placements, dtype, reduce_dtype)
     return p.redistribute(placements=placements, forward_dtype=dtype, backward_dtype=reduce_dtype)
+
+
+class _GatherToGrads(torch.autograd.Function):
+    """The compiled move of a parameter whose gradient is not held in its storage layout (ZeRO-1 and 2): its
+    backward reduces the gradient to the grads map's layout (ZeRO-2: a reduce-scatter onto the optimizer's
+    shards) or, for a step that reduces it (ZeRO-1), only over the axes the grads map shards."""
+
+    @staticmethod
+    def forward(ctx, p: DTensor, placements, dtype, reduce_dtype):
+        ctx.grads, ctx.held, ctx.reduce_dtype, ctx.dtype = grads_layout(p), held_for_step(p), reduce_dtype, p.dtype
+        return p.redistribute(placements=placements, forward_dtype=dtype)
+
+    @staticmethod
+    def backward(ctx, g: DTensor):
+        if ctx.reduce_dtype is not None and g.dtype != ctx.reduce_dtype:
+            g = g.to(ctx.reduce_dtype)
+        target = ctx.grads
+        if ctx.held:  # partial sums stay partial (the compiler traces this first with a replicated guess)
+            target = tuple(s if s.is_shard() else c for c, s in zip(g.placements, ctx.grads))
+        if tuple(g.placements) != target:
+            g = reduce_to(g, target)
+        return g.to(ctx.dtype), None, None, None
 
 
 def _always_recompute(ctx, op, *args, **kwargs):
