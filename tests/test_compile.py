@@ -3,7 +3,8 @@ outside the graph), and the numbers stay those of one device.
 
 One process: with backend "eager" (dynamo's captured graph without inductor: same ops, same order) the
 gradients equal the uncompiled model's bit for bit. Four processes: fsdp x tp x sp, every second block
-checkpointed, two micro-batches (the first under no_sync), backend "aot_eager" (AOTAutograd's joint graph
+checkpointed, two micro-batches (the first under no_sync, after which every block's gradient is still a
+partial sum over the data axes: reduced once per step, not per micro-batch), backend "aot_eager" (AOTAutograd's joint graph
 and its partition into forward and backward, where a DeviceMesh saved for backward or a process group looked
 up at run time fail, without inductor's code generation): 3 AdamW steps match one eager device within 1e-5
 (fp32), with no graph break and one graph for every block, checkpointed or not, and for the recompute.
@@ -53,6 +54,8 @@ def _compiled_steps(rank, world, spec, ac, accum, backend, zero=3):
             with spmd.no_sync(model) if j < accum - 1 else contextlib.nullcontext():
                 (model(local_slice(x, mesh), local_slice(y, mesh)) / accum).backward()
             (ref(x, y) / accum).backward()
+            if j < accum - 1:
+                _check_block_gradients_unreduced(model)
         if zero < 3:
             _check_block_gradients_in_step_layout(model, zero)
         spmd.reduce_gradients(model)
@@ -67,6 +70,15 @@ def _compiled_steps(rank, world, spec, ac, accum, backend, zero=3):
     assert not counters["graph_break"], dict(counters["graph_break"])
     assert counters["frames"]["ok"] == counters["frames"]["total"], dict(counters["frames"])
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+
+
+def _check_block_gradients_unreduced(model):
+    """Under no_sync a compiled block leaves each gradient a partial sum over the data axes (reduced once, by
+    the last micro-batch's backward)."""
+    data_axes = [m for m, name in enumerate(model.layers[0].attention.wq.weight.device_mesh.mesh_dim_names)
+                 if name in ("dp", "fsdp")]
+    for name, p in model.layers.named_parameters():
+        assert all(p.grad.placements[m].is_partial() for m in data_axes), (name, p.grad.placements)
 
 
 def _check_block_gradients_in_step_layout(model, zero):

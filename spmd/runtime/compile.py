@@ -8,9 +8,10 @@ ZeRO-3's reshard-after-forward becomes a selective-checkpoint policy: the gather
 (regathered) in backward, not saved. A block under activation checkpointing compiles its body and keeps
 torch's checkpoint outside the graph: the recompute in backward runs the same compiled graph (torch 2.13
 cannot trace a checkpoint around DTensor collectives: its partitioner saves a DeviceMesh for backward).
-Two differences from eager: the collectives are not recorded (record a step in eager, or use `explain`, for
-the plan), and gradients of compiled blocks are reduced on every backward, also under `no_sync` (to the
-grads map's layout: ZeRO-2 reduce-scatters onto the optimizer's shards; ZeRO-1 leaves them for the step).
+The collectives are not recorded (record a step in eager, or use `explain`, for the plan). Gradients reduce
+to the grads map's layout in the graph (ZeRO-2 reduce-scatters onto the optimizer's shards; ZeRO-1 leaves
+them for the step); under `no_sync` the graph leaves them unreduced and the last micro-batch's backward
+reduces the sums once, in flat buffers (spmd.runtime.accumulate).
 Blocks holding expert modules (a mixture of experts) are refused: the token dispatch's split sizes and
 tokens per expert are data (the routing), read as Python ints, so dynamo breaks the graph and recompiles
 for every routing (on 2 ranks of moe-tiny it hit its recompile limit and the step did not finish in 400 s).
@@ -48,6 +49,9 @@ def compile_blocks(model: nn.Module, blocks: str | None = None, bucket: bool = T
         inductor_config.bucket_all_gathers_fx = "all"
         inductor_config.bucket_reduce_scatters_fx = "all"
         inductor_config.bucket_all_reduces_fx = "all"
+    state = getattr(model, STATE_ATTR, None)
+    if state is not None:
+        state.compiled_params.extend(p for block in block_list for p in block.parameters())
     for block in block_list:
         for m in block.modules():
             # hook ids are global counters, and dynamo guards on them being in this set: with it empty,

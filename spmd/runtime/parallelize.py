@@ -20,6 +20,7 @@ from ..layout.rules import Rules, _as_axes, placements_for
 from . import ops  # noqa: F401  (registers sharding strategies)
 from . import state as active
 from . import tags
+from .accumulate import reduce_after_backward
 from .activations import finish_output, map_tensors, move_linear_input
 from .agree import check_layout_agrees
 from .buckets import make_buckets
@@ -254,6 +255,11 @@ def _post_hook(state: SPMDState, module: nn.Module, is_root: bool):
         if is_root:
             state.shared_gathers.clear()
             output = finish_output(output, tags.current_module())
+            if state.sync and state.accumulating:
+                if state.compiled_params:
+                    output = reduce_after_backward(output, state)
+                else:
+                    state.accumulating = False
         tags.pop_module()
         active.pop()
         return output
@@ -271,7 +277,7 @@ class no_sync:
         self.state = getattr(model, STATE_ATTR)
 
     def __enter__(self):
-        self.state.sync = False
+        self.state.sync, self.state.accumulating = False, True
         return self
 
     def __exit__(self, *exc):

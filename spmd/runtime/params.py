@@ -64,39 +64,42 @@ class _GatherParam(torch.autograd.Function):
 def gather_param(p, placements, dtype, reduce_dtype, state, module: str, name: str) -> DTensor:
     if torch.compiler.is_compiling():
         # Inside a compiled block: DTensor's redistribute, whose backward reduces the gradient to the
-        # storage layout in `reduce_dtype` (all-reduce / reduce-scatter, visible to the compiler). Gradients
-        # are reduced on every backward here: no_sync does not apply inside compiled blocks.
-        return checkpoint(_redistribute_param, p, tuple(placements), dtype, reduce_dtype, use_reentrant=False,
-                          context_fn=_recompute_in_backward)
+        # storage layout in `reduce_dtype` (all-reduce / reduce-scatter, visible to the compiler). While
+        # micro-batches accumulate (the compiler guards on the flag: one graph each way) it leaves the
+        # gradient unreduced, and the last micro-batch's backward reduces the sum (spmd.runtime.accumulate).
+        return checkpoint(_redistribute_param, p, tuple(placements), dtype, reduce_dtype, state.accumulating,
+                          use_reentrant=False, context_fn=_recompute_in_backward)
     return _GatherParam.apply(p, tuple(placements), dtype, reduce_dtype, state, module, name)
 
 
-def _redistribute_param(p, placements, dtype, reduce_dtype):
-    if held_for_step(p) or grads_layout(p) != tuple(p.placements):
-        return _GatherToGrads.apply(p, placements, dtype, reduce_dtype)
+def _redistribute_param(p, placements, dtype, reduce_dtype, unreduced):
+    if unreduced or held_for_step(p) or grads_layout(p) != tuple(p.placements):
+        return _CompiledGather.apply(p, placements, dtype, reduce_dtype, unreduced)
     return p.redistribute(placements=placements, forward_dtype=dtype, backward_dtype=reduce_dtype)
 
 
-class _GatherToGrads(torch.autograd.Function):
-    """The compiled move of a parameter whose gradient is not held in its storage layout (ZeRO-1 and 2): its
-    backward reduces the gradient to the grads map's layout (ZeRO-2: a reduce-scatter onto the optimizer's
-    shards) or, for a step that reduces it (ZeRO-1), only over the axes the grads map shards."""
+class _CompiledGather(torch.autograd.Function):
+    """The compiled move of a parameter whose gradient does not simply reduce to its storage layout: its
+    backward leaves the gradient unreduced while micro-batches accumulate, and otherwise reduces it to the
+    grads map's layout (ZeRO-2: a reduce-scatter onto the optimizer's shards) or, for a step that reduces
+    it (ZeRO-1), only over the axes the grads map shards."""
 
     @staticmethod
-    def forward(ctx, p: DTensor, placements, dtype, reduce_dtype):
+    def forward(ctx, p: DTensor, placements, dtype, reduce_dtype, unreduced: bool):
         ctx.grads, ctx.held, ctx.reduce_dtype, ctx.dtype = grads_layout(p), held_for_step(p), reduce_dtype, p.dtype
+        ctx.unreduced = unreduced
         return p.redistribute(placements=placements, forward_dtype=dtype)
 
     @staticmethod
     def backward(ctx, g: DTensor):
         if ctx.reduce_dtype is not None and g.dtype != ctx.reduce_dtype:
             g = g.to(ctx.reduce_dtype)
-        target = ctx.grads
+        target = tuple(g.placements) if ctx.unreduced else ctx.grads
         if ctx.held:  # partial sums stay partial (the compiler traces this first with a replicated guess)
             target = tuple(s if s.is_shard() else c for c, s in zip(g.placements, ctx.grads))
         if tuple(g.placements) != target:
             g = reduce_to(g, target)
-        return g.to(ctx.dtype), None, None, None
+        return g.to(ctx.dtype), None, None, None, None
 
 
 def _always_recompute(ctx, op, *args, **kwargs):

@@ -31,6 +31,8 @@ class SPMDState:
         self.param_dtype, self.reduce_dtype, self.master, self.offload = param_dtype, reduce_dtype, master, offload
         self.input_axes = input_axes
         self.sync = True                       # False under no_sync: gradients stay unreduced
+        self.accumulating = False              # from no_sync to the end of the backward that syncs
+        self.compiled_params: list = []        # parameters of compiled blocks (spmd.runtime.accumulate)
         self.decisions: dict[tuple, object] = {}  # (module, mesh axis) -> activations.Decision
         self.move_cache: dict = {}             # (id(input), layout) -> moved input, shared by sibling linears
         self.saved_hooks: list = []            # per running module: its reshard-after-forward hooks, or None
