@@ -10,7 +10,8 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
-__all__ = ["PARAMS", "host_params", "compute_device", "to_compute", "to_host", "host_tensor", "wrap_local"]
+__all__ = ["PARAMS", "host_params", "compute_device", "to_compute", "to_host", "host_tensor", "wrap_local",
+           "layout_spec"]
 
 PARAMS = "params"
 
@@ -36,8 +37,23 @@ def host_tensor(local: torch.Tensor) -> torch.Tensor:
 def wrap_local(local: torch.Tensor, mesh, placements, shape, stride) -> DTensor:
     """A DTensor of global `shape` and `stride` whose local tensor is `local` itself, wherever it lives
     (`DTensor.from_local` moves a host tensor to the mesh's device: offloaded state would return to the GPU)."""
-    spec = DTensorSpec(mesh, tuple(placements), tensor_meta=TensorMeta(torch.Size(shape), tuple(stride), local.dtype))
-    return DTensor(local, spec, requires_grad=False)
+    return DTensor(local, layout_spec(mesh, placements, shape, stride, local.dtype), requires_grad=False)
+
+
+_SPECS: dict = {}  # (id(mesh), placements, shape, stride, dtype) -> (mesh, DTensorSpec)
+
+
+def layout_spec(mesh, placements, shape, stride, dtype) -> DTensorSpec:
+    """The DTensorSpec of a layout, built once: the same few layouts recur every step, and building a spec
+    costs several times wrapping a tensor in one (DTensor's own dispatch shares its cached output specs too)."""
+    key = (id(mesh), tuple(placements), tuple(shape), tuple(stride), dtype)
+    hit = _SPECS.get(key)
+    if hit is None or hit[0] is not mesh:
+        if len(_SPECS) >= 4096:  # shapes that vary (sequence lengths) would otherwise grow it without end
+            _SPECS.clear()
+        hit = _SPECS[key] = (mesh, DTensorSpec(mesh, tuple(placements),
+                                               tensor_meta=TensorMeta(torch.Size(shape), tuple(stride), dtype)))
+    return hit[1]
 
 
 def to_compute(p, dtype, state):

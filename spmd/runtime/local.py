@@ -16,8 +16,10 @@ values. The code between modules (the model's own forward: residual adds, the lo
 """
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.distributed.tensor._utils import compute_global_tensor_info
 
 from .buckets import gather_bucket
+from .host import layout_spec, wrap_local
 from .experts import expert_modules
 from .params import gather_param, gather_shared, kept_for_backward
 from .reshard import CHECKPOINTED_ATTR, reshard_after_forward, storage_key
@@ -108,7 +110,46 @@ def _to_local(x, partial_axes: tuple):
         if isinstance(x, (tuple, list)):
             return type(x)(_to_local(v, partial_axes) for v in x)
         return x
-    return x.to_local(grad_placements=_grad_layout(x.placements, partial_axes))
+    return _ToLocal.apply(x, _grad_layout(x.placements, partial_axes))
+
+
+class _ToLocal(torch.autograd.Function):
+    """`x.to_local(grad_placements=layout)`, its gradient wrapped with a layout's cached spec."""
+
+    @staticmethod
+    def forward(ctx, x: DTensor, layout):
+        local = x._local_tensor
+        ctx.mesh, ctx.layout, ctx.shape, ctx.stride, ctx.local_stride = (x.device_mesh, layout, x.shape, x.stride(),
+                                                                         local.stride())
+        ctx.set_materialize_grads(False)
+        return local.view_as(local)
+
+    @staticmethod
+    def backward(ctx, g):
+        if g is None:
+            return None, None
+        stride = ctx.stride if g.stride() == ctx.local_stride else \
+            compute_global_tensor_info(g, ctx.mesh, ctx.layout)[1]
+        return wrap_local(g, ctx.mesh, ctx.layout, ctx.shape, stride), None
+
+
+class _FromLocal(torch.autograd.Function):
+    """`DTensor.from_local(t, mesh, layout, run_check=False, shape=, stride=)` with a layout's cached spec; its
+    backward returns the gradient's local tensor, moved to `layout` first if it arrives in another."""
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, mesh, layout, shape, stride):
+        ctx.layout = layout
+        ctx.set_materialize_grads(False)
+        return DTensor(t.view_as(t), layout_spec(mesh, layout, shape, stride, t.dtype), requires_grad=t.requires_grad)
+
+    @staticmethod
+    def backward(ctx, g):
+        if g is None:
+            return None, None, None, None, None
+        if tuple(g.placements) != ctx.layout:
+            g = g.redistribute(placements=ctx.layout)
+        return g._local_tensor, None, None, None, None
 
 
 def _grad_layout(placements, partial_axes: tuple) -> tuple:
@@ -153,7 +194,7 @@ class LocalBlock:
             self.hooks = reshard_after_forward(regather, state, self.name)
             self.hooks.__enter__()
         first = next(iter(_dtensors(args, kwargs)))
-        self.batch = (first.to_local().shape[0] if first.ndim else None, first.shape[0] if first.ndim else None)
+        self.batch = (first._local_tensor.shape[0] if first.ndim else None, first.shape[0] if first.ndim else None)
         return (tuple(_to_local(a, self.split) for a in args),
                 {k: _to_local(v, self.split) for k, v in kwargs.items()})
 
@@ -195,7 +236,7 @@ def _wrap(output, mesh, layout, batch):
             return t
         if t.ndim and t.shape[0] == local_batch:
             shape = torch.Size((global_batch, *t.shape[1:]))
-            return DTensor.from_local(t, mesh, layout, run_check=False, shape=shape, stride=_contiguous(shape))
+            return _FromLocal.apply(t, mesh, layout, shape, _contiguous(shape))
         raise ValueError(f"a block running on local tensors returned a tensor of shape {tuple(t.shape)} whose dim 0 "
                          f"is not the batch ({local_batch} on this rank); a block's outputs must lead with the "
                          f"batch dim. Pass parallelize(..., bucket=False) to run it on DTensors")
