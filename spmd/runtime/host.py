@@ -9,9 +9,10 @@ the stored shard and the gradient never stays in the tensor the reduction wrote.
 import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor._utils import compute_global_tensor_info
 
 __all__ = ["PARAMS", "host_params", "compute_device", "to_compute", "to_host", "host_tensor", "wrap_local",
-           "layout_spec"]
+           "layout_spec", "as_dtensor"]
 
 PARAMS = "params"
 
@@ -38,6 +39,15 @@ def wrap_local(local: torch.Tensor, mesh, placements, shape, stride) -> DTensor:
     """A DTensor of global `shape` and `stride` whose local tensor is `local` itself, wherever it lives
     (`DTensor.from_local` moves a host tensor to the mesh's device: offloaded state would return to the GPU)."""
     return DTensor(local, layout_spec(mesh, placements, shape, stride, local.dtype), requires_grad=False)
+
+
+def as_dtensor(t: torch.Tensor, mesh, placements) -> DTensor:
+    """`DTensor.from_local(t, mesh, placements, run_check=False)`: a tensor outside autograd (token ids, a
+    mask made in forward) wrapped with a layout's cached spec, one that requires grad through from_local."""
+    if t.requires_grad:
+        return DTensor.from_local(t, mesh, placements, run_check=False)
+    shape, stride = compute_global_tensor_info(t, mesh, placements)
+    return wrap_local(t.view_as(t), mesh, placements, shape, stride)
 
 
 _SPECS: dict = {}  # (id(mesh), placements, shape, stride, dtype) -> (mesh, DTensorSpec)

@@ -25,7 +25,7 @@ from .activations import finish_output, map_tensors, move_linear_input
 from .agree import check_layout_agrees
 from .buckets import make_buckets
 from .experts import check_expert_layout, install_expert_hooks
-from .host import host_params, host_tensor, wrap_local
+from .host import as_dtensor, host_params, host_tensor, wrap_local
 from .local import enter_local, local_blocks
 from .params import gather_block, gather_module_params, release_module_params
 from .partials import reduce_partials
@@ -186,7 +186,7 @@ def _to_dtensor(state: SPMDState, t, key):
     if t.dim() > 1 and axes[1] is None and "cp" in state.rules.compute.get("seq", ()):
         dims[1] = ("cp",)  # the data path gives each cp rank its share of the sequence (spmd.cp_slice)
     placements = placements_for(state.mesh, dims, None, "model input")
-    return DTensor.from_local(t, state.mesh, placements, run_check=False)
+    return as_dtensor(t, state.mesh, tuple(placements))
 
 
 def _pre_hook(state: SPMDState, name: str, module: nn.Module, is_root: bool):

@@ -24,6 +24,7 @@ from torch.utils._pytree import tree_map
 
 from . import attention_memory, direct, ring, tags
 from .activations import grad_layout, move
+from .host import as_dtensor
 
 __all__ = ["GlobalView"]
 
@@ -45,7 +46,7 @@ class GlobalView(TorchFunctionMode):
             ring.check_sequence_order(func, flat)
         if mesh is not None and any(_plain(a) for a in flat):
             def replicate(t):
-                return DTensor.from_local(t, mesh, [Replicate()] * mesh.ndim, run_check=False) if _plain(t) else t
+                return as_dtensor(t, mesh, (Replicate(),) * mesh.ndim) if _plain(t) else t
             args, kwargs = tree_map(replicate, args), tree_map(replicate, kwargs)
             flat = _tensors(args, kwargs)
         if func is F.scaled_dot_product_attention:
