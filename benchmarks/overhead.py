@@ -61,7 +61,7 @@ def build(model_name: str, variant: str, dtype: str):
     if variant.startswith("spmd"):
         mesh = spmd.make_mesh({"dp": 1}, device_type=DEVICE.type)
         spmd.parallelize(model, mesh, spmd.Rules.default(), param_dtype=param_dtype)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)  # the trainer's (launch.setup.adamw)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)  # the trainer's (launch.setup.adamw)
     return cfg, model, opt
 
 

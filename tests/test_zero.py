@@ -137,7 +137,8 @@ def _train(spec, zero, offload, planned, reference, accumulate=False):
     sizes, rules = _rules(spec, zero)
     mesh = spmd.make_mesh(sizes)
     model = spmd.parallelize(tiny_model(), mesh, rules, offload=offload)
-    opt = spmd.shard_optimizer(model, torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1))
+    # fused, as the trainer's: a group holding masters that are strided views of their shards steps unfused
+    opt = spmd.shard_optimizer(model, torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, fused=True))
     for step, (ref_loss, ref_grads, ref_params) in enumerate(reference):
         tokens, targets = global_batch(step)
         recorder = GatherInputs(mesh) if step == 0 else contextlib.nullcontext()  # a dispatch mode: slow

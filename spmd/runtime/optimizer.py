@@ -59,6 +59,7 @@ def shard_optimizer(model: nn.Module, opt: torch.optim.Optimizer) -> torch.optim
                 pairs.append((p, master))
                 setattr(p, HELD_ATTR, grads_layout(p) != tuple(master.placements))
                 group["params"][i] = master
+        _unfuse_for_views(group)
     offload = parts[0][1].offload  # a pipeline's stages are laid out alike
     streamed = bool(pairs) and nvme_dir(offload) is not None
     if streamed and not isinstance(pairs[0][1]._local_tensor, FakeTensor):
@@ -140,6 +141,15 @@ def _master(p: DTensor, state) -> DTensor:
     setattr(master, MASTER_OF_ATTR, p)
     master._spmd_name = p._spmd_name
     return master
+
+
+def _unfuse_for_views(group: dict) -> None:
+    """A fused step (`fused=True`) on a master that is a strided view of its parameter's shard (fp32 ZeRO-1
+    and 2, sharded on a dim other than the first) would update the wrong elements: torch's fused AdamW treats
+    each tensor as contiguous (on the CPU, torch 2.13). Such a group steps with foreach kernels instead."""
+    if group.get("fused") and any(isinstance(m, DTensor) and not m._local_tensor.is_contiguous()
+                                  for m in group["params"]):
+        group["fused"], group["foreach"] = False, True
 
 
 def _only_slices(frm, to) -> bool:
