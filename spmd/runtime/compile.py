@@ -51,7 +51,8 @@ def compile_blocks(model: nn.Module, blocks: str | None = None, bucket: bool = T
         inductor_config.bucket_all_reduces_fx = "all"
     state = getattr(model, STATE_ATTR, None)
     if state is not None:
-        state.compiled_params.extend(p for block in block_list for p in block.parameters())
+        compiled = (*state.compiled_params, *(p for block in block_list for p in block.parameters()))
+        state.compiled_params = list({id(p): p for p in compiled}.values())  # each once, however often called
     for block in block_list:
         for m in block.modules():
             # hook ids are global counters, and dynamo guards on them being in this set: with it empty,
