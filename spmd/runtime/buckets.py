@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor
 from ..layout.blocks import find_blocks
 from . import flat, tags
 from .gradients import grads_layout, held_for_step, join_unreduced, reduce_for_step, reduce_to, slice_onto_shards
-from .host import wrap_local
+from .wrap import wrap_local
 from .reshard import CHECKPOINTED_ATTR
 
 __all__ = ["Bucket", "make_buckets", "drop_root_unit", "gather_bucket", "regather_for_recompute", "shard_dims"]

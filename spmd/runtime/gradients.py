@@ -6,7 +6,7 @@ reduce-scatters them into the optimizer's shards."""
 from torch.distributed.tensor import DTensor
 
 __all__ = ["grads_layout", "reduce_to", "slice_onto_shards", "join_unreduced", "held_for_step", "HELD_ATTR",
-           "optim_layout", "reduce_for_step"]
+           "optim_layout", "reduce_for_step", "held_layout"]
 
 HELD_ATTR = "_spmd_reduce_at_step"  # set by shard_optimizer on a parameter its step reduces (ZeRO-1)
 
@@ -28,8 +28,14 @@ def reduce_for_step(p, g: DTensor) -> DTensor:
     if p.grad is not None and tuple(p.grad.placements) == tuple(g.placements):
         g = g + p.grad.to(g.dtype)
         p.grad = None
-    held = tuple(s if s.is_shard() else c for c, s in zip(g.placements, grads_layout(p)))
+    held = held_layout(g.placements, grads_layout(p))
     return reduce_to(g, held) if held != tuple(g.placements) else g
+
+
+def held_layout(current, grads) -> tuple:
+    """Where ZeRO-1's backward leaves a gradient now in `current`: on the grads map's shards, partial sums
+    (or whatever `current` holds) on the axes the grads map replicates."""
+    return tuple(s if s.is_shard() else c for c, s in zip(current, grads))
 
 
 def optim_layout(p) -> tuple:

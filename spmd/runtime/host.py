@@ -7,12 +7,8 @@ host memory is the device and the same path runs: both copies are real copies, s
 the stored shard and the gradient never stays in the tensor the reduction wrote.
 """
 import torch
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-from torch.distributed.tensor._utils import compute_global_tensor_info
 
-__all__ = ["PARAMS", "host_params", "compute_device", "to_compute", "to_host", "host_tensor", "wrap_local",
-           "layout_spec", "as_dtensor"]
+__all__ = ["PARAMS", "host_params", "compute_device", "to_compute", "to_host", "host_tensor"]
 
 PARAMS = "params"
 
@@ -33,37 +29,6 @@ def host_tensor(local: torch.Tensor) -> torch.Tensor:
     """A host copy of `local`, pinned when there is a CUDA device (copies to and from it can then overlap)."""
     out = local.to("cpu", copy=True)
     return out.pin_memory() if torch.cuda.is_available() else out
-
-
-def wrap_local(local: torch.Tensor, mesh, placements, shape, stride) -> DTensor:
-    """A DTensor of global `shape` and `stride` whose local tensor is `local` itself, wherever it lives
-    (`DTensor.from_local` moves a host tensor to the mesh's device: offloaded state would return to the GPU)."""
-    return DTensor(local, layout_spec(mesh, placements, shape, stride, local.dtype), requires_grad=False)
-
-
-def as_dtensor(t: torch.Tensor, mesh, placements) -> DTensor:
-    """`DTensor.from_local(t, mesh, placements, run_check=False)`: a tensor outside autograd (token ids, a
-    mask made in forward) wrapped with a layout's cached spec, one that requires grad through from_local."""
-    if t.requires_grad:
-        return DTensor.from_local(t, mesh, placements, run_check=False)
-    shape, stride = compute_global_tensor_info(t, mesh, placements)
-    return wrap_local(t.view_as(t), mesh, placements, shape, stride)
-
-
-_SPECS: dict = {}  # (id(mesh), placements, shape, stride, dtype) -> (mesh, DTensorSpec)
-
-
-def layout_spec(mesh, placements, shape, stride, dtype) -> DTensorSpec:
-    """The DTensorSpec of a layout, built once: the same few layouts recur every step, and building a spec
-    costs several times wrapping a tensor in one (DTensor's own dispatch shares its cached output specs too)."""
-    key = (id(mesh), tuple(placements), tuple(shape), tuple(stride), dtype)
-    hit = _SPECS.get(key)
-    if hit is None or hit[0] is not mesh:
-        if len(_SPECS) >= 4096:  # shapes that vary (sequence lengths) would otherwise grow it without end
-            _SPECS.clear()
-        hit = _SPECS[key] = (mesh, DTensorSpec(mesh, tuple(placements),
-                                               tensor_meta=TensorMeta(torch.Size(shape), tuple(stride), dtype)))
-    return hit[1]
 
 
 def to_compute(p, dtype, state):

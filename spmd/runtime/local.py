@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.distributed.tensor._utils import compute_global_tensor_info
 
 from .buckets import gather_bucket
-from .host import layout_spec, wrap_local
+from .wrap import layout_spec, wrap_local
 from .experts import expert_modules
 from .params import gather_param, gather_shared, kept_for_backward
 from .reshard import CHECKPOINTED_ATTR, reshard_after_forward, storage_key

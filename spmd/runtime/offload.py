@@ -15,7 +15,8 @@ import os
 import torch
 from torch.distributed.tensor import DTensor
 
-from .host import host_tensor, wrap_local
+from .host import host_tensor
+from .wrap import wrap_local
 
 __all__ = ["nvme_dir", "host_copy", "file_backed_adam_state", "file_backed", "release_pages"]
 

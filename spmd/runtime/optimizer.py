@@ -25,7 +25,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from . import flat, tags
 from .gradients import HELD_ATTR, grads_layout, held_for_step, optim_layout, slice_onto_shards
-from .host import wrap_local
+from .wrap import wrap_local
 from .offload import file_backed_adam_state, host_copy, nvme_dir, release_pages
 from .reducer import DEFAULT_BUCKET_MB
 from .state import laid_out_parts

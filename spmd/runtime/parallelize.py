@@ -25,13 +25,14 @@ from .activations import finish_output, map_tensors, move_linear_input
 from .agree import check_layout_agrees
 from .buckets import make_buckets
 from .experts import check_expert_layout, install_expert_hooks
-from .host import as_dtensor, host_params, host_tensor, wrap_local
+from .host import host_params, host_tensor
 from .local import enter_local, local_blocks
 from .params import gather_block, gather_module_params, release_module_params
 from .partials import reduce_partials
 from .plain import GlobalView
 from .reducer import DEFAULT_BUCKET_MB, GradientReducer
 from .state import STATE_ATTR, SPMDState
+from .wrap import as_dtensor, wrap_local
 
 __all__ = ["parallelize", "no_sync", "param_layouts"]
 

@@ -26,7 +26,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from . import tags
 from .buckets import gather_bucket
 from .host import to_compute, to_host
-from .gradients import grads_layout, held_for_step, join_unreduced, reduce_for_step, reduce_to
+from .gradients import grads_layout, held_for_step, held_layout, join_unreduced, reduce_for_step, reduce_to
 from .reshard import BODY_COMPILED_ATTR, CHECKPOINTED_ATTR, reshard_after_forward, storage_key
 
 __all__ = ["gather_param", "gather_block", "gather_module_params", "release_module_params", "gather_shared",
@@ -96,7 +96,7 @@ class _CompiledGather(torch.autograd.Function):
             g = g.to(ctx.reduce_dtype)
         target = tuple(g.placements) if ctx.unreduced else ctx.grads
         if ctx.held:  # partial sums stay partial (the compiler traces this first with a replicated guess)
-            target = tuple(s if s.is_shard() else c for c, s in zip(g.placements, ctx.grads))
+            target = held_layout(g.placements, ctx.grads)
         if tuple(g.placements) != target:
             g = reduce_to(g, target)
         return g.to(ctx.dtype), None, None, None, None

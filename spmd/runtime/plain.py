@@ -24,7 +24,7 @@ from torch.utils._pytree import tree_map
 
 from . import attention_memory, direct, ring, tags
 from .activations import grad_layout, move
-from .host import as_dtensor
+from .wrap import as_dtensor
 
 __all__ = ["GlobalView"]
 

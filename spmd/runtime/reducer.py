@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor
 
 from . import flat, tags
 from .gradients import grads_layout, reduce_to
-from .host import wrap_local
+from .wrap import wrap_local
 
 __all__ = ["GradientReducer", "DEFAULT_BUCKET_MB"]
 
