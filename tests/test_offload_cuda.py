@@ -87,3 +87,34 @@ def test_offload_trains_as_the_device_step_and_frees_device_memory(reference, of
     assert ref_held >= 12 * n_params
     kept = 4 * n_params if offload == "optimizer" else 0
     assert held <= kept + 0.05 * ref_held, (offload, held, kept, ref_held)
+
+
+def test_gradient_copies_run_while_backward_computes(tmp_path):
+    """offload="optimizer" copies each gradient to the host on a side stream as backward makes it: in the
+    CUDA trace, a device-to-host copy starts before the last kernel of backward on the compute stream ends."""
+    import json
+    if DEVICE.type != "cuda":
+        pytest.skip("the overlap of copies with kernels exists only on a CUDA device")
+    mesh = spmd.make_mesh({"fsdp": 1}, device_type="cuda")
+    model = spmd.parallelize(tiny_model(**SHAPE).to(DEVICE), mesh, spmd.Rules.default(zero=3), offload="optimizer")
+    opt = spmd.shard_optimizer(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    x, y = (t.to(DEVICE) for t in global_batch(0))
+    for _ in range(2):  # warm the allocator and the kernels up
+        model(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+    compute = torch.cuda.current_stream().cuda_stream
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        model(x, y).backward()
+        torch.cuda.synchronize()
+    path = tmp_path / "trace.json"
+    prof.export_chrome_trace(str(path))
+    events = json.loads(path.read_text())["traceEvents"]
+    kernels = [e for e in events if e.get("cat") == "kernel" and e.get("args", {}).get("stream") in (compute, 7)]
+    copies = [e for e in events if e.get("cat") == "gpu_memcpy" and "DtoH" in e.get("name", "")]
+    assert kernels and copies, (len(kernels), len(copies))
+    backward_ends = max(e["ts"] + e["dur"] for e in kernels)
+    first_copy = min(e["ts"] for e in copies)
+    print(f"first gradient copy starts {backward_ends - first_copy:.0f} us before backward's last kernel ends "
+          f"({len(copies)} copies)")
+    assert first_copy < backward_ends

@@ -10,8 +10,10 @@ three layouts agree (stage 3, or any stage on a mesh with no data axis) are thei
 
 `parallelize(offload="optimizer")`: every master is a copy in host memory (pinned when there is a CUDA
 device), so the optimizer's states are made there too and its step runs on the CPU; gradients are copied
-out before the step and the updated masters copied back to the device before the all-gather. On a CPU-only
-machine host memory is the device, and the same path runs. `offload="nvme:DIR"`: the masters and the
+out as backward reduces them (on a side stream with CUDA, while backward goes on; again at the step if one
+changed since: spmd.runtime.transfer) and the updated masters copied back to the device, each gather
+buffer's copies during the all-gather of the one before. On a CPU-only machine host memory is the device,
+and the same path runs. `offload="nvme:DIR"`: the masters and the
 AdamW moments are memory-mapped files under DIR instead (spmd.runtime.offload), and the step streams them:
 one parameter at a time its gradient is copied out, the optimizer updates its master and moments, the update
 is all-gathered into the parameter and the files' pages leave memory, so one parameter's state is resident
@@ -23,18 +25,16 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from . import flat, tags
+from . import tags
 from .gradients import HELD_ATTR, grads_layout, held_for_step, optim_layout, slice_onto_shards
 from .wrap import wrap_local
 from .offload import file_backed_adam_state, host_copy, nvme_dir, release_pages
-from .reducer import DEFAULT_BUCKET_MB
 from .state import laid_out_parts
 from .step_reduce import reduce_all_to
+from .transfer import GradientCopies
+from .updated import MASTER_OF_ATTR, gather_updated, gather_into_param
 
-__all__ = ["shard_optimizer", "reduce_gradients", "masters_of", "refresh_masters", "gather_updated",
-           "MASTER_OF_ATTR"]
-
-MASTER_OF_ATTR = "_spmd_master_of"  # on a master: the model parameter it stands for
+__all__ = ["shard_optimizer", "reduce_gradients", "masters_of", "refresh_masters"]
 
 
 def shard_optimizer(model: nn.Module, opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -67,13 +67,18 @@ def shard_optimizer(model: nn.Module, opt: torch.optim.Optimizer) -> torch.optim
         release_pages(_file_tensors(opt, [m for _, m in pairs]))
     if pairs:
         copy_out = offload is not None  # a real copy even where host memory is the device
+        copies = GradientCopies(pairs, pairs[0][0].device) if offload == "optimizer" else None
+        if copies is not None:
+            for _, state in parts:  # gradients the cross-block reducer reduces in flat buffers
+                if state.reducer is not None:
+                    state.reducer.copies = copies
 
         def before_step(*_):  # returns None: a pre-hook's return value would replace the step's arguments
             reduce_gradients(model)
             if streamed:  # the step proper then finds no gradient left and does nothing
                 _stream_step(opt, pairs)
             else:
-                _grads_to_masters(pairs, copy_out)
+                _grads_to_masters(pairs, copy_out, copies)
 
         opt.register_step_pre_hook(before_step)
         if not streamed:
@@ -84,6 +89,8 @@ def shard_optimizer(model: nn.Module, opt: torch.optim.Optimizer) -> torch.optim
             clear(set_to_none)
             for part, _ in parts:
                 part.zero_grad(set_to_none)
+            if copies is not None:
+                copies.forget()
 
         opt.zero_grad = zero_grad
     return opt
@@ -170,87 +177,27 @@ def _local_view(p: DTensor, optim) -> torch.Tensor:
     return local
 
 
-def _grads_to_masters(pairs, copy_out: bool):
+def _grads_to_masters(pairs, copy_out: bool, copies=None):
+    """Each parameter's reduced gradient onto its master (a copy when offloaded: `copies`, those backward made
+    already, spmd.runtime.transfer), and off the parameter."""
+    copied = {}
+    if copies is not None:
+        copies.side.host_wait()
+        copied = copies.take(pairs)
     for p, master in pairs:
         g = p.grad
         if g is not None:
             if any(pl.is_partial() for pl in g.placements):  # (compiled blocks reduce to the storage layout)
                 raise RuntimeError(f"{p._spmd_name}: its gradient is still unreduced ({g.placements}); the last "
                                    f"backward before a step must run outside spmd.no_sync")
-            g = slice_onto_shards(g, master.placements)
-            master.grad = g.to(master.device, master.dtype, copy=copy_out)
-        p.grad = None
-
-
-@torch.no_grad()
-def gather_updated(opt: torch.optim.Optimizer) -> None:
-    """The masters' updated shards into their parameters' storage layout (all-gathers; run after each step):
-    masters sharded over one more mesh dim than their parameter gather in flat buffers of up to the
-    gradient buckets' size (spmd.runtime.flat), one collective per buffer; the others one by one."""
-    masters = [m for g in opt.param_groups for m in g["params"] if hasattr(m, MASTER_OF_ATTR)]
-    gathered: dict = {}  # (mesh, mesh dim, dtype) -> [(master, tensor dim)]
-    with tags.phase("optimizer"):
-        for master in masters:
-            p = getattr(master, MASTER_OF_ATTR)
-            dims = _gathered_dims(master, p)
-            if dims is None:
-                _gather_into_param(master)
+            if id(p) in copied:
+                master.grad = copied[id(p)]
+            elif copies is not None and id(p) in copies.master_of:
+                master.grad = copies.copy_now(slice_onto_shards(g, master.placements)._local_tensor, master)
             else:
-                gathered.setdefault((id(p.device_mesh), dims[0], p.dtype), []).append((master, dims[1]))
-        for (_, mesh_dim, _), members in gathered.items():
-            for bucket in _capped(members, GATHER_BUCKET_BYTES):
-                _gather_bucket(bucket, mesh_dim)
-
-
-GATHER_BUCKET_BYTES = int(DEFAULT_BUCKET_MB * 2**20)  # gathered bytes per buffer: a bounded transient
-
-
-def _gathered_dims(master, p):
-    """(mesh dim, tensor dim) when `master` is `p`'s layout sharded over one more mesh dim, else None."""
-    if master.device_mesh != p.device_mesh:
-        return None
-    differ = [i for i, (a, b) in enumerate(zip(master.placements, p.placements)) if a != b]
-    if len(differ) != 1 or not master.placements[differ[0]].is_shard() or not p.placements[differ[0]].is_replicate():
-        return None
-    dim = master.placements[differ[0]].dim
-    if any(pl.is_shard(dim) for pl in p.placements):  # the dim is also split over another mesh dim
-        return None
-    return differ[0], dim
-
-
-def _capped(members: list, cap: int) -> list:
-    """`members` ((master, dim) pairs) cut in order into runs whose parameters hold at most `cap` bytes (a
-    larger one alone)."""
-    runs, size = [[]], 0
-    for master, dim in members:
-        local = getattr(master, MASTER_OF_ATTR)._local_tensor
-        nbytes = local.numel() * local.element_size()
-        if runs[-1] and size + nbytes > cap:
-            runs.append([])
-            size = 0
-        runs[-1].append((master, dim))
-        size += nbytes
-    return runs
-
-
-def _gather_bucket(bucket: list, mesh_dim: int) -> None:
-    """One flat all-gather over `mesh_dim` of the updated shards of `bucket`'s (master, tensor dim) pairs."""
-    masters = [m for m, _ in bucket]
-    params = [getattr(m, MASTER_OF_ATTR) for m in masters]
-    with tags.reason("", f"all-gather updated {len(bucket)} parameters to their params layout (one buffer)"):
-        full = flat.all_gather([m.to_local().to(p.device, p.dtype) for m, p in zip(masters, params)],
-                               [d for _, d in bucket], [p._local_tensor.shape for p in params],
-                               params[0].device_mesh, mesh_dim)
-    for p, f in zip(params, full):
-        p._local_tensor.copy_(f)
-
-
-def _gather_into_param(master) -> None:
-    p = getattr(master, MASTER_OF_ATTR)
-    m = master.detach().to(p.device, p.dtype)
-    with tags.reason("", f"all-gather updated {p._spmd_name} to its params layout"):
-        full = m.redistribute(p.device_mesh, p.placements)
-    p._local_tensor.copy_(full.to_local())
+                g = slice_onto_shards(g, master.placements)
+                master.grad = g.to(master.device, master.dtype, copy=copy_out)
+        p.grad = None
 
 
 @torch.no_grad()
@@ -264,7 +211,7 @@ def _stream_step(opt: torch.optim.Optimizer, pairs) -> None:
             if master.grad is not None:
                 step(opt)
                 master.grad = None
-            _gather_into_param(master)
+            gather_into_param(master)
             release_pages(_file_tensors(opt, [master]))
 
 

@@ -9,7 +9,8 @@ then all-reduces issues its all-reduce when the next buffer is issued (its reduc
 backward to travel) or at the end of backward. At the end of backward the rest are issued, everything is
 waited on, and each parameter's gradient is set (added to the one it already holds). So a model whose
 gradients fit one buffer reduces them in one collective per kind, as DDP does, instead of one per block and
-mesh axis.
+mesh axis. Under `offload="optimizer"` a buffer whose last collective is issued is handed to the copy-out
+(spmd.runtime.transfer) when the next buffer is issued, so its gradients travel to the host during backward.
 """
 import torch
 from torch.distributed.tensor import DTensor
@@ -30,6 +31,7 @@ class _Issued:
         (self.scatter, self.summed, _), self.members, self.pending = key, members, pending
         self.block, self.what = block, what
         self.summing = self.scatter is None  # whether `pending` is the last collective
+        self.copied = False                   # whether its results were handed to the copy-out
 
     def advance(self, mesh):
         """Waits for the reduce-scatter and issues the all-reduce of its shards (no-op when that is done)."""
@@ -48,6 +50,7 @@ class GradientReducer:
         self.sizes: dict = {}    # same key -> bytes in the open buffer
         self.issued: list = []   # _Issued, in order
         self.queued = False
+        self.copies = None  # offload="optimizer": spmd.runtime.transfer.GradientCopies, fed as buffers land
 
     def reset(self):
         """Forgets buffers a backward that failed part-way left (called as each forward starts)."""
@@ -82,7 +85,17 @@ class GradientReducer:
             else:
                 with tags.reason(blocks[0], f"all-reduce {what}"):
                     pending = flat.all_reduce(tensors, self.mesh, summed)
+        self._copy_out(self.issued)  # those issued before: they have had this buffer's backward to travel
         self.issued.append(_Issued(key, members, pending, blocks[0], what))
+
+    def _copy_out(self, buffers):
+        """Hands the buffers whose last collective is issued to the offloaded step's copy-out (once each)."""
+        if self.copies is None:
+            return
+        for buffer in buffers:
+            if buffer.summing and not buffer.copied:
+                buffer.copied = True
+                self.copies.copy_pending([p for p, _, _ in buffer.members], buffer.pending)
 
     def finish(self):
         """End of backward: issues the open buffers, waits for all, and sets the parameters' gradients."""
@@ -91,6 +104,9 @@ class GradientReducer:
         issued, self.issued, self.queued = self.issued, [], False
         for buffer in issued:
             buffer.advance(self.mesh)
+        if self.copies is not None:
+            self._copy_out(issued)
+            self.copies.side.join()  # the copy-out waited for those collectives on its stream
         for buffer in issued:
             reduced_dims = ([buffer.scatter] if buffer.scatter is not None else []) + list(buffer.summed)
             for (p, g, _), reduced in zip(buffer.members, buffer.pending.results()):
@@ -103,3 +119,5 @@ class GradientReducer:
                 if value.dtype != p.dtype:
                     value = value.to(p.dtype)
                 p.grad = value if p.grad is None else p.grad + value
+                if self.copies is not None:
+                    self.copies.ready(p)
