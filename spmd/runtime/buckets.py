@@ -124,6 +124,9 @@ class Bucket:
                 continue
             if state.reduce_dtype is not None and g.dtype != state.reduce_dtype:
                 g = g.to(state.reduce_dtype)
+            if p.grad is None and tuple(g.placements) == grads_layout(p):  # nothing to reduce (no data axis)
+                out[i] = g.to(p.dtype)
+                continue
             if not state.sync:
                 out[i] = g.to(p.dtype)
                 continue

@@ -110,6 +110,8 @@ def _to_local(x, partial_axes: tuple):
         if isinstance(x, (tuple, list)):
             return type(x)(_to_local(v, partial_axes) for v in x)
         return x
+    if not x.requires_grad:  # (RoPE tables, token ids): no gradient to lay out, no autograd node
+        return x._local_tensor
     return _ToLocal.apply(x, _grad_layout(x.placements, partial_axes))
 
 
@@ -171,10 +173,10 @@ class LocalBlock:
         """Gathers the block's parameters into its modules as local tensors; returns the local inputs."""
         state = self.state
         bucket = state.buckets.get(id(self.module))  # None: a layer of the root unit, gathered as the model began
-        values = {} if bucket is None else gather_bucket(
-            bucket, state, [_grad_layout(p._spmd_compute, self.split) for p in bucket.params])
+        grad_layouts, regathered = _static_facts(state, self.module, bucket, self.members, self.split)
+        values = {} if bucket is None else gather_bucket(bucket, state, grad_layouts)
         regather = {}
-        for m, n, p in self.members:
+        for (m, n, p), regathers in zip(self.members, regathered):
             local = values.get(id(p))
             if local is None:  # outside the block's bucket: the root unit's, shared, or moving on its own
                 g = (gather_shared(state, p, p._spmd_compute, self.name) if getattr(p, "_spmd_shared", False)
@@ -184,9 +186,7 @@ class LocalBlock:
                                      p._spmd_name)
                 local = _to_local(g, self.split)
             m.__dict__[n] = local
-            moves = any(s != c and state.mesh.size(i) > 1
-                        for i, (s, c) in enumerate(zip(p.placements, p._spmd_compute)))
-            if moves and not kept_for_backward(state, p):
+            if regathers:
                 regather[storage_key(local)] = (p, p._spmd_compute)
         for m, n, b in self.buffers:  # (a module's own buffers: its rotary tables, an embedding's scale)
             m.__dict__[n] = b.to_local() if b.requires_grad else b._local_tensor
@@ -208,6 +208,24 @@ class LocalBlock:
             return _wrap(output, self.state.mesh, self.layout, self.batch)
         finally:
             _resume(self.mode)
+
+
+_STATIC_ATTR = "_spmd_local_facts"  # on a block: {split: (grad layouts, regathered)}, fixed once laid out
+
+
+def _static_facts(state, module, bucket, members, split) -> tuple:
+    """(the bucket's parameters' gradient layouts, whether each member is regathered for backward) for a
+    block called with the batch split over the mesh axes `split`: fixed once the model is laid out, so
+    worked out on the first call only."""
+    facts = module.__dict__.setdefault(_STATIC_ATTR, {})
+    hit = facts.get(split)
+    if hit is None:
+        layouts = None if bucket is None else [_grad_layout(p._spmd_compute, split) for p in bucket.params]
+        regathered = [not kept_for_backward(state, p) and any(
+            s != c and state.mesh.size(i) > 1 for i, (s, c) in enumerate(zip(p.placements, p._spmd_compute)))
+            for _, _, p in members]
+        hit = facts[split] = (layouts, regathered)
+    return hit
 
 
 def _suspend_global_view(state):
