@@ -25,7 +25,8 @@ DEFAULT_BUCKET_MB = 25.0  # torch DistributedDataParallel's bucket_cap_mb
 
 
 class _Issued:
-    """A buffer in flight: `pending` reduce-scatters over `scatter` (when set), then all-reduces over `summed`."""
+    """A buffer in flight: `pending` reduce-scatters over `scatter` (when set), then all-reduces over `summed`;
+    `members` (param, (placements, shape, stride) of its unreduced gradient, block)."""
 
     def __init__(self, key, members, pending, block: str, what: str):
         (self.scatter, self.summed, _), self.members, self.pending = key, members, pending
@@ -86,6 +87,9 @@ class GradientReducer:
                 with tags.reason(blocks[0], f"all-reduce {what}"):
                     pending = flat.all_reduce(tensors, self.mesh, summed)
         self._copy_out(self.issued)  # those issued before: they have had this buffer's backward to travel
+        # the unreduced gradients were copied into the buffer: only their layouts are kept, so each is freed
+        # now rather than held to the end of backward (a whole gradient's worth more at the peak)
+        members = [(p, (g.placements, g.shape, g.stride()), b) for p, g, b in members]
         self.issued.append(_Issued(key, members, pending, blocks[0], what))
 
     def _copy_out(self, buffers):
@@ -109,11 +113,11 @@ class GradientReducer:
             self.copies.side.join()  # the copy-out waited for those collectives on its stream
         for buffer in issued:
             reduced_dims = ([buffer.scatter] if buffer.scatter is not None else []) + list(buffer.summed)
-            for (p, g, _), reduced in zip(buffer.members, buffer.pending.results()):
-                placements = list(g.placements)
+            for (p, (placements, shape, stride), _), reduced in zip(buffer.members, buffer.pending.results()):
+                placements = list(placements)
                 for m in reduced_dims:
                     placements[m] = grads_layout(p)[m]
-                value = wrap_local(reduced, self.mesh, placements, g.shape, g.stride())
+                value = wrap_local(reduced, self.mesh, placements, shape, stride)
                 if tuple(value.placements) != grads_layout(p):
                     value = reduce_to(value, grads_layout(p))
                 if value.dtype != p.dtype:
