@@ -5,8 +5,9 @@ Gradients out: as backward leaves a parameter's gradient reduced (autograd's pos
 cross-block reducer as it sets the gradient), it is copied into the host buffer its master's step reads. On
 CUDA the copy runs on a side stream, into pinned memory, ordered after the work that made the gradient,
 while backward goes on; the step waits for the stream before it reads. A gradient that changed after its
-copy (another micro-batch accumulated into it, clipping or loss scaling rescaled it in place: a new tensor or
-a moved version counter) is copied again at the step, so the step always reads the gradient as it is then.
+copy (another micro-batch accumulated into it, clipping or loss scaling rescaled it in place: another tensor,
+or other values, which the step checks by a bit sum of each) is copied again at the step, so the step always
+reads the gradient as it is then.
 
 Parameters in: after the step the updated masters are copied to the device on the side stream, one gather
 buffer at a time, and each buffer's all-gather waits for its own copies only, so the copies of one buffer
