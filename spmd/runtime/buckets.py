@@ -124,11 +124,8 @@ class Bucket:
                 continue
             if state.reduce_dtype is not None and g.dtype != state.reduce_dtype:
                 g = g.to(state.reduce_dtype)
-            if p.grad is None and tuple(g.placements) == grads_layout(p):  # nothing to reduce (no data axis)
-                out[i] = g.to(p.dtype)
-                continue
-            if not state.sync:
-                out[i] = g.to(p.dtype)
+            if not state.sync or (p.grad is None and tuple(g.placements) == grads_layout(p)):  # (no_sync; or
+                out[i] = g.to(p.dtype)  # nothing to reduce: no mesh axis splits what it was computed from)
                 continue
             if held_for_step(p):
                 with tags.reason(self.name, f"reduce gradient of {p._spmd_name} but over the axes its step shards"):
@@ -138,9 +135,7 @@ class Bucket:
             if state.reducer is not None and self._hand_over(p, work[i], state.reducer):
                 del work[i]  # reduced with other blocks' gradients, by the end of backward (spmd.runtime.reducer)
         for kind in ("reduce_scatter", "all_reduce"):
-            for m in range(mesh.ndim):
-                if mesh.size(m) == 1:
-                    continue
+            for m in (m for m in range(mesh.ndim) if mesh.size(m) > 1):
                 members = [i for i, g in work.items() if _bucketable(g.placements[m], grads_layout(self.params[i])[m],
                                                                       kind, work[i], mesh.size(m))]
                 for group in _by_dtype(members, {i: work[i]._local_tensor for i in members}):

@@ -214,9 +214,8 @@ _STATIC_ATTR = "_spmd_local_facts"  # on a block: {split: (grad layouts, regathe
 
 
 def _static_facts(state, module, bucket, members, split) -> tuple:
-    """(the bucket's parameters' gradient layouts, whether each member is regathered for backward) for a
-    block called with the batch split over the mesh axes `split`: fixed once the model is laid out, so
-    worked out on the first call only."""
+    """(the bucket's parameters' gradient layouts, whether each member is regathered for backward) for a block
+    fed a batch split over the mesh axes `split`: fixed once laid out, so worked out on the first call."""
     facts = module.__dict__.setdefault(_STATIC_ATTR, {})
     hit = facts.get(split)
     if hit is None:
