@@ -13,14 +13,15 @@ inside the block, past these hooks), compiled blocks and blocks holding experts 
 The layers of the root unit (embedding, final norm, output projection: leaf modules outside the blocks whose
 parameters the root unit gathers once per forward) run the same way, on the local tensors of those gathered
 values. The code between modules (the model's own forward: residual adds, the loss) keeps the global view.
+The edges (inputs in, outputs out, and consecutive local blocks passing local tensors) are
+spmd.runtime.local_edges.
 """
 import torch
-from torch.distributed.tensor import DTensor, Partial, Replicate
-from torch.distributed.tensor._utils import compute_global_tensor_info
+from torch.distributed.tensor import DTensor, Replicate
 
 from .buckets import gather_bucket
-from .wrap import layout_spec, wrap_local
 from .experts import expert_modules
+from .local_edges import grad_layout, to_local, wrap_outputs
 from .params import gather_param, gather_shared, kept_for_backward
 from .reshard import CHECKPOINTED_ATTR, reshard_after_forward, storage_key
 
@@ -103,61 +104,6 @@ def _dtensors(args, kwargs) -> list:
     return found
 
 
-def _to_local(x, partial_axes: tuple):
-    """`x`'s local tensor; its gradient comes back in `x`'s layout, a partial sum over `partial_axes` where
-    `x` is replicated (this rank saw only its slice of the batch)."""
-    if not isinstance(x, DTensor):
-        if isinstance(x, (tuple, list)):
-            return type(x)(_to_local(v, partial_axes) for v in x)
-        return x
-    if not x.requires_grad:  # (RoPE tables, token ids): no gradient to lay out, no autograd node
-        return x._local_tensor
-    return _ToLocal.apply(x, _grad_layout(x.placements, partial_axes))
-
-
-class _ToLocal(torch.autograd.Function):
-    """`x.to_local(grad_placements=layout)`, its gradient wrapped with a layout's cached spec."""
-
-    @staticmethod
-    def forward(ctx, x: DTensor, layout):
-        local = x._local_tensor
-        ctx.mesh, ctx.layout, ctx.shape, ctx.stride, ctx.local_stride = (x.device_mesh, layout, x.shape, x.stride(),
-                                                                         local.stride())
-        ctx.set_materialize_grads(False)
-        return local.view_as(local)
-
-    @staticmethod
-    def backward(ctx, g):
-        if g is None:
-            return None, None
-        stride = ctx.stride if g.stride() == ctx.local_stride else \
-            compute_global_tensor_info(g, ctx.mesh, ctx.layout)[1]
-        return wrap_local(g, ctx.mesh, ctx.layout, ctx.shape, stride), None
-
-
-class _FromLocal(torch.autograd.Function):
-    """`DTensor.from_local(t, mesh, layout, run_check=False, shape=, stride=)` with a layout's cached spec; its
-    backward returns the gradient's local tensor, moved to `layout` first if it arrives in another."""
-
-    @staticmethod
-    def forward(ctx, t: torch.Tensor, mesh, layout, shape, stride):
-        ctx.layout = layout
-        ctx.set_materialize_grads(False)
-        return DTensor(t.view_as(t), layout_spec(mesh, layout, shape, stride, t.dtype), requires_grad=t.requires_grad)
-
-    @staticmethod
-    def backward(ctx, g):
-        if g is None:
-            return None, None, None, None, None
-        if tuple(g.placements) != ctx.layout:
-            g = g.redistribute(placements=ctx.layout)
-        return g._local_tensor, None, None, None, None
-
-
-def _grad_layout(placements, partial_axes: tuple) -> tuple:
-    return tuple(Partial() if (s and p.is_replicate()) else p for s, p in zip(partial_axes, placements))
-
-
 class LocalBlock:
     """One call of a data-only block on local tensors: `enter` before its forward, `leave` after."""
 
@@ -184,7 +130,7 @@ class LocalBlock:
                 if g is None:
                     g = gather_param(p, p._spmd_compute, state.param_dtype, state.reduce_dtype, state, self.name,
                                      p._spmd_name)
-                local = _to_local(g, self.split)
+                local = to_local(g, self.split)
             m.__dict__[n] = local
             if regathers:
                 regather[storage_key(local)] = (p, p._spmd_compute)
@@ -195,8 +141,8 @@ class LocalBlock:
             self.hooks.__enter__()
         first = next(iter(_dtensors(args, kwargs)))
         self.batch = (first._local_tensor.shape[0] if first.ndim else None, first.shape[0] if first.ndim else None)
-        return (tuple(_to_local(a, self.split) for a in args),
-                {k: _to_local(v, self.split) for k, v in kwargs.items()})
+        return (tuple(to_local(a, self.split) for a in args),
+                {k: to_local(v, self.split) for k, v in kwargs.items()})
 
     def leave(self, output):
         """Drops the local parameters and wraps the block's tensor outputs back into DTensors."""
@@ -205,7 +151,7 @@ class LocalBlock:
                 self.hooks.__exit__(None, None, None)
             for m, n, _ in (*self.members, *self.buffers):
                 m.__dict__.pop(n, None)
-            return _wrap(output, self.state.mesh, self.layout, self.batch)
+            return wrap_outputs(output, self.state.mesh, self.layout, self.batch)
         finally:
             _resume(self.mode)
 
@@ -219,7 +165,7 @@ def _static_facts(state, module, bucket, members, split) -> tuple:
     facts = module.__dict__.setdefault(_STATIC_ATTR, {})
     hit = facts.get(split)
     if hit is None:
-        layouts = None if bucket is None else [_grad_layout(p._spmd_compute, split) for p in bucket.params]
+        layouts = None if bucket is None else [grad_layout(p._spmd_compute, split) for p in bucket.params]
         regathered = [not kept_for_backward(state, p) and any(
             s != c and state.mesh.size(i) > 1 for i, (s, c) in enumerate(zip(p.placements, p._spmd_compute)))
             for _, _, p in members]
@@ -243,37 +189,6 @@ def _suspend_global_view(state):
 def _resume(mode) -> None:
     if mode is not None:
         torch._C._push_on_torch_function_stack(mode)
-
-
-def _wrap(output, mesh, layout, batch):
-    local_batch, global_batch = batch
-
-    def wrap(t):
-        if isinstance(t, DTensor) or not isinstance(t, torch.Tensor):
-            return t
-        if t.ndim and t.shape[0] == local_batch:
-            shape = torch.Size((global_batch, *t.shape[1:]))
-            return _FromLocal.apply(t, mesh, layout, shape, _contiguous(shape))
-        raise ValueError(f"a block running on local tensors returned a tensor of shape {tuple(t.shape)} whose dim 0 "
-                         f"is not the batch ({local_batch} on this rank); a block's outputs must lead with the "
-                         f"batch dim. Pass parallelize(..., bucket=False) to run it on DTensors")
-
-    if isinstance(output, torch.Tensor):
-        return wrap(output)
-    if isinstance(output, (tuple, list)):
-        return type(output)(wrap(v) for v in output)
-    if isinstance(output, dict):
-        for k in list(output.keys()):
-            output[k] = wrap(output[k])
-    return output
-
-
-def _contiguous(shape) -> tuple:
-    stride, acc = [], 1
-    for s in reversed(shape):
-        stride.append(acc)
-        acc *= s
-    return tuple(reversed(stride))
 
 
 def enter_local(state, mod, name: str, args, kwargs):

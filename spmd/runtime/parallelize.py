@@ -17,9 +17,9 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from ..layout.annotate import copy_annotations, get_pin, infer_axes, out_dim
 from ..layout.mesh import flatten_groups
 from ..layout.rules import Rules, _as_axes, placements_for
-from . import ops  # noqa: F401  (registers sharding strategies)
+from . import fused_step, ops  # noqa: F401  (register a fused Adam(W) step on local shards, sharding strategies)
 from . import state as active
-from . import fused_step, tags
+from . import tags
 from .accumulate import reduce_after_backward
 from .activations import finish_output, map_tensors, move_linear_input
 from .agree import check_layout_agrees
@@ -91,7 +91,6 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, rules: Rules, *, param_dtype
     if hasattr(model, STATE_ATTR):
         raise ValueError("this model is already parallelized; build a fresh model to lay it out again")
     state = SPMDState(mesh, rules, param_dtype, reduce_dtype, input_axes, master, offload)
-    fused_step.install()  # a fused Adam(W) step on these parameters updates their local shards
     layouts = param_layouts(model, mesh, rules)  # every check runs before anything changes
     bucket = bucket and not _offloads_stage_3(state, layouts)
     if param_init is None and any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
