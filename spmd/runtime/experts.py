@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 from ..layout.annotate import get_axes
 from . import tags
 from .activations import grad_layout, move
+from .wrap import contiguous_stride
 
 __all__ = ["EXPERTS", "expert_modules", "check_expert_layout", "install_expert_hooks", "balanced_routing"]
 
@@ -143,15 +144,7 @@ class _Region:
         placements = [Partial() if m in self.split else p for m, p in enumerate(target)]
         out_shape = shape[:-1] + output.shape[-1:]
         return DTensor.from_local(output, mesh, placements, run_check=False, shape=out_shape,
-                                  stride=_contiguous_stride(out_shape))
-
-
-def _contiguous_stride(shape) -> tuple:
-    stride, acc = [], 1
-    for s in reversed(shape):
-        stride.append(acc)
-        acc *= s
-    return tuple(reversed(stride))
+                                  stride=contiguous_stride(out_shape))
 
 
 class _Dispatch:

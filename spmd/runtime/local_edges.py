@@ -6,7 +6,7 @@ import torch
 from torch.distributed.tensor import DTensor, Partial
 from torch.distributed.tensor._utils import compute_global_tensor_info
 
-from .wrap import layout_spec, wrap_local
+from .wrap import contiguous_stride, layout_spec, wrap_local
 
 __all__ = ["to_local", "grad_layout", "wrap_outputs"]
 
@@ -81,7 +81,7 @@ def wrap_outputs(output, mesh, layout, batch):
             return t
         if t.ndim and t.shape[0] == local_batch:
             shape = torch.Size((global_batch, *t.shape[1:]))
-            out = _FromLocal.apply(t, mesh, layout, shape, _contiguous(shape))
+            out = _FromLocal.apply(t, mesh, layout, shape, contiguous_stride(shape))
             if out.requires_grad:  # the next local block takes `t` back (`_to_local`): gradients meet in it
                 setattr(out, _MADE_FROM_ATTR, (t, layout, out.grad_fn, out._version))
             return out
@@ -97,11 +97,3 @@ def wrap_outputs(output, mesh, layout, batch):
         for k in list(output.keys()):
             output[k] = wrap(output[k])
     return output
-
-
-def _contiguous(shape) -> tuple:
-    stride, acc = [], 1
-    for s in reversed(shape):
-        stride.append(acc)
-        acc *= s
-    return tuple(reversed(stride))

@@ -6,7 +6,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._utils import compute_global_tensor_info
 
-__all__ = ["wrap_local", "as_dtensor", "layout_spec"]
+__all__ = ["wrap_local", "as_dtensor", "layout_spec", "contiguous_stride"]
 
 
 def wrap_local(local: torch.Tensor, mesh, placements, shape, stride) -> DTensor:
@@ -38,3 +38,12 @@ def layout_spec(mesh, placements, shape, stride, dtype) -> DTensorSpec:
         hit = _SPECS[key] = (mesh, DTensorSpec(mesh, tuple(placements),
                                                tensor_meta=TensorMeta(torch.Size(shape), tuple(stride), dtype)))
     return hit[1]
+
+
+def contiguous_stride(shape) -> tuple:
+    """The strides of a contiguous tensor of `shape`."""
+    stride, acc = [], 1
+    for s in reversed(shape):
+        stride.append(acc)
+        acc *= s
+    return tuple(reversed(stride))
