@@ -21,8 +21,8 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from .buckets import gather_bucket
 from .experts import expert_modules
-from .local_edges import grad_layout, to_local, wrap_outputs
-from .params import gather_param, gather_shared, kept_for_backward
+from .local_edges import batch_grad_layout, to_local, wrap_outputs
+from .params import gather_param, gather_shared, kept_for_backward, moves_data
 from .reshard import CHECKPOINTED_ATTR, reshard_after_forward, storage_key
 
 __all__ = ["local_blocks", "enter_local", "LocalBlock"]
@@ -165,10 +165,9 @@ def _static_facts(state, module, bucket, members, split) -> tuple:
     facts = module.__dict__.setdefault(_STATIC_ATTR, {})
     hit = facts.get(split)
     if hit is None:
-        layouts = None if bucket is None else [grad_layout(p._spmd_compute, split) for p in bucket.params]
-        regathered = [not kept_for_backward(state, p) and any(
-            s != c and state.mesh.size(i) > 1 for i, (s, c) in enumerate(zip(p.placements, p._spmd_compute)))
-            for _, _, p in members]
+        layouts = None if bucket is None else [batch_grad_layout(p._spmd_compute, split) for p in bucket.params]
+        regathered = [moves_data(p.placements, p._spmd_compute, state.mesh) and not kept_for_backward(state, p)
+                      for _, _, p in members]
         hit = facts[split] = (layouts, regathered)
     return hit
 

@@ -8,7 +8,7 @@ from torch.distributed.tensor._utils import compute_global_tensor_info
 
 from .wrap import contiguous_stride, layout_spec, wrap_local
 
-__all__ = ["to_local", "grad_layout", "wrap_outputs"]
+__all__ = ["to_local", "batch_grad_layout", "wrap_outputs"]
 
 
 def to_local(x, partial_axes: tuple):
@@ -20,7 +20,7 @@ def to_local(x, partial_axes: tuple):
         return x
     if not x.requires_grad:  # (RoPE tables, token ids): no gradient to lay out, no autograd node
         return x._local_tensor
-    layout = grad_layout(x.placements, partial_axes)
+    layout = batch_grad_layout(x.placements, partial_axes)
     made = getattr(x, _MADE_FROM_ATTR, None)
     if made is not None and made[1] == layout and x.grad_fn is made[2] and x._version == made[3]:
         return made[0]  # another local block's output, unchanged: its own local tensor, no round trip
@@ -69,7 +69,8 @@ class _FromLocal(torch.autograd.Function):
         return g._local_tensor, None, None, None, None
 
 
-def grad_layout(placements, partial_axes: tuple) -> tuple:
+def batch_grad_layout(placements, partial_axes: tuple) -> tuple:
+    """`placements` with Partial on the replicated mesh axes in `partial_axes` (those that split the batch)."""
     return tuple(Partial() if (s and p.is_replicate()) else p for s, p in zip(partial_axes, placements))
 
 
@@ -82,7 +83,7 @@ def wrap_outputs(output, mesh, layout, batch):
         if t.ndim and t.shape[0] == local_batch:
             shape = torch.Size((global_batch, *t.shape[1:]))
             out = _FromLocal.apply(t, mesh, layout, shape, contiguous_stride(shape))
-            if out.requires_grad:  # the next local block takes `t` back (`_to_local`): gradients meet in it
+            if out.requires_grad:  # the next local block takes `t` back (`to_local`): gradients meet in it
                 setattr(out, _MADE_FROM_ATTR, (t, layout, out.grad_fn, out._version))
             return out
         raise ValueError(f"a block running on local tensors returned a tensor of shape {tuple(t.shape)} whose dim 0 "

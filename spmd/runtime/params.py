@@ -129,7 +129,7 @@ def gather_module_params(state, mod, name: str, param_names, weight_layout=None)
         compute = weight_layout if (weight_layout is not None and p_name == "weight") else p._spmd_compute
         g = _gathered(state, p, compute, name, compiling)
         mod.__dict__[p_name] = g
-        if not compiling and _moves_data(p.placements, compute, state.mesh) and not kept_for_backward(state, p):
+        if not compiling and moves_data(p.placements, compute, state.mesh) and not kept_for_backward(state, p):
             regather[storage_key(g)] = (p, compute)
     if not regather or compiling or getattr(mod, CHECKPOINTED_ATTR, False):
         return None
@@ -180,5 +180,6 @@ def kept_for_backward(state, p) -> bool:
     return bucket is not None and bucket.keep
 
 
-def _moves_data(storage, compute, mesh) -> bool:
+def moves_data(storage, compute, mesh) -> bool:
+    """Whether a parameter stored in `storage` moves data to reach `compute` (a mesh axis of size > 1 differs)."""
     return any(s != c and mesh.size(i) > 1 for i, (s, c) in enumerate(zip(storage, compute)))

@@ -48,7 +48,7 @@ class SideStream:
             dst.copy_(src)
             return None
         if after_current:
-            self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
+            self.stream_wait_current()
         with torch.cuda.stream(self.stream):
             dst.copy_(src, non_blocking=True)
             event = torch.cuda.Event()
