@@ -4,8 +4,10 @@
 
 1. Describe this machine as a `spmd.analysis.devices.Device`: peak = its best single-thread fp32 GEMM FLOP/s (torchrun
    gives each process one thread; with more processes than cores each gets its share), links = gloo on
-   loopback with latency and bandwidth fitted to all-reduces and all-gathers timed on `nproc` processes
-   (t = latency + ring bytes / bandwidth, least squares).
+   loopback with a latency, a latency per ring step and a bandwidth fitted to all-reduces and all-gathers
+   timed on `nproc` processes, over the whole group and over groups of half its size down to 2, which run
+   side by side as a mesh axis' groups do (t = latency + steps x step latency + ring bytes / bandwidth,
+   least squares; steps and bytes as spmd.analysis.record counts them).
 2. `spmd.search(model, nproc, device=that)` ranks every spec.
 3. The `top` best and `bottom` worst predicted specs train for `steps` steps with launch.train (torchrun);
    the median step time after `warmup` steps is the measurement.
@@ -54,38 +56,54 @@ def spearman(xs: list[float], ys: list[float]) -> float:
 def gloo_worker(out: str) -> None:
     import torch
     import torch.distributed as dist
+    from spmd.analysis.record import ring_steps, wire_bytes
     dist.init_process_group("gloo")
-    rank, n = dist.get_rank(), dist.get_world_size()
+    world = dist.get_world_size()
+    groups, n = [(None, world)], world
+    while n % 2 == 0 and n > 2:
+        n //= 2
+        groups.append((dist.new_subgroups(n)[0], n))
     rows = []
-    for kind in ("all_reduce", "all_gather"):
-        for numel in (256, 4096, 65536, 262144, 1048576):
-            x = torch.ones(numel)
-            buf = torch.empty(numel * n)
-            samples = []
-            for i in range(12):
-                dist.barrier()
-                t0 = time.perf_counter()
-                if kind == "all_reduce":
-                    dist.all_reduce(x)
-                else:
-                    dist.all_gather_into_tensor(buf, x)
-                samples.append(time.perf_counter() - t0)
-            full = numel * 4 * (n if kind == "all_gather" else 1)
-            wire = (2 if kind == "all_reduce" else 1) * full * (n - 1) / n
-            rows.append({"kind": kind, "full_bytes": full, "wire_bytes": wire,
-                         "seconds": statistics.median(samples[2:])})
-    if rank == 0:
+    for group, n in groups:
+        for kind in ("all_reduce", "all_gather"):
+            for numel in (256, 4096, 65536, 262144, 1048576):
+                x = torch.ones(numel)
+                buf = torch.empty(numel * n)
+                samples = []
+                for i in range(12):
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                    if kind == "all_reduce":
+                        dist.all_reduce(x, group=group)
+                    else:
+                        dist.all_gather_into_tensor(buf, x, group=group)
+                    samples.append(time.perf_counter() - t0)
+                full = numel * 4 * (n if kind == "all_gather" else 1)
+                rows.append({"kind": kind, "ranks": n, "full_bytes": full, "wire_bytes": wire_bytes(kind, full, n),
+                             "steps": ring_steps(kind, n), "seconds": statistics.median(samples[2:])})
+    if dist.get_rank() == 0:
         Path(out).write_text(json.dumps(rows))
     dist.destroy_process_group()
 
 
-def fit_link(rows: list[dict]) -> tuple[float, float]:
-    """(latency s, bandwidth B/s) minimising squared error of t = latency + wire / bandwidth."""
-    xs, ts = [r["wire_bytes"] for r in rows], [r["seconds"] for r in rows]
-    mx, mt = statistics.mean(xs), statistics.mean(ts)
-    slope = sum((x - mx) * (t - mt) for x, t in zip(xs, ts)) / sum((x - mx) ** 2 for x in xs)
-    latency = max(mt - slope * mx, 1e-6)
-    return latency, 1.0 / max(slope, 1e-15)
+def fit_link(rows: list[dict], nproc: int) -> dict:
+    """{latency_s, step_latency_s, bandwidth_Bps} minimising the squared error of t = latency + steps x
+    step latency + wire / bandwidth, none negative. A sample without `ranks` (reports before the per-step
+    term) was timed over all `nproc` processes."""
+    import torch
+    from spmd.analysis.record import ring_steps
+    steps = [r.get("steps", ring_steps(r["kind"], r.get("ranks", nproc))) for r in rows]
+    x = torch.tensor([[1.0, s, r["wire_bytes"]] for s, r in zip(steps, rows)], dtype=torch.float64)
+    t = torch.tensor([r["seconds"] for r in rows], dtype=torch.float64)
+    scale = x.abs().amax(0).clamp_min(1e-30)
+    terms = [0, 1, 2]
+    while True:  # drop a term that fits negative and refit the others
+        coef = torch.linalg.lstsq(x[:, terms] / scale[terms], t[:, None]).solution[:, 0] / scale[terms]
+        if all(c >= 0 for c in coef) or len(terms) == 1:
+            break
+        terms.pop(int(torch.argmin(coef)))
+    fit = dict.fromkeys(range(3), 0.0) | {i: max(float(c), 0.0) for i, c in zip(terms, coef)}
+    return {"latency_s": fit[0], "step_latency_s": fit[1], "bandwidth_Bps": 1.0 / max(fit[2], 1e-15)}
 
 
 def measure_link(nproc: int) -> dict:
@@ -93,8 +111,7 @@ def measure_link(nproc: int) -> dict:
         out = Path(tmp, "gloo.json")
         common.run(common.torchrun(nproc) + ["-m", "benchmarks.search_vs_measured", "--gloo-worker", str(out)])
         rows = json.loads(out.read_text())
-    latency, bw = fit_link(rows)
-    return {"latency_s": latency, "bandwidth_Bps": bw, "samples": rows}
+    return {**fit_link(rows, nproc), "samples": rows}
 
 
 # ------------------------------------------------------------------------------------ runs
@@ -136,10 +153,10 @@ def main(argv=None) -> int:
     rep = {"environment": common.environment(), "args": vars(a), "models": []}
     per_thread = measure_gemm_flops(torch.float32, threads=1, budget_s=0.6, sizes=(256, 512, 1024))
     link = measure_link(a.nproc)
-    dev = cpu_device(a.nproc, 1, per_thread, bandwidth=link["bandwidth_Bps"], latency=link["latency_s"])
+    dev = cpu_device(a.nproc, 1, per_thread, bandwidth=link["bandwidth_Bps"], latency=link["latency_s"],
+                     step_latency=link["step_latency_s"])
     rep["device"] = {"peak_per_thread": per_thread, "peak_per_rank": dev.peak("fp32"), **link}
-    print(f"[search_vs_measured] GEMM {per_thread / 1e9:.1f} GFLOP/s per thread; gloo latency "
-          f"{1e6 * link['latency_s']:.0f} us, bandwidth {link['bandwidth_Bps'] / 1e9:.2f} GB/s", flush=True)
+    print(f"[search_vs_measured] GEMM {per_thread / 1e9:.1f} GFLOP/s per thread; gloo {_link_words(link)}", flush=True)
     for model in a.models:
         cfg = LlamaConfig.preset(model)
         rows = spmd.search(cfg, a.nproc, device=dev, batch_shape=(a.batch, a.seq), dtype="fp32", ac="none",
@@ -187,8 +204,11 @@ def rerank(rep: dict) -> int:
     from models.llama import LlamaConfig
     from spmd.analysis.devices import cpu_device
     args, d = rep["args"], rep["device"]
-    dev = cpu_device(args["nproc"], 1, d["peak_per_thread"], bandwidth=d["bandwidth_Bps"], latency=d["latency_s"])
-    print(f"re-ranked {rep['environment']['commit'][:12]}'s measurements with today's spmd.search")
+    link = fit_link(d["samples"], args["nproc"])
+    dev = cpu_device(args["nproc"], 1, d["peak_per_thread"], bandwidth=link["bandwidth_Bps"], latency=link["latency_s"],
+                     step_latency=link["step_latency_s"])
+    print(f"re-ranked {rep['environment']['commit'][:12]}'s measurements with today's spmd.search; gloo refitted "
+          f"to the report's samples: {_link_words(link)}")
     for m in rep["models"]:
         rows = {r.spec: r for r in spmd.search(LlamaConfig.preset(m["model"]), args["nproc"], device=dev, dtype="fp32",
                                                batch_shape=(args["batch"], args["seq"]), ac="none", grad_accum=1,
@@ -199,6 +219,15 @@ def rerank(rep: dict) -> int:
         print(f"{m['model']}: over {len(measured)} measured specs, Spearman rho predicted {ours:.3f} (report's "
               f"{m['spearman_predicted']:.3f}), collective count {count:.3f}: the planner {_verdict(ours, count)} it")
     return 0
+
+
+def _link_words(link: dict) -> str:
+    return (f"fitted latency {1e6 * link['latency_s']:.0f} us + {1e6 * link.get('step_latency_s', 0.0):.0f} us "
+            f"per ring step, bandwidth {link['bandwidth_Bps'] / 1e9:.2f} GB/s")
+
+
+def _group_sizes(d: dict) -> str:
+    return " and ".join(str(n) for n in sorted({r.get("ranks", 0) for r in d["samples"]}, reverse=True) if n) or "all"
 
 
 def _verdict(planner: float, trivial: float) -> str:
@@ -213,7 +242,7 @@ def markdown(rep: dict) -> str:
              f"{a['batch']} x {a['seq']}, fp32, {a['steps']} steps, median after {a['warmup']}.", "",
              f"Device model: GEMM peak {d['peak_per_thread'] / 1e9:.1f} GFLOP/s per thread "
              f"({d['peak_per_rank'] / 1e9:.1f} per rank with {a['nproc']} processes on {env['cpu_count']} cores); "
-             f"gloo fitted latency {1e6 * d['latency_s']:.0f} us, bandwidth {d['bandwidth_Bps'] / 1e9:.2f} GB/s.", ""]
+             f"gloo {_link_words(d)} (collectives over {_group_sizes(d)} ranks).", ""]
     for m in rep["models"]:
         lines += [f"## {m['model']}: Spearman rho (predicted, measured) = {m['spearman_predicted']:.3f} "
                   f"over {len(m['rows'])} specs", "",

@@ -23,10 +23,22 @@ def test_spearman():
     assert math.isnan(spearman([1], [2]))
 
 
-def test_link_fit_recovers_latency_and_bandwidth():
-    rows = [{"wire_bytes": b, "seconds": 2e-4 + b / 3e9} for b in (1e3, 1e5, 1e6, 1e7)]
-    latency, bw = fit_link(rows)
-    assert latency == pytest.approx(2e-4, rel=1e-6) and bw == pytest.approx(3e9, rel=1e-6)
+def test_link_fit_recovers_latency_step_latency_and_bandwidth():
+    # all-reduces and all-gathers over 4 and 2 ranks: 6, 2, 3 and 1 ring steps
+    rows = [{"kind": kind, "ranks": n, "wire_bytes": b, "seconds": 2e-4 + steps * 5e-4 + b / 3e9}
+            for kind, n, steps in (("all_reduce", 4, 6), ("all_reduce", 2, 2), ("all_gather", 4, 3),
+                                   ("all_gather", 2, 1)) for b in (1e3, 1e5, 1e6, 1e7)]
+    fit = fit_link(rows, 4)
+    assert fit["latency_s"] == pytest.approx(2e-4, rel=1e-6)
+    assert fit["step_latency_s"] == pytest.approx(5e-4, rel=1e-6)
+    assert fit["bandwidth_Bps"] == pytest.approx(3e9, rel=1e-6)
+    # a report's samples without group sizes were timed over all processes; a term that would fit negative
+    # is dropped (here the fixed latency: every sample costs steps x 1 ms + bytes / 2 GB/s)
+    old = [{"kind": kind, "wire_bytes": b, "seconds": steps * 1e-3 + b / 2e9}
+           for kind, steps in (("all_reduce", 6), ("all_gather", 3)) for b in (1e3, 1e5, 1e6, 1e7)]
+    fit = fit_link(old, 4)
+    assert fit["latency_s"] == pytest.approx(0, abs=1e-9) and fit["step_latency_s"] == pytest.approx(1e-3, rel=1e-6)
+    assert fit["bandwidth_Bps"] == pytest.approx(2e9, rel=1e-6)
 
 
 @pytest.mark.parametrize("spec", ["fsdp=2,tp=2,sp", "dp=2,fsdp=2", "tp=4,sp"])

@@ -2,6 +2,7 @@
 drops what does not fit, ranks the rest by the stated step-time model."""
 import importlib
 import math
+import os
 
 import pytest
 import torch
@@ -137,6 +138,38 @@ def test_only_prefetched_gathers_hide_and_bandwidth_matters():
     # bandwidth-bound: bytes decide; fsdp moves more bytes than tp for this model and batch
     b = rows
     assert (b["fsdp=4"].comm_bytes > b["tp=4"].comm_bytes) == (b["fsdp=4"].step_s > b["tp=4"].step_s)
+
+
+def test_latency_counts_ring_steps_of_each_collective():
+    # a latency-bound link: 1 ms per collective and 10 ms per ring step, bytes free, compute free
+    model = tiny()
+    link = Device("steps", {"fp32": 1e30}, 1e12, intra_bw=1e30, inter_bw=1e30, intra_latency=1e-3,
+                  inter_latency=1e-3, intra_step_latency=1e-2, inter_step_latency=1e-2, overlaps_comm=False)
+    rows = {r.spec: r for r in S.search(model, 4, device=link, batch_shape=(8, 32), dtype="fp32", zero=3,
+                                         specs=["tp=4", "dp=2,tp=2", "fsdp=2,tp=2,sp"])}
+    for spec, row in rows.items():
+        sizes, sp = spmd.parse_spec(spec)
+        plan = spmd.explain(model, spmd.Rules.default(sequence_parallel=sp), sizes, batch_shape=(8, 32))
+        # the textbook rounds: an all-reduce over n ranks is 2(n-1) messages in a row, an all-gather or a
+        # reduce-scatter n-1
+        rounds = sum({"all_reduce": 2}.get(c.kind, 1) * (math.prod(sizes.get(a, 1) for a in c.axes) - 1)
+                     for c in plan.collectives)
+        assert row.collectives == len(plan.collectives)
+        assert row.step_s == pytest.approx(1e-3 * len(plan.collectives) + 1e-2 * rounds, rel=1e-6)
+    # tp=4's all-reduces span 4 ranks: fewer collectives than dp=2,tp=2's, more rounds, a slower step
+    assert rows["tp=4"].collectives < rows["dp=2,tp=2"].collectives and rows["tp=4"].step_s > rows["dp=2,tp=2"].step_s
+
+
+def test_an_oversubscribed_cpu_hides_no_collective():
+    from spmd.analysis.devices import cpu_device
+    cores = os.cpu_count()
+    assert cpu_device(cores, 1, 1e9).overlaps_comm and not cpu_device(cores + 1, 1, 1e9).overlaps_comm
+    busy = cpu_device(4, cores, 1e9)  # 4 ranks of `cores` threads each: more threads than cores
+    rows = {d.overlaps_comm: S.search(tiny(), 4, device=d, batch_shape=(8, 32), dtype="fp32", zero=3,
+                                      specs=["fsdp=4"])[0] for d in (busy, busy.replace(overlaps_comm=True))}
+    assert rows[True].hidden_s > 0 and rows[False].hidden_s == 0
+    assert rows[False].step_s == pytest.approx(rows[False].compute_s + rows[False].activation_comm_s
+                                               + rows[False].param_comm_s)
 
 
 SPEC, SIZES, SHAPE = "fsdp=2,tp=2,sp", {"fsdp": 2, "tp": 2}, (8, 16)  # the next three tests share their plans

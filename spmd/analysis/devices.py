@@ -6,7 +6,10 @@ is on (the search assumes it is), else at the plain fp32 figure.
 
 Bandwidths are what a rank can push through one link in one direction with a ring collective (NCCL bus
 bandwidth as measured by nccl-tests, a little under the nominal figure), in bytes/s, so that a collective's
-time is `latency + bytes_on_the_wire / bandwidth` with the bytes of spmd.analysis.record's ring convention.
+time is `latency + steps x step_latency + bytes_on_the_wire / bandwidth` with the bytes and the ring steps of
+spmd.analysis.record's convention (an all-reduce over n ranks takes 2(n-1) steps, an all-gather n-1): the
+alpha-beta model of ring collectives, the form of NCCL's own tuning model (a base latency plus a latency per
+step, ring steps of 0.5-3.4 us over NVLink and 3-14 us over the network depending on the protocol).
 Within a node: NVLink (H100/H200 NVLink4 450 GB/s nominal per direction, A100 NVLink3 300 GB/s). Across nodes:
 one InfiniBand NIC per GPU (H100/H200 NDR 400 Gb/s = 50 GB/s, A100 HDR 200 Gb/s = 25 GB/s).
 `efficiency` is the fraction of the dense peak a training step's matmuls reach (MFU of well-tuned large-model
@@ -14,7 +17,9 @@ training is 40-55% on these parts); it is one stated constant, the same for ever
 
 The CPU entry is this machine: peak = its best measured GEMM FLOP/s (per process, scaled down when more
 processes than cores run), all ranks on one "node", links = gloo over loopback with stated defaults
-(benchmarks/search_vs_measured.py measures them and passes a `Device` of its own).
+(benchmarks/search_vs_measured.py measures them and passes a `Device` of its own). Gloo moves data on the
+same cores that compute, so a collective hides behind compute only when the ranks leave the cores to do it:
+with more threads than cores, nothing overlaps (`overlaps_comm`).
 """
 from __future__ import annotations
 
@@ -51,11 +56,14 @@ class Device:
     memory_bytes: float       # per device (CPU: the machine's RAM, shared by its processes)
     intra_bw: float           # bytes/s per rank, one direction, within a node
     inter_bw: float           # bytes/s per rank, one direction, across nodes
-    intra_latency: float      # seconds per collective within a node
+    intra_latency: float      # seconds per collective within a node, whatever its size (launch, setup)
     inter_latency: float      # seconds per collective across nodes
     per_node: int = 8         # devices per node
     efficiency: float = 0.5   # fraction of peak reached by the step's compute
     shared_memory: bool = False  # CPU: all processes share memory_bytes
+    intra_step_latency: float = 0.0  # seconds per ring step (record.ring_steps) within a node
+    overlaps_comm: bool = True  # a collective progresses while the rank computes (step_time's `hidden`)
+    inter_step_latency: float = 0.0  # seconds per ring step across nodes
 
     def peak(self, dtype) -> float:
         key = dtype_name(dtype)
@@ -70,18 +78,17 @@ class Device:
         return dataclasses.replace(self, **changes)
 
 
+_NCCL_LATENCY = dict(intra_latency=10e-6, inter_latency=10e-6, intra_step_latency=2e-6, inter_step_latency=5e-6)
 DEVICES = {
-    "h100": Device("H100 SXM 80GB", gpu_peaks("H100")[1], 80e9,
-                   intra_bw=360e9, inter_bw=45e9, intra_latency=15e-6, inter_latency=30e-6),
-    "h200": Device("H200 SXM 141GB", gpu_peaks("H200")[1], 141e9,
-                   intra_bw=360e9, inter_bw=45e9, intra_latency=15e-6, inter_latency=30e-6),
-    "a100": Device("A100 SXM 80GB", gpu_peaks("A100")[1], 80e9,
-                   intra_bw=230e9, inter_bw=22e9, intra_latency=15e-6, inter_latency=30e-6),
+    "h100": Device("H100 SXM 80GB", gpu_peaks("H100")[1], 80e9, intra_bw=360e9, inter_bw=45e9, **_NCCL_LATENCY),
+    "h200": Device("H200 SXM 141GB", gpu_peaks("H200")[1], 141e9, intra_bw=360e9, inter_bw=45e9, **_NCCL_LATENCY),
+    "a100": Device("A100 SXM 80GB", gpu_peaks("A100")[1], 80e9, intra_bw=230e9, inter_bw=22e9, **_NCCL_LATENCY),
 }
 
 # gloo over loopback TCP on one machine: stated defaults, replace with measured ones where it matters
 CPU_BW = 1.0e9
-CPU_LATENCY = 150e-6
+CPU_LATENCY = 50e-6
+CPU_STEP_LATENCY = 50e-6
 _measured: dict = {}
 
 
@@ -118,7 +125,8 @@ def measure_gemm_flops(dtype: torch.dtype = torch.float32, device: str = "cpu", 
 
 
 def cpu_device(world: int = 1, threads_per_rank: int = 1, peak_per_thread: float | None = None,
-               bandwidth: float = CPU_BW, latency: float = CPU_LATENCY) -> Device:
+               bandwidth: float = CPU_BW, latency: float = CPU_LATENCY,
+               step_latency: float = CPU_STEP_LATENCY) -> Device:
     """This machine as a device for `world` processes of `threads_per_rank` threads each (torchrun's default
     is 1). When the processes want more threads than there are cores, each gets its share."""
     cores = os.cpu_count() or 1
@@ -131,7 +139,8 @@ def cpu_device(world: int = 1, threads_per_rank: int = 1, peak_per_thread: float
         ram = 8e9
     return Device(f"cpu x{cores} cores", {"fp32": peak, "bf16": peak, "fp16": peak}, float(ram),
                   intra_bw=bandwidth, inter_bw=bandwidth, intra_latency=latency, inter_latency=latency,
-                  per_node=1 << 30, efficiency=1.0, shared_memory=True)
+                  per_node=1 << 30, efficiency=1.0, shared_memory=True, intra_step_latency=step_latency,
+                  inter_step_latency=step_latency, overlaps_comm=world * threads_per_rank <= cores)
 
 
 def get_device(device, world: int = 1) -> Device:

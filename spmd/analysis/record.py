@@ -8,6 +8,9 @@ Bytes are per rank on the wire for ring algorithms, the convention of the refere
 all_gather and reduce_scatter move S*(n-1)/n for a full tensor of S bytes; all_reduce moves 2*S*(n-1)/n;
 a send or recv moves its tensor; an all_to_all with split sizes moves the rows this rank sends to the
 others (S*(n-1)/n when the splits are even).
+Steps are the same algorithms' rounds, each one message latency on the critical path: n-1 for all_gather,
+reduce_scatter, all_to_all and broadcast, 2(n-1) for all_reduce (a reduce-scatter then an all-gather), 1 for a
+send or recv.
 """
 import sys
 from dataclasses import dataclass, asdict
@@ -20,7 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ..layout.mesh import group_axes
 from ..runtime.tags import current_module, current_phase, current_reason, reason
 
-__all__ = ["Collective", "CollectiveRecorder", "wire_bytes"]
+__all__ = ["Collective", "CollectiveRecorder", "wire_bytes", "ring_steps"]
 
 _funcol = torch.ops._c10d_functional
 _c10d = torch.ops.c10d
@@ -76,6 +79,15 @@ def wire_bytes(kind: str, full_bytes: int, n: int) -> int:
     if kind in ("all_gather", "reduce_scatter", "all_to_all", "broadcast"):
         return full_bytes * (n - 1) // n
     return full_bytes
+
+
+def ring_steps(kind: str, n: int) -> int:
+    """Message rounds of a ring `kind` over n ranks (module docstring): what its latency term counts."""
+    if n <= 1:
+        return 0
+    if kind in ("send", "recv"):
+        return 1
+    return 2 * (n - 1) if kind == "all_reduce" else n - 1
 
 
 class CollectiveRecorder(TorchDispatchMode):

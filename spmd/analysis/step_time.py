@@ -6,14 +6,15 @@ parameter traffic the runtime hides behind compute.
                  forward, two thirds the backward;
     recompute  = activation checkpointing runs the forward of the checkpointed blocks again in backward:
                  `full` adds one forward (compute / 3), `selective:N` its fraction ceil(L/N)/L of one;
-    collective = latency + bytes / bandwidth of its link: within a node (NVLink) when the ranks of its mesh
-                 axis sit in one node (tp is innermost, then fsdp, then dp), else across nodes (InfiniBand);
+    collective = latency + ring steps x step latency + bytes / bandwidth of its link (devices.py): within a
+                 node (NVLink) when the ranks of its mesh axis sit in one node (tp is innermost, then fsdp,
+                 then dp), else across nodes (InfiniBand); an all-reduce over n ranks is 2(n-1) steps;
     micro-batches (gradient accumulation, K): every collective of a micro-batch runs K times, except the
                  gradient reductions, which run once (spmd.no_sync holds them back; summaries.accumulated);
     overlap    = what spmd.runtime.buckets overlaps: a block's parameter gather issued while the block before
                  computes (FSDP2's prefetch; in backward the regather of the block before, when it is not
                  checkpointed). Prefetched gathers hide behind the compute of their phase, at most all of
-                 it; the first block's gather, the regathers of recomputed blocks, gradient reductions (waited
+                 it, on a device whose collectives progress while it computes (devices.Device.overlaps_comm); the first block's gather, the regathers of recomputed blocks, gradient reductions (waited
                  for where they are issued) and tensor/sequence-parallel moves are on the critical path;
     step       = compute + recompute + every collective - hidden.
 """
@@ -62,12 +63,14 @@ def predict(summary: Summary, sizes: dict, dev: Device, compute_s: float, recomp
     """Step time of `summary` (the plan of a whole step, every micro-batch) on `dev`, per the module docstring."""
     link = links(sizes, dev.per_node)
     t = dict.fromkeys(TRAFFIC, 0.0)
-    for (axes, kind), (count, nbytes) in summary.groups.items():
+    for (axes, kind), (count, nbytes, steps) in summary.groups.items():
         inter = any(link.get(a) == "inter" for a in axes.split("+"))
-        bw, lat = (dev.inter_bw, dev.inter_latency) if inter else (dev.intra_bw, dev.intra_latency)
-        t[kind] += count * lat + nbytes / bw
+        bw, lat, step = ((dev.inter_bw, dev.inter_latency, dev.inter_step_latency) if inter
+                         else (dev.intra_bw, dev.intra_latency, dev.intra_step_latency))
+        t[kind] += count * lat + steps * step + nbytes / bw
     forward_s = compute_s / 3
     hidden = min(t["prefetch-forward"], forward_s) + min(t["prefetch-backward"], compute_s - forward_s + recompute_s)
+    hidden *= dev.overlaps_comm
     param = t["gather"] + t["prefetch-forward"] + t["prefetch-backward"] + t["reduce"]
     return {"activation_comm_s": t["activation"], "param_comm_s": param, "hidden_s": hidden,
             "step_s": compute_s + recompute_s + t["activation"] + param - hidden, "links": link}

@@ -22,6 +22,7 @@ from ..layout.blocks import find_blocks
 from ..layout.rules import Rules
 from ..runtime.checkpointing import parse_mode
 from .explain import explain
+from .record import ring_steps
 
 __all__ = ["Summary", "summarize", "plan_summary", "planned", "checkpointed", "plan_all", "accumulated", "model_state_bytes",
            "frozen", "as_model", "rules_for", "TRAFFIC", "traffic"]
@@ -30,6 +31,7 @@ __all__ = ["Summary", "summarize", "plan_summary", "planned", "checkpointed", "p
 # (a block's gather issued while the block before computes, spmd.runtime.buckets), "reduce" gradients (once
 # per step under gradient accumulation), "activation" (tensor/sequence-parallel moves, losses)
 TRAFFIC = ("activation", "gather", "prefetch-forward", "prefetch-backward", "reduce")
+NONE = (0, 0, 0)  # a Summary group no collective falls in: count, bytes, ring steps
 REDUCE_REASONS = ("reduce gradient ", "reduce-scatter gradients ", "all-reduce gradients ")
 GATHER_REASONS = ("gather ", "regather ", "all-gather updated ")  # the last: ZeRO 1/2 after the step
 
@@ -76,19 +78,19 @@ def _truncated(model: nn.Module, name: str, k: int) -> nn.Module:
 @dataclass
 class Summary:
     """What the ranking needs from a plan: collective count and bytes per (axis, traffic class), memory."""
-    groups: dict   # (axes, TRAFFIC class) -> [count, bytes]
+    groups: dict   # (axes, TRAFFIC class) -> [count, bytes, ring steps] (record.ring_steps)
     memory: dict
     block: "Summary | None" = None   # one repeated block's share of the plan
     blocks: int = 0                  # how many repeated blocks the model has
 
     def __sub__(self, o):
         keys = set(self.groups) | set(o.groups)
-        return Summary({k: [a - b for a, b in zip(self.groups.get(k, [0, 0]), o.groups.get(k, [0, 0]))] for k in keys},
+        return Summary({k: [a - b for a, b in zip(self.groups.get(k, NONE), o.groups.get(k, NONE))] for k in keys},
                         {k: self.memory[k] - o.memory[k] for k in self.memory})
 
     def __add__(self, o):
         keys = set(self.groups) | set(o.groups)
-        return Summary({k: [a + b for a, b in zip(self.groups.get(k, [0, 0]), o.groups.get(k, [0, 0]))] for k in keys},
+        return Summary({k: [a + b for a, b in zip(self.groups.get(k, NONE), o.groups.get(k, NONE))] for k in keys},
                         {k: self.memory[k] + o.memory[k] for k in self.memory})
 
     def __mul__(self, f: int):
@@ -100,9 +102,10 @@ def summarize(plan) -> Summary:
     for c in plan.collectives:
         if c.kind == "recv":
             continue  # the matching send carries the bytes of a point-to-point exchange (the cp ring)
-        g = groups.setdefault(("+".join(c.axes), traffic(c)), [0, 0])
+        g = groups.setdefault(("+".join(c.axes), traffic(c)), list(NONE))
         g[0] += 1
         g[1] += c.bytes
+        g[2] += ring_steps(c.kind, math.prod(plan.mesh.get(a, 1) for a in c.axes))
     return Summary(groups, dict(plan.memory))
 
 
@@ -165,11 +168,11 @@ def checkpointed(none: Summary, full: Summary, ac: str) -> Summary:
     # a plain block's regather is prefetched only by a plain block after it: move the others to "gather"
     plain = [i % every != 0 for i in range(n)]
     lone = (n - k) - sum(plain[j] and plain[j + 1] for j in range(n - 1))
-    for (axes, kind), (count, nbytes) in none.block.groups.items():
+    for (axes, kind), one_block in none.block.groups.items():
         if kind == "prefetch-backward" and lone:
-            out.groups[(axes, kind)] = [a - lone * b for a, b in zip(out.groups[(axes, kind)], (count, nbytes))]
-            was = out.groups.get((axes, "gather"), [0, 0])
-            out.groups[(axes, "gather")] = [a + lone * b for a, b in zip(was, (count, nbytes))]
+            out.groups[(axes, kind)] = [a - lone * b for a, b in zip(out.groups[(axes, kind)], one_block)]
+            was = out.groups.get((axes, "gather"), NONE)
+            out.groups[(axes, "gather")] = [a + lone * b for a, b in zip(was, one_block)]
     return _with_recompute(out, none.block.memory["activations"])
 
 
@@ -177,8 +180,7 @@ def accumulated(s: Summary, passes: int, grad_accum: int) -> Summary:
     """The plan of `passes` micro-batches (explain's grad_accum) as that of `grad_accum` ones: every collective
     but the gradient reductions repeats per micro-batch, the reductions run once; memory is the same (one
     micro-batch's activations, the gradients held unreduced between micro-batches)."""
-    groups = {k: list(v) if k[1] == "reduce" else [v[0] * grad_accum // passes, v[1] * grad_accum // passes]
-              for k, v in s.groups.items()}
+    groups = {k: list(v) if k[1] == "reduce" else [x * grad_accum // passes for x in v] for k, v in s.groups.items()}
     return Summary(groups, dict(s.memory))
 
 
