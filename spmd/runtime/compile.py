@@ -22,6 +22,7 @@ import torch.nn as nn
 from ..layout.blocks import find_blocks
 from .checkpointing import compile_body
 from .experts import expert_modules
+from .hooked import dress_inside
 from .host import host_params
 from .reshard import CHECKPOINTED_ATTR
 from .state import STATE_ATTR
@@ -54,6 +55,7 @@ def compile_blocks(model: nn.Module, blocks: str | None = None, bucket: bool = T
         compiled = (*state.compiled_params, *(p for block in block_list for p in block.parameters()))
         state.compiled_params = list({id(p): p for p in compiled}.values())  # each once, however often called
     for block in block_list:
+        dress_inside(block)  # a compiled block takes the DTensor path (spmd.runtime.hooked)
         for m in block.modules():
             # hook ids are global counters, and dynamo guards on them being in this set: with it empty,
             # every block of a type shares one graph (in a compiled graph an error aborts it anyway)

@@ -17,9 +17,10 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from ..layout.annotate import copy_annotations, get_pin, infer_axes, out_dim
 from ..layout.mesh import flatten_groups
 from ..layout.rules import Rules, _as_axes, placements_for
-from . import fused_step, ops  # noqa: F401  (register a fused Adam(W) step on local shards, sharding strategies)
+from . import detach, fused_step, ops  # noqa: F401  (DTensor op handlers: detach, fused Adam(W) on local
+#                                             shards; sharding strategies)
+from . import hooked, tags
 from . import state as active
-from . import tags
 from .accumulate import reduce_after_backward
 from .activations import finish_output, map_tensors, move_linear_input
 from .agree import check_layout_agrees
@@ -116,8 +117,8 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, rules: Rules, *, param_dtype
                 module._buffers[b_name] = distribute_tensor(_initial(b, full, param_init), mesh, placements,
                                                             src_data_rank=None)
         uses.update(id(p) for p in module._parameters.values() if p is not None)
-        module.register_forward_pre_hook(_pre_hook(state, mod_name, module, module is model), with_kwargs=True)
-        module.register_forward_hook(_post_hook(state, module, module is model), always_call=True)
+        hooked.install(module, _pre_hook(state, mod_name, module, module is model),
+                       _post_hook(state, module, module is model))
     install_expert_hooks(model, state)
     for p in (p for p in converted.values() if uses[id(p)] > 1):
         p._spmd_shared = True
@@ -130,6 +131,9 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, rules: Rules, *, param_dtype
 def _install_buckets(model: nn.Module, state: SPMDState, bucket_mb: float):
     state.buckets, state.bucket_of = make_buckets(model, state.mesh)
     state.local_members = local_blocks(model, state)
+    for m in model.modules():
+        if id(m) in state.local_members:
+            hooked.strip_inside(m)
     state.reducer = GradientReducer(state.mesh, bucket_mb) if bucket_mb > 0 else None
 
 
@@ -214,6 +218,8 @@ def _pre_hook(state: SPMDState, name: str, module: nn.Module, is_root: bool):
             local = enter_local(state, mod, name, args, kwargs)
             if local is not None:
                 return local
+            if not torch.compiler.is_compiling():  # (compile_blocks dresses a block before compiling it)
+                hooked.dress_inside(mod)  # this call takes the DTensor path: the modules inside move things
         if not torch.compiler.is_compiling() and (is_root or not state.global_view):
             # the root's forward, or a checkpointed block recomputing in backward (the compiler must not read
             # the stack: its entries differ between forward and recompute, and a guard on them recompiles)

@@ -39,6 +39,8 @@ class GlobalView(TorchFunctionMode):
         self.state = state
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        if not kwargs and len(args) == 1 and isinstance(args[0], torch.Tensor):
+            return func(*args)  # an attribute read or a unary op: no other tensor to meet, nothing to move
         kwargs = kwargs or {}
         flat = _tensors(args, kwargs)
         mesh = next((a.device_mesh for a in flat if isinstance(a, DTensor)), None)

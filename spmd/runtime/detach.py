@@ -1,0 +1,24 @@
+"""`detach` of a DTensor is the same layout around its local tensor's detach.
+
+Autograd detaches every gradient it stores into a parameter's `.grad` (AccumulateGrad), one per parameter
+per step, and DTensor's dispatch spends longer propagating the layout of a detach than the detach itself
+takes. This DTensor op handler (torch's mechanism for ops it treats specially, as fused_step's) gives the
+answer directly: the input's spec, shared as DTensor's cached output specs are. Importing spmd installs it.
+"""
+import torch
+from torch.distributed.tensor import DTensor
+
+__all__ = ["install"]
+
+
+def _detach(op_call, args, kwargs):
+    x = args[0]
+    return DTensor.__new__(DTensor, x._local_tensor.detach(), x._spec, requires_grad=False)
+
+
+def install() -> None:
+    """Registers the handler for aten.detach (idempotent; done when spmd is imported)."""
+    DTensor._op_dispatcher._custom_op_handlers.setdefault(torch.ops.aten.detach.default, _detach)
+
+
+install()

@@ -1,0 +1,72 @@
+"""What the runtime leaves out where nothing moves: the pass's hooks inside blocks that run on local tensors
+(put back when such a block takes the DTensor path), and DTensor's dispatch of `detach`. Each checked against
+the plain model's gradients."""
+import torch
+from torch.distributed.tensor import DTensor, Shard
+
+import spmd
+from tests.dist_utils import run_distributed
+from tests.spmd_cases import global_batch, local_slice, norm_rel_err, tiny_model
+
+
+def _pass_hooks(m) -> int:
+    """How many of the pass's hooks `m` carries (its pre- and post-hook, both or neither)."""
+    ours = getattr(m, "_spmd_hooks", None)
+    if ours is None:
+        return 0
+    return sum(h is ours[0] for h in m._forward_pre_hooks.values()) + sum(h is ours[1] for h in m._forward_hooks.values())
+
+
+def _grads_match_plain(model, tokens, targets, mesh):
+    plain = tiny_model()
+    plain(tokens, targets).backward()
+    model(local_slice(tokens, mesh), local_slice(targets, mesh)).backward()
+    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+        assert norm_rel_err(p.grad.full_tensor(), q.grad) <= 1e-5, name
+
+
+def _hooks_inside_local_blocks(rank, world):
+    mesh = spmd.make_mesh({"dp": 2})
+    tokens, targets = global_batch(0)
+    seen = []
+    model = tiny_model()
+    mine = model.layers[0].attention.wq
+    mine.register_forward_pre_hook(lambda m, args: seen.append(type(args[0])))  # registered before parallelize
+    spmd.parallelize(model, mesh, spmd.Rules.default())
+    inside = [m for block in model.layers for m in list(block.modules())[1:] if m is not mine]
+    assert all(_pass_hooks(block) == 2 for block in model.layers) and _pass_hooks(model) == 2
+    assert all(_pass_hooks(m) == 0 and not m._forward_pre_hooks for m in inside)
+    # a module with a hook of its own keeps the pass's, in the order registered
+    assert _pass_hooks(mine) == 2 and list(mine._forward_pre_hooks.values())[1] is mine._spmd_hooks[0]
+    _grads_match_plain(model, tokens, targets, mesh)
+    assert seen == [torch.Tensor]  # inside the block, the user's hook sees local tensors
+
+    # activation checkpointing sends the blocks down the DTensor path: the hooks inside come back at the first
+    # forward, ahead of a hook registered since, and the gradients still equal the plain model's
+    model = spmd.parallelize(tiny_model(), mesh, spmd.Rules.default())
+    later = model.layers[1].feed_forward.w1
+    later.register_forward_pre_hook(lambda m, args: seen.append(type(args[0])))
+    spmd.apply_activation_checkpointing(model, "full")
+    _grads_match_plain(model, tokens, targets, mesh)
+    assert all(_pass_hooks(m) == 2 for block in model.layers for m in list(block.modules())[1:])
+    assert list(later._forward_pre_hooks.values())[0] is later._spmd_hooks[0]
+    assert seen[-1] is DTensor  # the user's hook now runs after the pass's, on the DTensor path
+
+
+def test_blocks_on_local_tensors_carry_no_hooks_inside_until_they_take_the_dtensor_path():
+    run_distributed(_hooks_inside_local_blocks, 2, timeout_s=180)
+
+
+def _detach(rank, world):
+    mesh = spmd.make_mesh({"fsdp": 2})
+    full = torch.arange(24.0).reshape(4, 6).requires_grad_()
+    x = DTensor.from_local(full[2 * rank:2 * rank + 2] * 1.0, mesh, [Shard(0)], run_check=False)
+    d = x.detach()
+    assert isinstance(d, DTensor) and not d.requires_grad and x.requires_grad
+    assert d.placements == x.placements and d.shape == x.shape and d.stride() == x.stride()
+    assert d._local_tensor.data_ptr() == x._local_tensor.data_ptr()  # a view, as a plain detach is
+    assert torch.equal(d.full_tensor(), full.detach())
+
+
+def test_detach_of_a_dtensor_keeps_its_layout_and_storage():
+    run_distributed(_detach, 2, timeout_s=120)
