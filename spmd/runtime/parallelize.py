@@ -1,7 +1,8 @@
 """`parallelize(model, mesh, rules)`: lays a global-view model out on a mesh, in place.
 
-Parameters become DTensors in their storage layout (the params map). Hooks on every module then run the
-propagation pass as the model runs: before a module computes, its parameters are gathered to their
+Parameters become DTensors in their storage layout (the params map). Hooks on the modules (every module
+but the insides of blocks that run on local tensors: spmd.runtime.hooked) then run the propagation pass as
+the model runs: before a module computes, its parameters are gathered to their
 compute layout (and cast to the compute dtype); a linear layer's input is moved to the layout its weight
 needs (spmd.runtime.activations); `constrain` points move activations to the rules' layout. After the
 forward of a module, gathered parameters are dropped and regathered for backward (ZeRO-3), unless the
@@ -17,8 +18,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from ..layout.annotate import copy_annotations, get_pin, infer_axes, out_dim
 from ..layout.mesh import flatten_groups
 from ..layout.rules import Rules, _as_axes, placements_for
-from . import detach, fused_step, ops  # noqa: F401  (DTensor op handlers: detach, fused Adam(W) on local
-#                                             shards; sharding strategies)
+from . import detach, fused_step, ops  # noqa: F401  (DTensor op handlers and sharding strategies, on import)
 from . import hooked, tags
 from . import state as active
 from .accumulate import reduce_after_backward
