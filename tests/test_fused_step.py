@@ -45,15 +45,15 @@ def _run(rank, world, reference, steps):
                   for w, (_, layout) in zip(wholes, SHAPES_AND_LAYOUTS)]
         opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, amsgrad=True, fused=True)
         fallbacks = []
-        dispatch = fused_step._dtensor_dispatch
-        fused_step._dtensor_dispatch = lambda *a: (fallbacks.append(a[0]), dispatch(*a))[1]
+        dispatch = fused_step.dtensor_dispatch
+        fused_step.dtensor_dispatch = lambda *a: (fallbacks.append(a[0]), dispatch(*a))[1]
         try:
             for step in range(steps):
                 for p, g, (_, layout) in zip(params, _grads(step), SHAPES_AND_LAYOUTS):
                     p.grad = distribute_tensor(g, mesh, [layout if grad_layout == "same" else Replicate()])
                 opt.step()
         finally:
-            fused_step._dtensor_dispatch = dispatch
+            fused_step.dtensor_dispatch = dispatch
         assert bool(fallbacks) == (grad_layout == "replicated"), (grad_layout, fallbacks)
         for p, want in zip(params, reference):
             err = (p.full_tensor() - want).abs().max().item()

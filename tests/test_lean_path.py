@@ -1,6 +1,7 @@
 """What the runtime leaves out where nothing moves: the pass's hooks inside blocks that run on local tensors
-(put back when such a block takes the DTensor path), and DTensor's dispatch of `detach`. Each checked against
-the plain model's gradients."""
+(put back when such a block takes the DTensor path), and DTensor's dispatch of `detach` (kept where the
+compiler traces one). Checked against the plain model's gradients, and compiled blocks against a failure of
+the compiler's partitioner that a traced shortcut caused."""
 import torch
 from torch.distributed.tensor import DTensor, Shard
 
@@ -70,3 +71,14 @@ def _detach(rank, world):
 
 def test_detach_of_a_dtensor_keeps_its_layout_and_storage():
     run_distributed(_detach, 2, timeout_s=120)
+
+
+def _compiled_after_eager_detach(rank, world):
+    from benchmarks import overhead
+    overhead.dtensor_op_overhead()  # eager DTensor ops on a 1-process mesh, before the compiler traces a detach
+    run = overhead.measure("tiny", "fp32", 2, 1, ["plain", "spmd"], True)  # every block compiled, both models
+    assert not run["errors"], run["errors"]
+
+
+def test_compiled_blocks_trace_detach_through_dtensor_dispatch():
+    run_distributed(_compiled_after_eager_detach, 1, timeout_s=300)

@@ -11,7 +11,7 @@ Importing spmd installs it.
 import torch
 from torch.distributed.tensor import DTensor
 
-__all__ = ["install"]
+__all__ = ["install", "dtensor_dispatch"]
 
 aten = torch.ops.aten
 _FUSED = [aten._fused_adamw_.default, aten._fused_adamw_.tensor_lr, aten._fused_adam_.default,
@@ -22,7 +22,7 @@ _LISTS = 6  # params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps
 def _local_update(op_call, args, kwargs):
     lists, rest = args[:_LISTS], [*args[_LISTS:], *kwargs.values()]
     if not _agree(lists) or any(isinstance(a, DTensor) for a in rest):
-        return _dtensor_dispatch(op_call, args, kwargs)
+        return dtensor_dispatch(op_call, args, kwargs)
     local = [[t._local_tensor if isinstance(t, DTensor) else t for t in group] for group in lists]
     return op_call(*local, *args[_LISTS:], **kwargs)
 
@@ -51,7 +51,7 @@ def _agree(lists) -> bool:
     return True
 
 
-def _dtensor_dispatch(op_call, args, kwargs):
+def dtensor_dispatch(op_call, args, kwargs):
     """The op through DTensor's own dispatch (this handler stood aside for the call)."""
     handlers = DTensor._op_dispatcher._custom_op_handlers
     mine = handlers.pop(op_call)
