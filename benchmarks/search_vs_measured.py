@@ -56,7 +56,7 @@ def spearman(xs: list[float], ys: list[float]) -> float:
 def gloo_worker(out: str) -> None:
     import torch
     import torch.distributed as dist
-    from spmd.analysis.record import ring_steps, wire_bytes
+    from spmd.analysis.record import wire_bytes
     dist.init_process_group("gloo")
     world = dist.get_world_size()
     groups, n = [(None, world)], world
@@ -80,7 +80,7 @@ def gloo_worker(out: str) -> None:
                     samples.append(time.perf_counter() - t0)
                 full = numel * 4 * (n if kind == "all_gather" else 1)
                 rows.append({"kind": kind, "ranks": n, "full_bytes": full, "wire_bytes": wire_bytes(kind, full, n),
-                             "steps": ring_steps(kind, n), "seconds": statistics.median(samples[2:])})
+                             "seconds": statistics.median(samples[2:])})
     if dist.get_rank() == 0:
         Path(out).write_text(json.dumps(rows))
     dist.destroy_process_group()
@@ -92,7 +92,7 @@ def fit_link(rows: list[dict], nproc: int) -> dict:
     term) was timed over all `nproc` processes."""
     import torch
     from spmd.analysis.record import ring_steps
-    steps = [r.get("steps", ring_steps(r["kind"], r.get("ranks", nproc))) for r in rows]
+    steps = [ring_steps(r["kind"], r.get("ranks", nproc)) for r in rows]
     x = torch.tensor([[1.0, s, r["wire_bytes"]] for s, r in zip(steps, rows)], dtype=torch.float64)
     t = torch.tensor([r["seconds"] for r in rows], dtype=torch.float64)
     scale = x.abs().amax(0).clamp_min(1e-30)
@@ -222,12 +222,12 @@ def rerank(rep: dict) -> int:
 
 
 def _link_words(link: dict) -> str:
-    return (f"fitted latency {1e6 * link['latency_s']:.0f} us + {1e6 * link.get('step_latency_s', 0.0):.0f} us "
+    return (f"fitted latency {1e6 * link['latency_s']:.0f} us + {1e6 * link['step_latency_s']:.0f} us "
             f"per ring step, bandwidth {link['bandwidth_Bps'] / 1e9:.2f} GB/s")
 
 
 def _group_sizes(d: dict) -> str:
-    return " and ".join(str(n) for n in sorted({r.get("ranks", 0) for r in d["samples"]}, reverse=True) if n) or "all"
+    return " and ".join(str(n) for n in sorted({r["ranks"] for r in d["samples"]}, reverse=True))
 
 
 def _verdict(planner: float, trivial: float) -> str:

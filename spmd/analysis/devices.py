@@ -62,8 +62,8 @@ class Device:
     efficiency: float = 0.5   # fraction of peak reached by the step's compute
     shared_memory: bool = False  # CPU: all processes share memory_bytes
     intra_step_latency: float = 0.0  # seconds per ring step (record.ring_steps) within a node
-    overlaps_comm: bool = True  # a collective progresses while the rank computes (step_time's `hidden`)
     inter_step_latency: float = 0.0  # seconds per ring step across nodes
+    overlaps_comm: bool = True  # a collective progresses while the rank computes (step_time's `hidden`)
 
     def peak(self, dtype) -> float:
         key = dtype_name(dtype)

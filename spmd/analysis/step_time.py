@@ -14,8 +14,9 @@ parameter traffic the runtime hides behind compute.
     overlap    = what spmd.runtime.buckets overlaps: a block's parameter gather issued while the block before
                  computes (FSDP2's prefetch; in backward the regather of the block before, when it is not
                  checkpointed). Prefetched gathers hide behind the compute of their phase, at most all of
-                 it, on a device whose collectives progress while it computes (devices.Device.overlaps_comm); the first block's gather, the regathers of recomputed blocks, gradient reductions (waited
-                 for where they are issued) and tensor/sequence-parallel moves are on the critical path;
+                 it, on a device whose collectives progress while it computes (Device.overlaps_comm); the
+                 first block's gather, the regathers of recomputed blocks, gradient reductions (waited for
+                 where they are issued) and tensor/sequence-parallel moves are on the critical path;
     step       = compute + recompute + every collective - hidden.
 """
 from __future__ import annotations
@@ -69,8 +70,8 @@ def predict(summary: Summary, sizes: dict, dev: Device, compute_s: float, recomp
                          else (dev.intra_bw, dev.intra_latency, dev.intra_step_latency))
         t[kind] += count * lat + steps * step + nbytes / bw
     forward_s = compute_s / 3
-    hidden = min(t["prefetch-forward"], forward_s) + min(t["prefetch-backward"], compute_s - forward_s + recompute_s)
-    hidden *= dev.overlaps_comm
+    hidden = 0.0 if not dev.overlaps_comm else (
+        min(t["prefetch-forward"], forward_s) + min(t["prefetch-backward"], compute_s - forward_s + recompute_s))
     param = t["gather"] + t["prefetch-forward"] + t["prefetch-backward"] + t["reduce"]
     return {"activation_comm_s": t["activation"], "param_comm_s": param, "hidden_s": hidden,
             "step_s": compute_s + recompute_s + t["activation"] + param - hidden, "links": link}

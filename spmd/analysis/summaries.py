@@ -31,7 +31,7 @@ __all__ = ["Summary", "summarize", "plan_summary", "planned", "checkpointed", "p
 # (a block's gather issued while the block before computes, spmd.runtime.buckets), "reduce" gradients (once
 # per step under gradient accumulation), "activation" (tensor/sequence-parallel moves, losses)
 TRAFFIC = ("activation", "gather", "prefetch-forward", "prefetch-backward", "reduce")
-NONE = (0, 0, 0)  # a Summary group no collective falls in: count, bytes, ring steps
+EMPTY_GROUP = (0, 0, 0)  # a Summary group no collective falls in: count, bytes, ring steps
 REDUCE_REASONS = ("reduce gradient ", "reduce-scatter gradients ", "all-reduce gradients ")
 GATHER_REASONS = ("gather ", "regather ", "all-gather updated ")  # the last: ZeRO 1/2 after the step
 
@@ -85,12 +85,12 @@ class Summary:
 
     def __sub__(self, o):
         keys = set(self.groups) | set(o.groups)
-        return Summary({k: [a - b for a, b in zip(self.groups.get(k, NONE), o.groups.get(k, NONE))] for k in keys},
+        return Summary({k: [a - b for a, b in zip(self.groups.get(k, EMPTY_GROUP), o.groups.get(k, EMPTY_GROUP))] for k in keys},
                         {k: self.memory[k] - o.memory[k] for k in self.memory})
 
     def __add__(self, o):
         keys = set(self.groups) | set(o.groups)
-        return Summary({k: [a + b for a, b in zip(self.groups.get(k, NONE), o.groups.get(k, NONE))] for k in keys},
+        return Summary({k: [a + b for a, b in zip(self.groups.get(k, EMPTY_GROUP), o.groups.get(k, EMPTY_GROUP))] for k in keys},
                         {k: self.memory[k] + o.memory[k] for k in self.memory})
 
     def __mul__(self, f: int):
@@ -102,7 +102,7 @@ def summarize(plan) -> Summary:
     for c in plan.collectives:
         if c.kind == "recv":
             continue  # the matching send carries the bytes of a point-to-point exchange (the cp ring)
-        g = groups.setdefault(("+".join(c.axes), traffic(c)), list(NONE))
+        g = groups.setdefault(("+".join(c.axes), traffic(c)), list(EMPTY_GROUP))
         g[0] += 1
         g[1] += c.bytes
         g[2] += ring_steps(c.kind, math.prod(plan.mesh.get(a, 1) for a in c.axes))
@@ -171,7 +171,7 @@ def checkpointed(none: Summary, full: Summary, ac: str) -> Summary:
     for (axes, kind), one_block in none.block.groups.items():
         if kind == "prefetch-backward" and lone:
             out.groups[(axes, kind)] = [a - lone * b for a, b in zip(out.groups[(axes, kind)], one_block)]
-            was = out.groups.get((axes, "gather"), NONE)
+            was = out.groups.get((axes, "gather"), EMPTY_GROUP)
             out.groups[(axes, "gather")] = [a + lone * b for a, b in zip(was, one_block)]
     return _with_recompute(out, none.block.memory["activations"])
 

@@ -124,9 +124,10 @@ class Bucket:
                 continue
             if state.reduce_dtype is not None and g.dtype != state.reduce_dtype:
                 g = g.to(state.reduce_dtype)
-            if not state.sync or (p.grad is None and tuple(g.placements) == grads_layout(p)):  # (no_sync; or
-                out[i] = g if g.dtype == p.dtype else g.to(p.dtype)  # nothing to reduce: no mesh axis splits
-                continue                                             # what it was computed from)
+            # under no_sync, or where no mesh axis splits what the gradient was computed from: nothing to reduce
+            if not state.sync or (p.grad is None and tuple(g.placements) == grads_layout(p)):
+                out[i] = g if g.dtype == p.dtype else g.to(p.dtype)
+                continue
             if held_for_step(p):
                 with tags.reason(self.name, f"reduce gradient of {p._spmd_name} but over the axes its step shards"):
                     out[i] = reduce_for_step(p, g).to(p.dtype)
