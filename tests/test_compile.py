@@ -11,11 +11,19 @@ up at run time fail, without inductor's code generation): 3 AdamW steps match on
 Inductor itself runs in test_train's compiled trainer run. ZeRO stages 1 and 2 compile too: a block's
 graph reduce-scatters stage-2 gradients onto the optimizer's shards and leaves stage-1 gradients partial
 sums for the step, which the test checks on the gradients' placements before the step.
+
+Blocks with data-only layouts (`fsdp=4`, `dp=2,fsdp=2`) compile their forward alone, on local tensors: the
+graphs' inputs hold no DTensor, and with two micro-batches under no_sync 3 AdamW steps match one device
+within 1e-5. A call of such a block that takes the DTensor path (a plain tensor of the global batch's shape
+among its inputs) traces that path in the same compiled forward, and matches one device too.
 """
 import contextlib
 
 import pytest
 import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 import spmd
 from tests.dist_utils import run_distributed
@@ -109,3 +117,74 @@ def test_compiled_zero_stages_1_and_2_match_one_device(zero):
     """Compiled blocks hold gradients as the stage says: stage 2 reduce-scattered onto the optimizer's shards in
     backward, stage 1 unreduced for the step; the numbers stay one device's."""
     run_distributed(_compiled_steps, 4, "fsdp=2,tp=2,sp", "selective:2", 2, "aot_eager", zero, timeout_s=600)
+
+
+_GRAPH_TAKES_DTENSOR = []  # per graph compiled in this process: whether any of its inputs is a DTensor
+
+
+def _recording_backend(gm, example_inputs):
+    from torch._dynamo.backends.debugging import aot_eager
+    _GRAPH_TAKES_DTENSOR.append(any(isinstance(t, DTensor) for t in example_inputs))
+    return aot_eager(gm, example_inputs)
+
+
+def _local_compiled_steps(rank, world, spec):
+    _compiled_steps(rank, world, spec, "none", 2, _recording_backend)
+    assert _GRAPH_TAKES_DTENSOR and not any(_GRAPH_TAKES_DTENSOR), _GRAPH_TAKES_DTENSOR
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", ["fsdp=4", "dp=2,fsdp=2"])
+def test_data_only_blocks_compile_their_forward_on_local_tensors(spec):
+    run_distributed(_local_compiled_steps, 4, spec, timeout_s=600)
+
+
+class _GatedBlock(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, h, keep):
+        return h + torch.tanh(self.proj(h)) * keep
+
+
+class _GatedModel(nn.Module):
+    """Blocks fed a gate the model makes from the global shapes, as transformers' models make their masks."""
+
+    def __init__(self, vocab=64, dim=16, n_layers=2):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList([_GatedBlock(dim) for _ in range(n_layers)])
+        self.out = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens, targets):
+        h = self.embed(tokens)
+        keep = torch.ones(h.shape[0], h.shape[1], 1)
+        for layer in self.layers:
+            h = layer(h, keep)
+        return F.cross_entropy(self.out(h).flatten(0, 1), targets.flatten())
+
+
+def _dtensor_path_compiled_steps(rank, world):
+    mesh = spmd.make_mesh({"fsdp": world})
+    ref, model = _GatedModel(), _GatedModel()
+    spmd.annotate_by_name(model, {"embed.weight": ("vocab", "embed"), "out.weight": ("vocab", "embed"),
+                                  "*.proj.weight": ("mlp", "embed"), "*.proj.bias": "mlp"})
+    spmd.parallelize(model, mesh, spmd.Rules.default())
+    spmd.compile_blocks(model, backend=_recording_backend)
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref))
+    ref_params = dict(ref.named_parameters())
+    for step in range(3):
+        tokens, targets = (t % 64 for t in global_batch(step))
+        model(local_slice(tokens, mesh), local_slice(targets, mesh)).backward()
+        ref(tokens, targets).backward()
+        opt.step(); ref_opt.step(); opt.zero_grad(); ref_opt.zero_grad()
+        for name, p in model.named_parameters():
+            err = norm_rel_err(p.full_tensor(), ref_params[name].detach())
+            assert err <= TOL, f"step {step}: parameter {name} off by {err:.2e}"
+    assert any(_GRAPH_TAKES_DTENSOR), _GRAPH_TAKES_DTENSOR  # the DTensor path was traced, not the local one
+
+
+def test_a_data_only_block_on_the_dtensor_path_compiles_that_path():
+    run_distributed(_dtensor_path_compiled_steps, 2, timeout_s=300)

@@ -1,6 +1,13 @@
 """`compile_blocks(model)`: torch.compile each repeated block of a (parallelized) model.
 
-A block compiles to one graph per block type, with its parameter gathers, layout moves and gradient
+A block that runs on local tensors (data-only layouts, spmd.runtime.local) compiles its forward alone, as a
+plain model's block would compile: its hooks stay eager around the graph, gather its bucket, prefetch the
+next and reduce its gradients asynchronously with the other blocks', as in eager (FSDP2's hooks sit around
+a compiled block the same way), and the graph sees plain tensors, with no DTensor to unwrap and rewrap at
+every call. Should such a block take the DTensor path on some call (inputs not split by batch), its
+compiled forward traces that path too, its gathers inside, as a checkpointed block's body does.
+
+Any other block compiles to one graph per block type, with its parameter gathers, layout moves and gradient
 reductions inside it as functional collectives, so the compiler sees and schedules them. Inside a compiled
 block the pass uses DTensor's own redistribute (the same layouts as in eager, see spmd.runtime.params), inductor
 buckets the block's collectives of each kind into one (as spmd.runtime.buckets does in eager), and
@@ -24,7 +31,7 @@ from .checkpointing import compile_body
 from .experts import expert_modules
 from .hooked import dress_inside
 from .host import host_params
-from .reshard import CHECKPOINTED_ATTR
+from .reshard import BODY_COMPILED_ATTR, CHECKPOINTED_ATTR
 from .state import STATE_ATTR
 
 __all__ = ["compile_blocks"]
@@ -54,7 +61,11 @@ def compile_blocks(model: nn.Module, blocks: str | None = None, bucket: bool = T
     if state is not None:
         compiled = (*state.compiled_params, *(p for block in block_list for p in block.parameters()))
         state.compiled_params = list({id(p): p for p in compiled}.values())  # each once, however often called
+    local = set() if state is None else set(state.local_members)
     for block in block_list:
+        if id(block) in local and not getattr(block, CHECKPOINTED_ATTR, False):
+            _compile_forward(block, **compile_kwargs)
+            continue
         dress_inside(block)  # a compiled block takes the DTensor path (spmd.runtime.hooked)
         for m in block.modules():
             # hook ids are global counters, and dynamo guards on them being in this set: with it empty,
@@ -67,3 +78,10 @@ def compile_blocks(model: nn.Module, blocks: str | None = None, bucket: bool = T
     # blocks of one type share a graph; room for a recompile per block where guards differ (shapes)
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 2 * len(block_list))
     return list(range(len(block_list)))
+
+
+def _compile_forward(block: nn.Module, **compile_kwargs) -> None:
+    """torch.compile a block's forward alone, its hooks left eager around it; on a DTensor-path call the graph
+    gathers the parameters itself, as a checkpointed block's compiled body does."""
+    block.forward = torch.compile(block.forward, **compile_kwargs)
+    setattr(block, BODY_COMPILED_ATTR, True)

@@ -16,7 +16,7 @@ from .host import to_compute
 __all__ = ["CHECKPOINTED_ATTR", "BODY_COMPILED_ATTR", "reshard_after_forward", "storage_key", "observe_saved"]
 
 CHECKPOINTED_ATTR = "_spmd_checkpointed"
-BODY_COMPILED_ATTR = "_spmd_body_compiled"  # a checkpointed block whose hooks run eager, its body compiled
+BODY_COMPILED_ATTR = "_spmd_body_compiled"  # a block whose hooks run eager around its compiled body or forward
 _observers: list[dict] = []
 
 
