@@ -15,7 +15,9 @@ sums for the step, which the test checks on the gradients' placements before the
 Blocks with data-only layouts (`fsdp=4`, `dp=2,fsdp=2`) compile their forward alone, on local tensors: the
 graphs' inputs hold no DTensor, and with two micro-batches under no_sync 3 AdamW steps match one device
 within 1e-5. A call of such a block that takes the DTensor path (a plain tensor of the global batch's shape
-among its inputs) traces that path in the same compiled forward, and matches one device too.
+among its inputs) traces that path in the same compiled forward, and matches one device too. Compiled data-only
+blocks issue eager's collectives (the bucket gathers, prefetches and reductions), and a checkpointed compiled
+block, which gathers inside its graph, is not prefetched for: forward gathers the bytes eager does.
 """
 import contextlib
 
@@ -188,3 +190,29 @@ def _dtensor_path_compiled_steps(rank, world):
 
 def test_a_data_only_block_on_the_dtensor_path_compiles_that_path():
     run_distributed(_dtensor_path_compiled_steps, 2, timeout_s=300)
+
+
+def _recorded_step(mesh, ac: str, compiled: bool) -> list:
+    from spmd.analysis.record import CollectiveRecorder
+    model = tiny_model()
+    spmd.parallelize(model, mesh, spmd.Rules.default())
+    spmd.apply_activation_checkpointing(model, ac)
+    if compiled:
+        spmd.compile_blocks(model, backend="aot_eager")  # runs functional collectives eagerly: recorded
+    for step in range(2):  # the second step, after the first compiled
+        tokens, targets = global_batch(step)
+        with CollectiveRecorder(mesh) as rec:
+            model(local_slice(tokens, mesh), local_slice(targets, mesh)).backward()
+    return [(r.kind, r.phase, r.bytes) for r in rec.records]
+
+
+def _compiled_schedules(rank, world):
+    mesh = spmd.make_mesh({"fsdp": world})
+    assert _recorded_step(mesh, "none", True) == _recorded_step(mesh, "none", False)
+    gathered = [sum(b for kind, phase, b in _recorded_step(mesh, "full", compiled)
+                    if kind == "all_gather" and phase == "forward") for compiled in (True, False)]
+    assert gathered[0] == gathered[1], gathered
+
+
+def test_compiled_blocks_gather_what_eager_gathers():
+    run_distributed(_compiled_schedules, 2, timeout_s=300)

@@ -17,7 +17,7 @@ from ..layout.blocks import find_blocks
 from . import flat, tags
 from .gradients import grads_layout, held_for_step, join_unreduced, reduce_for_step, reduce_to, slice_onto_shards
 from .wrap import wrap_local
-from .reshard import CHECKPOINTED_ATTR
+from .reshard import CHECKPOINTED_ATTR, gathers_in_graph
 
 __all__ = ["Bucket", "make_buckets", "drop_root_unit", "gather_bucket", "regather_for_recompute", "shard_dims"]
 
@@ -246,9 +246,7 @@ def gather_bucket(bucket: Bucket, state, grad_layouts=None) -> dict:
     else:
         values = _GatherBucketLocal.apply(bucket, state, pending, tuple(grad_layouts), *bucket.params)
     nxt = bucket.next
-    # a compiled block gathers inside its graph: nothing would take a prefetch
-    compiled = nxt is not None and getattr(nxt.module, "_compiled_call_impl", None) is not None
-    if nxt is not None and id(nxt) not in state.prefetched and not compiled:
+    if nxt is not None and id(nxt) not in state.prefetched and not gathers_in_graph(nxt.module):
         state.prefetched[id(nxt)] = nxt.issue(state.param_dtype, f"gather {nxt.name} to its compute layout, "
                                                                   f"prefetched")
     return {id(p): v for p, v in zip(bucket.params, values)}

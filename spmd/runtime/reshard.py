@@ -13,10 +13,20 @@ from torch.distributed.tensor import DTensor
 from . import attention_memory, tags
 from .host import to_compute
 
-__all__ = ["CHECKPOINTED_ATTR", "BODY_COMPILED_ATTR", "reshard_after_forward", "storage_key", "observe_saved"]
+__all__ = ["CHECKPOINTED_ATTR", "BODY_COMPILED_ATTR", "gathers_in_graph", "reshard_after_forward", "storage_key",
+           "observe_saved"]
 
 CHECKPOINTED_ATTR = "_spmd_checkpointed"
 BODY_COMPILED_ATTR = "_spmd_body_compiled"  # a block whose hooks run eager around its compiled body or forward
+
+
+def gathers_in_graph(block) -> bool:
+    """Whether `block` gathers its parameters inside a compiled graph (compiled whole, or a checkpointed block's
+    compiled body), where nothing would take a prefetched bucket."""
+    return getattr(block, "_compiled_call_impl", None) is not None or (
+        getattr(block, BODY_COMPILED_ATTR, False) and getattr(block, CHECKPOINTED_ATTR, False))
+
+
 _observers: list[dict] = []
 
 
