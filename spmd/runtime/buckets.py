@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor
 from ..layout.blocks import find_blocks
 from . import flat, tags
 from .gradients import grads_layout, held_for_step, join_unreduced, reduce_for_step, reduce_to, slice_onto_shards
-from .wrap import wrap_local
+from .wrap import cast, wrap_local
 from .reshard import CHECKPOINTED_ATTR, gathers_in_graph
 
 __all__ = ["Bucket", "make_buckets", "drop_root_unit", "gather_bucket", "regather_for_recompute", "shard_dims"]
@@ -122,15 +122,15 @@ class Bucket:
         for i, (p, g) in enumerate(zip(self.params, grads)):
             if g is None:
                 continue
-            if state.reduce_dtype is not None and g.dtype != state.reduce_dtype:
-                g = g.to(state.reduce_dtype)
+            if state.reduce_dtype is not None:
+                g = cast(g, state.reduce_dtype)
             # under no_sync, or where no mesh axis splits what the gradient was computed from: nothing to reduce
             if not state.sync or (p.grad is None and tuple(g.placements) == grads_layout(p)):
-                out[i] = g if g.dtype == p.dtype else g.to(p.dtype)
+                out[i] = cast(g, p.dtype)
                 continue
             if held_for_step(p):
                 with tags.reason(self.name, f"reduce gradient of {p._spmd_name} but over the axes its step shards"):
-                    out[i] = reduce_for_step(p, g).to(p.dtype)
+                    out[i] = cast(reduce_for_step(p, g), p.dtype)
                 continue
             work[i] = slice_onto_shards(join_unreduced(p, g), grads_layout(p))
             if state.reducer is not None and self._hand_over(p, work[i], state.reducer):
@@ -146,7 +146,7 @@ class Bucket:
             if tuple(g.placements) != storage:
                 with tags.reason(self.name, f"reduce gradient of {self.params[i]._spmd_name} to its storage layout"):
                     g = reduce_to(g, storage)
-            out[i] = g.to(self.params[i].dtype)
+            out[i] = cast(g, self.params[i].dtype)
         return out
 
     def _hand_over(self, p, g, reducer) -> bool:

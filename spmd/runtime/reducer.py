@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 
 from . import flat, tags
 from .gradients import grads_layout, reduce_to
-from .wrap import wrap_local
+from .wrap import cast, wrap_local
 
 __all__ = ["GradientReducer", "DEFAULT_BUCKET_MB"]
 
@@ -120,8 +120,7 @@ class GradientReducer:
                 value = wrap_local(reduced, self.mesh, placements, shape, stride)
                 if tuple(value.placements) != grads_layout(p):
                     value = reduce_to(value, grads_layout(p))
-                if value.dtype != p.dtype:
-                    value = value.to(p.dtype)
+                value = cast(value, p.dtype)
                 p.grad = value if p.grad is None else p.grad + value
                 if self.copies is not None:
                     self.copies.ready(p)

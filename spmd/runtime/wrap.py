@@ -6,7 +6,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._utils import compute_global_tensor_info
 
-__all__ = ["wrap_local", "as_dtensor", "layout_spec", "contiguous_stride"]
+__all__ = ["wrap_local", "as_dtensor", "cast", "layout_spec", "contiguous_stride"]
 
 
 def wrap_local(local: torch.Tensor, mesh, placements, shape, stride) -> DTensor:
@@ -25,6 +25,16 @@ def as_dtensor(t: torch.Tensor, mesh, placements) -> DTensor:
         return DTensor.from_local(t, mesh, placements, run_check=False)
     shape, stride = compute_global_tensor_info(t, mesh, placements)
     return wrap_local(t.view_as(t), mesh, placements, shape, stride)
+
+
+def cast(t: DTensor, dtype) -> DTensor:
+    """`t.to(dtype)` for a gradient: the cast of its local tensor in the same layout (elementwise, so partial
+    sums stay partial sums), without DTensor's dispatch, one per parameter per step in mixed precision."""
+    if t.dtype == dtype:
+        return t
+    if t.requires_grad:
+        return t.to(dtype)
+    return wrap_local(t._local_tensor.to(dtype), t.device_mesh, t.placements, t.shape, t.stride())
 
 
 _SPECS: dict = {}  # (id(mesh), placements, shape, stride, dtype) -> (mesh, DTensorSpec)
