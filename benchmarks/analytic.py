@@ -30,7 +30,8 @@ The textbook terms, and the terms the textbooks leave out that a real step has (
   DP over d                    all-reduce of the gradients (fp32; of the fsdp shard under HSDP): "2Ψ"
   gradient buffers             gradients with the same reduction (a reduce-scatter over fsdp, then one all-
                                reduce over the other axes they are summed over) share buffers across blocks,
-                               issued at bucket_mb (DDP's 25 MB); a tied weight reduces on its own
+                               issued at bucket_mb (DDP's 25 MB), the first at 1 MB (DDP's first bucket); a tied
+                               weight reduces on its own
   EP over ep (expert_comm)     a mixture of experts at balanced routing: 4 all-to-alls per MoE layer of
                                top_k*b*s*h*e (ep-1)/ep, the token counts, the router statistics; its expert
                                parameters per rank: expert_states. The dense terms under ep are not modelled
@@ -49,6 +50,7 @@ from dataclasses import dataclass, field
 BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}
 REDUCE_BYTES = 4   # gradients are reduced in fp32
 DEFAULT_BUCKET_MB = 25.0  # spmd.runtime.reducer's (DDP's) gradient buffer
+FIRST_BUCKET_MB = 1.0  # and its first buffer of a backward (DDP's first bucket)
 LOSS_BYTES = 4     # the loss statistics are fp32
 
 
@@ -150,14 +152,15 @@ def parameter_units(params: list[Param], tied: bool = False) -> dict:
 
 def buffers(params: list[Param], nbytes, bucket_mb: float) -> list[int]:
     """Bytes of each gradient buffer spmd.runtime.reducer issues: gradients arrive block by block in backward
-    order (the last block first, the root last) and a buffer goes out as soon as it holds `bucket_mb` MB."""
+    order (the last block first, the root last) and a buffer goes out as soon as it holds `bucket_mb` MB, the
+    first one at FIRST_BUCKET_MB (DDP's first bucket) already."""
     units = list(parameter_units(params).items())
     order = [u for k, u in reversed(units) if k.isdigit()] + [u for k, u in units if not k.isdigit()]
     cap, out, open_ = int(bucket_mb * 2**20), [], 0
     for unit in order:
         for p in unit:
             open_ += nbytes(p)
-            if open_ >= cap:
+            if open_ >= (cap if out else min(cap, int(FIRST_BUCKET_MB * 2**20))):
                 out.append(open_)
                 open_ = 0
     return out + ([open_] if open_ else [])

@@ -120,9 +120,27 @@ def test_data_parallel_moves_two_psi():
     psi = param_bytes(tiny_model())
     report("dp gradient all-reduce", sum(c.bytes for c in planned(plan, "all_reduce", "dp", "backward")),
            2 * psi * (n - 1) // n)
-    # DDP's buckets: every gradient, blocks and root unit alike, in one all-reduce while they fit 25 MB
-    assert psi < 25 * 2**20
+    # DDP's buckets: every gradient, blocks and root unit alike, in one all-reduce while they fit the first (1 MB)
+    assert psi < 2**20
     assert len(planned(plan, "all_reduce", "dp", "backward")) == 1
+
+
+def test_data_parallel_first_buffer_goes_out_at_ddps_first_bucket_size():
+    """As DDP's first bucket (1 MB): the first gradients of backward (the last block's) are all-reduced while
+    the rest of backward runs, and the others follow in one buffer; as many buffers as DDP assigns buckets."""
+    import torch.distributed as dist
+    n, model = 4, tiny_model(dim=256, ffn_dim=768)  # 7 MB of gradients: more than DDP's first bucket
+    plan = spmd.explain(model, spmd.Rules.default(), {"dp": n}, batch_shape=(BATCH, SEQ))
+    reduced = planned(plan, "all_reduce", "dp", "backward")
+    last = param_bytes(model, lambda name: name.startswith(f"layers.{len(model.layers) - 1}."))
+    first = reduced[0].bytes * n // (2 * (n - 1))  # the buffer's gradient bytes
+    print(f"first buffer {first:,} bytes of the last block's {last:,}: {reduced[0].reason}")
+    assert 2**20 <= first < last and f"gradients of layers.{len(model.layers) - 1} (" in reduced[0].reason
+    report("dp gradient all-reduce", sum(c.bytes for c in reduced), 2 * param_bytes(model) * (n - 1) // n)
+    params = list(model.parameters())
+    buckets, _ = dist._compute_bucket_assignment_by_size(
+        list(reversed(params)), [dist._DEFAULT_FIRST_BUCKET_BYTES, 25 * 2**20], [False] * len(params))
+    assert len(reduced) == len(buckets) == 2
 
 
 

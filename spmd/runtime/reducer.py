@@ -8,8 +8,9 @@ reaches the size is issued at once, asynchronously, while backward goes on. A bu
 then all-reduces issues its all-reduce when the next buffer is issued (its reduce-scatter has had that much
 backward to travel) or at the end of backward. At the end of backward the rest are issued, everything is
 waited on, and each parameter's gradient is set (added to the one it already holds). So a model whose
-gradients fit one buffer reduces them in one collective per kind, as DDP does, instead of one per block and
-mesh axis. Under `offload="optimizer"` a buffer whose last collective is issued is handed to the copy-out
+gradients fit one buffer reduces them in two collectives per kind, as DDP does, instead of one per block and
+mesh axis: as DDP's, the first buffer of each kind in a backward goes out at 1 MB, so the gradients that
+arrive first (the last block's) travel while the rest of backward runs. Under `offload="optimizer"` a buffer whose last collective is issued is handed to the copy-out
 (spmd.runtime.transfer) when the next buffer is issued, so its gradients travel to the host during backward.
 """
 import torch
@@ -19,9 +20,10 @@ from . import flat, tags
 from .gradients import grads_layout, reduce_to
 from .wrap import cast, wrap_local
 
-__all__ = ["GradientReducer", "DEFAULT_BUCKET_MB"]
+__all__ = ["GradientReducer", "DEFAULT_BUCKET_MB", "FIRST_BUCKET_MB"]
 
 DEFAULT_BUCKET_MB = 25.0  # torch DistributedDataParallel's bucket_cap_mb
+FIRST_BUCKET_MB = 1.0  # DistributedDataParallel's first bucket (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES)
 
 
 class _Issued:
@@ -47,6 +49,8 @@ class _Issued:
 class GradientReducer:
     def __init__(self, mesh, bucket_mb: float = DEFAULT_BUCKET_MB):
         self.mesh, self.cap = mesh, int(bucket_mb * 2**20)
+        self.first_cap = min(self.cap, int(FIRST_BUCKET_MB * 2**20))
+        self.started: set = set()  # keys with a buffer issued in this backward (the later ones take `cap`)
         self.open: dict = {}     # (scatter dim | None, summed dims, dtype) -> [(param, unreduced gradient, block)]
         self.sizes: dict = {}    # same key -> bytes in the open buffer
         self.issued: list = []   # _Issued, in order
@@ -55,7 +59,7 @@ class GradientReducer:
 
     def reset(self):
         """Forgets buffers a backward that failed part-way left (called as each forward starts)."""
-        self.open, self.sizes, self.issued, self.queued = {}, {}, [], False
+        self.open, self.sizes, self.issued, self.queued, self.started = {}, {}, [], False, set()
 
     def add(self, p, g: DTensor, scatter: int | None, summed: tuple, block: str):
         """Takes `g` for `p`, a partial sum over mesh dim `scatter` (reduce-scattered onto p's grads shards)
@@ -66,13 +70,14 @@ class GradientReducer:
         if not self.queued:
             torch.autograd.Variable._execution_engine.queue_callback(self.finish)
             self.queued = True
-        if self.sizes[key] >= self.cap:
+        if self.sizes[key] >= (self.cap if key in self.started else self.first_cap):
             self._issue(key)
 
     def _issue(self, key):
         scatter, summed, _ = key
         members = self.open.pop(key)
         self.sizes.pop(key)
+        self.started.add(key)
         blocks = sorted({b for _, _, b in members})
         what = f"gradients of {', '.join(blocks)} ({len(members)} parameters, one buffer)"
         tensors = [g._local_tensor for _, g, _ in members]
@@ -105,7 +110,7 @@ class GradientReducer:
         """End of backward: issues the open buffers, waits for all, and sets the parameters' gradients."""
         for key in list(self.open):
             self._issue(key)
-        issued, self.issued, self.queued = self.issued, [], False
+        issued, self.issued, self.queued, self.started = self.issued, [], False, set()
         for buffer in issued:
             buffer.advance(self.mesh)
         if self.copies is not None:
