@@ -7,10 +7,11 @@ flattened group in one collective). They join the open buffer of their reduction
 reaches the size is issued at once, asynchronously, while backward goes on. A buffer that reduce-scatters and
 then all-reduces issues its all-reduce when the next buffer is issued (its reduce-scatter has had that much
 backward to travel) or at the end of backward. At the end of backward the rest are issued, everything is
-waited on, and each parameter's gradient is set (added to the one it already holds). So a model whose
-gradients fit one buffer reduces them in two collectives per kind, as DDP does, instead of one per block and
-mesh axis: as DDP's, the first buffer of each kind in a backward goes out at 1 MB, so the gradients that
-arrive first (the last block's) travel while the rest of backward runs. Under `offload="optimizer"` a buffer whose last collective is issued is handed to the copy-out
+waited on, and each parameter's gradient is set (added to the one it already holds). As DDP's first bucket,
+the first buffer of each kind in a backward goes out at 1 MB, so the gradients that arrive first (the last
+block's) travel while the rest of backward runs. So a model whose gradients fit 25 MB reduces them in at
+most two collectives per kind, as DDP does, instead of one per block and mesh axis. Under
+`offload="optimizer"` a buffer whose last collective is issued is handed to the copy-out
 (spmd.runtime.transfer) when the next buffer is issued, so its gradients travel to the host during backward.
 """
 import torch
