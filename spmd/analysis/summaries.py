@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import logging
 import math
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -84,14 +85,17 @@ class Summary:
     blocks: int = 0                  # how many repeated blocks the model has
 
     def __sub__(self, o):
-        keys = set(self.groups) | set(o.groups)
-        return Summary({k: [a - b for a, b in zip(self.groups.get(k, EMPTY_GROUP), o.groups.get(k, EMPTY_GROUP))] for k in keys},
-                        {k: self.memory[k] - o.memory[k] for k in self.memory})
+        return self._combine(o, operator.sub)
 
     def __add__(self, o):
+        return self._combine(o, operator.add)
+
+    def _combine(self, o, op) -> "Summary":
+        """Groups and memory combined entry by entry (a group one side lacks counts as EMPTY_GROUP)."""
         keys = set(self.groups) | set(o.groups)
-        return Summary({k: [a + b for a, b in zip(self.groups.get(k, EMPTY_GROUP), o.groups.get(k, EMPTY_GROUP))] for k in keys},
-                        {k: self.memory[k] + o.memory[k] for k in self.memory})
+        groups = {k: [op(a, b) for a, b in zip(self.groups.get(k, EMPTY_GROUP), o.groups.get(k, EMPTY_GROUP))]
+                  for k in keys}
+        return Summary(groups, {k: op(self.memory[k], o.memory[k]) for k in self.memory})
 
     def __mul__(self, f: int):
         return Summary({k: [v * f for v in g] for k, g in self.groups.items()}, {k: v * f for k, v in self.memory.items()})

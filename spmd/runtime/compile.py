@@ -61,7 +61,7 @@ def compile_blocks(model: nn.Module, blocks: str | None = None, bucket: bool = T
     if state is not None:
         compiled = (*state.compiled_params, *(p for block in block_list for p in block.parameters()))
         state.compiled_params = list({id(p): p for p in compiled}.values())  # each once, however often called
-    local = set() if state is None else set(state.local_members)
+    local = {} if state is None else state.local_members  # blocks that run on local tensors
     for block in block_list:
         if id(block) in local and not getattr(block, CHECKPOINTED_ATTR, False):
             _compile_forward(block, **compile_kwargs)
