@@ -35,7 +35,7 @@ from pathlib import Path
 from benchmarks import common
 
 
-def _args(a, spec: str | None) -> list[str]:
+def trainer_args(a, spec: str | None) -> list[str]:
     out = ["--model", a.model, "--steps", str(a.steps), "--batch-size", str(a.batch_size),
            "--seq-len", str(a.seq_len), "--dtype", a.dtype, "--seed", "0", "--lr", str(a.lr),
            "--warmup", str(a.lr_warmup)]
@@ -46,7 +46,7 @@ def _args(a, spec: str | None) -> list[str]:
 
 
 def run_spmd(a, spec: str | None, jsonl: Path, flags: set, compile_: bool | None = None, extra=()) -> dict:
-    cmd = (common.torchrun(a.nproc) if spec else [sys.executable]) + ["-m", "launch.train"] + _args(a, spec)
+    cmd = (common.torchrun(a.nproc) if spec else [sys.executable]) + ["-m", "launch.train"] + trainer_args(a, spec)
     cmd += ["--metrics", str(jsonl), *extra]
     notes = []
     if a.compile if compile_ is None else compile_:
@@ -67,7 +67,7 @@ def run_spmd(a, spec: str | None, jsonl: Path, flags: set, compile_: bool | None
 
 
 def run_native(a, spec: str, jsonl: Path) -> dict:
-    cmd = common.torchrun(a.nproc) + ["-m", "benchmarks.native_train"] + _args(a, spec) + ["--metrics", str(jsonl)]
+    cmd = common.torchrun(a.nproc) + ["-m", "benchmarks.native_train"] + trainer_args(a, spec) + ["--metrics", str(jsonl)]
     if a.compile:
         cmd.append("--compile")
     if a.kernels:
