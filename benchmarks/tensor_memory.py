@@ -74,13 +74,12 @@ def worker(out_dir: str, module: str, argv: list[str]) -> None:
     with tracker:
         code = importlib.import_module(module).main(argv)
     rank = int(os.environ.get("RANK", 0))
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"peak_bytes": tracker.peak, "end_bytes": tracker.now}))
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"peak_bytes": tracker.peak}))
     exit_process(code)
 
 
 def measure(a, impl: str, spec: str | None, out: Path) -> dict:
-    """{rank: {"peak_bytes", "end_bytes"}} of one run of `impl` ("spmd", "native", or "single": spmd's trainer on
-    one process); `end_bytes`: what is alive when the trainer returns (parameters, optimizer state, buffers)."""
+    """{rank: peak bytes} of one run of `impl` ("spmd", "native", or "single": spmd's trainer on one process)."""
     from benchmarks.mfu import trainer_args
     out.mkdir(parents=True)
     launcher = common.torchrun(a.nproc) if spec else [sys.executable]
@@ -88,11 +87,7 @@ def measure(a, impl: str, spec: str | None, out: Path) -> dict:
     cmd = launcher + ["-m", "benchmarks.tensor_memory", "--worker", str(out), module] + trainer_args(a, spec)
     cmd += ["--no-record-comm"] if impl == "native" else []
     common.run(cmd, timeout=a.timeout, env={"OMP_NUM_THREADS": "1"})
-    return {int(f.stem[4:]): json.loads(f.read_text()) for f in sorted(out.glob("rank*.json"))}
-
-
-def _largest(run: dict, key: str = "peak_bytes") -> int:
-    return max(r[key] for r in run.values())
+    return {int(f.stem[4:]): json.loads(f.read_text())["peak_bytes"] for f in sorted(out.glob("rank*.json"))}
 
 
 def markdown(rep: dict) -> str:
@@ -104,15 +99,12 @@ def markdown(rep: dict) -> str:
              f"and is not seen); the largest rank.", ""]
     rows = []
     if "single" in rep:
-        rows.append(["1 device", "plain PyTorch", f"{_largest(rep['single']) / 2**20:,.2f}",
-                     f"{_largest(rep['single'], 'end_bytes') / 2**20:,.2f}", ""])
+        rows.append(["1 device", "plain PyTorch", f"{max(rep['single'].values()) / 2**20:,.2f}", ""])
     for spec, r in rep["specs"].items():
-        ratio = _largest(r["spmd"]) / _largest(r["native"])
-        for impl in ("spmd", "native"):
-            rows.append([spec, impl, f"{_largest(r[impl]) / 2**20:,.2f}", f"{_largest(r[impl], 'end_bytes') / 2**20:,.2f}",
-                         f"{ratio:.3f}" if impl == "spmd" else ""])
-    lines.append(common.md_table(["spec", "impl", "peak tensor MiB/rank", "alive at the end MiB", "spmd / native peak"],
-                                 rows))
+        ours, native = max(r["spmd"].values()), max(r["native"].values())
+        rows.append([spec, "spmd", f"{ours / 2**20:,.2f}", f"{ours / native:.3f}"])
+        rows.append([spec, "native", f"{native / 2**20:,.2f}", ""])
+    lines.append(common.md_table(["spec", "impl", "peak tensor MiB/rank", "spmd / native"], rows))
     return "\n".join(lines)
 
 
@@ -140,7 +132,7 @@ def main(argv=None) -> int:
             report["single"] = measure(a, "single", None, Path(tmp, "single"))
         for i, spec in enumerate(a.specs):
             report["specs"][spec] = {impl: measure(a, impl, spec, Path(tmp, f"{i}-{impl}")) for impl in ("spmd", "native")}
-            print(f"[tensor_memory] {spec}: " + ", ".join(f"{k} {_largest(v) / 2**20:,.2f} MiB"
+            print(f"[tensor_memory] {spec}: " + ", ".join(f"{k} {max(v.values()) / 2**20:,.2f} MiB"
                                                           for k, v in report["specs"][spec].items()), flush=True)
     stem = Path(a.out) / f"{common.today()}-{common.device_slug()}-{a.model}-tensor-memory"
     js, md = common.write(stem, report, markdown(report))

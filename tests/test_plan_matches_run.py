@@ -17,7 +17,8 @@ from tests.spmd_cases import BATCH, SEQ, global_batch, local_slice, plan_for, ti
 
 SPECS = ["fsdp=2,tp=2,sp", "dp=2,fsdp=2", "tp=4"]
 _COMM_DEBUG_KIND = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
-                    "all_reduce": "all_reduce", "all_to_all_single": "all_to_all"}
+                    "all_reduce": "all_reduce", "all_to_all_single": "all_to_all",
+                    "allreduce_": "all_reduce"}  # (c10d's: flat buffers sum in place)
 
 
 def _key(c):

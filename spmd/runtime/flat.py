@@ -15,6 +15,7 @@ Used by the block buckets' gradient reductions (spmd.runtime.buckets), the reduc
 updated parameters (spmd.runtime.optimizer).
 """
 import torch
+import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import Shard
 
@@ -35,10 +36,13 @@ def wait(t: torch.Tensor) -> torch.Tensor:
 class Flat:
     """An issued flat reduction: `results()` waits for it and gives this rank's piece of each input, as views."""
 
-    def __init__(self, out: torch.Tensor, shapes: list):
-        self.out, self.shapes = out, shapes
+    def __init__(self, out: torch.Tensor, shapes: list, work=None):
+        self.out, self.shapes, self.work = out, shapes, work  # work: a c10d collective writing into `out`
 
     def results(self) -> list[torch.Tensor]:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
         flat, at, pieces = wait(self.out), 0, []
         for shape in self.shapes:
             k = shape.numel()
@@ -82,9 +86,15 @@ def all_reduce(tensors: list, mesh, dims) -> Flat:
     dims = (dims,) if isinstance(dims, int) else dims
     group = group_over(mesh, dims)
     out = torch.cat([t.reshape(-1) for t in tensors])
+    work = None
     for g in [group] if group is not None else [(mesh, m) for m in dims]:  # no flattened group: axis by axis
-        out = funcol.all_reduce(out, "sum", g)
-    return Flat(out, [t.shape for t in tensors])
+        if work is not None:
+            work.wait()
+        # in place, as DDP reduces its buckets: the packed buffer is ours, so the sum needs no copy of it
+        # (functional collectives' all_reduce copies its input; their in-place one escapes CommDebugMode)
+        work = dist.all_reduce(out, group=g[0].get_group(g[1]) if isinstance(g, tuple) else g.get_group(),
+                               async_op=True)
+    return Flat(out, [t.shape for t in tensors], work)
 
 
 def all_gather(tensors: list, dims: list, shapes: list, mesh, m: int) -> list:
