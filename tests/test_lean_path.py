@@ -1,6 +1,6 @@
 """What the runtime leaves out where nothing moves: the pass's hooks inside blocks that run on local tensors
-(put back when such a block takes the DTensor path), and DTensor's dispatch of `detach` (kept where the
-compiler traces one). Checked against the plain model's gradients, and compiled blocks against a failure of
+(put back when such a block takes the DTensor path), DTensor's dispatch of `detach` (kept where the
+compiler traces one), and layout decisions already made for the same shape. Checked against the plain model's gradients, and compiled blocks against a failure of
 the compiler's partitioner that a traced shortcut caused."""
 import math
 
@@ -89,3 +89,30 @@ def _compiled_after_eager_detach(rank, world):
 
 def test_compiled_blocks_trace_detach_through_dtensor_dispatch():
     run_distributed(_compiled_after_eager_detach, 1, timeout_s=300)
+
+
+def _layouts_decided_once(rank, world):
+    import importlib
+    activations, laid_out = (importlib.import_module(f"spmd.runtime.{m}") for m in ("activations", "parallelize"))
+    mesh = spmd.make_mesh({"dp": 2})
+    model = spmd.parallelize(tiny_model(), mesh, spmd.Rules.default())
+    decided = []
+    for module in (activations, laid_out):
+        original = module.placements_for
+        module.placements_for = lambda *a, _f=original, **k: decided.append(a[-1]) or _f(*a, **k)
+    tokens, targets = global_batch(0)
+    _grads_match_plain(model, tokens, targets, mesh)
+    first = len(decided)
+    assert first > 0  # the inputs' and each constrain's layouts, decided on the first step
+    model.zero_grad(set_to_none=True)
+    _grads_match_plain(model, tokens, targets, mesh)
+    assert len(decided) == first, decided[first:]  # the same shapes: nothing decided again
+    model.zero_grad(set_to_none=True)
+    _grads_match_plain(model, tokens[:, :8], targets[:, :8], mesh)
+    assert len(decided) > first  # a new sequence length: each constrain decides for its new shape
+
+
+def test_layout_decisions_are_made_once_per_shape():
+    """The layouts of the model's inputs and of each `constrain` follow from the rules and the shape: decided
+    on the first step, reused on the next (no per-step Python work that does not change between steps)."""
+    run_distributed(_layouts_decided_once, 2, timeout_s=180)

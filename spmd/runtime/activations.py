@@ -181,9 +181,12 @@ def constrain(x: torch.Tensor, *axes) -> torch.Tensor:
     state = active_state()
     if state is None:
         return x
-    where = f"constrain{axes}"
-    dims = state.rules.mesh_axes(axes, "compute", where, strict=False)
-    target = placements_for(x.device_mesh, dims, x.shape, f"activation {where} in {tags.current_module()!r}")
+    def decide():
+        where = f"constrain{axes}"
+        dims = state.rules.mesh_axes(axes, "compute", where, strict=False)
+        return placements_for(x.device_mesh, dims, x.shape, f"activation {where} in {tags.current_module()!r}")
+
+    target = state.target(("constrain", axes, tuple(x.shape), id(x.device_mesh)), decide)
     return move(x, target, tags.current_module(), f"constrain{tuple(axes)}")
 
 

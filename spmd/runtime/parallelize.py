@@ -185,13 +185,15 @@ def _initial(t: torch.Tensor, name: str, param_init) -> torch.Tensor:
 def _to_dtensor(state: SPMDState, t, key):
     if not isinstance(t, torch.Tensor) or isinstance(t, DTensor):
         return t
-    axes = state.input_axes.get(key) if isinstance(state.input_axes, dict) else state.input_axes
-    axes = axes or ("batch",) + (None,) * (t.dim() - 1)
-    dims = state.rules.mesh_axes(axes, "compute", "model input", strict=False)
-    if t.dim() > 1 and axes[1] is None and "cp" in state.rules.compute.get("seq", ()):
-        dims[1] = ("cp",)  # the data path gives each cp rank its share of the sequence (spmd.cp_slice)
-    placements = placements_for(state.mesh, dims, None, "model input")
-    return as_dtensor(t, state.mesh, tuple(placements))
+    def decide():
+        axes = state.input_axes.get(key) if isinstance(state.input_axes, dict) else state.input_axes
+        axes = axes or ("batch",) + (None,) * (t.dim() - 1)
+        dims = state.rules.mesh_axes(axes, "compute", "model input", strict=False)
+        if t.dim() > 1 and axes[1] is None and "cp" in state.rules.compute.get("seq", ()):
+            dims[1] = ("cp",)  # the data path gives each cp rank its share of the sequence (spmd.cp_slice)
+        return placements_for(state.mesh, dims, None, "model input")
+
+    return as_dtensor(t, state.mesh, state.target(("input", key, t.dim()), decide))
 
 
 def _pre_hook(state: SPMDState, name: str, module: nn.Module, is_root: bool):

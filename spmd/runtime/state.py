@@ -35,6 +35,7 @@ class SPMDState:
         self.compiled_params: list = []        # parameters of compiled blocks (spmd.runtime.accumulate)
         self.decisions: dict[tuple, object] = {}  # (module, mesh axis) -> activations.Decision
         self.move_cache: dict = {}             # (id(input), layout) -> moved input, shared by sibling linears
+        self.targets: dict = {}                # (what, logical axes, shape) -> placements: fixed by the rules
         self.saved_hooks: list = []            # per running module: its reshard-after-forward hooks, or None
         self.shared_gathers: dict = {}         # gathered copies of parameters several modules hold
         self.buckets: dict = {}                # id(block) -> the Bucket its parameters gather and reduce in
@@ -45,6 +46,18 @@ class SPMDState:
         self.local_members: dict = {}          # id(block) -> its (module, name, param): blocks that may run locally
         self.local: list = []                  # the local.LocalBlock calls running now
         self.global_view: list = []            # (module, plain.GlobalView) entered by the root or a recomputed block
+
+    def target(self, key: tuple, decide):
+        """The placements `decide()` gives for `key` (a constrain's or a model input's), decided once: they follow
+        from the rules and the shape alone. Not cached while the compiler traces (it would guard on the map)."""
+        if torch.compiler.is_compiling():
+            return decide()
+        hit = self.targets.get(key)
+        if hit is None:
+            if len(self.targets) >= 1024:  # shapes that vary (sequence lengths) would otherwise grow it without end
+                self.targets.clear()
+            hit = self.targets[key] = tuple(decide())
+        return hit
 
     def storage_dtype(self, dtype):
         """The dtype parameters are stored in: `param_dtype` when the master copy lives with the optimizer."""
