@@ -67,7 +67,8 @@ def run_spmd(a, spec: str | None, jsonl: Path, flags: set, compile_: bool | None
 
 
 def run_native(a, spec: str, jsonl: Path) -> dict:
-    cmd = common.torchrun(a.nproc) + ["-m", "benchmarks.native_train"] + trainer_args(a, spec) + ["--metrics", str(jsonl)]
+    cmd = common.torchrun(a.nproc) + ["-m", "benchmarks.native_train"] + trainer_args(a, spec)
+    cmd += ["--metrics", str(jsonl)]
     if a.compile:
         cmd.append("--compile")
     if a.kernels:

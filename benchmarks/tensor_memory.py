@@ -32,6 +32,7 @@ from torch.utils._python_dispatch import (TorchDispatchMode, is_traceable_wrappe
 from torch.utils._pytree import tree_leaves
 
 from benchmarks import common
+from benchmarks.mfu import trainer_args
 
 TRAINERS = {"spmd": "launch.train", "native": "benchmarks.native_train"}
 
@@ -80,7 +81,6 @@ def worker(out_dir: str, module: str, argv: list[str]) -> None:
 
 def measure(a, impl: str, spec: str | None, out: Path) -> dict:
     """{rank: peak bytes} of one run of `impl` ("spmd", "native", or "single": spmd's trainer on one process)."""
-    from benchmarks.mfu import trainer_args
     out.mkdir(parents=True)
     launcher = common.torchrun(a.nproc) if spec else [sys.executable]
     module = TRAINERS["spmd" if impl == "single" else impl]
@@ -111,7 +111,7 @@ def markdown(rep: dict) -> str:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--worker"]:
-        worker(argv[1], argv[2], argv[3:])
+        worker(argv[1], argv[2], argv[3:])  # ends the process
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="small")
     ap.add_argument("--nproc", type=int, default=4)
@@ -131,7 +131,8 @@ def main(argv=None) -> int:
         if not a.no_single:
             report["single"] = measure(a, "single", None, Path(tmp, "single"))
         for i, spec in enumerate(a.specs):
-            report["specs"][spec] = {impl: measure(a, impl, spec, Path(tmp, f"{i}-{impl}")) for impl in ("spmd", "native")}
+            report["specs"][spec] = {impl: measure(a, impl, spec, Path(tmp, f"{i}-{impl}"))
+                                     for impl in ("spmd", "native")}
             print(f"[tensor_memory] {spec}: " + ", ".join(f"{k} {max(v.values()) / 2**20:,.2f} MiB"
                                                           for k, v in report["specs"][spec].items()), flush=True)
     stem = Path(a.out) / f"{common.today()}-{common.device_slug()}-{a.model}-tensor-memory"

@@ -1,7 +1,8 @@
 """What the runtime leaves out where nothing moves: the pass's hooks inside blocks that run on local tensors
 (put back when such a block takes the DTensor path), DTensor's dispatch of `detach` (kept where the
-compiler traces one), and layout decisions already made for the same shape. Checked against the plain model's gradients, and compiled blocks against a failure of
-the compiler's partitioner that a traced shortcut caused."""
+compiler traces one), and layout decisions already made for the same shape. Checked against the plain
+model's gradients, and compiled blocks against a failure of the compiler's partitioner that a traced
+shortcut caused."""
 import math
 
 import torch
