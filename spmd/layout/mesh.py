@@ -131,13 +131,13 @@ def flatten_groups(mesh: DeviceMesh, axes) -> None:
 
 
 def group_over(mesh: DeviceMesh, dims):
-    """The process group of mesh dims `dims` together, as functional collectives take it: `(mesh, dim)` for
-    one dim; for several, the 1-D mesh that flattens them, or None where `flatten_groups` made none (the
-    caller then sums axis by axis)."""
+    """The process group of mesh dims `dims` together: one dim's group; for several, the group of the 1-D mesh
+    that flattens them, or None where `flatten_groups` made none (the caller then sums axis by axis)."""
     dims = sorted(dims)
     if len(dims) == 1:
-        return mesh, dims[0]
-    return mesh._get_root_mesh()._flatten_mapping.get("_".join(mesh.mesh_dim_names[d] for d in dims))
+        return mesh.get_group(dims[0])
+    flat = mesh._get_root_mesh()._flatten_mapping.get("_".join(mesh.mesh_dim_names[d] for d in dims))
+    return None if flat is None else flat.get_group()
 
 
 def group_axes(mesh: DeviceMesh) -> dict[str, tuple]:

@@ -87,13 +87,12 @@ def all_reduce(tensors: list, mesh, dims) -> Flat:
     group = group_over(mesh, dims)
     out = torch.cat([t.reshape(-1) for t in tensors])
     work = None
-    for g in [group] if group is not None else [(mesh, m) for m in dims]:  # no flattened group: axis by axis
+    for g in [group] if group is not None else [mesh.get_group(m) for m in dims]:  # else axis by axis
         if work is not None:
             work.wait()
         # in place, as DDP reduces its buckets: the packed buffer is ours, so the sum needs no copy of it
         # (functional collectives' all_reduce copies its input; their in-place one escapes CommDebugMode)
-        work = dist.all_reduce(out, group=g[0].get_group(g[1]) if isinstance(g, tuple) else g.get_group(),
-                               async_op=True)
+        work = dist.all_reduce(out, group=g, async_op=True)
     return Flat(out, [t.shape for t in tensors], work)
 
 
