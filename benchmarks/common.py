@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import os
 import re
 import shutil
@@ -149,3 +150,21 @@ def trainer_flags() -> set[str]:
         return {s for a in parser()._actions for s in a.option_strings}
     except Exception:  # noqa: BLE001  (a trainer mid-edit must not break the benchmark's own flags)
         return set()
+
+
+def median_interval(ratios: list[float], level: float = 0.95) -> dict:
+    """The median of per-round ratios and a distribution-free confidence interval for it: the order statistics
+    x(k) and x(n+1-k) with the largest k whose coverage, 1 - 2 P(Binomial(n, 1/2) < k), is at least `level`
+    (the range when too few rounds reach it). "even" when the interval covers 1.0: no ordering is shown then."""
+    xs = sorted(ratios)
+    n = len(xs)
+    k, below = 1, 1 / 2 ** n  # below: P(Binomial(n, 1/2) < k)
+    while k < (n + 1) // 2:
+        nxt = below + math.comb(n, k) / 2 ** n
+        if 1 - 2 * nxt < level:
+            break
+        k, below = k + 1, nxt
+    lo, hi = xs[k - 1], xs[n - k]
+    verdict = "even" if lo <= 1.0 <= hi else ("above 1" if lo > 1.0 else "below 1")
+    return {"median": statistics.median(xs), "low": lo, "high": hi, "coverage": 1 - 2 * below, "rounds": n,
+            "verdict": verdict}

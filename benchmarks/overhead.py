@@ -4,7 +4,9 @@ model as plain PyTorch (same dtype, same compile setting), and where the differe
     python -m benchmarks.overhead [--models tiny small] [--steps 10] [--dtype fp32] [--compile]
 
 Variants, each a full step (forward, backward, AdamW) on the same batch, timed after warmup, interleaved
-round by round so load drifts hit every variant alike (the median per variant is reported):
+round by round (the order rotated each round) so load drifts hit every variant alike; each ratio to plain is the
+median of the rounds' ratios with its 95% distribution-free interval (common.median_interval), "even" where
+that covers 1:
   plain            the model as plain PyTorch
   plain+recorder   plain under spmd.analysis.record.CollectiveRecorder (the dispatch mode launch.train wraps each step in)
   spmd             spmd.parallelize on a 1-process mesh (every mesh axis of size 1; no collectives at all)
@@ -203,15 +205,17 @@ def measure(model_name: str, dtype: str, steps: int, warmup: int, variants: list
     if "plain" not in variants:
         raise RuntimeError(f"plain variant failed: {errors}")
     times = {v: [] for v in variants}
-    for _ in range(steps):  # round-robin: each round runs every variant once
-        for v in variants:
+    for r in range(steps):  # each round runs every variant once, the order rotated so none always goes first
+        for v in variants[r % len(variants):] + variants[:r % len(variants)]:
             t0 = time.perf_counter()
             built[v]()
             times[v].append(time.perf_counter() - t0)
     med = {v: statistics.median(t) for v, t in times.items()}
+    # the ratio of each round's two steps, whose median and interval say whether an ordering is shown
+    intervals = {v: common.median_interval([a / b for a, b in zip(times[v], times["plain"])]) for v in variants}
     out = {"model": model_name, "dtype": dtype, "compile": compile_, "batch": [batch, seq],
            "step_s": med, "spread": {v: (max(t) - min(t)) / med[v] for v, t in times.items()},
-           "ratio_to_plain": {v: med[v] / med["plain"] for v in variants},
+           "ratio_to_plain": {v: i["median"] for v, i in intervals.items()}, "ratio_interval": intervals,
            "loss_after_warmup": losses, "errors": errors,
            "flops_per_step": flops_per_token(cfg, seq) * batch * seq}
     if not compile_ and "spmd" in built:
@@ -227,7 +231,9 @@ def markdown(rep: dict) -> str:
     lines = ["# Overhead of spmd.parallelize on a 1-process mesh vs plain PyTorch", "",
              f"{env['date']}, {env['device']}, torch {env['torch']}, {rep['args']['threads']} threads, load average "
              f"{env.get('loadavg_1m', float('nan')):.1f} at start. Full training steps (forward, backward, AdamW) "
-             f"on batch {rep['args']['batch']} x {rep['args']['seq']}; medians of interleaved rounds.", "",
+             f"on batch {rep['args']['batch']} x {rep['args']['seq']}; medians of interleaved rounds (the order rotated "
+             f"each round). A ratio is the median of the rounds' ratios, with its 95% distribution-free interval; "
+             f"\"even\" where that covers 1.", "",
              "| model | dtype | compile | plain s | plain+recorder s | spmd s | spmd+recorder s | spmd / plain | "
              "recorder / plain | spmd+recorder / plain |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rep["runs"]:
@@ -235,9 +241,12 @@ def markdown(rep: dict) -> str:
 
         def cell(d, k, fmt):  # compiled runs measure plain and spmd only
             return format(d[k], fmt) if k in d else "-"
+        spmd = r.get("ratio_interval", {}).get("spmd")
+        ratio = (f"{spmd['median']:.3f} [{spmd['low']:.3f}, {spmd['high']:.3f}] {spmd['verdict']}" if spmd
+                 else cell(q, 'spmd', '.2f'))
         lines.append(f"| {r['model']} | {r['dtype']} | {'per block' if r['compile'] else 'no'} | {s['plain']:.4f} | "
                      f"{cell(s, 'plain+recorder', '.4f')} | {cell(s, 'spmd', '.4f')} | "
-                     f"{cell(s, 'spmd+recorder', '.4f')} | {cell(q, 'spmd', '.2f')} | "
+                     f"{cell(s, 'spmd+recorder', '.4f')} | {ratio} | "
                      f"{cell(q, 'plain+recorder', '.2f')} | {cell(q, 'spmd+recorder', '.2f')} |")
     for r in rep["runs"]:
         if "profile_spmd" not in r:

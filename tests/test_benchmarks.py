@@ -89,6 +89,25 @@ def test_ratio_over_rounds_is_even_when_its_range_covers_one():
     assert (s["verdict"], s["median"], s["min"], s["max"], s["rounds"]) == ("slower", 0.75, 0.6, 0.9, 5)
 
 
+def test_median_interval_covers_the_median_as_often_as_it_states():
+    """The order-statistic interval of benchmarks.overhead: with five rounds it is their range (coverage
+    1 - 2/32); over many samples of 60 rounds from a distribution whose median is 1 it covers 1 at least as
+    often as it states, and it is narrower than the range; a shifted sample is ordered."""
+    import random
+    five = common.median_interval([0.97, 1.2, 1.02, 1.1, 1.05])
+    assert (five["low"], five["high"], five["median"], five["verdict"]) == (0.97, 1.2, 1.05, "even")
+    assert five["coverage"] == pytest.approx(1 - 2 / 32)
+    rng = random.Random(0)
+    samples = [[rng.lognormvariate(0.0, 0.1) for _ in range(60)] for _ in range(400)]
+    intervals = [common.median_interval(s) for s in samples]
+    stated = intervals[0]["coverage"]
+    assert all(i["coverage"] == stated for i in intervals) and 0.95 <= stated < 0.99
+    assert sum(i["low"] <= 1.0 <= i["high"] for i in intervals) / len(intervals) >= stated - 0.03
+    assert all(i["high"] - i["low"] < 0.5 * (max(s) - min(s)) for i, s in zip(intervals, samples))
+    shifted = common.median_interval([1.08 * x for x in samples[0]])
+    assert shifted["verdict"] == "above 1" and shifted["low"] > 1.0
+
+
 def test_hf_llama_compares_models_of_one_shape(tmp_path):
     """The directory benchmarks.hf_llama writes holds transformers' Llama of the preset's shape: the same
     parameter count, the same FLOPs per token."""
