@@ -13,6 +13,8 @@ import torch
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor._utils import compute_global_tensor_info
 
 
 def _all_reduce(t: torch.Tensor, op: str, groups) -> torch.Tensor:
@@ -104,7 +106,7 @@ def _local_targets(targets, logits: DTensor, token_dims) -> torch.Tensor:
         raise ValueError(f"targets must not be Partial, got {targets.placements}")
     if list(targets.placements) != want:
         targets = targets.redistribute(mesh, want)  # [N] integers: cheap, and usually only a local slice
-    return targets.to_local()
+    return targets._local_tensor  # (integers: no gradient to carry back)
 
 
 def _vocab_start(vocab: int, mesh, vocab_dims) -> int:
@@ -129,11 +131,58 @@ def vocab_parallel_cross_entropy(logits: DTensor, targets, ignore_index: int = -
                          "reduce them first, e.g. logits.redistribute(mesh, [Shard(1)])")
     vocab_dims, token_dims = _placement_dims(logits)
     mesh = logits.device_mesh
-    local_logits = logits.to_local().flatten(0, -2)
+    local_logits = _Local.apply(logits).flatten(0, -2)
     local_targets = _local_targets(targets, logits, token_dims).flatten()
     if vocab_dims:
         loss = _VocabParallelCE.apply(local_logits, local_targets, _vocab_start(logits.shape[-1], mesh, vocab_dims),
                                       ignore_index, _groups(mesh, vocab_dims), _groups(mesh, token_dims))
     else:
         loss = _token_parallel_ce(local_logits, local_targets, ignore_index, _groups(mesh, token_dims))
-    return DTensor.from_local(loss, mesh, [Replicate()] * mesh.ndim, run_check=False)
+    return _Replicated.apply(loss, mesh)
+
+
+# The loss's two edges run once per step, on every rank. DTensor's to_local and from_local build a DTensorSpec
+# for the gradient and for the loss at each call, several times the loss's own cost at a small batch; these
+# reuse the logits' spec and one spec per mesh for the scalar.
+
+class _Local(torch.autograd.Function):
+    """`x.to_local()`: its gradient comes back in `x`'s layout (its spec, when the strides agree)."""
+
+    @staticmethod
+    def forward(ctx, x: DTensor):
+        local = x._local_tensor
+        ctx.spec, ctx.local_stride = x._spec, local.stride()
+        ctx.set_materialize_grads(False)
+        return local.view_as(local)
+
+    @staticmethod
+    def backward(ctx, g):
+        if g is None:
+            return None
+        spec = ctx.spec
+        if g.stride() != ctx.local_stride:
+            return DTensor.from_local(g, spec.mesh, spec.placements, run_check=False, shape=spec.shape,
+                                      stride=tuple(compute_global_tensor_info(g, spec.mesh, spec.placements)[1]))
+        return DTensor.__new__(DTensor, g, spec, requires_grad=False)
+
+
+_SCALAR_SPECS: dict = {}  # (id(mesh), dtype) -> (mesh, the spec of a 0-dim tensor replicated on it)
+
+
+class _Replicated(torch.autograd.Function):
+    """`DTensor.from_local(loss, mesh, [Replicate()] * mesh.ndim)` of a 0-dim loss equal on every rank."""
+
+    @staticmethod
+    def forward(ctx, loss: torch.Tensor, mesh):
+        key = (id(mesh), loss.dtype)
+        hit = _SCALAR_SPECS.get(key)
+        if hit is None or hit[0] is not mesh:
+            hit = _SCALAR_SPECS[key] = (mesh, DTensorSpec(mesh, (Replicate(),) * mesh.ndim,
+                                                          tensor_meta=TensorMeta(torch.Size(()), (), loss.dtype)))
+        return DTensor.__new__(DTensor, loss.view_as(loss), hit[1], requires_grad=loss.requires_grad)
+
+    @staticmethod
+    def backward(ctx, g):
+        if not all(p.is_replicate() for p in g.placements):
+            g = g.redistribute(placements=[Replicate()] * g.device_mesh.ndim)
+        return g._local_tensor, None

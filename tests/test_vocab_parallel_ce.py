@@ -22,13 +22,19 @@ def _problem(n: int, vocab: int, dtype=torch.float32):
     return logits, targets
 
 
-def _check(mesh, logits_pl, targets_pl, n, vocab, dtype=torch.float32, n_all_reduce=None):
+def _check(mesh, logits_pl, targets_pl, n, vocab, dtype=torch.float32, n_all_reduce=None, column_major=False):
+    """`column_major`: the logits' local tensor is laid out transposed, so its gradient's strides differ."""
     logits, targets = _problem(n, vocab, dtype)
     ref_logits = logits.clone().requires_grad_()
     ref = F.cross_entropy(ref_logits.float(), targets, ignore_index=IGNORE)
     ref.backward()
 
-    d_logits = distribute_tensor(logits, mesh, logits_pl, src_data_rank=None).requires_grad_()
+    d_logits = distribute_tensor(logits, mesh, logits_pl, src_data_rank=None)
+    if column_major:
+        local = d_logits.to_local().t().contiguous().t()
+        d_logits = DTensor.from_local(local, mesh, logits_pl, run_check=False, shape=d_logits.shape, stride=(1, n))
+        assert not d_logits.to_local().is_contiguous()
+    d_logits = d_logits.detach().requires_grad_()
     d_targets = targets if targets_pl is None else distribute_tensor(targets, mesh, targets_pl, src_data_rank=None)
     with CommDebugMode() as comm:
         loss = kernels.cross_entropy(d_logits, d_targets, ignore_index=IGNORE)
@@ -78,6 +84,8 @@ def _tp2(rank, world):
     _check(mesh, [Shard(1)], [Replicate()], n=16, vocab=61, dtype=torch.bfloat16)
     _check(mesh, [Shard(0)], [Shard(0)], n=10, vocab=29, n_all_reduce=1)  # data parallel only: torch's fused CE
     _check(mesh, [Shard(0)], [Shard(0)], n=10, vocab=29, dtype=torch.bfloat16, n_all_reduce=1)
+    _check(mesh, [Shard(1)], [Replicate()], n=24, vocab=103, column_major=True)
+    _check(mesh, [Shard(0)], [Shard(0)], n=10, vocab=29, column_major=True)
     _check_linear(mesh)
     partial = DTensor.from_local(torch.randn(4, 8), mesh, [Partial()], run_check=False)
     with pytest.raises(ValueError, match="Partial"):
