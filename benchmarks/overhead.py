@@ -1,7 +1,10 @@
 """The cost of the abstraction: a training step of `spmd.parallelize` on a 1-process mesh against the same
 model as plain PyTorch (same dtype, same compile setting), and where the difference goes.
 
-    python -m benchmarks.overhead [--models tiny small] [--steps 10] [--dtype fp32] [--compile]
+    python -m benchmarks.overhead [--models tiny small] [--steps 10] [--dtype fp32] [--compile] [--batch 8 --seq 128]
+
+At `--batch 1 --seq 16` the kernels take little time and the ratio is that of the host work, what a GPU step
+waits on when its kernels are short.
 
 Variants, each a full step (forward, backward, AdamW) on the same batch, timed after warmup, interleaved
 round by round (the order rotated each round) so load drifts hit every variant alike; each ratio to plain is the
@@ -14,7 +17,7 @@ that covers 1:
 Then a cProfile of the spmd steps, its time split by where the Python runs (DTensor dispatch and sharding
 propagation, DTensor redistribute, spmd's hooks and moves, nn.Module call machinery, autograd, the optimizer,
 native kernels), and counts per step: DTensor op dispatches, redistribute calls, parameter gathers.
-Writes benchmarks/results/<date>-<device>-overhead.{json,md}.
+Writes benchmarks/results/<date>-<device>-overhead[-<tag>].{json,md}.
 """
 from __future__ import annotations
 
@@ -320,6 +323,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--threads", type=int, default=1, help="CPU: torch threads (1: steadier on a shared machine)")
     ap.add_argument("--out", default=str(common.RESULTS))
+    ap.add_argument("--tag", default="", help="suffix of the results' name (a second shape on the same day)")
     a = ap.parse_args(argv)
     import logging
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
@@ -346,7 +350,7 @@ def main(argv=None) -> int:
                                                 for r in rep["runs"] if "error" in r]
     stem = common.RESULTS if a.out == str(common.RESULTS) else a.out
     from pathlib import Path
-    js, md = common.write(Path(stem) / f"{common.today()}-{common.device_slug()}-overhead", rep,
+    js, md = common.write(Path(stem) / f"{common.today()}-{common.device_slug()}-overhead" + (f"-{a.tag}" if a.tag else ""), rep,
                           markdown({**rep, "runs": ok}))
     print(f"[overhead] wrote {js} and {md}")
     return 0
