@@ -350,8 +350,8 @@ def main(argv=None) -> int:
                                                 for r in rep["runs"] if "error" in r]
     stem = common.RESULTS if a.out == str(common.RESULTS) else a.out
     from pathlib import Path
-    js, md = common.write(Path(stem) / f"{common.today()}-{common.device_slug()}-overhead" + (f"-{a.tag}" if a.tag else ""), rep,
-                          markdown({**rep, "runs": ok}))
+    name = f"{common.today()}-{common.device_slug()}-overhead" + (f"-{a.tag}" if a.tag else "")
+    js, md = common.write(Path(stem) / name, rep, markdown({**rep, "runs": ok}))
     print(f"[overhead] wrote {js} and {md}")
     return 0
 
