@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..layout.rules import placements_for
 from . import tags
+from .local_edges import to_local
 from .state import active_state
 
 __all__ = ["Decision", "constrain", "move", "grad_layout", "linear_layouts", "move_linear_input", "finish_output",
@@ -194,7 +195,8 @@ def finish_output(output, name):
     """A scalar (the loss), alone or in a ModelOutput, dict or tuple, made whole on every rank and plain."""
     def whole(t):
         if isinstance(t, DTensor) and t.ndim == 0:
-            return move(t, grad_layout(t.placements), name, "make the loss whole on every rank").to_local()
+            # (spmd's to_local: DTensor's builds a spec for the gradient on every backward)
+            return to_local(move(t, grad_layout(t.placements), name, "make the loss whole on every rank"))
         return t
     return map_tensors(output, whole)
 

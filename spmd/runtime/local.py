@@ -73,9 +73,9 @@ def _batch_layout(args, kwargs, mesh) -> tuple | None:
     every other DTensor input is split the same way or whole; else None."""
     layout = None
     for t in _dtensors(args, kwargs):
-        if t.device_mesh != mesh:
+        if t.device_mesh is not mesh and t.device_mesh != mesh:
             return None
-        placements = tuple(Replicate() if mesh.size(i) == 1 else p for i, p in enumerate(t.placements))
+        placements = _on_active_axes(t.placements, mesh)
         if layout is None:
             if not all(p.is_replicate() or (p.is_shard() and p.dim == 0) for p in placements):
                 return None
@@ -86,6 +86,19 @@ def _batch_layout(args, kwargs, mesh) -> tuple | None:
         elif placements != layout and t.ndim and t.shape[0] == first_batch and any(q.is_shard() for q in layout):
             return None  # whole along a batch the others split (a mask made from global shapes): DTensor slices it
     return layout
+
+
+_ACTIVE: dict = {}  # (id(mesh), placements) -> (mesh, the placements with Replicate on the mesh's size-1 axes)
+
+
+def _on_active_axes(placements: tuple, mesh) -> tuple:
+    """`placements` with Replicate on the mesh axes of size 1 (where a split splits nothing); worked out once
+    per layout, as every block call asks it of each input."""
+    hit = _ACTIVE.get((id(mesh), placements))
+    if hit is None or hit[0] is not mesh:
+        hit = _ACTIVE[(id(mesh), placements)] = (mesh, tuple(Replicate() if mesh.size(i) == 1 else p
+                                                             for i, p in enumerate(placements)))
+    return hit[1]
 
 
 def _whole_batch_plain(args, kwargs) -> bool:

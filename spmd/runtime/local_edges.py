@@ -11,7 +11,7 @@ from .wrap import contiguous_stride, layout_spec, wrap_local
 __all__ = ["to_local", "batch_grad_layout", "wrap_outputs"]
 
 
-def to_local(x, partial_axes: tuple):
+def to_local(x, partial_axes: tuple = ()):
     """`x`'s local tensor; its gradient comes back in `x`'s layout, a partial sum over `partial_axes` where
     `x` is replicated (this rank saw only its slice of the batch)."""
     if not isinstance(x, DTensor):
@@ -20,7 +20,7 @@ def to_local(x, partial_axes: tuple):
         return x
     if not x.requires_grad:  # (RoPE tables, token ids): no gradient to lay out, no autograd node
         return x._local_tensor
-    layout = batch_grad_layout(x.placements, partial_axes)
+    layout = batch_grad_layout(x.placements, partial_axes) if partial_axes else tuple(x.placements)
     made = getattr(x, _MADE_FROM_ATTR, None)
     if made is not None and made[1] == layout and x.grad_fn is made[2] and x._version == made[3]:
         return made[0]  # another local block's output, unchanged: its own local tensor, no round trip
