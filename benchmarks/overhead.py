@@ -178,7 +178,7 @@ def dtensor_op_overhead(reps: int = 3000) -> dict:
 
 
 def measure(model_name: str, dtype: str, steps: int, warmup: int, variants: list[str], compile_: bool,
-            batch: int = 8, seq: int = 128) -> dict:
+            batch: int = 8, seq: int = 128, profiled: bool = True) -> dict:
     import spmd
     from launch.metrics import flops_per_token
     built = {}
@@ -213,20 +213,43 @@ def measure(model_name: str, dtype: str, steps: int, warmup: int, variants: list
             t0 = time.perf_counter()
             built[v]()
             times[v].append(time.perf_counter() - t0)
-    med = {v: statistics.median(t) for v, t in times.items()}
-    # the ratio of each round's two steps, whose median and interval say whether an ordering is shown
-    intervals = {v: common.median_interval([a / b for a, b in zip(times[v], times["plain"])]) for v in variants}
-    out = {"model": model_name, "dtype": dtype, "compile": compile_, "batch": [batch, seq],
-           "step_s": med, "spread": {v: (max(t) - min(t)) / med[v] for v, t in times.items()},
-           "ratio_to_plain": {v: i["median"] for v, i in intervals.items()}, "ratio_interval": intervals,
-           "loss_after_warmup": losses, "errors": errors,
+    out = {"model": model_name, "dtype": dtype, "compile": compile_, "batch": [batch, seq], "times": times,
+           **_summary(times), "loss_after_warmup": losses, "errors": errors,
            "flops_per_step": flops_per_token(cfg, seq) * batch * seq}
-    if not compile_ and "spmd" in built:
+    if profiled and not compile_ and "spmd" in built:
         out["profile_spmd"] = profile(built["spmd"], max(3, steps // 2))
         out["profile_plain"] = profile(built["plain"], max(3, steps // 2))
         out["ops_spmd"] = count_ops(built["spmd"])
         out["ops_plain"] = count_ops(built["plain"])
     return out
+
+
+def _summary(times: dict) -> dict:
+    """Median step per variant, and each ratio to plain as the median of the rounds' ratios (each round's two
+    steps ran back to back) with its interval, which says whether an ordering is shown."""
+    med = {v: statistics.median(t) for v, t in times.items()}
+    intervals = {v: common.median_interval([a / b for a, b in zip(t, times["plain"])]) for v, t in times.items()}
+    return {"step_s": med, "spread": {v: (max(t) - min(t)) / med[v] for v, t in times.items()},
+            "ratio_to_plain": {v: i["median"] for v, i in intervals.items()}, "ratio_interval": intervals}
+
+
+def measure_in_processes(processes: int, *args) -> dict:
+    """`measure` in `processes` fresh interpreters one after another, their rounds pooled: a process's memory
+    layout moves its kernels' speed, so one process's interval understates how far a rerun lands. The first
+    process profiles; each process's own spmd / plain median is kept."""
+    if processes == 1:
+        return measure(*args)
+    import multiprocessing
+    runs = []
+    for i in range(processes):
+        with multiprocessing.get_context("spawn").Pool(1) as pool:
+            runs.append(pool.apply(measure, args, {"profiled": i == 0}))
+            pool.close()  # the worker exits by itself, its compile workers' resources released
+            pool.join()
+    pooled = {v: [t for r in runs for t in r["times"][v]] for v in runs[0]["times"]}
+    per_process = {v: [r["ratio_to_plain"][v] for r in runs] for v in runs[0]["times"]}
+    return {**runs[0], "times": pooled, **_summary(pooled), "processes": processes,
+            "ratio_per_process": per_process}
 
 
 def markdown(rep: dict) -> str:
@@ -236,7 +259,9 @@ def markdown(rep: dict) -> str:
              f"{env.get('loadavg_1m', float('nan')):.1f} at start. Full training steps (forward, backward, AdamW) "
              f"on batch {rep['args']['batch']} x {rep['args']['seq']}; medians of interleaved rounds (the order rotated "
              f"each round). A ratio is the median of the rounds' ratios, with its 95% distribution-free interval; "
-             f"\"even\" where that covers 1.", "",
+             f"\"even\" where that covers 1." + (f" Each row pools the rounds of {rep['args'].get('processes', 1)} "
+                                                  f"fresh processes run one after another."
+                                                  if rep['args'].get('processes', 1) > 1 else ""), "",
              "| model | dtype | compile | plain s | plain+recorder s | spmd s | spmd+recorder s | spmd / plain | "
              "recorder / plain | spmd+recorder / plain |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rep["runs"]:
@@ -251,6 +276,11 @@ def markdown(rep: dict) -> str:
                      f"{cell(s, 'plain+recorder', '.4f')} | {cell(s, 'spmd', '.4f')} | "
                      f"{cell(s, 'spmd+recorder', '.4f')} | {ratio} | "
                      f"{cell(q, 'plain+recorder', '.2f')} | {cell(q, 'spmd+recorder', '.2f')} |")
+    per_process = [f"{r['model']} {'compiled' if r['compile'] else 'eager'} "
+                   + ", ".join(f"{x:.3f}" for x in r["ratio_per_process"]["spmd"])
+                   for r in rep["runs"] if "spmd" in r.get("ratio_per_process", {})]
+    if per_process:
+        lines += ["", "spmd / plain in each process: " + "; ".join(per_process) + "."]
     for r in rep["runs"]:
         if "profile_spmd" not in r:
             continue
@@ -323,6 +353,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--threads", type=int, default=1, help="CPU: torch threads (1: steadier on a shared machine)")
     ap.add_argument("--out", default=str(common.RESULTS))
+    ap.add_argument("--processes", type=int, default=1,
+                    help="run each measurement in this many fresh processes, one after another, and pool their rounds")
     ap.add_argument("--tag", default="", help="suffix of the results' name (a second shape on the same day)")
     a = ap.parse_args(argv)
     import logging
@@ -337,8 +369,8 @@ def main(argv=None) -> int:
             for comp in ([False, True] if a.compile else [False]):
                 print(f"[overhead] {model} {dtype}{' compile' if comp else ''}", flush=True)
                 try:
-                    r = measure(model, dtype, a.steps, a.warmup, list(variants) if not comp else ["plain", "spmd"],
-                                comp, a.batch, a.seq)
+                    r = measure_in_processes(a.processes, model, dtype, a.steps, a.warmup,
+                                             list(variants) if not comp else ["plain", "spmd"], comp, a.batch, a.seq)
                 except Exception as e:  # noqa: BLE001  (compile of a DTensor model may fail: say so)
                     rep["runs"].append({"model": model, "dtype": dtype, "compile": comp, "error": str(e)[:500]})
                     print(f"[overhead]   failed: {str(e)[:200]}", flush=True)

@@ -108,6 +108,28 @@ def test_median_interval_covers_the_median_as_often_as_it_states():
     assert shifted["verdict"] == "above 1" and shifted["low"] > 1.0
 
 
+def test_overhead_ratio_is_the_median_of_paired_rounds():
+    """Each round's two steps ran back to back, so the ratio pairs them: here the ratio of the medians would
+    be 1.25, the median of the rounds' ratios is 2."""
+    from benchmarks.overhead import _summary
+    s = _summary({"plain": [1.0, 4.0, 10.0], "spmd": [2.0, 20.0, 5.0]})
+    assert s["step_s"] == {"plain": 4.0, "spmd": 5.0}
+    assert s["ratio_to_plain"]["spmd"] == 2.0 and s["ratio_interval"]["spmd"]["rounds"] == 3
+
+
+@pytest.mark.slow
+def test_overhead_pools_the_rounds_of_fresh_processes():
+    """`--processes 2`: two fresh interpreters each measure every round; the report pools their rounds, keeps
+    each process's own ratio, and profiles once."""
+    from benchmarks.overhead import measure_in_processes
+    r = measure_in_processes(2, "tiny", "fp32", 3, 1, ["plain", "spmd"], False, 2, 8)
+    assert len(r["times"]["plain"]) == len(r["times"]["spmd"]) == 6 and r["ratio_interval"]["spmd"]["rounds"] == 6
+    per_process = r["ratio_per_process"]["spmd"]
+    assert len(per_process) == 2 and all(x > 0 for x in per_process)
+    # rounds of equal number: the pooled median lies between the processes' own medians
+    assert min(per_process) <= r["ratio_to_plain"]["spmd"] <= max(per_process) and "profile_spmd" in r
+
+
 def test_hf_llama_compares_models_of_one_shape(tmp_path):
     """The directory benchmarks.hf_llama writes holds transformers' Llama of the preset's shape: the same
     parameter count, the same FLOPs per token."""
