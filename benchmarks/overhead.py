@@ -214,6 +214,7 @@ def measure(model_name: str, dtype: str, steps: int, warmup: int, variants: list
             built[v]()
             times[v].append(time.perf_counter() - t0)
     out = {"model": model_name, "dtype": dtype, "compile": compile_, "batch": [batch, seq], "times": times,
+           "threads": torch.get_num_threads(),
            **_summary(times), "loss_after_warmup": losses, "errors": errors,
            "flops_per_step": flops_per_token(cfg, seq) * batch * seq}
     if profiled and not compile_ and "spmd" in built:
@@ -242,7 +243,8 @@ def measure_in_processes(processes: int, *args) -> dict:
     import multiprocessing
     runs = []
     for i in range(processes):
-        with multiprocessing.get_context("spawn").Pool(1) as pool:
+        # the child's torch threads as this process's (a fresh interpreter would take every core)
+        with multiprocessing.get_context("spawn").Pool(1, torch.set_num_threads, (torch.get_num_threads(),)) as pool:
             runs.append(pool.apply(measure, args, {"profiled": i == 0}))
             pool.close()  # the worker exits by itself, its compile workers' resources released
             pool.join()

@@ -121,8 +121,15 @@ def test_overhead_ratio_is_the_median_of_paired_rounds():
 def test_overhead_pools_the_rounds_of_fresh_processes():
     """`--processes 2`: two fresh interpreters each measure every round; the report pools their rounds, keeps
     each process's own ratio, and profiles once."""
+    import torch
     from benchmarks.overhead import measure_in_processes
-    r = measure_in_processes(2, "tiny", "fp32", 3, 1, ["plain", "spmd"], False, 2, 8)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        r = measure_in_processes(2, "tiny", "fp32", 3, 1, ["plain", "spmd"], False, 2, 8)
+    finally:
+        torch.set_num_threads(threads)
+    assert r["threads"] == 1  # the fresh processes ran with this process's thread count
     assert len(r["times"]["plain"]) == len(r["times"]["spmd"]) == 6 and r["ratio_interval"]["spmd"]["rounds"] == 6
     per_process = r["ratio_per_process"]["spmd"]
     assert len(per_process) == 2 and all(x > 0 for x in per_process)
