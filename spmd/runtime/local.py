@@ -68,14 +68,17 @@ def _members(modules, mesh) -> tuple | None:
     return (params, buffers) if replicated else None
 
 
-def _batch_layout(args, kwargs, mesh) -> tuple | None:
+def _batch_layout(args, kwargs, state) -> tuple | None:
     """The placements of the block's first DTensor input when it is split along dim 0 at most (the batch) and
     every other DTensor input is split the same way or whole; else None."""
+    mesh = state.mesh
     layout = None
     for t in _dtensors(args, kwargs):
         if t.device_mesh is not mesh and t.device_mesh != mesh:
             return None
-        placements = _on_active_axes(t.placements, mesh)
+        # Replicate on the mesh axes of size 1, where a split splits nothing: decided once per layout
+        placements = state.target(("active axes", t.placements), lambda p=t.placements: (
+            Replicate() if mesh.size(i) == 1 else q for i, q in enumerate(p)))
         if layout is None:
             if not all(p.is_replicate() or (p.is_shard() and p.dim == 0) for p in placements):
                 return None
@@ -86,19 +89,6 @@ def _batch_layout(args, kwargs, mesh) -> tuple | None:
         elif placements != layout and t.ndim and t.shape[0] == first_batch and any(q.is_shard() for q in layout):
             return None  # whole along a batch the others split (a mask made from global shapes): DTensor slices it
     return layout
-
-
-_ACTIVE: dict = {}  # (id(mesh), placements) -> (mesh, the placements with Replicate on the mesh's size-1 axes)
-
-
-def _on_active_axes(placements: tuple, mesh) -> tuple:
-    """`placements` with Replicate on the mesh axes of size 1 (where a split splits nothing); worked out once
-    per layout, as every block call asks it of each input."""
-    hit = _ACTIVE.get((id(mesh), placements))
-    if hit is None or hit[0] is not mesh:
-        hit = _ACTIVE[(id(mesh), placements)] = (mesh, tuple(Replicate() if mesh.size(i) == 1 else p
-                                                             for i, p in enumerate(placements)))
-    return hit[1]
 
 
 def _whole_batch_plain(args, kwargs) -> bool:
@@ -213,7 +203,7 @@ def enter_local(state, mod, name: str, args, kwargs):
         return None
     mode = _suspend_global_view(state)
     try:
-        layout = _batch_layout(args, kwargs, state.mesh)
+        layout = _batch_layout(args, kwargs, state)
         if layout is None or (any(q.is_shard() for q in layout) and _whole_batch_plain(args, kwargs)):
             _resume(mode)
             return None  # a plain tensor made from global shapes (a mask) meets the split batch: DTensor slices it

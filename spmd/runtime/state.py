@@ -35,7 +35,7 @@ class SPMDState:
         self.compiled_params: list = []        # parameters of compiled blocks (spmd.runtime.accumulate)
         self.decisions: dict[tuple, object] = {}  # (module, mesh axis) -> activations.Decision
         self.move_cache: dict = {}             # (id(input), layout) -> moved input, shared by sibling linears
-        self.targets: dict = {}                # (what, logical axes, shape) -> placements: fixed by the rules
+        self.targets: dict = {}                # (what, axes or placements, shape) -> placements: fixed
         self.saved_hooks: list = []            # per running module: its reshard-after-forward hooks, or None
         self.shared_gathers: dict = {}         # gathered copies of parameters several modules hold
         self.buckets: dict = {}                # id(block) -> the Bucket its parameters gather and reduce in
@@ -48,8 +48,9 @@ class SPMDState:
         self.global_view: list = []            # (module, plain.GlobalView) entered by the root or a recomputed block
 
     def target(self, key: tuple, decide):
-        """The placements `decide()` gives for `key` (a constrain's or a model input's), decided once: they follow
-        from the rules and the shape alone. Not cached while the compiler traces (it would guard on the map)."""
+        """The placements `decide()` gives for `key` (a constrain's, a model input's, a block input's on the active
+        mesh axes), decided once: they follow from the rules, the mesh and the shape alone. Not cached while the
+        compiler traces (it would guard on the map)."""
         if torch.compiler.is_compiling():
             return decide()
         hit = self.targets.get(key)
