@@ -58,10 +58,10 @@ def _token_parallel_ce(logits, targets, ignore_index: int, token_groups) -> torc
     """Logits whose vocab is whole on every rank: torch's fused cross-entropy on the local tokens, then one
     all-reduce of (loss sum, count). The value is the global mean; each rank's gradient is its own tokens'
     share, d(local sum) / global count, as the vocab-parallel backward gives it."""
+    if not token_groups:  # every token on this rank: torch's mean over the non-ignored ones
+        return F.cross_entropy(logits.float(), targets, ignore_index=ignore_index)
     loss_sum = F.cross_entropy(logits.float(), targets, ignore_index=ignore_index, reduction="sum")
     count = (targets != ignore_index).sum().float()
-    if not token_groups:
-        return loss_sum / count
     total_sum, total_count = _all_reduce(torch.stack([loss_sum.detach(), count]), "sum", token_groups)
     return (loss_sum + (total_sum - loss_sum.detach())) / total_count
 

@@ -222,12 +222,12 @@ def _pre_hook(state: SPMDState, name: str, module: nn.Module, is_root: bool):
                 return local
             if not torch.compiler.is_compiling():  # (compile_blocks dresses a block before compiling it)
                 hooked.dress_inside(mod)  # this call takes the DTensor path: the modules inside move things
+        gather_block(state, mod)  # before the global view goes on: under a torch-function mode each op costs twice
         if not torch.compiler.is_compiling() and (is_root or not state.global_view):
             # the root's forward, or a checkpointed block recomputing in backward (the compiler must not read
             # the stack: its entries differ between forward and recompute, and a guard on them recompiles)
             state.global_view.append((mod, GlobalView(state)))
             state.global_view[-1][1].__enter__()
-        gather_block(state, mod)
         weight_layout = None
         if is_linear and args and isinstance(args[0], DTensor):
             x, weight_layout = move_linear_input(state, name, mod._parameters["weight"], args[0], kind == 1)
