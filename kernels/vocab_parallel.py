@@ -129,6 +129,13 @@ def vocab_parallel_cross_entropy(logits: DTensor, targets, ignore_index: int = -
     if any(p.is_partial() for p in logits.placements):
         raise ValueError(f"vocab-parallel cross-entropy cannot take Partial logits ({logits.placements}); "
                          "reduce them first, e.g. logits.redistribute(mesh, [Shard(1)])")
+    # the body runs on local tensors and DTensor's own dispatch, with torch-function modes off: a mode above
+    # (a framework's view of the model) has nothing to do here, and under one every op costs about twice
+    with torch._C.DisableTorchFunction():
+        return _loss(logits, targets, ignore_index)
+
+
+def _loss(logits: DTensor, targets, ignore_index: int) -> DTensor:
     vocab_dims, token_dims = _placement_dims(logits)
     mesh = logits.device_mesh
     local_logits = _Local.apply(logits).flatten(0, -2)

@@ -182,6 +182,13 @@ def constrain(x: torch.Tensor, *axes) -> torch.Tensor:
     state = active_state()
     if state is None:
         return x
+    if torch.compiler.is_compiling():
+        return _constrain(state, x, axes)
+    with torch._C.DisableTorchFunction():  # the global view has nothing to do here; under it each op costs twice
+        return _constrain(state, x, axes)
+
+
+def _constrain(state, x: DTensor, axes) -> DTensor:
     def decide():
         where = f"constrain{axes}"
         dims = state.rules.mesh_axes(axes, "compute", where, strict=False)

@@ -27,9 +27,24 @@ def _local_update(op_call, args, kwargs):
     return op_call(*local, *args[_LISTS:], **kwargs)
 
 
+_AGREED: dict = {}  # the ids of a step's specs -> (those specs, held so that no id is reused while cached; answer)
+
+
 def _agree(lists) -> bool:
     """Whether each parameter, its gradient and its states are DTensors of one layout with no partial sums,
-    and its step count is whole on every rank (specs compared directly: this runs on every step)."""
+    and its step count is whole on every rank. A function of the tensors' specs alone, which recur from step
+    to step (the parameters', the states', the gradients' cached layouts): answered once per set of specs."""
+    specs = tuple([t._spec if isinstance(t, DTensor) else None for group in lists for t in group])
+    key = (tuple(map(len, lists)), *map(id, specs))
+    hit = _AGREED.get(key)
+    if hit is None:
+        if len(_AGREED) >= 64:  # (layouts that keep changing would otherwise grow it without end)
+            _AGREED.clear()
+        hit = _AGREED[key] = (specs, _compare(lists))
+    return hit[1]
+
+
+def _compare(lists) -> bool:
     params, steps = lists[0], lists[5]
     others = [group for group in lists[1:5] if group]  # grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs
     for i, p in enumerate(params):
