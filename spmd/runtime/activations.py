@@ -174,6 +174,13 @@ def _transpose(placements) -> tuple:
 
 
 def constrain(x: torch.Tensor, *axes) -> torch.Tensor:
+    if torch.compiler.is_compiling() or not isinstance(x, DTensor):
+        return _constrain(x, axes)
+    with torch._C.DisableTorchFunction():  # the global view has nothing to do here; under it each op costs twice
+        return _constrain(x, axes)
+
+
+def _constrain(x: torch.Tensor, axes) -> torch.Tensor:
     if len(axes) != x.dim():
         raise ValueError(f"constrain got {len(axes)} axes {axes} for a tensor with {x.dim()} dims "
                          f"(shape {tuple(x.shape)}); give one logical name or None per dim")
@@ -182,13 +189,7 @@ def constrain(x: torch.Tensor, *axes) -> torch.Tensor:
     state = active_state()
     if state is None:
         return x
-    if torch.compiler.is_compiling():
-        return _constrain(state, x, axes)
-    with torch._C.DisableTorchFunction():  # the global view has nothing to do here; under it each op costs twice
-        return _constrain(state, x, axes)
 
-
-def _constrain(state, x: DTensor, axes) -> DTensor:
     def decide():
         where = f"constrain{axes}"
         dims = state.rules.mesh_axes(axes, "compute", where, strict=False)
