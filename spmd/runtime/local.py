@@ -77,7 +77,7 @@ def _batch_layout(args, kwargs, state) -> tuple | None:
         if t.device_mesh is not mesh and t.device_mesh != mesh:
             return None
         # Replicate on the mesh axes of size 1, where a split splits nothing: decided once per layout
-        placements = state.target(("active axes", t.placements), lambda p=t.placements: (
+        placements = state.target(("active axes", t.placements), lambda p=t.placements: tuple(
             Replicate() if mesh.size(i) == 1 else q for i, q in enumerate(p)))
         if layout is None:
             if not all(p.is_replicate() or (p.is_shard() and p.dim == 0) for p in placements):
