@@ -2,6 +2,7 @@
 model as plain PyTorch (same dtype, same compile setting), and where the difference goes.
 
     python -m benchmarks.overhead [--models tiny small] [--steps 10] [--dtype fp32] [--compile] [--batch 8 --seq 128]
+                                  [--native]
 
 At `--batch 1 --seq 16` the kernels take little time and the ratio is that of the host work, what a GPU step
 waits on when its kernels are short.
@@ -14,6 +15,9 @@ that covers 1:
   plain+recorder   plain under spmd.analysis.record.CollectiveRecorder (the dispatch mode launch.train wraps each step in)
   spmd             spmd.parallelize on a 1-process mesh (every mesh axis of size 1; no collectives at all)
   spmd+recorder    what launch.train runs on one rank of a mesh
+  ddp, fsdp2       with --native: torch's own wrappers on the same 1-process group, DistributedDataParallel and
+                   fully_shard per block then the root (benchmarks.native_train's layouts): what torch-native
+                   costs per step where nothing needs to move, the reference spmd's `dp` and `fsdp` specs face
 Then a cProfile of the spmd steps, its time split by where the Python runs (DTensor dispatch and sharding
 propagation, DTensor redistribute, spmd's hooks and moves, nn.Module call machinery, autograd, the optimizer,
 native kernels), and counts per step: DTensor op dispatches, redistribute calls, parameter gathers.
@@ -55,7 +59,12 @@ def _sync():
         torch.cuda.synchronize()
 
 
-def build(model_name: str, variant: str, dtype: str):
+NATIVE = ["ddp", "fsdp2"]
+
+
+def build(model_name: str, variant: str, dtype: str, compile_: bool = False):
+    """(config, model, optimizer) of one variant; `compile_`: each block one compiled graph (before a native
+    wrapper goes on, as torchtitan compiles before fully_shard)."""
     import spmd
     from models.llama import Llama, LlamaConfig
     cfg = LlamaConfig.preset(model_name)
@@ -63,16 +72,29 @@ def build(model_name: str, variant: str, dtype: str):
     with torch.device(DEVICE):
         model = Llama(cfg)
     param_dtype = {"fp32": None, "bf16": torch.bfloat16}[dtype]
-    if variant.startswith("spmd"):
+    if variant.startswith("spmd") or variant in NATIVE:
         mesh = spmd.make_mesh({"dp": 1}, device_type=DEVICE.type)
+    if variant.startswith("spmd"):
         spmd.parallelize(model, mesh, spmd.Rules.default(), param_dtype=param_dtype)
+    if compile_:
+        spmd.compile_blocks(model)
+    if variant == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+        model = DistributedDataParallel(model)
+    elif variant == "fsdp2":
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype \
+            else MixedPrecisionPolicy()
+        for block in model.layers:
+            fully_shard(block, mesh=mesh, mp_policy=mp)
+        fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)  # the trainer's (launch.setup.adamw)
     return cfg, model, opt
 
 
 def step_fn(model, opt, x, y, variant: str, dtype: str):
     from spmd.analysis.record import CollectiveRecorder
-    autocast = dtype == "bf16" and variant.startswith("plain")
+    autocast = dtype == "bf16" and (variant.startswith("plain") or variant == "ddp")
 
     def step():
         rec = CollectiveRecorder() if variant.endswith("recorder") else contextlib.nullcontext()
@@ -183,9 +205,7 @@ def measure(model_name: str, dtype: str, steps: int, warmup: int, variants: list
     from launch.metrics import flops_per_token
     built = {}
     for v in variants:
-        cfg, model, opt = build(model_name, v, dtype)
-        if compile_:  # the same setting for every variant: each block one compiled graph
-            spmd.compile_blocks(model)
+        cfg, model, opt = build(model_name, v, dtype, compile_)  # the same compile setting for every variant
         g = torch.Generator().manual_seed(0)
         tokens = torch.randint(0, cfg.vocab_size, (batch, seq + 1), generator=g).to(DEVICE)
         x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
@@ -230,8 +250,12 @@ def _summary(times: dict) -> dict:
     steps ran back to back) with its interval, which says whether an ordering is shown."""
     med = {v: statistics.median(t) for v, t in times.items()}
     intervals = {v: common.median_interval([a / b for a, b in zip(t, times["plain"])]) for v, t in times.items()}
-    return {"step_s": med, "spread": {v: (max(t) - min(t)) / med[v] for v, t in times.items()},
-            "ratio_to_plain": {v: i["median"] for v, i in intervals.items()}, "ratio_interval": intervals}
+    out = {"step_s": med, "spread": {v: (max(t) - min(t)) / med[v] for v, t in times.items()},
+           "ratio_to_plain": {v: i["median"] for v, i in intervals.items()}, "ratio_interval": intervals}
+    if "spmd" in times and any(v in times for v in NATIVE):  # spmd against each native wrapper, round by round
+        out["spmd_over_native"] = {v: common.median_interval([a / b for a, b in zip(times["spmd"], times[v])])
+                                   for v in NATIVE if v in times}
+    return out
 
 
 def measure_in_processes(processes: int, *args) -> dict:
@@ -278,6 +302,7 @@ def markdown(rep: dict) -> str:
                      f"{cell(s, 'plain+recorder', '.4f')} | {cell(s, 'spmd', '.4f')} | "
                      f"{cell(s, 'spmd+recorder', '.4f')} | {ratio} | "
                      f"{cell(q, 'plain+recorder', '.2f')} | {cell(q, 'spmd+recorder', '.2f')} |")
+    lines += _native_table(rep["runs"])
     per_process = [f"{r['model']} {'compiled' if r['compile'] else 'eager'} "
                    + ", ".join(f"{x:.3f}" for x in r["ratio_per_process"]["spmd"])
                    for r in rep["runs"] if "spmd" in r.get("ratio_per_process", {})]
@@ -303,6 +328,25 @@ def markdown(rep: dict) -> str:
     return "\n".join(lines)
 
 
+def _interval(i: dict) -> str:
+    return f"{i['median']:.3f} [{i['low']:.3f}, {i['high']:.3f}] {i['verdict']}"
+
+
+def _native_table(runs: list) -> list[str]:
+    """Torch's own wrappers on the same 1-process group: their cost over plain, and spmd's against them."""
+    rows = [r for r in runs if "spmd_over_native" in r]
+    if not rows:
+        return []
+    lines = ["", "Torch-native wrappers on the same 1-process group (DistributedDataParallel; fully_shard per block, "
+                 "then the root), in the same interleaved rounds:", "",
+             "| model | compile | DDP / plain | FSDP2 / plain | spmd / DDP | spmd / FSDP2 |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        cells = [_interval(r["ratio_interval"][v]) if v in r["ratio_interval"] else "-" for v in NATIVE]
+        cells += [_interval(r["spmd_over_native"][v]) if v in r["spmd_over_native"] else "-" for v in NATIVE]
+        lines.append(f"| {r['model']} | {'per block' if r['compile'] else 'no'} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def findings(rep: dict) -> list[str]:
     out = []
     for r in rep["runs"]:
@@ -311,13 +355,15 @@ def findings(rep: dict) -> list[str]:
             out.append(f"{r['model']} {r['dtype']}{' compiled' if r['compile'] else ''}: plain {r['step_s']['plain']:.4f} s; "
                        f"spmd failed: {r['errors'].get('spmd', '?')}")
             continue
+        native = "".join(f"; {v.upper()} {q[v]:.2f}x plain, spmd {r['spmd_over_native'][v]['median']:.2f}x {v.upper()}"
+                         for v in NATIVE if v in q)
         if r["compile"]:
-            out.append(f"{r['model']} {r['dtype']}, every block compiled (spmd.compile_blocks) in both: spmd step "
-                       f"{q['spmd']:.2f}x plain.")
+            out.append(f"{r['model']} {r['dtype']}, every block compiled (spmd.compile_blocks) in all: spmd step "
+                       f"{q['spmd']:.2f}x plain{native}.")
             continue
         text = (f"{r['model']} {r['dtype']}: spmd step {q['spmd']:.2f}x plain; "
                 f"the recorder alone {q.get('plain+recorder', float('nan')):.2f}x; spmd under the recorder (what "
-                f"launch.train runs) {q.get('spmd+recorder', float('nan')):.2f}x.")
+                f"launch.train runs) {q.get('spmd+recorder', float('nan')):.2f}x{native}.")
         if "profile_spmd" in r:
             p = r["profile_spmd"]
             dt = p["share"]["DTensor dispatch + sharding propagation"] + p["share"]["DTensor redistribute"]
@@ -358,11 +404,13 @@ def main(argv=None) -> int:
     ap.add_argument("--processes", type=int, default=1,
                     help="run each measurement in this many fresh processes, one after another, and pool their rounds")
     ap.add_argument("--tag", default="", help="suffix of the results' name (a second shape on the same day)")
+    ap.add_argument("--native", action="store_true",
+                    help="also measure torch's DDP and fully_shard on the same 1-process group (the native reference)")
     a = ap.parse_args(argv)
     import logging
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     rep = {"environment": common.environment(), "args": vars(a), "runs": []}
-    variants = ["plain", "plain+recorder", "spmd", "spmd+recorder"]
+    variants = ["plain", "plain+recorder", "spmd", "spmd+recorder"] + (NATIVE if a.native else [])
     if DEVICE.type == "cpu":
         torch.set_num_threads(a.threads)
     rep["dtensor_op_overhead"] = dtensor_op_overhead()
@@ -372,7 +420,7 @@ def main(argv=None) -> int:
                 print(f"[overhead] {model} {dtype}{' compile' if comp else ''}", flush=True)
                 try:
                     r = measure_in_processes(a.processes, model, dtype, a.steps, a.warmup,
-                                             list(variants) if not comp else ["plain", "spmd"], comp, a.batch, a.seq)
+                                             list(variants) if not comp else ["plain", "spmd"] + (NATIVE if a.native else []), comp, a.batch, a.seq)
                 except Exception as e:  # noqa: BLE001  (compile of a DTensor model may fail: say so)
                     rep["runs"].append({"model": model, "dtype": dtype, "compile": comp, "error": str(e)[:500]})
                     print(f"[overhead]   failed: {str(e)[:200]}", flush=True)

@@ -117,6 +117,36 @@ def test_overhead_ratio_is_the_median_of_paired_rounds():
     assert s["ratio_to_plain"]["spmd"] == 2.0 and s["ratio_interval"]["spmd"]["rounds"] == 3
 
 
+def test_overhead_pairs_spmd_with_each_native_wrapper():
+    """spmd against DDP and FSDP2 is the median of the rounds' ratios, as each ratio to plain is."""
+    from benchmarks.overhead import _summary
+    s = _summary({"plain": [1.0, 1.0, 1.0], "spmd": [2.0, 3.0, 4.0], "ddp": [1.0, 3.0, 8.0], "fsdp2": [4.0, 3.0, 2.0]})
+    assert s["spmd_over_native"]["ddp"]["median"] == 1.0 and s["spmd_over_native"]["fsdp2"]["median"] == 1.0
+    assert s["ratio_to_plain"]["ddp"] == 3.0 and "spmd_over_native" not in _summary({"plain": [1.0], "ddp": [1.0]})
+
+
+def _native_references_train_as_plain(rank, world):
+    import torch
+    from benchmarks import overhead
+    torch.manual_seed(0)
+    losses = {}
+    for variant in ("plain", "ddp", "fsdp2"):
+        cfg, model, opt = overhead.build("tiny", variant, "fp32")
+        x, y = (torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(s)) for s in (1, 2))
+        step = overhead.step_fn(model, opt, x, y, variant, "fp32")
+        losses[variant] = [step() for _ in range(3)]
+    assert losses["plain"][2] < losses["plain"][0]  # the steps train
+    for variant in ("ddp", "fsdp2"):
+        assert all(math.isclose(a, b, rel_tol=1e-5) for a, b in zip(losses[variant], losses["plain"])), losses
+
+
+def test_overhead_native_references_train_the_same_model():
+    """The native references are the same training step: DDP and fully_shard on the 1-process group give plain
+    PyTorch's losses step for step (fp32, rtol 1e-5), so their ratio to plain is the wrapper's cost alone."""
+    from tests.dist_utils import run_distributed
+    run_distributed(_native_references_train_as_plain, 1, timeout_s=180)
+
+
 @pytest.mark.slow
 def test_overhead_pools_the_rounds_of_fresh_processes():
     """`--processes 2`: two fresh interpreters each measure every round; the report pools their rounds, keeps
