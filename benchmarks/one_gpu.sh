@@ -8,7 +8,7 @@ step() { local t=$1; shift; echo "=== $(date +%T) [$t s] $*" >>"$L"; timeout "$t
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >>"$L" 2>&1
 step 60 torchrun --standalone --nproc-per-node 1 -m launch.train --model tiny --steps 5
 step 120 python3 -m pytest -q -n 0 -s -p no:cacheprovider tests/test_offload_cuda.py
-step 200 python3 -m benchmarks.overhead --models small 1b --dtypes bf16 --compile --steps 20 --warmup 3
+step 260 python3 -m benchmarks.overhead --models small 1b --dtypes bf16 --compile --native --steps 20 --warmup 3
 step 70 python3 -m benchmarks.kernels --iters 10
 step 250 python3 -m benchmarks.mfu --model 1b --nproc 1 --no-native --specs fsdp=1 --seq-len 2048 --batch-size 8 \
     --dtype bf16 --compile --tag compile --rounds 2 --steps 8 --warmup 3 --timeout 200
