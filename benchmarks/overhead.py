@@ -339,7 +339,8 @@ def _native_table(runs: list) -> list[str]:
         return []
     lines = ["", "Torch-native wrappers on the same 1-process group (DistributedDataParallel; fully_shard per block, "
                  "then the root), in the same interleaved rounds:", "",
-             "| model | compile | DDP / plain | FSDP2 / plain | spmd / DDP | spmd / FSDP2 |", "|---|---|---|---|---|---|"]
+             "| model | compile | DDP / plain | FSDP2 / plain | spmd / DDP | spmd / FSDP2 |",
+             "|---|---|---|---|---|---|"]
     for r in rows:
         cells = [_interval(r["ratio_interval"][v]) if v in r["ratio_interval"] else "-" for v in NATIVE]
         cells += [_interval(r["spmd_over_native"][v]) if v in r["spmd_over_native"] else "-" for v in NATIVE]
@@ -419,8 +420,8 @@ def main(argv=None) -> int:
             for comp in ([False, True] if a.compile else [False]):
                 print(f"[overhead] {model} {dtype}{' compile' if comp else ''}", flush=True)
                 try:
-                    r = measure_in_processes(a.processes, model, dtype, a.steps, a.warmup,
-                                             list(variants) if not comp else ["plain", "spmd"] + (NATIVE if a.native else []), comp, a.batch, a.seq)
+                    chosen = list(variants) if not comp else ["plain", "spmd"] + (NATIVE if a.native else [])
+                    r = measure_in_processes(a.processes, model, dtype, a.steps, a.warmup, chosen, comp, a.batch, a.seq)
                 except Exception as e:  # noqa: BLE001  (compile of a DTensor model may fail: say so)
                     rep["runs"].append({"model": model, "dtype": dtype, "compile": comp, "error": str(e)[:500]})
                     print(f"[overhead]   failed: {str(e)[:200]}", flush=True)

@@ -128,7 +128,6 @@ def test_overhead_pairs_spmd_with_each_native_wrapper():
 def _native_references_train_as_plain(rank, world):
     import torch
     from benchmarks import overhead
-    torch.manual_seed(0)
     losses = {}
     for variant in ("plain", "ddp", "fsdp2"):
         cfg, model, opt = overhead.build("tiny", variant, "fp32")
