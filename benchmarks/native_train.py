@@ -93,6 +93,17 @@ def apply_tp(model, tp_mesh, sp: bool):
                                                         model.rope_sin[:h.shape[1] * tp_mesh.size()])
 
 
+def apply_fsdp(model, mesh, bf16: bool) -> None:
+    """FSDP2 as torchtitan applies it: `fully_shard` on each block, then on the root (kept gathered after
+    forward); bf16 computes in bf16 and reduces in fp32."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
+        else MixedPrecisionPolicy()
+    for block in model.layers:
+        fully_shard(block, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
+
+
 def build(args, world: int, device: torch.device):
     from launch.config import TrainConfig
     from models.llama import Llama
@@ -122,13 +133,7 @@ def build(args, world: int, device: torch.device):
             for i, block in enumerate(model.layers):
                 model.layers.register_module(str(i), torch.compile(block))
         if fsdp > 1 or (dp > 1 and tp > 1):
-            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-            shard_mesh = mesh["dp", "fsdp"] if dp > 1 else mesh["fsdp"]
-            mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
-                else MixedPrecisionPolicy()
-            for block in model.layers:
-                fully_shard(block, mesh=shard_mesh, mp_policy=mp)
-            fully_shard(model, mesh=shard_mesh, mp_policy=mp, reshard_after_forward=False)
+            apply_fsdp(model, mesh["dp", "fsdp"] if dp > 1 else mesh["fsdp"], bf16)
             parts.append(("HSDP" if dp > 1 else "FSDP2") + " (fully_shard)")
             autocast = False
         elif dp > 1:

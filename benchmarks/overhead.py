@@ -82,12 +82,8 @@ def build(model_name: str, variant: str, dtype: str, compile_: bool = False):
         from torch.nn.parallel import DistributedDataParallel
         model = DistributedDataParallel(model)
     elif variant == "fsdp2":
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-        mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype \
-            else MixedPrecisionPolicy()
-        for block in model.layers:
-            fully_shard(block, mesh=mesh, mp_policy=mp)
-        fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
+        from benchmarks.native_train import apply_fsdp
+        apply_fsdp(model, mesh, dtype == "bf16")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)  # the trainer's (launch.setup.adamw)
     return cfg, model, opt
 
