@@ -16,6 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ..layout.annotate import copy_annotations, get_pin, infer_axes, out_dim
+from ..layout.heads import check_heads_divide
 from ..layout.mesh import flatten_groups
 from ..layout.rules import Rules, _as_axes, placements_for
 from . import detach, fused_step, ops  # noqa: F401  (DTensor op handlers and sharding strategies, on import)
@@ -63,6 +64,8 @@ def param_layouts(model: nn.Module, mesh: DeviceMesh, rules: Rules):
                 raise ValueError(f"parameter {name!r}: the params map must keep the compute sharding "
                                  f"({compute}) and only add to it, got storage {storage}")
         layouts[name] = (storage, compute, grads, optim)
+    # after the shapes: a weight whose rows do not divide is named first, then heads split mid-head
+    check_heads_divide(model, {n: mesh.size(i) for i, n in enumerate(mesh.mesh_dim_names)}, rules)
     return layouts
 
 

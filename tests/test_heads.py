@@ -1,0 +1,85 @@
+"""Attention heads split whole over tp: a mesh that would hand a rank part of a head is refused with the
+head counts and the sizes that fit, before anything is laid out; a model whose config names no head count
+gets the same diagnosis at the reshape into heads, naming the module."""
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import spmd
+from spmd.analysis.fake import fake_world
+from models.llama import Llama, LlamaConfig
+
+transformers = pytest.importorskip("transformers")
+
+
+def _qwen3(heads: int, kv_heads: int):
+    config = transformers.Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=8,
+                                      max_position_embeddings=32, bos_token_id=0, eos_token_id=0)
+    model = transformers.Qwen3ForCausalLM(config)
+    spmd.annotate_hf(model)
+    return model
+
+
+def test_heads_that_do_not_divide_by_tp_are_refused_before_any_layout():
+    model = _qwen3(4, 2)
+    before = [p.clone() for p in model.parameters()]
+    with fake_world({"tp": 4}) as (mesh, _):
+        with pytest.raises(ValueError, match=r"Qwen3ForCausalLM has 2 key/value heads, which do not split over "
+                                             r"tp=4.*divides both its 4 query and 2 key/value heads \(2\)"):
+            spmd.parallelize(model, mesh, spmd.Rules.default())
+    assert not hasattr(model, "_spmd_state")
+    assert all(type(p) is nn.Parameter and torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    # models.llama's config names them n_heads / n_kv_heads; 6 query heads over fsdp x tp=4
+    llama = Llama(LlamaConfig(dim=48, n_layers=1, n_heads=6, n_kv_heads=6, vocab_size=64, ffn_dim=96,
+                              max_seq_len=32))
+    with fake_world({"fsdp": 2, "tp": 4}) as (mesh, _):
+        with pytest.raises(ValueError, match=r"Llama has 6 attention heads, which do not split over tp=4.*\(2, 3\)"):
+            spmd.parallelize(llama, mesh, spmd.Rules.default())
+    # the planner says the same of that spec
+    with pytest.raises(ValueError, match="6 attention heads"):
+        spmd.explain(llama, spmd.Rules.default(), {"fsdp": 2, "tp": 4}, batch_shape=(4, 8))
+
+
+def test_heads_that_divide_or_stay_whole_pass():
+    with fake_world({"tp": 2}) as (mesh, _):
+        spmd.parallelize(_qwen3(4, 2), mesh, spmd.Rules.default())
+    with fake_world({"dp": 4}) as (mesh, _):  # no mesh axis splits the heads
+        spmd.parallelize(_qwen3(4, 2), mesh, spmd.Rules.default())
+
+
+class _Attention(nn.Module):
+    """Self-attention written with its head count in a plain attribute, no config."""
+
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.ModuleList(nn.Linear(dim, dim, bias=False) for _ in range(3))
+        self.out = nn.Linear(dim, dim, bias=False)
+        for layer in self.qkv:
+            spmd.annotate(layer.weight, "heads", "embed")
+        spmd.annotate(self.out.weight, "embed", "heads")
+
+    def forward(self, x):
+        B, T, D = x.shape
+        q, k, v = (layer(x).view(B, T, self.heads, D // self.heads).transpose(1, 2) for layer in self.qkv)
+        return self.out(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, D))
+
+
+class _Tiny(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embedding = nn.Embedding(64, 32)
+        spmd.annotate(self.embedding.weight, "vocab", "embed")
+        self.attention = _Attention(32, heads=2)
+
+    def forward(self, tokens, targets=None):
+        return self.attention(self.embedding(tokens)).square().mean()
+
+
+def test_a_model_without_head_counts_gets_the_error_at_its_reshape():
+    model = _Tiny()
+    with pytest.raises(ValueError, match=r"^attention: viewing a tensor of shape \(2, 8, 32\), split over tp=4, as "
+                                         r"\(2, 8, 2, 16\) splits a sharded dim into groups \(heads\)"):
+        spmd.explain(model, spmd.Rules.default(), {"tp": 4}, batch_shape=(2, 8))
