@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
-from . import attention_memory, direct, ring, tags
+from . import attention_memory, direct, loss, ring, tags
 from .activations import grad_layout, move
 from .wrap import as_dtensor
 
@@ -51,12 +51,21 @@ class GlobalView(TorchFunctionMode):
                 return as_dtensor(t, mesh, (Replicate(),) * mesh.ndim) if _plain(t) else t
             args, kwargs = tree_map(replicate, args), tree_map(replicate, kwargs)
             flat = _tensors(args, kwargs)
+        if func is F.cross_entropy:
+            out = loss.cross_entropy(args, kwargs)
+            if out is not None:
+                return out
         if func is F.scaled_dot_product_attention:
             attend = ring.ring_attention if ring.applies(args[0]) else _attention
             return attention_memory.attending(attend, *args, **kwargs)
         if func in _VIEWS and isinstance(args[0], DTensor) and tags.current_module():
             x = _gather_merged(args[0], args[0].shape, _shape(args[0], args[1:]))
-            out = func(x, *args[1:], **kwargs)
+            try:
+                out = func(x, *args[1:], **kwargs)
+            except RuntimeError as e:
+                if "unevenly sharded" in str(e):
+                    raise _uneven_split(x, _shape(x, args[1:])) from e
+                raise
             if out.requires_grad and _merged_dims(out.shape, x.shape, inner_only=True):
                 out = move(out, out.placements, tags.current_module(), "keep the gradient of a view back to tokens "
                            "in its forward layout", grad_placements=grad_layout(out.placements))
@@ -66,17 +75,59 @@ class GlobalView(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+def _uneven_split(x: DTensor, new) -> ValueError:
+    """The error of a view that splits a sharded dim into pieces the mesh axis cannot hand out whole: heads
+    that do not divide by tp, where the model's config names no head count (spmd.layout.heads)."""
+    axes = [f"{x.device_mesh.mesh_dim_names[i]}={x.device_mesh.size(i)}" for i, p in enumerate(x.placements)
+            if p.is_shard()]
+    return ValueError(f"{tags.current_module()}: viewing a tensor of shape {tuple(x.shape)}, split over "
+                      f"{' x '.join(axes)}, as {tuple(new) if new else '?'} splits a sharded dim into groups (heads) "
+                      f"that do not divide by that mesh size: a rank would hold part of one. Pick a mesh whose size "
+                      f"there divides the number of groups (heads), and give the rest of the world to dp or fsdp")
+
+
+_SDPA_ARGS = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+
+
 def _attention(q, k, v, *rest, **kwargs):
     """Attention of q, k, v ([batch, heads, seq, head_dim]) split alike over batch or heads, and evenly: each
-    rank attends its own sequences and heads, so the call runs on the local tensors. This also keeps the
-    backend's choice to the local tensors: DTensor's own dispatch of the math backend (fp32 with grouped
-    heads on CUDA) mixes in a plain mask. Anything else (a mask, dropout, uneven splits) goes to DTensor."""
-    local = (not rest and not any(isinstance(a, torch.Tensor) for a in kwargs.values())
-             and not kwargs.get("dropout_p") and _split_alike(q, k, v))
+    rank attends its own sequences and heads, so the call runs on the local tensors, with this rank's slice
+    of a mask that holds no gradient (a padding or sliding-window mask, made whole from global shapes). This
+    also keeps the backend's choice to the local tensors: DTensor's own dispatch of the math backend (fp32
+    with grouped heads on CUDA) mixes in a plain mask, and its strategy does not split a replicated mask
+    along the batch it splits. Anything else (dropout, uneven splits, a mask with a gradient) goes to
+    DTensor."""
+    kwargs = {**dict(zip(_SDPA_ARGS, rest)), **kwargs}
+    mask = kwargs.pop("attn_mask", None)
+    local = (not kwargs.get("dropout_p") and _split_alike(q, k, v)
+             and (mask is None or _replicated_constant(mask, q.device_mesh)))
     if not local:
-        return F.scaled_dot_product_attention(q, k, v, *rest, **kwargs)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **kwargs)
+    if mask is not None:
+        kwargs["attn_mask"] = _local_slice(mask, q)
     out = F.scaled_dot_product_attention(q.to_local(), k.to_local(), v.to_local(), **kwargs)
     return DTensor.from_local(out, q.device_mesh, q.placements, run_check=False)
+
+
+def _replicated_constant(t, mesh) -> bool:
+    """A whole tensor, equal on every rank, with no gradient to carry (a mask)."""
+    if not isinstance(t, torch.Tensor) or t.requires_grad:
+        return False
+    return not isinstance(t, DTensor) or (t.device_mesh == mesh and all(p.is_replicate() for p in t.placements))
+
+
+def _local_slice(mask: torch.Tensor, q: DTensor) -> torch.Tensor:
+    """This rank's part of a whole mask broadcast against attention scores [batch, heads, q_seq, k_seq] that
+    are split as `q` is: along each dim q's layout splits (batch or heads), unless the mask broadcasts it."""
+    local = mask._local_tensor if isinstance(mask, DTensor) else mask
+    offset = local.ndim - 4  # a mask of fewer dims broadcasts from the right
+    mesh = q.device_mesh
+    for i, p in enumerate(q.placements):  # mesh dims in order: each splits what the ones before left
+        d = p.dim + offset if p.is_shard() else -1
+        if d >= 0 and local.shape[d] != 1:
+            size = local.shape[d] // mesh.size(i)
+            local = local.narrow(d, mesh.get_local_rank(i) * size, size)
+    return local
 
 
 def _split_alike(*ts) -> bool:

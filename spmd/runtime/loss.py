@@ -1,0 +1,38 @@
+"""A model's own `F.cross_entropy` on DTensor logits: the mean over every rank's non-ignored tokens.
+
+DTensor's cross-entropy on logits split along the tokens averages the ranks' own means. Where the ranks hold
+different numbers of tokens the loss counts (padding, prompts masked out with ignore_index), that is not
+the one-device loss, and its gradients are not the one-device gradients; on logits split along the vocab it
+gathers them whole first. While a parallelized model runs, a mean over class-index targets (transformers'
+loss, nanoGPT's) goes to kernels.vocab_parallel_cross_entropy instead, as models.llama's loss does: the
+loss sum and the count of non-ignored tokens are summed over the ranks, and vocab-split logits stay split.
+With label smoothing, the sum goes through DTensor and is divided by the count of every rank's non-ignored
+tokens. Class weights are left to DTensor, which weighs each rank's mean alone.
+"""
+import inspect
+
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+from kernels.vocab_parallel import vocab_parallel_cross_entropy
+
+__all__ = ["cross_entropy"]
+
+_SIGNATURE = inspect.signature(F.cross_entropy)
+
+
+def cross_entropy(args, kwargs):
+    """The global mean of `F.cross_entropy(*args, **kwargs)` on DTensor logits; None where it does not
+    apply (another reduction, class weights, probability targets), for the caller to run the op as is."""
+    a = _SIGNATURE.bind(*args, **kwargs).arguments
+    logits, targets = a["input"], a["target"]
+    if (a.get("reduction", "mean") != "mean" or a.get("weight") is not None or a.get("size_average") is not None
+            or a.get("reduce") is not None or not isinstance(logits, DTensor) or logits.ndim != 2
+            or targets.ndim != 1 or targets.dtype.is_floating_point):
+        return None
+    ignore_index = a.get("ignore_index", -100)
+    if not a.get("label_smoothing"):
+        return vocab_parallel_cross_entropy(logits, targets, ignore_index)
+    total = F.cross_entropy(logits, targets, ignore_index=ignore_index, reduction="sum",
+                            label_smoothing=a["label_smoothing"])
+    return total / (targets != ignore_index).sum()
