@@ -1,7 +1,7 @@
 """Models spmd has never seen, laid out from parameter annotations alone: transformers' Llama, Mistral,
-Qwen2, Qwen3, Gemma, Granite, StableLM, Cohere, OLMo 2, Starcoder2, Phi, Phi-3, GPT-2, GPT-NeoX and OPT
-(tiny configs built here, nothing downloaded) and a nanoGPT written without spmd in mind (positions from
-`arange`, fused qkv, a head tied through `F.linear`). The families added with Qwen3 have grouped key/value
+Qwen2, Qwen3, Gemma, Gemma 3, Granite, StableLM, Cohere, OLMo 2, Starcoder2, Phi, Phi-3, GPT-2, GPT-NeoX
+and OPT (tiny configs built here, nothing downloaded) and a nanoGPT written without spmd in mind (positions
+from `arange`, fused qkv, a head tied through `F.linear`). The families added with Qwen3 have grouped key/value
 heads (8 query heads, 4 key/value); Mistral attends through a sliding-window mask and a Llama through a
 padding mask whose padded tokens the loss ignores, rows unevenly.
 
@@ -156,8 +156,8 @@ def test_constraint_points_are_hints(spec, monkeypatch):
                     and c.axes == ("tp",) and c.reason.startswith("reduce partial sums")]) == 1 + 2 * 2
 
 
-HF_FAMILIES = ("opt", "qwen2", "qwen3", "gemma", "granite", "stablelm", "cohere", "olmo2", "starcoder2", "phi", "phi3",
-               "gpt_neox")
+HF_FAMILIES = ("opt", "qwen2", "qwen3", "gemma", "gemma3_text", "granite", "stablelm", "cohere", "olmo2", "starcoder2",
+               "phi", "phi3", "gpt_neox")
 
 
 def _tiny_hf(model_type: str):
@@ -171,6 +171,7 @@ def _tiny_hf(model_type: str):
         "gemma": (transformers.GemmaConfig, transformers.GemmaForCausalLM, {**c, "head_dim": 16}),
         "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM, {**c, "pad_token_id": 0}),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, {**gqa, "head_dim": 8}),
+        "gemma3_text": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM, {**gqa, "head_dim": 8}),
         "granite": (transformers.GraniteConfig, transformers.GraniteForCausalLM,
                     {**gqa, "embedding_multiplier": 2.0, "residual_multiplier": 0.5, "logits_scaling": 4.0,
                      "attention_multiplier": 0.2}),
@@ -223,16 +224,17 @@ def test_opt_flattening_its_tokens_matches_one_device_under_sequence_parallel():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["olmo2", "starcoder2"])
+@pytest.mark.parametrize("kind", ["gemma3_text", "olmo2", "starcoder2"])
 def test_model_matches_one_device_in_float64(kind):
-    """OLMo 2 (one norm over all key heads, split over tp) and Starcoder2 (a bias on every projection), with
-    grouped key/value heads, on the family specs: loss, gradients and parameters after 3 steps within 1e-6
-    of one process in float64."""
+    """Gemma 3 (an embedding scaled by a 0-d buffer, whose vocab-parallel partial sums stay partial), OLMo 2
+    (one norm over all key heads, split over tp) and Starcoder2 (a bias on every projection), with grouped
+    key/value heads, on the family specs: loss, gradients and parameters after 3 steps within 1e-6 of one
+    process in float64."""
     run_distributed(_in_float64, 4, kind, FAMILY_SPECS, timeout_s=600)
 
 
 def _in_float64(rank, world, kind, specs):
-    # in float32 a gradient lands at 1.0e-5 of its norm (OPT's biases, the key projections here), the
+    # in float32 a gradient lands at 1.0e-5 of its norm (OPT's biases, a key projection, an embedding), the
     # roundoff of sums over the tokens taken in another order; in float64 (transformers' loss itself stays
     # float32) every tensor agrees within 1e-6
     torch.set_default_dtype(torch.float64)

@@ -47,14 +47,14 @@ _OPT = {
     "*.v_proj.weight": ("heads", "embed"), "*.out_proj.weight": ("embed", "heads"),
     "*.fc1.weight": ("mlp", "embed"), "*.fc2.weight": ("embed", "mlp"), "lm_head.weight": ("vocab", "embed"),
 }
-_QWEN3 = {**_LLAMA, "*.q_norm.weight": (None,), "*.k_norm.weight": (None,)}  # RMSNorm over each head's features
+_QWEN3 = {**_LLAMA, "*.q_norm.weight": (None,), "*.k_norm.weight": (None,)}  # a norm over each head (Gemma 3's too)
 _OLMO2 = {**_LLAMA, "*.q_norm.weight": ("heads",), "*.k_norm.weight": ("kv_heads",)}  # over all heads at once
 _STARCODER2 = {**_LLAMA, "*.mlp.c_fc.weight": ("mlp", "embed"), "*.mlp.c_proj.weight": ("embed", "mlp")}
 _PHI = {**_LLAMA, "*.self_attn.dense.weight": ("embed", "heads"), "*.mlp.fc1.weight": ("mlp", "embed"),
         "*.mlp.fc2.weight": ("embed", "mlp")}
-PRESETS = {"llama": _LLAMA, "mistral": _LLAMA, "qwen2": _LLAMA, "qwen3": _QWEN3, "gemma": _LLAMA, "granite": _LLAMA,
-           "stablelm": _LLAMA, "cohere": _LLAMA, "olmo2": _OLMO2, "starcoder2": _STARCODER2, "phi": _PHI,
-           "phi3": _PHI3, "gpt2": _GPT2, "gpt_neox": _NEOX, "opt": _OPT}
+PRESETS = {"llama": _LLAMA, "mistral": _LLAMA, "qwen2": _LLAMA, "qwen3": _QWEN3, "gemma": _LLAMA,
+           "gemma3_text": _QWEN3, "granite": _LLAMA, "stablelm": _LLAMA, "cohere": _LLAMA, "olmo2": _OLMO2,
+           "starcoder2": _STARCODER2, "phi": _PHI, "phi3": _PHI3, "gpt2": _GPT2, "gpt_neox": _NEOX, "opt": _OPT}
 
 _HOW = ("pass a table of name patterns, e.g. spmd.annotate_hf(model, table={{'*.q_proj.weight': ('heads', 'embed'), "
         "'*.o_proj.weight': ('embed', 'heads'), ...}}), with one logical axis or None per dim")

@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
-from . import attention_memory, direct, loss, ring, tags
+from . import attention_memory, direct, loss, partial_scale, ring, tags
 from .activations import grad_layout, move
 from .wrap import as_dtensor
 
@@ -51,6 +51,10 @@ class GlobalView(TorchFunctionMode):
                 return as_dtensor(t, mesh, (Replicate(),) * mesh.ndim) if _plain(t) else t
             args, kwargs = tree_map(replicate, args), tree_map(replicate, kwargs)
             flat = _tensors(args, kwargs)
+        if func in partial_scale.MULTIPLIES and len(args) == 2 and not kwargs:
+            out = partial_scale.scale_partial(*args)
+            if out is not None:
+                return out
         if func is F.cross_entropy:
             out = loss.cross_entropy(args, kwargs)
             if out is not None:
