@@ -22,13 +22,15 @@ _SIGNATURE = inspect.signature(F.cross_entropy)
 
 
 def cross_entropy(args, kwargs):
-    """The global mean of `F.cross_entropy(*args, **kwargs)` on DTensor logits; None where it does not
-    apply (another reduction, class weights, probability targets), for the caller to run the op as is."""
+    """The global mean of `F.cross_entropy(*args, **kwargs)` on [N, V] DTensor logits; None where it does not
+    apply (another reduction, class weights, probability targets, logits still partial sums), for the caller
+    to run the op as is."""
     a = _SIGNATURE.bind(*args, **kwargs).arguments
     logits, targets = a["input"], a["target"]
     if (a.get("reduction", "mean") != "mean" or a.get("weight") is not None or a.get("size_average") is not None
             or a.get("reduce") is not None or not isinstance(logits, DTensor) or logits.ndim != 2
-            or targets.ndim != 1 or targets.dtype.is_floating_point):
+            or any(p.is_partial() for p in logits.placements) or targets.ndim != 1
+            or targets.dtype.is_floating_point):
         return None
     ignore_index = a.get("ignore_index", -100)
     if not a.get("label_smoothing"):
