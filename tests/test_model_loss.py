@@ -1,6 +1,7 @@
 """A loss the model computes itself with F.cross_entropy, on DTensor logits, is the one-device loss: the mean
-over every rank's non-ignored tokens, where the ranks hold different numbers of them. 4 gloo processes
-against one; loss and gradients within 1e-5 (fp32), on a data-parallel spec and with the vocab split over tp."""
+over every rank's non-ignored tokens, where the ranks hold different numbers of them, with or without label
+smoothing and class weights. 4 gloo processes against one; loss and gradients within 1e-5 (fp32), on a
+data-parallel spec and with the vocab split over tp."""
 import pytest
 import torch
 import torch.nn as nn
@@ -16,9 +17,11 @@ VOCAB, DIM, BATCH, SEQ = 32, 16, 8, 6
 class _Bigram(nn.Module):
     """Embedding, an MLP and a head; the loss in its forward, as nanoGPT writes it."""
 
-    def __init__(self, label_smoothing: float):
+    def __init__(self, label_smoothing: float, weighted: bool):
         super().__init__()
         self.label_smoothing = label_smoothing
+        # class weights (a buffer, replicated): one device divides by the sum of the counted targets' weights
+        self.register_buffer("class_weight", 0.5 + torch.arange(VOCAB) / VOCAB if weighted else None)
         self.embedding = nn.Embedding(VOCAB, DIM)
         self.up = nn.Linear(DIM, 2 * DIM)
         self.down = nn.Linear(2 * DIM, DIM)
@@ -30,7 +33,7 @@ class _Bigram(nn.Module):
 
     def forward(self, tokens, targets):
         logits = self.head(self.down(torch.tanh(self.up(self.embedding(tokens)))))
-        return F.cross_entropy(logits.view(-1, VOCAB), targets.view(-1), ignore_index=-1,
+        return F.cross_entropy(logits.view(-1, VOCAB), targets.view(-1), weight=self.class_weight, ignore_index=-1,
                                label_smoothing=self.label_smoothing)
 
 
@@ -43,13 +46,13 @@ def _batch():
     return tokens, targets.masked_fill(~keep, -1)
 
 
-def _matches_one_device(rank, world, spec, label_smoothing):
+def _matches_one_device(rank, world, spec, label_smoothing, weighted):
     sizes, _ = spmd.parse_spec(spec)
     mesh = spmd.make_mesh(sizes)
     torch.manual_seed(0)
-    ref = _Bigram(label_smoothing)
+    ref = _Bigram(label_smoothing, weighted)
     torch.manual_seed(0)
-    model = spmd.parallelize(_Bigram(label_smoothing), mesh, spmd.Rules.default())
+    model = spmd.parallelize(_Bigram(label_smoothing, weighted), mesh, spmd.Rules.default())
     tokens, targets = _batch()
     n = spmd.Rules.default().data_parallel_size(mesh)
     r = spmd.Rules.default().data_parallel_rank(mesh)
@@ -64,7 +67,7 @@ def _matches_one_device(rank, world, spec, label_smoothing):
         assert err <= 1e-5, f"{spec}: gradient of {name} off by {err:.2e}"
 
 
-@pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
-def test_uneven_ignored_tokens_give_the_one_device_loss(label_smoothing):
+@pytest.mark.parametrize("label_smoothing, weighted", [(0.0, False), (0.1, False), (0.0, True), (0.1, True)])
+def test_uneven_ignored_tokens_give_the_one_device_loss(label_smoothing, weighted):
     for spec in ("dp=4", "dp=2,tp=2"):
-        run_distributed(_matches_one_device, 4, spec, label_smoothing, timeout_s=300)
+        run_distributed(_matches_one_device, 4, spec, label_smoothing, weighted, timeout_s=300)

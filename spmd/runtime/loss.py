@@ -6,13 +6,13 @@ the one-device loss, and its gradients are not the one-device gradients; on logi
 gathers them whole first. While a parallelized model runs, a mean over class-index targets (transformers'
 loss, nanoGPT's) goes to kernels.vocab_parallel_cross_entropy instead, as models.llama's loss does: the
 loss sum and the count of non-ignored tokens are summed over the ranks, and vocab-split logits stay split.
-With label smoothing, the sum goes through DTensor and is divided by the count of every rank's non-ignored
-tokens. Class weights are left to DTensor, which weighs each rank's mean alone.
+With label smoothing or class weights, the sum goes through DTensor and is divided by what one device divides
+it by: the count of every rank's non-ignored tokens, or the sum of their targets' weights.
 """
 import inspect
 
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 from kernels.vocab_parallel import vocab_parallel_cross_entropy
 
@@ -23,18 +23,26 @@ _SIGNATURE = inspect.signature(F.cross_entropy)
 
 def cross_entropy(args, kwargs):
     """The global mean of `F.cross_entropy(*args, **kwargs)` on [N, V] DTensor logits; None where it does not
-    apply (another reduction, class weights, probability targets, logits still partial sums), for the caller
-    to run the op as is."""
+    apply (another reduction, probability targets, logits still partial sums), for the caller to run the op
+    as is."""
     a = _SIGNATURE.bind(*args, **kwargs).arguments
     logits, targets = a["input"], a["target"]
-    if (a.get("reduction", "mean") != "mean" or a.get("weight") is not None or a.get("size_average") is not None
+    if (a.get("reduction", "mean") != "mean" or a.get("size_average") is not None
             or a.get("reduce") is not None or not isinstance(logits, DTensor) or logits.ndim != 2
             or any(p.is_partial() for p in logits.placements) or targets.ndim != 1
             or targets.dtype.is_floating_point):
         return None
-    ignore_index = a.get("ignore_index", -100)
-    if not a.get("label_smoothing"):
+    ignore_index, weight = a.get("ignore_index", -100), a.get("weight")
+    if not a.get("label_smoothing") and weight is None:
         return vocab_parallel_cross_entropy(logits, targets, ignore_index)
-    total = F.cross_entropy(logits, targets, ignore_index=ignore_index, reduction="sum",
-                            label_smoothing=a["label_smoothing"])
-    return total / (targets != ignore_index).sum()
+    total = F.cross_entropy(logits, targets, weight=weight, ignore_index=ignore_index, reduction="sum",
+                            label_smoothing=a.get("label_smoothing", 0.0))
+    counted = targets != ignore_index
+    if weight is None:
+        return total / counted.sum()
+    if not isinstance(weight, DTensor):
+        weight = DTensor.from_local(weight, logits.device_mesh, [Replicate()] * logits.device_mesh.ndim,
+                                    run_check=False)
+    # each counted token weighs its target's class weight (an ignored one looks up class 0, then counts 0)
+    weights = F.embedding(targets.masked_fill(~counted, 0), weight.unsqueeze(1)).squeeze(1)
+    return total / (weights * counted).sum()
