@@ -12,7 +12,7 @@ it by: the count of every rank's non-ignored tokens, or the sum of their targets
 import inspect
 
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor
 
 from kernels.vocab_parallel import vocab_parallel_cross_entropy
 
@@ -40,9 +40,7 @@ def cross_entropy(args, kwargs):
     counted = targets != ignore_index
     if weight is None:
         return total / counted.sum()
-    if not isinstance(weight, DTensor):
-        weight = DTensor.from_local(weight, logits.device_mesh, [Replicate()] * logits.device_mesh.ndim,
-                                    run_check=False)
-    # each counted token weighs its target's class weight (an ignored one looks up class 0, then counts 0)
+    # each counted token weighs its target's class weight (an ignored one looks up class 0, then counts 0); a
+    # plain weight tensor arrives replicated, as the global view wraps every plain tensor that meets a DTensor
     weights = F.embedding(targets.masked_fill(~counted, 0), weight.unsqueeze(1)).squeeze(1)
     return total / (weights * counted).sum()

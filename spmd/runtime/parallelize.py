@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ..layout.annotate import copy_annotations, get_pin, infer_axes, out_dim
 from ..layout.heads import check_heads_divide
-from ..layout.mesh import flatten_groups
+from ..layout.mesh import flatten_groups, mesh_sizes
 from ..layout.rules import Rules, _as_axes, placements_for
 from . import detach, fused_step, ops  # noqa: F401  (DTensor op handlers and sharding strategies, on import)
 from . import hooked, tags
@@ -65,7 +65,7 @@ def param_layouts(model: nn.Module, mesh: DeviceMesh, rules: Rules):
                                  f"({compute}) and only add to it, got storage {storage}")
         layouts[name] = (storage, compute, grads, optim)
     # after the shapes: a weight whose rows do not divide is named first, then heads split mid-head
-    check_heads_divide(model, {n: mesh.size(i) for i, n in enumerate(mesh.mesh_dim_names)}, rules)
+    check_heads_divide(model, mesh_sizes(mesh), rules)
     return layouts
 
 
