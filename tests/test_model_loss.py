@@ -17,9 +17,9 @@ VOCAB, DIM, BATCH, SEQ = 32, 16, 8, 6
 class _Bigram(nn.Module):
     """Embedding, an MLP and a head; the loss in its forward, as nanoGPT writes it."""
 
-    def __init__(self, label_smoothing: float, weighted: bool):
+    def __init__(self, label_smoothing: float, weighted: bool, form: str = "flat"):
         super().__init__()
-        self.label_smoothing = label_smoothing
+        self.label_smoothing, self.form = label_smoothing, form
         # class weights (a buffer, replicated): one device divides by the sum of the counted targets' weights
         self.register_buffer("class_weight", 0.5 + torch.arange(VOCAB) / VOCAB if weighted else None)
         self.embedding = nn.Embedding(VOCAB, DIM)
@@ -33,6 +33,12 @@ class _Bigram(nn.Module):
 
     def forward(self, tokens, targets):
         logits = self.head(self.down(torch.tanh(self.up(self.embedding(tokens)))))
+        if self.form == "classes second":  # [B, V, T] logits against [B, T] targets
+            return F.cross_entropy(logits.transpose(1, 2), targets, weight=self.class_weight, ignore_index=-1,
+                                   label_smoothing=self.label_smoothing)
+        if self.form == "log-probabilities":
+            return F.nll_loss(F.log_softmax(logits, -1).view(-1, VOCAB), targets.view(-1), weight=self.class_weight,
+                              ignore_index=-1)
         return F.cross_entropy(logits.view(-1, VOCAB), targets.view(-1), weight=self.class_weight, ignore_index=-1,
                                label_smoothing=self.label_smoothing)
 
@@ -46,13 +52,13 @@ def _batch():
     return tokens, targets.masked_fill(~keep, -1)
 
 
-def _matches_one_device(rank, world, spec, label_smoothing, weighted):
+def _matches_one_device(rank, world, spec, label_smoothing, weighted, form="flat"):
     sizes, _ = spmd.parse_spec(spec)
     mesh = spmd.make_mesh(sizes)
     torch.manual_seed(0)
-    ref = _Bigram(label_smoothing, weighted)
+    ref = _Bigram(label_smoothing, weighted, form)
     torch.manual_seed(0)
-    model = spmd.parallelize(_Bigram(label_smoothing, weighted), mesh, spmd.Rules.default())
+    model = spmd.parallelize(_Bigram(label_smoothing, weighted, form), mesh, spmd.Rules.default())
     tokens, targets = _batch()
     n = spmd.Rules.default().data_parallel_size(mesh)
     r = spmd.Rules.default().data_parallel_rank(mesh)
@@ -71,3 +77,13 @@ def _matches_one_device(rank, world, spec, label_smoothing, weighted):
 def test_uneven_ignored_tokens_give_the_one_device_loss(label_smoothing, weighted):
     for spec in ("dp=4", "dp=2,tp=2"):
         run_distributed(_matches_one_device, 4, spec, label_smoothing, weighted, timeout_s=300)
+
+
+@pytest.mark.parametrize("form, label_smoothing, weighted", [("classes second", 0.0, False),
+                                                             ("classes second", 0.1, True),
+                                                             ("log-probabilities", 0.0, False),
+                                                             ("log-probabilities", 0.0, True)])
+def test_other_forms_of_the_loss_give_the_one_device_loss(form, label_smoothing, weighted):
+    """The class dim second ([B, V, T] logits), and F.nll_loss on log-probabilities."""
+    for spec in ("dp=4", "dp=2,tp=2"):
+        run_distributed(_matches_one_device, 4, spec, label_smoothing, weighted, form, timeout_s=300)

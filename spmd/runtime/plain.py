@@ -55,8 +55,8 @@ class GlobalView(TorchFunctionMode):
             out = partial_scale.scale_partial(*args)
             if out is not None:
                 return out
-        if func is F.cross_entropy:
-            out = loss.cross_entropy(args, kwargs)
+        if func in loss.FUNCS:
+            out = loss.global_mean(func, args, kwargs)
             if out is not None:
                 return out
         if func is F.scaled_dot_product_attention:
