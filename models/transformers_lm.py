@@ -21,6 +21,7 @@ from safetensors import safe_open
 
 import kernels
 from spmd import annotate_hf, checkpoint
+from spmd.layout.annotate import get_axes
 
 __all__ = ["TransformersConfig", "MODEL_TYPE", "TIED_SOURCE", "tied", "to_hf_name", "from_hf_name", "hf_config",
            "config_from_hf"]
@@ -99,10 +100,15 @@ class TransformersConfig:
 
         return init
 
-    def num_params(self, non_embedding: bool = False) -> int:
+    def num_params(self, non_embedding: bool = False, active: bool = False) -> int:
+        """`active`: a mixture of experts' stacked experts counted for the `num_experts_per_tok` of them each
+        token passes through."""
         with torch.device("meta"):
             model = self.build()
         total = sum(p.numel() for p in model.parameters())
+        if active:
+            stacked = [p for p in model.parameters() if "experts" in (get_axes(p) or ())]
+            total -= sum(p.numel() - p.numel() // p.shape[0] * self.hf["num_experts_per_tok"] for p in stacked)
         if non_embedding:  # the input and output embeddings, as models/llama.py counts them
             tables = {id(m.weight): m.weight for m in model.modules() if isinstance(m, nn.Embedding)}
             head = model.get_output_embeddings()
@@ -114,7 +120,7 @@ class TransformersConfig:
     def flops_per_token(self, seq_len: int) -> float:
         heads = self._get("num_attention_heads", "n_head")
         head_dim = self._get("hidden_size", "n_embd") // heads
-        return 6 * self.num_params(non_embedding=True) + 12 * self.n_layers * heads * head_dim * seq_len
+        return 6 * self.num_params(non_embedding=True, active=True) + 12 * self.n_layers * heads * head_dim * seq_len
 
     def mesh_problem(self, sizes: dict) -> str | None:
         drop = {k: v for k in ("attn_pdrop", "attention_dropout") if isinstance(v := self.hf.get(k), (int, float)) and v}
@@ -163,19 +169,23 @@ def _has_weights(path: str) -> bool:
 
 
 def _train_forward(self, tokens, targets=None, positions=None):
-    """The trainer's call: the mean cross-entropy of `targets` (already shifted), or the logits. The loss is
+    """The trainer's call: the mean cross-entropy of `targets` (already shifted), plus the router's
+    load-balancing loss where the config asks for it (`output_router_logits`), or the logits. The loss is
     kernels' (vocab-parallel on sharded logits) rather than transformers', which would gather the logits and
     shift its labels inside the model, wrong on a sequence in another order than its own (cp's zigzag).
     `positions` [B, T]: each token's position, when the data path gives the sequence in another order
     (context parallelism); transformers rotates RoPE by them."""
     if positions is None:
-        logits = type(self).forward(self, input_ids=tokens).logits
+        out = type(self).forward(self, input_ids=tokens)
     else:
         with _causal_sdpa(self.config):
-            logits = type(self).forward(self, input_ids=tokens, position_ids=positions).logits
+            out = type(self).forward(self, input_ids=tokens, position_ids=positions)
     if targets is None:
-        return logits
-    return kernels.cross_entropy(logits.float(), targets, impl=self.cfg.kernels)
+        return out.logits
+    loss = kernels.cross_entropy(out.logits.float(), targets, impl=self.cfg.kernels)
+    if getattr(out, "aux_loss", None) is not None:  # a mixture of experts' load-balancing loss, as transformers adds it
+        loss = loss + self.config.router_aux_loss_coef * out.aux_loss
+    return loss
 
 
 CAUSAL_SDPA = "spmd_causal_sdpa"

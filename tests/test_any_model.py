@@ -1,6 +1,7 @@
 """Models spmd has never seen, laid out from parameter annotations alone: transformers' Llama, Mistral,
-Qwen2, Qwen3, Gemma, Gemma 3, Granite, StableLM, Cohere, OLMo 2, Starcoder2, Phi, Phi-3, GPT-2, GPT-NeoX
-and OPT (tiny configs built here, nothing downloaded) and a nanoGPT written without spmd in mind (positions
+Qwen2, Qwen3, Gemma, Gemma 3, Granite, StableLM, Cohere, OLMo 2, Starcoder2, Phi, Phi-3, GPT-2, GPT-NeoX,
+OPT and the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE, their router's load-balancing loss
+in the loss (tiny configs built here, nothing downloaded) and a nanoGPT written without spmd in mind (positions
 from `arange`, fused qkv, a head tied through `F.linear`). The families added with Qwen3 have grouped key/value
 heads (8 query heads, 4 key/value); Mistral attends through a sliding-window mask and a Llama through a
 padding mask whose padded tokens the loss ignores, rows unevenly.
@@ -122,7 +123,8 @@ def _matches_one_device(rank, world, kind, specs, tol=TOL):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["llama", "llama_padded", "mistral", "gpt2", "nanogpt", "qwen2", "qwen3", "gemma",
-                                  "granite", "stablelm", "cohere", "phi", "phi3", "gpt_neox"])
+                                  "granite", "stablelm", "cohere", "phi", "phi3", "gpt_neox", "mixtral", "qwen3_moe",
+                                  "qwen2_moe", "olmoe"])
 def test_model_matches_one_device(kind):
     specs = SPECS if kind in ("llama", "nanogpt") else FAMILY_SPECS
     run_distributed(_matches_one_device, 4, kind, specs, timeout_s=600)
@@ -157,7 +159,11 @@ def test_constraint_points_are_hints(spec, monkeypatch):
 
 
 HF_FAMILIES = ("opt", "qwen2", "qwen3", "gemma", "gemma3_text", "granite", "stablelm", "cohere", "olmo2", "starcoder2",
-               "phi", "phi3", "gpt_neox")
+               "phi", "phi3", "gpt_neox", "mixtral", "qwen3_moe", "qwen2_moe", "olmoe")
+
+
+# 2 experts per token, and the router's load-balancing loss in the loss (a global mean over the tokens)
+_MOE = dict(num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.5)
 
 
 def _tiny_hf(model_type: str):
@@ -185,6 +191,14 @@ def _tiny_hf(model_type: str):
                  dict(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64, attn_implementation="sdpa")),
         "gpt_neox": (transformers.GPTNeoXConfig, transformers.GPTNeoXForCausalLM,
                      {k: v for k, v in c.items() if k != "num_key_value_heads"}),
+        "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM,
+                    {**gqa, "num_local_experts": 4, **_MOE}),
+        "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM,
+                      {**gqa, "num_experts": 4, "moe_intermediate_size": 32, "head_dim": 8, **_MOE}),
+        "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM,
+                      {**gqa, "num_experts": 4, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 64,
+                       **_MOE}),
+        "olmoe": (transformers.OlmoeConfig, transformers.OlmoeForCausalLM, {**gqa, "num_experts": 4, **_MOE}),
         "opt": (transformers.OPTConfig, transformers.OPTForCausalLM,
                 dict(vocab_size=VOCAB, hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4,
                      max_position_embeddings=64, word_embed_proj_dim=64, dropout=0.0, attn_implementation="sdpa")),
@@ -239,6 +253,20 @@ def _in_float64(rank, world, kind, specs):
     # float32) every tensor agrees within 1e-6
     torch.set_default_dtype(torch.float64)
     _matches_one_device(rank, world, kind, specs, tol=1e-6)
+
+
+@pytest.mark.parametrize("sizes, table, expected", [
+    ({"ep": 2, "fsdp": 2}, None, "ep=2 would split the experts of model.layers.0.mlp.experts"),
+    ({"fsdp": 2, "tp": 2}, {"*.mlp.experts.down_proj": ("experts", "embed", "mlp")},
+     "model.layers.0.mlp.experts.down_proj: its axis 'mlp' splits over tp"),
+])
+def test_experts_that_route_themselves_are_refused_a_split(sizes, table, expected):
+    """transformers' experts sort the tokens themselves, so they compute whole on each rank: a mesh or an
+    annotation that would split them is refused before anything is laid out, naming the fix."""
+    model = _tiny_hf("mixtral")
+    spmd.annotate_hf(model, table={**PRESETS["mixtral"], **(table or {})} if table else None)
+    with pytest.raises(ValueError, match=expected):
+        spmd.explain(model, spmd.Rules.default(), sizes, batch_shape=(4, 16))
 
 
 def test_annotate_hf_errors_name_the_problem():
@@ -307,3 +335,31 @@ def test_plan_lists_the_collectives_of_a_real_step_of_transformers_llama():
     plan = spmd.explain(model, spmd.Rules.default(sequence_parallel=True), sizes, batch_shape=(BATCH, SEQ))
     expected = Counter((c.module, c.kind, c.axes, c.bytes, c.phase, c.origin) for c in plan.collectives)
     run_distributed(_real_step_records, 4, spec, expected, timeout_s=240)
+
+
+@pytest.mark.parametrize("router_logits", [True, False])
+def test_trainer_loss_of_a_mixture_of_experts_adds_its_load_balancing_loss(tmp_path, router_logits):
+    """`--model hf:DIR` of a Mixtral: the trainer's loss is the cross-entropy of its targets plus the router's
+    load-balancing loss times `router_aux_loss_coef` where the config asks for it, as transformers adds it to
+    its own loss; FLOPs count the 2 experts of 4 each token passes through."""
+    import torch.nn.functional as F
+
+    import models
+    config = transformers.MixtralConfig(**{**_TINY, **_GQA, **_MOE, "num_local_experts": 4,
+                                           "output_router_logits": router_logits})
+    config.save_pretrained(tmp_path)
+    cfg = models.preset(f"hf:{tmp_path}")
+    torch.manual_seed(0)
+    model = cfg.build()
+    torch.manual_seed(0)
+    ref = transformers.MixtralForCausalLM(config)
+    tokens = batch(0)
+    loss = model(tokens[:, :-1], tokens[:, 1:])
+    out = ref(input_ids=tokens[:, :-1])
+    expected = F.cross_entropy(out.logits.flatten(0, 1), tokens[:, 1:].flatten())
+    if router_logits:
+        assert out.aux_loss > 0.5
+        expected = expected + 0.5 * out.aux_loss
+    assert abs(loss.item() - expected.item()) <= 1e-6 * expected.item(), (loss.item(), expected.item())
+    experts = sum(p.numel() for n, p in ref.named_parameters() if ".experts." in n)
+    assert cfg.num_params(active=True) == sum(p.numel() for p in ref.parameters()) - experts // 2

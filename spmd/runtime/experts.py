@@ -18,6 +18,8 @@ Under `explain` (fake tensors, no data) the routing is taken to be balanced: eve
 share of each rank's tokens, and the plan's all-to-all records say so.
 An expert's gradient is this rank's share of the tokens: a partial sum over the batch axes that hold the
 expert whole (dp, fsdp), reduced into its storage layout as every parameter's is.
+
+An expert module called otherwise routes the tokens itself (transformers'): spmd.runtime.whole_experts.
 """
 import contextlib
 
@@ -31,6 +33,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 from ..layout.annotate import get_axes
 from . import tags
 from .activations import grad_layout, move
+from .whole_experts import balanced_grouped_products, check_whole, routes_itself
 from .wrap import contiguous_stride
 
 __all__ = ["EXPERTS", "expert_modules", "check_expert_layout", "install_expert_hooks", "balanced_routing"]
@@ -51,7 +54,9 @@ def balanced_routing(model: nn.Module):
     def balance(module, args):
         x, counts, *rest = args
         return (x, _balanced_counts(x.shape[0], counts.shape[0]), *rest) if is_fake(x) else None
-    handles = [m.register_forward_pre_hook(balance) for m in expert_modules(model).values()]
+    handles = []
+    for m in expert_modules(model).values():
+        handles += balanced_grouped_products(m) if routes_itself(m) else [m.register_forward_pre_hook(balance)]
     try:
         yield
     finally:
@@ -73,6 +78,9 @@ def check_expert_layout(model: nn.Module, mesh, rules) -> None:
         raise ValueError(f"ep={ep} splits the experts but not the batch (batch -> {rules.batch_axes()}); expert "
                          f"parallelism here also splits the data over ep: add 'ep' to the batch rule")
     for name, module in found.items():
+        if routes_itself(module):
+            check_whole(name, module, mesh, rules, ep)
+            continue
         if not name:
             raise ValueError("the model itself holds the expert parameters; put them in a submodule that the "
                              "routing code calls with (tokens sorted by expert, tokens per expert)")
@@ -89,10 +97,13 @@ def check_expert_layout(model: nn.Module, mesh, rules) -> None:
 
 
 def install_expert_hooks(model: nn.Module, state) -> None:
-    """Hooks the routing region (the expert module's parent) and the expert module. Called after the pass's
-    own hooks exist: these run inside them."""
+    """Hooks the routing region (the expert module's parent) and the expert module, for expert modules routed
+    by their caller. Called after the pass's own hooks exist: these run inside them."""
     modules = dict(model.named_modules())
     for name, module in expert_modules(model).items():
+        if routes_itself(module):
+            balanced_grouped_products(module)  # it runs on local tensors (spmd.runtime.local)
+            continue
         parent_name = name.rpartition(".")[0]
         split = _split_dims(module, state.mesh)
         region = _Region(state, parent_name, split)

@@ -8,7 +8,9 @@ input's layout. The local tensors carry their gradient layout across: a paramete
 this rank's partial sum over the mesh axes that split the batch, which the bucket reduces as before, and an
 input's gradient in the input's layout. Collectives, ZeRO-3's regather and no_sync are those of the DTensor
 path; only the per-op dispatch is gone. Blocks under activation checkpointing (their recomputation runs
-inside the block, past these hooks), compiled blocks and blocks holding experts keep the DTensor path.
+inside the block, past these hooks), compiled blocks and blocks holding experts keep the DTensor path. An
+expert module that routes its tokens itself (spmd.runtime.whole_experts) runs on local tensors the
+same way, inside its block's DTensor path: its inputs are flat tokens split along dim 0.
 
 The layers of the root unit (embedding, final norm, output projection: leaf modules outside the blocks whose
 parameters the root unit gathers once per forward) run the same way, on the local tensors of those gathered
@@ -21,6 +23,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from .buckets import gather_bucket
 from .experts import expert_modules
+from .whole_experts import routes_itself
 from .local_edges import batch_grad_layout, to_local, wrap_outputs
 from .params import gather_param, gather_shared, kept_for_backward, moves_data
 from .reshard import CHECKPOINTED_ATTR, reshard_after_forward, storage_key
@@ -31,10 +34,11 @@ __all__ = ["local_blocks", "enter_local", "LocalBlock"]
 def local_blocks(model, state) -> dict:
     """{id(module): ([(module, name, param)], [(module, name, buffer)])} for the bucketed blocks, and the
     root unit's leaf modules, whose parameters and buffers are all replicated in compute on every mesh axis
-    of size > 1, and that hold no experts."""
+    of size > 1, and that hold no experts; and for the expert modules that route their tokens themselves."""
     mesh = state.mesh
-    experts = {id(m) for m in expert_modules(model).values()}
-    found = {}
+    experts = {id(m): m for m in expert_modules(model).values()}
+    found = {id(m): members for m in experts.values() if routes_itself(m)
+             for members in [_members([m], mesh)] if members is not None}
     for bucket in state.buckets.values():
         if bucket.module is model:
             continue  # the root unit: the model itself, whose inputs and outputs are not a block's
