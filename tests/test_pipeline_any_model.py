@@ -1,5 +1,6 @@
-"""Pipeline parallelism for models spmd did not write: transformers' LlamaForCausalLM from a tiny local
-config.json (as `--model hf:DIR` builds it) and a nanoGPT whose head is tied to its embedding through
+"""Pipeline parallelism for models spmd did not write: transformers' LlamaForCausalLM and MixtralForCausalLM
+(its experts routing the tokens themselves) from tiny local config.json files (as `--model hf:DIR` builds
+them) and a nanoGPT whose head is tied to its embedding through
 `F.linear`. Neither has embed/block_inputs/head parts; spmd.build_pipeline cuts the model's own forward at
 block boundaries (spmd/pipeline/cut.py) and lays each stage out with the other mesh axes.
 
@@ -25,6 +26,7 @@ TOL = 1e-5
 # "trainer": transformers' Llama as `launch.train --model hf:DIR` builds it (on meta, each rank initialising
 # its stages' shards by name through the model's initializer)
 CASES = {"trainer": [("pp=2,fsdp=2", "1f1b", 1, 2, "full")],
+         "mixtral": [("pp=2,fsdp=2", "1f1b", 1, 2, "full")],
          "llama": [("pp=2,tp=2,sp", "interleaved-1f1b", 2, 2, "none")],
          "nanogpt": [("pp=2,fsdp=2", "1f1b", 1, 2, "none"), ("pp=2,tp=2", "zero-bubble", 2, 2, "none"),
                      ("pp=4", "1f1b", 1, 4, "none")]}
@@ -51,15 +53,15 @@ def _loss(out):
     return out[1] if isinstance(out, tuple) else out  # nanoGPT returns (logits, loss)
 
 
-def _pipeline_matches_one_device(rank, world, hf_dir):
+def _pipeline_matches_one_device(rank, world, dirs):
     for kind, spec, schedule, v, M, ac in [(kind, *case) for kind, cases in CASES.items() for case in cases]:
         what = f"{kind} {spec} {schedule} v={v} ac={ac}"
         sizes, flags = spmd.parse_spec(spec)
-        if kind == "trainer":
-            ref, pipe = _trainer_pipeline(world, hf_dir, spec, schedule, M, ac)
+        if kind in dirs:
+            ref, pipe = _trainer_pipeline(world, dirs[kind], spec, schedule, M, ac)
         else:
-            ref = _build(kind, hf_dir)
-            pipe = spmd.build_pipeline(_build(kind, hf_dir), spmd.make_mesh(sizes),
+            ref = _build(kind, dirs["trainer"])
+            pipe = spmd.build_pipeline(_build(kind, dirs["trainer"]), spmd.make_mesh(sizes),
                                        spmd.Rules.default(sequence_parallel="sp" in flags), schedule=schedule,
                                        microbatches=M, virtual_stages=v, ac=ac)
         opt = torch.optim.AdamW(pipe.parameters(), lr=1e-3, weight_decay=0.1, eps=1e-6)
@@ -124,6 +126,25 @@ def _tiny_llama_dir(path) -> str:
     return str(path)
 
 
+def _tiny_mixtral_dir(path, router_logits: bool = False) -> str:
+    path.mkdir()
+    transformers.MixtralConfig(**{**_TINY, "num_hidden_layers": 4, "num_key_value_heads": 2, "num_local_experts": 4,
+                                  "num_experts_per_tok": 2, "output_router_logits": router_logits,
+                                  "router_aux_loss_coef": 0.5}).save_pretrained(path)
+    return str(path)
+
+
 @pytest.mark.slow
 def test_pipeline_of_models_without_parts_matches_one_device(tmp_path):
-    run_distributed(_pipeline_matches_one_device, 4, _tiny_llama_dir(tmp_path / "llama"), timeout_s=300)
+    dirs = {"trainer": _tiny_llama_dir(tmp_path / "llama"), "mixtral": _tiny_mixtral_dir(tmp_path / "mixtral")}
+    run_distributed(_pipeline_matches_one_device, 4, dirs, timeout_s=300)
+
+
+def test_pipeline_refuses_a_load_balancing_loss_over_all_layers(tmp_path):
+    """transformers' load-balancing loss takes every layer's router logits at once, which stages holding some of
+    the layers cannot compute: cutting such a model is refused, naming the setting to change."""
+    from models.transformers_lm import TransformersConfig
+    from spmd.pipeline.cut import trace_uses
+    model = TransformersConfig(path=_tiny_mixtral_dir(tmp_path / "mixtral", router_logits=True)).build()
+    with pytest.raises(ValueError, match="set output_router_logits to false"):
+        trace_uses(model, "model.layers")

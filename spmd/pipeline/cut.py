@@ -26,6 +26,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
 from ..runtime.activations import constrain
+from ..runtime.experts import balanced_routing
 from .shapes import StageBoundary, fake_inputs, fake_model
 from .split import default_example, outside_blocks
 
@@ -57,6 +58,10 @@ def trace_uses(model: nn.Module, block_path: str, loss_fn=None) -> tuple[nn.Modu
     """Runs the stages' call, `model(tokens, targets)` (or `loss_fn(model(tokens), targets)`), on a fake copy
     and returns (the copy, {"before"|"after": ids of its parameters used before the first block / after the
     last}); raises ValueError, naming the problem, if that call fails or gives no scalar loss."""
+    if getattr(getattr(model, "config", None), "output_router_logits", False):
+        raise ValueError(f"{type(model).__name__} adds a load-balancing loss over every layer's router logits at "
+                         f"once (config.output_router_logits), which pipeline stages holding some of the layers "
+                         f"cannot compute; set output_router_logits to false (config.json) or run without pp")
     meta, mode = fake_model(model)
     blocks = meta.get_submodule(block_path)
     uses = _Uses()
@@ -65,7 +70,7 @@ def trace_uses(model: nn.Module, block_path: str, loss_fn=None) -> tuple[nn.Modu
     tokens, = default_example(model)
     tokens, targets = fake_inputs(mode, (tokens, tokens))
     try:
-        with mode, uses, torch.no_grad():
+        with mode, uses, torch.no_grad(), balanced_routing(meta):
             _loss_of(meta(tokens, targets) if loss_fn is None else loss_fn(meta(tokens), targets))
     except ValueError:
         raise

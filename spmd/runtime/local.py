@@ -37,8 +37,12 @@ def local_blocks(model, state) -> dict:
     of size > 1, and that hold no experts; and for the expert modules that route their tokens themselves."""
     mesh = state.mesh
     experts = {id(m): m for m in expert_modules(model).values()}
-    found = {id(m): members for m in experts.values() if routes_itself(m)
-             for members in [_members([m], mesh)] if members is not None}
+    found = {}
+    for m in experts.values():
+        members = _members([m], mesh) if routes_itself(m) else None
+        if members is not None:
+            found[id(m)] = members
+            setattr(m, _INSIDE_ATTR, True)
     for bucket in state.buckets.values():
         if bucket.module is model:
             continue  # the root unit: the model itself, whose inputs and outputs are not a block's
@@ -197,10 +201,15 @@ def _resume(mode) -> None:
         torch._C._push_on_torch_function_stack(mode)
 
 
+_INSIDE_ATTR = "_spmd_local_inside"  # on a module that runs on local tensors inside its block's forward
+
+
 def enter_local(state, mod, name: str, args, kwargs):
     """(args, kwargs) on local tensors when `mod` is a data-only block fed batch-split inputs (and pushes
     the call on `state.local`); None otherwise."""
-    if torch.compiler.is_compiling() or getattr(mod, CHECKPOINTED_ATTR, False):
+    # a checkpointed block recomputes past its own hooks; a module inside it runs its hooks again
+    if torch.compiler.is_compiling() or (getattr(mod, CHECKPOINTED_ATTR, False)
+                                         and not getattr(mod, _INSIDE_ATTR, False)):
         return None
     members = state.local_members.get(id(mod))
     if members is None:
