@@ -55,10 +55,11 @@ def check_sequence_order(func, tensors) -> None:
             raise ValueError(
                 f"under context parallelism {getattr(func, '__name__', func)} combines the sequence (length {seq}, "
                 f"split zigzag over cp) with a tensor of shape {tuple(t.shape)} that runs along it in natural "
-                f"order (positions from arange, a mask, a position table sliced to the length): the result "
-                f"would be silently wrong. Pass the positions of the data path (the model's forward(..., "
-                f"positions), as spmd.cp_slice gives them), attend through F.scaled_dot_product_attention "
-                f"with is_causal, or train this model without a cp axis")
+                f"order (positions from arange, a mask, a position table sliced to the length), or that a "
+                f"view flattening batch and sequence gathered whole (transformers' mixtures of experts, OPT): "
+                f"the result would be silently wrong. Pass the positions of the data path (the model's "
+                f"forward(..., positions), as spmd.cp_slice gives them), attend through "
+                f"F.scaled_dot_product_attention with is_causal, or train this model without a cp axis")
 
 
 def cp_active(mesh) -> bool:
