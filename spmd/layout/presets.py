@@ -56,11 +56,15 @@ _PHI = {**_LLAMA, "*.self_attn.dense.weight": ("embed", "heads"), "*.mlp.fc1.wei
 # themselves; each rank holds them whole (fsdp shards them in storage), see spmd.runtime.experts
 _EXPERTS = {"*.mlp.gate.weight": (None, "embed"), "*.mlp.experts.gate_up_proj": ("experts", None, "embed"),
             "*.mlp.experts.down_proj": ("experts", "embed", None), "*.mlp.shared_expert_gate.weight": (None, "embed")}
+# gpt-oss: attention sinks (one logit per head), biased experts stored [experts, in, out]
+_GPT_OSS = {**_LLAMA, "*.self_attn.sinks": ("heads",), "*.mlp.router.weight": (None, "embed"),
+            "*.mlp.experts.gate_up_proj": ("experts", "embed", None),
+            "*.mlp.experts.down_proj": ("experts", None, "embed"), "*.mlp.experts.*_bias": ("experts", None)}
 PRESETS = {"llama": _LLAMA, "mistral": _LLAMA, "qwen2": _LLAMA, "qwen3": _QWEN3, "gemma": _LLAMA,
            "gemma3_text": _QWEN3, "granite": _LLAMA, "stablelm": _LLAMA, "cohere": _LLAMA, "olmo2": _OLMO2,
            "starcoder2": _STARCODER2, "phi": _PHI, "phi3": _PHI3, "gpt2": _GPT2, "gpt_neox": _NEOX, "opt": _OPT,
            "mixtral": {**_LLAMA, **_EXPERTS}, "qwen2_moe": {**_LLAMA, **_EXPERTS}, "qwen3_moe": {**_QWEN3, **_EXPERTS},
-           "olmoe": {**_OLMO2, **_EXPERTS}}
+           "olmoe": {**_OLMO2, **_EXPERTS}, "gpt_oss": _GPT_OSS}
 
 _HOW = ("pass a table of name patterns, e.g. spmd.annotate_hf(model, table={{'*.q_proj.weight': ('heads', 'embed'), "
         "'*.o_proj.weight': ('embed', 'heads'), ...}}), with one logical axis or None per dim")
