@@ -64,7 +64,8 @@ PRESETS = {"llama": _LLAMA, "mistral": _LLAMA, "qwen2": _LLAMA, "qwen3": _QWEN3,
            "gemma3_text": _QWEN3, "granite": _LLAMA, "stablelm": _LLAMA, "cohere": _LLAMA, "olmo2": _OLMO2,
            "starcoder2": _STARCODER2, "phi": _PHI, "phi3": _PHI3, "gpt2": _GPT2, "gpt_neox": _NEOX, "opt": _OPT,
            "mixtral": {**_LLAMA, **_EXPERTS}, "qwen2_moe": {**_LLAMA, **_EXPERTS}, "qwen3_moe": {**_QWEN3, **_EXPERTS},
-           "olmoe": {**_OLMO2, **_EXPERTS}, "gpt_oss": _GPT_OSS}
+           "olmoe": {**_OLMO2, **_EXPERTS}, "gpt_oss": _GPT_OSS, "glm4_moe": {**_LLAMA, **_EXPERTS},
+           "ernie4_5_moe": {**_LLAMA, **_EXPERTS, "*.gate.moe_statics.e_score_correction_bias": (None, None)}}
 
 _HOW = ("pass a table of name patterns, e.g. spmd.annotate_hf(model, table={{'*.q_proj.weight': ('heads', 'embed'), "
         "'*.o_proj.weight': ('embed', 'heads'), ...}}), with one logical axis or None per dim")
