@@ -1,6 +1,6 @@
 """Models spmd has never seen, laid out from parameter annotations alone: transformers' Llama, Mistral,
 Qwen2, Qwen3, Gemma, Gemma 3, Granite, StableLM, Cohere, OLMo 2, Starcoder2, Phi, Phi-3, GPT-2, GPT-NeoX,
-OPT and the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, GLM-4-MoE, ERNIE 4.5 MoE and gpt-oss
+OPT, EXAONE 4, nine more families of Llama's layers under other names (LLAMA_LIKE) and the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, GLM-4-MoE, ERNIE 4.5 MoE and gpt-oss
 (attention sinks, eager attention under a sliding window), with the router's load-balancing loss in the loss
 (tiny configs built here, nothing downloaded), and a nanoGPT written without spmd in mind (positions from
 `arange`, fused qkv, a head tied through `F.linear`). The families added with Qwen3 have grouped key/value
@@ -134,6 +134,23 @@ def test_model_matches_one_device(kind):
     run_distributed(_matches_one_device, 4, kind, specs, timeout_s=600)
 
 
+# layers that are Llama's under other names and settings: OLMo, OLMo 3 (norms over all heads, split with them),
+# Nemotron (LayerNorm1P, squared ReLU), Seed-OSS, Arcee, SmolLM3, GLM and GLM-4 (gate and up fused, as
+# Phi-3's), Gemma 2 (eager attention with soft-capped scores and logits)
+LLAMA_LIKE = ("smollm3", "olmo", "olmo3", "nemotron", "seed_oss", "arcee", "glm", "glm4", "gemma2")
+
+
+@pytest.mark.slow
+def test_llama_like_families_match_one_device():
+    """One launch runs every family of LLAMA_LIKE on the family specs."""
+    run_distributed(_each_matches_one_device, 4, LLAMA_LIKE, FAMILY_SPECS, timeout_s=900)
+
+
+def _each_matches_one_device(rank, world, kinds, specs):
+    for kind in kinds:
+        _matches_one_device(rank, world, kind, specs)
+
+
 ALL_SPECS = SPECS + ["fsdp=2,tp=2", "fsdp=8,tp=4,sp", "dp=2,fsdp=4,tp=4"]
 
 
@@ -164,7 +181,8 @@ def test_constraint_points_are_hints(spec, monkeypatch):
 
 HF_FAMILIES = ("opt", "qwen2", "qwen3", "gemma", "gemma3_text", "granite", "stablelm", "cohere", "olmo2", "starcoder2",
                "phi", "phi3", "gpt_neox", "mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "gpt_oss", "glm4_moe",
-               "ernie4_5_moe")
+               "ernie4_5_moe", "smollm3", "olmo", "olmo3", "nemotron", "seed_oss", "arcee", "exaone4", "glm",
+               "glm4", "gemma2")
 
 
 # 2 experts per token, and the router's load-balancing loss in the loss (a global mean over the tokens)
@@ -192,6 +210,18 @@ def _tiny_hf(model_type: str):
         "starcoder2": (transformers.Starcoder2Config, transformers.Starcoder2ForCausalLM,
                        {**gqa, "residual_dropout": 0.0, "embedding_dropout": 0.0}),
         "phi": (transformers.PhiConfig, transformers.PhiForCausalLM, {**gqa, "resid_pdrop": 0.0, "embd_pdrop": 0.0}),
+        "smollm3": (transformers.SmolLM3Config, transformers.SmolLM3ForCausalLM, {**gqa, "pad_token_id": 0}),
+        "olmo": (transformers.OlmoConfig, transformers.OlmoForCausalLM, gqa),
+        "olmo3": (transformers.Olmo3Config, transformers.Olmo3ForCausalLM, gqa),
+        "nemotron": (transformers.NemotronConfig, transformers.NemotronForCausalLM, gqa),
+        "seed_oss": (transformers.SeedOssConfig, transformers.SeedOssForCausalLM,
+                     {**gqa, "attention_dropout": 0.0, "residual_dropout": 0.0}),
+        "arcee": (transformers.ArceeConfig, transformers.ArceeForCausalLM, gqa),
+        "exaone4": (transformers.Exaone4Config, transformers.Exaone4ForCausalLM, gqa),
+        "glm": (transformers.GlmConfig, transformers.GlmForCausalLM, {**gqa, "pad_token_id": 0}),
+        "glm4": (transformers.Glm4Config, transformers.Glm4ForCausalLM, {**gqa, "pad_token_id": 0}),
+        "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM,
+                   {**gqa, "head_dim": 8, "attn_implementation": "eager"}),
         "gpt2": (transformers.GPT2Config, transformers.GPT2LMHeadModel,
                  dict(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64, attn_implementation="sdpa")),
         "gpt_neox": (transformers.GPTNeoXConfig, transformers.GPTNeoXForCausalLM,
@@ -252,12 +282,12 @@ def test_opt_flattening_its_tokens_matches_one_device_under_sequence_parallel():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["gemma3_text", "olmo2", "starcoder2"])
+@pytest.mark.parametrize("kind", ["gemma3_text", "olmo2", "starcoder2", "exaone4"])
 def test_model_matches_one_device_in_float64(kind):
     """Gemma 3 (an embedding scaled by a 0-d buffer, whose vocab-parallel partial sums stay partial), OLMo 2
-    (one norm over all key heads, split over tp) and Starcoder2 (a bias on every projection), with grouped
-    key/value heads, on the family specs: loss, gradients and parameters after 3 steps within 1e-6 of one
-    process in float64."""
+    (one norm over all key heads, split over tp), Starcoder2 (a bias on every projection) and EXAONE 4
+    (per-head q/k norms after the projections), with grouped key/value heads, on the family specs: loss,
+    gradients and parameters after 3 steps within 1e-6 of one process in float64."""
     run_distributed(_in_float64, 4, kind, FAMILY_SPECS, timeout_s=600)
 
 

@@ -52,6 +52,7 @@ _OLMO2 = {**_LLAMA, "*.q_norm.weight": ("heads",), "*.k_norm.weight": ("kv_heads
 _STARCODER2 = {**_LLAMA, "*.mlp.c_fc.weight": ("mlp", "embed"), "*.mlp.c_proj.weight": ("embed", "mlp")}
 _PHI = {**_LLAMA, "*.self_attn.dense.weight": ("embed", "heads"), "*.mlp.fc1.weight": ("mlp", "embed"),
         "*.mlp.fc2.weight": ("embed", "mlp")}
+_GLM = {**_LLAMA, "*.mlp.gate_up_proj.weight": (None, "embed")}  # gate and up fused, as Phi-3's
 # transformers' mixtures of experts: a router, then experts stacked [experts, out, in] that route the tokens
 # themselves; each rank holds them whole (fsdp shards them in storage), see spmd.runtime.experts
 _EXPERTS = {"*.mlp.gate.weight": (None, "embed"), "*.mlp.experts.gate_up_proj": ("experts", None, "embed"),
@@ -63,6 +64,8 @@ _GPT_OSS = {**_LLAMA, "*.self_attn.sinks": ("heads",), "*.mlp.router.weight": (N
 PRESETS = {"llama": _LLAMA, "mistral": _LLAMA, "qwen2": _LLAMA, "qwen3": _QWEN3, "gemma": _LLAMA,
            "gemma3_text": _QWEN3, "granite": _LLAMA, "stablelm": _LLAMA, "cohere": _LLAMA, "olmo2": _OLMO2,
            "starcoder2": _STARCODER2, "phi": _PHI, "phi3": _PHI3, "gpt2": _GPT2, "gpt_neox": _NEOX, "opt": _OPT,
+           "smollm3": _LLAMA, "olmo": _LLAMA, "olmo3": _OLMO2, "nemotron": _LLAMA, "seed_oss": _LLAMA, "arcee": _LLAMA,
+           "exaone4": _QWEN3, "glm": _GLM, "glm4": _GLM, "gemma2": _LLAMA,
            "mixtral": {**_LLAMA, **_EXPERTS}, "qwen2_moe": {**_LLAMA, **_EXPERTS}, "qwen3_moe": {**_QWEN3, **_EXPERTS},
            "olmoe": {**_OLMO2, **_EXPERTS}, "gpt_oss": _GPT_OSS, "glm4_moe": {**_LLAMA, **_EXPERTS},
            "ernie4_5_moe": {**_LLAMA, **_EXPERTS, "*.gate.moe_statics.e_score_correction_bias": (None, None)}}
