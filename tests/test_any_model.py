@@ -1,8 +1,8 @@
 """Models spmd has never seen, laid out from parameter annotations alone: transformers' Llama, Mistral,
 Qwen2, Qwen3, Gemma, Gemma 3, Granite, StableLM, Cohere, OLMo 2, Starcoder2, Phi, Phi-3, GPT-2, GPT-NeoX,
 OPT, EXAONE 4, nine more families of Llama's layers under other names (LLAMA_LIKE) and the mixtures of
-experts Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, GLM-4-MoE, ERNIE 4.5 MoE and gpt-oss (attention sinks, eager
-attention under a sliding window), with the router's load-balancing loss in the loss (tiny configs built
+experts Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, GLM-4-MoE, ERNIE 4.5 MoE, DeepSeek-V3 (multi-head latent
+attention) and gpt-oss (attention sinks, eager attention under a sliding window), with the router's load-balancing loss in the loss (tiny configs built
 here, nothing downloaded), and a nanoGPT written without spmd in mind (positions from `arange`, fused qkv, a
 head tied through `F.linear`). The families added with Qwen3 have grouped key/value heads (8 query heads, 4
 key/value); Mistral attends through a sliding-window mask and a Llama through a padding mask whose padded
@@ -129,7 +129,7 @@ def _matches_one_device(rank, world, kind, specs, tol=TOL):
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["llama", "llama_padded", "mistral", "gpt2", "nanogpt", "qwen2", "qwen3", "gemma",
                                   "granite", "stablelm", "cohere", "phi", "phi3", "gpt_neox", "mixtral", "qwen3_moe",
-                                  "qwen2_moe", "olmoe", "gpt_oss", "glm4_moe", "ernie4_5_moe"])
+                                  "qwen2_moe", "olmoe", "gpt_oss", "glm4_moe", "ernie4_5_moe", "deepseek_v3"])
 def test_model_matches_one_device(kind):
     specs = SPECS if kind in ("llama", "nanogpt") else FAMILY_SPECS
     run_distributed(_matches_one_device, 4, kind, specs, timeout_s=600)
@@ -182,7 +182,7 @@ def test_constraint_points_are_hints(spec, monkeypatch):
 
 HF_FAMILIES = ("opt", "qwen2", "qwen3", "gemma", "gemma3_text", "granite", "stablelm", "cohere", "olmo2", "starcoder2",
                "phi", "phi3", "gpt_neox", "mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "gpt_oss", "glm4_moe",
-               "ernie4_5_moe", "smollm3", "olmo", "olmo3", "nemotron", "seed_oss", "arcee", "exaone4", "glm",
+               "ernie4_5_moe", "deepseek_v3", "smollm3", "olmo", "olmo3", "nemotron", "seed_oss", "arcee", "exaone4", "glm",
                "glm4", "gemma2")
 
 
@@ -240,6 +240,10 @@ def _tiny_hf(model_type: str):
                       "n_group": 1, "topk_group": 1, "head_dim": 8, **_MOE}),
         "ernie4_5_moe": (transformers.Ernie4_5_MoeConfig, transformers.Ernie4_5_MoeForCausalLM,
                          {**gqa, "moe_num_experts": 4, "moe_k": 2, "moe_intermediate_size": 32, **_MOE}),
+        "deepseek_v3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM,
+                        {**c, "moe_intermediate_size": 32, "n_routed_experts": 4, "n_group": 1, "topk_group": 1,
+                         "first_k_dense_replace": 1, "q_lora_rank": 32, "kv_lora_rank": 16, "qk_rope_head_dim": 8,
+                         "qk_nope_head_dim": 8, "v_head_dim": 8, "pad_token_id": 0, **_MOE}),
         "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM,
                     {**gqa, "head_dim": 8, "num_local_experts": 4, "sliding_window": 6, **_MOE,
                      "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},

@@ -61,6 +61,11 @@ _EXPERTS = {"*.mlp.gate.weight": (None, "embed"), "*.mlp.experts.gate_up_proj": 
 _GPT_OSS = {**_LLAMA, "*.self_attn.sinks": ("heads",), "*.mlp.router.weight": (None, "embed"),
             "*.mlp.experts.gate_up_proj": ("experts", "embed", None),
             "*.mlp.experts.down_proj": ("experts", None, "embed"), "*.mlp.experts.*_bias": ("experts", None)}
+# DeepSeek's multi-head latent attention: the low-rank projections (and their norms) whole, the projections
+# up from them split by heads
+_MLA = {**_LLAMA, **_EXPERTS, "*.q_a_proj.weight": (None, "embed"), "*.q_a_layernorm.weight": (None,),
+        "*.q_b_proj.weight": ("heads", None), "*.kv_a_proj_with_mqa.weight": (None, "embed"),
+        "*.kv_a_layernorm.weight": (None,), "*.kv_b_proj.weight": ("heads", None)}
 PRESETS = {"llama": _LLAMA, "mistral": _LLAMA, "qwen2": _LLAMA, "qwen3": _QWEN3, "gemma": _LLAMA,
            "gemma3_text": _QWEN3, "granite": _LLAMA, "stablelm": _LLAMA, "cohere": _LLAMA, "olmo2": _OLMO2,
            "starcoder2": _STARCODER2, "phi": _PHI, "phi3": _PHI3, "gpt2": _GPT2, "gpt_neox": _NEOX, "opt": _OPT,
@@ -68,7 +73,8 @@ PRESETS = {"llama": _LLAMA, "mistral": _LLAMA, "qwen2": _LLAMA, "qwen3": _QWEN3,
            "exaone4": _QWEN3, "glm": _GLM, "glm4": _GLM, "gemma2": _LLAMA,
            "mixtral": {**_LLAMA, **_EXPERTS}, "qwen2_moe": {**_LLAMA, **_EXPERTS}, "qwen3_moe": {**_QWEN3, **_EXPERTS},
            "olmoe": {**_OLMO2, **_EXPERTS}, "gpt_oss": _GPT_OSS, "glm4_moe": {**_LLAMA, **_EXPERTS},
-           "ernie4_5_moe": {**_LLAMA, **_EXPERTS, "*.gate.moe_statics.e_score_correction_bias": (None, None)}}
+           "ernie4_5_moe": {**_LLAMA, **_EXPERTS, "*.gate.moe_statics.e_score_correction_bias": (None, None)},
+           "deepseek_v3": _MLA}
 
 _HOW = ("pass a table of name patterns, e.g. spmd.annotate_hf(model, table={{'*.q_proj.weight': ('heads', 'embed'), "
         "'*.o_proj.weight': ('embed', 'heads'), ...}}), with one logical axis or None per dim")
