@@ -2,11 +2,11 @@
 Qwen2, Qwen3, Gemma, Gemma 3, Granite, StableLM, Cohere, OLMo 2, Starcoder2, Phi, Phi-3, GPT-2, GPT-NeoX,
 OPT, EXAONE 4, nine more families of Llama's layers under other names (LLAMA_LIKE) and the mixtures of
 experts Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, GLM-4-MoE, ERNIE 4.5 MoE, DeepSeek-V3 (multi-head latent
-attention) and gpt-oss (attention sinks, eager attention under a sliding window), with the router's load-balancing loss in the loss (tiny configs built
-here, nothing downloaded), and a nanoGPT written without spmd in mind (positions from `arange`, fused qkv, a
-head tied through `F.linear`). The families added with Qwen3 have grouped key/value heads (8 query heads, 4
-key/value); Mistral attends through a sliding-window mask and a Llama through a padding mask whose padded
-tokens the loss ignores, rows unevenly.
+attention) and gpt-oss (attention sinks, eager attention under a sliding window), with the router's
+load-balancing loss in the loss (tiny configs built here, nothing downloaded), and a nanoGPT written without
+spmd in mind (positions from `arange`, fused qkv, a head tied through `F.linear`). The families added with
+Qwen3 have grouped key/value heads (8 query heads, 4 key/value); Mistral attends through a sliding-window mask
+and a Llama through a padding mask whose padded tokens the loss ignores, rows unevenly.
 
 Each model trains 3 AdamW steps on 4 gloo processes, next to the same model in one process: loss, every
 gradient and every parameter agree within 1e-5, norm-relative (the tolerance and its reasoning are those of
@@ -182,8 +182,8 @@ def test_constraint_points_are_hints(spec, monkeypatch):
 
 HF_FAMILIES = ("opt", "qwen2", "qwen3", "gemma", "gemma3_text", "granite", "stablelm", "cohere", "olmo2", "starcoder2",
                "phi", "phi3", "gpt_neox", "mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "gpt_oss", "glm4_moe",
-               "ernie4_5_moe", "deepseek_v3", "smollm3", "olmo", "olmo3", "nemotron", "seed_oss", "arcee", "exaone4", "glm",
-               "glm4", "gemma2")
+               "ernie4_5_moe", "deepseek_v3", "smollm3", "olmo", "olmo3", "nemotron", "seed_oss", "arcee", "exaone4",
+               "glm", "glm4", "gemma2")
 
 
 # 2 experts per token, and the router's load-balancing loss in the loss (a global mean over the tokens)
