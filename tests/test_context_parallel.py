@@ -4,7 +4,8 @@ Four gloo processes, fp32, fixed seeds, one launch for every check. Ring attenti
 the gradients of its q, k and v equal `F.scaled_dot_product_attention` on the whole sequence (causal and
 full masks, grouped K/V heads) within 1e-5. Training: the tiny Llama on `cp=4`, `fsdp=2,cp=2`,
 `cp=2,tp=2,sp` and `pp=2,cp=2` (1F1B, 2 micro-batches), and transformers' LlamaForCausalLM (SDPA, grouped
-K/V, unchanged, as `--model hf:DIR` wraps it) on `fsdp=2,cp=2`, each rank fed its zigzag share of the sequence
+K/V, unchanged, as `--model hf:DIR` wraps it) and MixtralForCausalLM (its load-balancing loss included) on
+`fsdp=2,cp=2`, each rank fed its zigzag share of the sequence
 with the matching RoPE positions and targets: loss, every gradient and every parameter after 3 AdamW steps
 equal one process within 1e-5 (||a-b|| / ||b|| per tensor, as in tests/test_spmd_numerics.py). A sequence
 length that is not a multiple of 2*cp is an error naming the fix, raised before any collective; so is a model
@@ -88,6 +89,18 @@ def _hf_llama_dir(path) -> str:
     transformers = pytest.importorskip("transformers")
     from tests.test_any_model import _TINY
     transformers.LlamaConfig(**{**_TINY, "vocab_size": 512, "num_key_value_heads": 2}).save_pretrained(path)
+    return str(path)
+
+
+def _hf_mixtral_dir(path) -> str:
+    """config.json of a tiny transformers MixtralForCausalLM with its load-balancing loss: its MoE layers
+    flatten batch and sequence into one dim of tokens (spmd.runtime.plain gathers the sequence for it and
+    splits it again on the way back)."""
+    transformers = pytest.importorskip("transformers")
+    from tests.test_any_model import _TINY
+    transformers.MixtralConfig(**{**_TINY, "vocab_size": 512, "num_key_value_heads": 2, "num_local_experts": 4,
+                                  "num_experts_per_tok": 2, "output_router_logits": True,
+                                  "router_aux_loss_coef": 0.5}).save_pretrained(path)
     return str(path)
 
 
@@ -193,7 +206,7 @@ def _check_memory_matches_plan(planned: dict):
         assert abs(got - planned[key]) <= ACT_TOL * planned[key], f"{key}: measured {got:,} B, plan {planned[key]:,} B"
 
 
-def _all_checks(rank, world, planned, hf_dir, hf_planned, planned_memory):
+def _all_checks(rank, world, planned, hf_dir, hf_planned, planned_memory, moe_dir):
     _check_bad_length()
     _check_memory_matches_plan(planned_memory)
     _check_natural_order_is_refused(hf_dir)
@@ -202,12 +215,13 @@ def _all_checks(rank, world, planned, hf_dir, hf_planned, planned_memory):
     for spec in TRAIN_SPECS:
         _train_and_compare(spec, planned if spec == MEASURED else None)
     _train_and_compare(MEASURED, hf_planned, build=functools.partial(_hf_llama, hf_dir))
+    _train_and_compare(MEASURED, build=functools.partial(_hf_llama, moe_dir))
 
 
 @pytest.mark.slow
 def test_context_parallel_matches_one_process_and_its_plan(tmp_path):
-    """The tiny Llama on every spec, transformers' Llama on fsdp=2,cp=2; the ring bytes of both, planned by
-    explain, equal the formula (and in the launch, the bytes of a real step)."""
+    """The tiny Llama on every spec, transformers' Llama and Mixtral on fsdp=2,cp=2; the ring bytes of both
+    Llamas, planned by explain, equal the formula (and in the launch, the bytes of a real step)."""
     cfg = tiny_model().cfg
     plan = plan_for(MEASURED)
     planned = _ring_sends(plan.collectives)
@@ -221,7 +235,8 @@ def test_context_parallel_matches_one_process_and_its_plan(tmp_path):
     hf_planned = _ring_sends(hf_plan.collectives)
     assert hf_planned == ring_bytes_formula(MEASURED, hf.num_hidden_layers, hf.num_key_value_heads,
                                             hf.hidden_size // hf.num_attention_heads), hf_planned
-    run_distributed(_all_checks, 4, planned, hf_dir, hf_planned, planned_memory, timeout_s=300)
+    run_distributed(_all_checks, 4, planned, hf_dir, hf_planned, planned_memory, _hf_mixtral_dir(tmp_path / "moe"),
+                    timeout_s=300)
 
 
 def _causal_pairs(positions: torch.Tensor) -> int:

@@ -11,8 +11,9 @@ outside the model keeps DTensor's strict mixing check.
 A block that flattens its tokens into one dim (OPT: `x.reshape(-1, hidden)`) merges a sequence-sharded
 dim into the batch dim before it, which no DTensor layout holds evenly. Inside a layer, such a view first
 gathers the merged dim (an all-gather over its mesh axis, listed by explain against the module), and the
-block runs on whole sequences from there on. The view back to tokens keeps its gradient in its forward
-layout, so that the backward's reverse view never merges a sharded dim either.
+block runs on whole sequences from there on. The view back to tokens splits that dim again (a local slice:
+the tensors it meets next, the residual stream, are split so) and keeps its gradient in that layout, so that
+the backward's reverse view never merges a sharded dim either.
 """
 import math
 
@@ -37,6 +38,7 @@ class GlobalView(TorchFunctionMode):
     def __init__(self, state):
         super().__init__()
         self.state = state
+        self.merged: dict = {}  # shape before a view merged a sharded dim -> the layout the view gathered
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if not kwargs and len(args) == 1 and isinstance(args[0], torch.Tensor):
@@ -64,6 +66,8 @@ class GlobalView(TorchFunctionMode):
             return attention_memory.attending(attend, *args, **kwargs)
         if func in _VIEWS and isinstance(args[0], DTensor) and tags.current_module():
             x = _gather_merged(args[0], args[0].shape, _shape(args[0], args[1:]))
+            if x is not args[0]:
+                self.merged[tuple(args[0].shape)] = args[0].placements
             try:
                 out = func(x, *args[1:], **kwargs)
             except RuntimeError as e:
@@ -71,12 +75,22 @@ class GlobalView(TorchFunctionMode):
                     raise _uneven_split(x, _shape(x, args[1:])) from e
                 raise
             if out.requires_grad and _merged_dims(out.shape, x.shape, inner_only=True):
-                out = move(out, out.placements, tags.current_module(), "keep the gradient of a view back to tokens "
-                           "in its forward layout", grad_placements=grad_layout(out.placements))
+                return self._view_back(out)
             return out
         if func in direct.FUNCS and any(direct.stored(a) for a in flat):
             return direct.call(self.state, func, args, kwargs)
         return func(*args, **kwargs)
+
+    def _view_back(self, out: DTensor) -> DTensor:
+        """The view back to tokens splits again what the merge gathered (a local slice: the sequence over cp,
+        and over tp under sp, as the tensors it meets next are split), and keeps its gradient in that layout,
+        so that the backward's reverse view never merges a sharded dim either."""
+        before = self.merged.get(tuple(out.shape))
+        target = out.placements if before is None else tuple(
+            b if (p.is_replicate() and b.is_shard()) else p for p, b in zip(out.placements, before))
+        why = ("keep the gradient of a view back to tokens in its forward layout" if target == out.placements else
+               "split again the dim the view's merge gathered")
+        return move(out, target, tags.current_module(), why, grad_placements=grad_layout(target))
 
 
 def _uneven_split(x: DTensor, new) -> ValueError:
