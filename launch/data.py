@@ -235,7 +235,8 @@ def build_loader(cfg, dp_rank: int, dp_size: int, vocab_size: int, device="cpu")
     tokenizer = load_tokenizer(cfg.tokenizer)
     if tokenizer.vocab_size > vocab_size:
         raise ValueError(f"--tokenizer {cfg.tokenizer} has {tokenizer.vocab_size} tokens but the model's "
-                         f"vocabulary has {vocab_size}; use a model preset with a larger vocab_size")
+                         f"vocabulary has {vocab_size}; use a model preset with a larger vocab_size (for "
+                         f"--model hf:DIR, vocab_size in DIR/config.json), or a --tokenizer with fewer tokens")
     tokens, fingerprint = token_stream(cfg.data, tokenizer, cfg.data_field)
     loader = DataLoader(tokens, cfg.batch_size, cfg.seq_len, dp_rank, dp_size, cfg.grad_accum, cfg.seed,
                         vocab_size=vocab_size, device=device, fingerprint=fingerprint)
