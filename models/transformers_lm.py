@@ -120,7 +120,8 @@ class TransformersConfig:
     def flops_per_token(self, seq_len: int) -> float:
         heads = self._get("num_attention_heads", "n_head")
         head_dim = self._get("hidden_size", "n_embd") // heads
-        return 6 * self.num_params(non_embedding=True, active=True) + 12 * self.n_layers * heads * head_dim * seq_len
+        attention = 12 * self.n_layers * heads * head_dim * seq_len
+        return 6 * self.num_params(non_embedding=True, active=True) + attention
 
     def mesh_problem(self, sizes: dict) -> str | None:
         drop = {k: v for k in ("attn_pdrop", "attention_dropout") if isinstance(v := self.hf.get(k), (int, float)) and v}

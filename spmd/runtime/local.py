@@ -23,10 +23,10 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from .buckets import gather_bucket
 from .experts import expert_modules
-from .whole_experts import routes_itself
 from .local_edges import batch_grad_layout, to_local, wrap_outputs
 from .params import gather_param, gather_shared, kept_for_backward, moves_data
 from .reshard import CHECKPOINTED_ATTR, reshard_after_forward, storage_key
+from .whole_experts import routes_itself
 
 __all__ = ["local_blocks", "enter_local", "LocalBlock"]
 
