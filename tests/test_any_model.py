@@ -1,6 +1,6 @@
 """Models spmd has never seen, laid out from parameter annotations alone: transformers' Llama, Mistral,
 Qwen2, Qwen3, Gemma, Gemma 3, Granite, StableLM, Cohere, OLMo 2, Starcoder2, Phi, Phi-3, GPT-2, GPT-NeoX,
-OPT, EXAONE 4, ten more families of Llama's layers under other names (LLAMA_LIKE) and the mixtures of
+OPT, EXAONE 4, eleven more families of Llama's layers under other names (LLAMA_LIKE) and the mixtures of
 experts Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, GLM-4-MoE, ERNIE 4.5 MoE, DeepSeek-V3 (multi-head latent
 attention) and gpt-oss (attention sinks, eager attention under a sliding window), with the router's
 load-balancing loss in the loss (tiny configs built here, nothing downloaded), and a nanoGPT written without
@@ -137,7 +137,8 @@ def test_model_matches_one_device(kind):
 
 # layers that are Llama's under other names and settings: OLMo, OLMo 3 (norms over all heads, split with them),
 # Nemotron (LayerNorm1P, squared ReLU), Seed-OSS, Arcee, SmolLM3, GLM and GLM-4 (gate and up fused, as
-# Phi-3's), Gemma 2 (eager attention with soft-capped scores and logits), Helium
+# Phi-3's), Gemma 2 (eager attention with soft-capped scores and logits), Helium, and Falcon (its fused
+# query_key_value kept whole, as GPT-NeoX's; attention and MLP side by side)
 LLAMA_LIKE = ("smollm3", "olmo", "olmo3", "nemotron", "seed_oss", "arcee", "glm", "glm4", "gemma2", "helium")
 
 
@@ -183,7 +184,7 @@ def test_constraint_points_are_hints(spec, monkeypatch):
 HF_FAMILIES = ("opt", "qwen2", "qwen3", "gemma", "gemma3_text", "granite", "stablelm", "cohere", "olmo2", "starcoder2",
                "phi", "phi3", "gpt_neox", "mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "gpt_oss", "glm4_moe",
                "ernie4_5_moe", "deepseek_v3", "smollm3", "olmo", "olmo3", "nemotron", "seed_oss", "arcee", "exaone4",
-               "glm", "glm4", "gemma2", "helium")
+               "glm", "glm4", "gemma2", "helium", "falcon")
 
 
 # 2 experts per token, and the router's load-balancing loss in the loss (a global mean over the tokens)
@@ -223,6 +224,10 @@ def _tiny_hf(model_type: str):
         "glm4": (transformers.Glm4Config, transformers.Glm4ForCausalLM, {**gqa, "pad_token_id": 0}),
         "helium": (transformers.HeliumConfig, transformers.HeliumForCausalLM,
                    {**gqa, "head_dim": 8, "pad_token_id": 0}),
+        "falcon": (transformers.FalconConfig, transformers.FalconForCausalLM,
+                   dict(vocab_size=VOCAB, hidden_size=64, ffn_hidden_size=128, num_hidden_layers=2,
+                        num_attention_heads=8, num_kv_heads=4, new_decoder_architecture=True, bias=False,
+                        attn_implementation="sdpa", pad_token_id=0)),
         "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM,
                    {**gqa, "head_dim": 8, "attn_implementation": "eager"}),
         "gpt2": (transformers.GPT2Config, transformers.GPT2LMHeadModel,

@@ -41,6 +41,12 @@ _NEOX = {
     "*.mlp.dense_h_to_4h.weight": ("mlp", "embed"), "*.mlp.dense_4h_to_h.weight": ("embed", "mlp"),
     "embed_out.weight": ("vocab", "embed"), "lm_head.weight": ("vocab", "embed"),
 }
+_FALCON = {
+    "*.word_embeddings.weight": ("vocab", "embed"),
+    "*.self_attention.query_key_value.weight": (None, "embed"), "*.self_attention.dense.weight": ("embed", "heads"),
+    "*.mlp.dense_h_to_4h.weight": ("mlp", "embed"), "*.mlp.dense_4h_to_h.weight": ("embed", "mlp"),
+    "lm_head.weight": ("vocab", "embed"),
+}
 _OPT = {
     "*.embed_tokens.weight": ("vocab", "embed"), "*.embed_positions.weight": (None, "embed"),
     "*.q_proj.weight": ("heads", "embed"), "*.k_proj.weight": ("heads", "embed"),
@@ -71,6 +77,7 @@ PRESETS = {"llama": _LLAMA, "mistral": _LLAMA, "qwen2": _LLAMA, "qwen3": _QWEN3,
            "starcoder2": _STARCODER2, "phi": _PHI, "phi3": _PHI3, "gpt2": _GPT2, "gpt_neox": _NEOX, "opt": _OPT,
            "smollm3": _LLAMA, "olmo": _LLAMA, "olmo3": _OLMO2, "nemotron": _LLAMA, "seed_oss": _LLAMA, "arcee": _LLAMA,
            "exaone4": _QWEN3, "glm": _GLM, "glm4": _GLM, "gemma2": _LLAMA, "helium": _LLAMA,
+           "falcon": _FALCON,
            "mixtral": {**_LLAMA, **_EXPERTS}, "qwen2_moe": {**_LLAMA, **_EXPERTS}, "qwen3_moe": {**_QWEN3, **_EXPERTS},
            "olmoe": {**_OLMO2, **_EXPERTS}, "gpt_oss": _GPT_OSS, "glm4_moe": {**_LLAMA, **_EXPERTS},
            "ernie4_5_moe": {**_LLAMA, **_EXPERTS, "*.gate.moe_statics.e_score_correction_bias": (None, None)},
