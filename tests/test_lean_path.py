@@ -117,3 +117,47 @@ def test_layout_decisions_are_made_once_per_shape():
     """The layouts of the model's inputs and of each `constrain` follow from the rules and the shape: decided
     on the first step, reused on the next (no per-step Python work that does not change between steps)."""
     run_distributed(_layouts_decided_once, 2, timeout_s=180)
+
+
+class _CountOps(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts ops by name, and the shapes of the tensors cast (`_to_copy`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen, self.cast = {}, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        self.seen[name] = self.seen.get(name, 0) + 1
+        if name == "_to_copy":
+            self.cast.append(tuple(args[0].shape))
+        return func(*args, **(kwargs or {}))
+
+
+def _mixed_precision_casts(rank, world):
+    import copy
+    mesh = spmd.make_mesh({"fsdp": 2})
+    tokens, targets = global_batch(0)
+    plain = tiny_model()
+    low = copy.deepcopy(plain).to(torch.bfloat16)  # the model in the compute dtype, on one device
+    low(tokens, targets).backward()
+    model = spmd.parallelize(plain, mesh, spmd.Rules.default(), param_dtype=torch.bfloat16)  # reduce_dtype fp32
+    with _CountOps() as ours:
+        model(local_slice(tokens, mesh), local_slice(targets, mesh)).backward()
+    assert len(model._spmd_state.buckets) == 3  # the root unit and two blocks
+    # the parameters go to bf16 before their all-gather, the gradients to fp32 before their reduce-scatter: one
+    # foreach copy per bucket each way, and one more per block for ZeRO-3's regather in backward
+    assert ours.seen.get("_foreach_copy_") == 2 * 3 + 2
+    shapes = {tuple(t.shape) for p in model.parameters() for t in (p, p._local_tensor)}
+    assert not shapes & set(ours.cast), sorted(shapes & set(ours.cast))  # no parameter cast one at a time
+    for (name, p), q in zip(model.named_parameters(), low.parameters()):
+        # each rank's bf16 gradients of half the batch summed in fp32, against the whole batch's in bf16 buffers
+        # on one device: apart by bf16's resolution (2^-8 relative), not by a parameter's whole gradient
+        assert p.dtype == torch.float32 and norm_rel_err(p.grad.full_tensor(), q.grad.float()) <= 2e-2, name
+
+
+def test_mixed_precision_casts_each_bucket_in_one_copy_each_way():
+    """param_dtype=bf16: a block's parameters are cast to bf16 in one foreach copy into one buffer, and its
+    gradients back to fp32 in another (on a GPU each per-parameter cast was a kernel launch of its own); the
+    gradients land on the right parameters."""
+    run_distributed(_mixed_precision_casts, 2, timeout_s=180)

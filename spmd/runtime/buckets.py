@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor
 from ..layout.blocks import find_blocks
 from . import flat, tags
 from .gradients import grads_layout, held_for_step, join_unreduced, reduce_for_step, reduce_to, slice_onto_shards
-from .wrap import cast, wrap_local
+from .wrap import cast_all, cast_locals, wrap_local
 from .reshard import CHECKPOINTED_ATTR, gathers_in_graph
 
 __all__ = ["Bucket", "make_buckets", "drop_root_unit", "gather_bucket", "regather_for_recompute", "shard_dims"]
@@ -58,8 +58,9 @@ class Bucket:
         """Starts the all-gather of the first mesh axis (asynchronous); `finish` completes the gather. Issued
         one block ahead, it runs while the previous block computes (FSDP2's prefetch)."""
         with torch.no_grad():
-            locals_ = [p._local_tensor if dtype is None or p.dtype == dtype else p._local_tensor.to(dtype)
-                       for p in self.params]
+            locals_ = [p._local_tensor for p in self.params]
+            if dtype is not None:
+                locals_ = cast_locals(locals_, dtype)
             axes = sorted({m for dims in self.shard_dims for m in dims})
             return locals_, axes, (self._launch(locals_, axes[0], why) if axes else []), why
 
@@ -119,18 +120,18 @@ class Bucket:
         mesh = self.mesh
         work = {}
         out = [None] * len(grads)
+        if state.reduce_dtype is not None:
+            grads = cast_all(grads, state.reduce_dtype)
         for i, (p, g) in enumerate(zip(self.params, grads)):
             if g is None:
                 continue
-            if state.reduce_dtype is not None:
-                g = cast(g, state.reduce_dtype)
             # under no_sync, or where no mesh axis splits what the gradient was computed from: nothing to reduce
             if not state.sync or (p.grad is None and tuple(g.placements) == grads_layout(p)):
-                out[i] = cast(g, p.dtype)
+                out[i] = g
                 continue
             if held_for_step(p):
                 with tags.reason(self.name, f"reduce gradient of {p._spmd_name} but over the axes its step shards"):
-                    out[i] = cast(reduce_for_step(p, g), p.dtype)
+                    out[i] = reduce_for_step(p, g)
                 continue
             work[i] = slice_onto_shards(join_unreduced(p, g), grads_layout(p))
             if state.reducer is not None and self._hand_over(p, work[i], state.reducer):
@@ -146,8 +147,8 @@ class Bucket:
             if tuple(g.placements) != storage:
                 with tags.reason(self.name, f"reduce gradient of {self.params[i]._spmd_name} to its storage layout"):
                     g = reduce_to(g, storage)
-            out[i] = cast(g, self.params[i].dtype)
-        return out
+            out[i] = g
+        return cast_all(out, [p.dtype for p in self.params])
 
     def _hand_over(self, p, g, reducer) -> bool:
         """Gives `g` to the cross-block reducer when a reduce-scatter over one mesh axis and an all-reduce over

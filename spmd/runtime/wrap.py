@@ -6,7 +6,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._utils import compute_global_tensor_info
 
-__all__ = ["wrap_local", "as_dtensor", "cast", "layout_spec", "contiguous_stride"]
+__all__ = ["wrap_local", "as_dtensor", "cast", "cast_all", "cast_locals", "layout_spec", "contiguous_stride"]
 
 
 def wrap_local(local: torch.Tensor, mesh, placements, shape, stride) -> DTensor:
@@ -35,6 +35,37 @@ def cast(t: DTensor, dtype) -> DTensor:
     if t.requires_grad:
         return t.to(dtype)
     return wrap_local(t._local_tensor.to(dtype), t.device_mesh, t.placements, t.shape, t.stride())
+
+
+def cast_all(ts: list, dtypes) -> list:
+    """`cast(t, dtype)` for each DTensor of `ts` (None stays None), `dtypes` one dtype or one per tensor: the
+    local tensors cast by `cast_locals`, each rewrapped in its own layout."""
+    dtypes = dtypes if isinstance(dtypes, (list, tuple)) else [dtypes] * len(ts)
+    out = list(ts)
+    todo = [i for i, t in enumerate(ts) if t is not None and t.dtype != dtypes[i] and not t.requires_grad]
+    for dtype in {dtypes[i] for i in todo}:
+        group = [i for i in todo if dtypes[i] == dtype]
+        for i, local in zip(group, cast_locals([ts[i]._local_tensor for i in group], dtype)):
+            t = ts[i]
+            out[i] = wrap_local(local, t.device_mesh, t.placements, t.shape, t.stride())
+    return [t if t is None or i in todo else cast(t, dtypes[i]) for i, t in enumerate(out)]
+
+
+def cast_locals(tensors: list, dtype) -> list:
+    """Each tensor in `dtype`. The contiguous ones of one device are copied into one new buffer by one
+    foreach copy and come back as views of it: a block's parameters cast to the compute dtype, and their
+    gradients back, in one kernel per step rather than one per parameter (on a GPU each is a launch)."""
+    out = [t if t.dtype == dtype else None for t in tensors]
+    batched = [i for i, t in enumerate(tensors) if out[i] is None and t.is_contiguous()
+               and t.device == tensors[0].device]
+    if len(batched) > 1:
+        sources = [tensors[i] for i in batched]
+        flat = torch.empty(sum(t.numel() for t in sources), dtype=dtype, device=sources[0].device)
+        views = [v.view(t.shape) for v, t in zip(flat.split([t.numel() for t in sources]), sources)]
+        torch._foreach_copy_(views, sources)
+        for i, v in zip(batched, views):
+            out[i] = v
+    return [t.to(dtype) if o is None else o for t, o in zip(tensors, out)]
 
 
 _SPECS: dict = {}  # (id(mesh), placements, shape, stride, dtype) -> (mesh, DTensorSpec)
