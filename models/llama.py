@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 import kernels
 from spmd import annotate, constrain
+from spmd.layout.heads import config_problem
 
 
 @dataclass
@@ -50,15 +51,9 @@ class LlamaConfig:
         return 6 * self.num_params(non_embedding=True) + 12 * self.n_layers * self.n_heads * self.head_dim * seq_len
 
     def mesh_problem(self, sizes: dict) -> str | None:
-        """Why a mesh of these axis sizes cannot lay this model out, or None. Tensor parallelism gives every
-        rank whole heads; a tp that splits a head would fail deep inside DTensor's view propagation."""
-        tp = sizes.get("tp", 1)
-        counts = {"n_heads": self.n_heads, "n_kv_heads": self.n_kv_heads}
-        if tp <= 1 or all(n % tp == 0 for n in counts.values()):
-            return None
-        fits = [d for d in range(1, max(counts.values()) + 1) if all(n % d == 0 for n in counts.values())]
-        return (f"tp={tp} would split attention heads ({', '.join(f'{a}={n}' for a, n in counts.items())}); "
-                f"tensor parallelism shards whole heads: use tp in {fits}")
+        """Why a mesh of these axis sizes cannot lay this model out, or None: a tp that would split a head
+        (tensor parallelism gives every rank whole heads)."""
+        return config_problem(self, sizes, "Llama")
 
     def num_params(self, non_embedding: bool = False) -> int:
         d, hd = self.dim, self.head_dim

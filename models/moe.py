@@ -21,6 +21,7 @@ import torch.nn as nn
 
 import kernels
 from spmd import annotate, constrain
+from spmd.layout.heads import config_problem
 
 from .llama import Attention, FeedForward, Llama, RMSNorm
 
@@ -73,10 +74,10 @@ class MoEConfig:
 
     def mesh_problem(self, sizes: dict) -> str | None:
         """Why a mesh cannot lay this model out, or None: tp splits whole heads, ep whole experts."""
-        tp, ep = sizes.get("tp", 1), sizes.get("ep", 1)
-        if tp > 1 and (self.n_heads % tp or self.n_kv_heads % tp):
-            return (f"tp={tp} would split attention heads (n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}); "
-                    f"tensor parallelism shards whole heads: use a tp dividing both")
+        problem = config_problem(self, sizes, "MoE")
+        if problem is not None:
+            return problem
+        ep = sizes.get("ep", 1)
         if ep > 1 and self.n_experts % ep:
             fits = [d for d in range(1, self.n_experts + 1) if self.n_experts % d == 0]
             return f"ep={ep} does not divide n_experts={self.n_experts}; every rank holds whole experts: use ep in {fits}"

@@ -21,6 +21,7 @@ from safetensors import safe_open
 
 import kernels
 from spmd import annotate_hf, checkpoint
+from spmd.layout.heads import config_problem
 from spmd.layout.annotate import get_axes
 
 __all__ = ["TransformersConfig", "MODEL_TYPE", "TIED_SOURCE", "tied", "to_hf_name", "from_hf_name", "hf_config",
@@ -132,11 +133,8 @@ class TransformersConfig:
                     f"(other dropouts work)")
         if sizes.get("cp", 1) > 1 and (problem := _window_problem(self.hf)):
             return f"{problem} (config.json of {self.path})"
-        tp = sizes.get("tp", 1)
-        heads = {k: v for k in ("num_attention_heads", "num_key_value_heads", "n_head")
-                 if isinstance(v := self.hf.get(k), int)}
-        bad = {k: v for k, v in heads.items() if v % tp}
-        return f"tp={tp} would split attention heads ({bad}); use a tp that divides them" if bad else None
+        problem = config_problem(self.hf, sizes, self.hf.get("model_type", "the model"))
+        return None if problem is None else f"{problem} (config.json of {self.path})"
 
     def init_problem(self, hf_dir: str) -> str | None:
         """Why `--init-from-hf hf_dir` cannot initialise this model, or None: the architecture and every

@@ -52,8 +52,8 @@ def test_missing_config_file():
     (["--ac", "selective:0"], 1, "selective:N with N >= 1"),
     (["--ac", "some"], 1, "--ac 'some' is not valid"),
     (["--dtype", "fp8"], 1, "--dtype 'fp8' is not one of fp32|bf16|fp16"),
-    (["--mesh", "tp=8"], 8, r"tp=8 would split attention heads \(n_heads=8, n_kv_heads=4\); tensor parallelism "
-                            r"shards whole heads: use tp in \[1, 2, 4\]"),
+    (["--mesh", "tp=8"], 8, r"Llama has 4 key/value heads, which do not split over tp=8: a rank would hold part of "
+                            r"a head. Pick a mesh whose tp size divides both its 8 query and 4 key/value heads \(2, 4\)"),
     (["--kernels", "cuda"], 1, "--kernels 'cuda' is not one of auto|torch|triton"),
     (["--mesh", "fsdp=2,tp=2"], 2, "has 4 devices but 2 processes were started"),
     (["--mesh", "fsdp=2,tq=2"], 4, "unknown mesh axis 'tq'"),

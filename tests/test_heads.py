@@ -1,6 +1,8 @@
 """Attention heads split whole over tp: a mesh that would hand a rank part of a head is refused with the
 head counts and the sizes that fit, before anything is laid out; a model whose config names no head count
 gets the same diagnosis at the reshape into heads, naming the module."""
+import re
+
 import pytest
 import torch
 import torch.nn as nn
@@ -40,6 +42,20 @@ def test_heads_that_do_not_divide_by_tp_are_refused_before_any_layout():
     # the planner says the same of that spec
     with pytest.raises(ValueError, match="6 attention heads"):
         spmd.explain(llama, spmd.Rules.default(), {"fsdp": 2, "tp": 4}, batch_shape=(4, 8))
+
+
+def test_the_trainer_reads_the_same_counts_from_a_config_alone(tmp_path):
+    """`launch.train` checks a mesh before it builds the model: from config.json (`--model hf:DIR`) or the
+    preset's config, with the same counts and message as the check on the built model."""
+    import models
+    _qwen3(4, 2).config.save_pretrained(tmp_path)
+    hf = models.preset(f"hf:{tmp_path}")
+    assert re.search(r"qwen3 has 2 key/value heads, which do not split over tp=4.*\(2\).*config.json of",
+                     hf.mesh_problem({"fsdp": 2, "tp": 4}))
+    assert hf.mesh_problem({"fsdp": 4, "tp": 2}) is None
+    llama = LlamaConfig(dim=48, n_layers=1, n_heads=6, n_kv_heads=6, vocab_size=64, ffn_dim=96, max_seq_len=32)
+    assert re.search(r"Llama has 6 attention heads, which do not split over tp=4.*\(2, 3\)",
+                     llama.mesh_problem({"tp": 4}))
 
 
 def test_heads_that_divide_or_stay_whole_pass():

@@ -115,7 +115,7 @@ def test_search_drops_what_does_not_fit(tiny_search):
 def test_specs_that_do_not_divide_are_dropped_with_the_reason():
     rows = spmd.search(tiny(), 8, device="h100", batch_shape=(8, 32), dtype="fp32", specs=["tp=8", "fsdp=8"])
     assert sorted((r.spec, r.zero) for r in rows) == [("fsdp=8", z) for z in (1, 2, 3)]
-    assert "tp=8 would split attention heads" in rows.dropped[0].note  # 4 kv heads over tp=8
+    assert "4 key/value heads, which do not split over tp=8" in rows.dropped[0].note
     # a spec that does not divide for another reason: explain's error names it
     rows = spmd.search(tiny(), 8, device="h100", batch_shape=(4, 32), dtype="fp32", specs=["dp=8", "tp=4,dp=2"])
     assert [r.spec for r in rows] == ["dp=2,tp=4"] and "does not lay out" in rows.dropped[0].note
