@@ -19,6 +19,8 @@ import pytest
 import torch
 
 import spmd
+from spmd.analysis.candidates import expert_count
+from spmd.analysis.fake import fake_world
 from spmd.layout.presets import PRESETS
 from tests.dist_utils import run_distributed
 from tests.spmd_cases import norm_rel_err
@@ -140,16 +142,21 @@ def test_model_matches_one_device(kind):
 # query_key_value kept whole, as GPT-NeoX's; attention and MLP side by side)
 LLAMA_LIKE = ("smollm3", "olmo", "olmo3", "nemotron", "seed_oss", "arcee", "glm", "glm4", "gemma2", "helium",
               "falcon")
-# transformers' mixtures of experts (spmd.runtime.whole_experts), the load-balancing loss in the loss where
-# the family has one
+# transformers' mixtures of experts (spmd.runtime.whole_experts, spmd.runtime.routed_dispatch under ep), the
+# load-balancing loss in the loss where the family has one
 MIXTURES = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "gpt_oss", "glm4_moe", "ernie4_5_moe", "deepseek_v3")
+# on ep: one of each form (a plain top-k router; a shared expert; experts called by keyword, with biases; a
+# router with a score-correction bias and grouped top-k)
+ON_EP = ("mixtral", "qwen2_moe", "gpt_oss", "deepseek_v3")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kinds", [LLAMA_LIKE, MIXTURES], ids=["llama_like", "mixtures_of_experts"])
-def test_families_match_one_device(kinds):
-    """One launch runs every family of the group on the family specs."""
-    run_distributed(_each_matches_one_device, 4, kinds, FAMILY_SPECS, timeout_s=900)
+@pytest.mark.parametrize("kinds, specs", [(LLAMA_LIKE, FAMILY_SPECS), (MIXTURES, FAMILY_SPECS),
+                                          (ON_EP, ["ep=4", "dp=2,ep=2", "ep=2,tp=2"])],
+                         ids=["llama_like", "mixtures_of_experts", "experts_over_ep"])
+def test_families_match_one_device(kinds, specs):
+    """One launch runs every family of the group on the group's specs."""
+    run_distributed(_each_matches_one_device, 4, kinds, specs, timeout_s=900)
 
 
 def _each_matches_one_device(rank, world, kinds, specs):
@@ -316,17 +323,38 @@ def _in_float64(rank, world, kind, specs):
 
 
 @pytest.mark.parametrize("sizes, table, expected", [
-    ({"ep": 2, "fsdp": 2}, None, "ep=2 would split the experts of model.layers.0.mlp.experts"),
+    ({"ep": 3, "fsdp": 2}, None, "model.layers.0.mlp.experts: 4 experts do not divide by ep=3"),
     ({"fsdp": 2, "tp": 2}, {"*.mlp.experts.down_proj": ("experts", "embed", "mlp")},
      "model.layers.0.mlp.experts.down_proj: its axis 'mlp' splits over tp"),
 ])
 def test_experts_that_route_themselves_are_refused_a_split(sizes, table, expected):
-    """transformers' experts sort the tokens themselves, so they compute whole on each rank: a mesh or an
-    annotation that would split them is refused before anything is laid out, naming the fix."""
+    """transformers' experts sort the tokens themselves, so they compute whole experts on each rank (E/ep of
+    them under ep): a mesh or an annotation that would split an expert is refused before anything is laid out,
+    naming the fix."""
     model = _tiny_hf("mixtral")
     spmd.annotate_hf(model, table={**PRESETS["mixtral"], **(table or {})} if table else None)
     with pytest.raises(ValueError, match=expected):
-        spmd.explain(model, spmd.Rules.default(), sizes, batch_shape=(4, 16))
+        spmd.explain(model, spmd.Rules.default(), sizes, batch_shape=(6, 16))
+
+
+def test_experts_that_route_themselves_split_over_ep():
+    """Under ep each rank holds E/ep of transformers' experts, and every (token, choice) pair travels to its
+    expert's rank and back by all-to-all: the plan names those exchanges, and the search offers ep."""
+    model = _tiny_hf("mixtral")
+    spmd.annotate_hf(model)
+    plan = spmd.explain(model, spmd.Rules.default(), {"ep": 2, "fsdp": 2}, batch_shape=(4, 16))
+    exchanges = [c for c in plan.collectives if c.kind == "all_to_all"]
+    # per layer (2): the counts per expert, then tokens, weights and local expert indices out and the outputs
+    # back; the tokens, weights and outputs again in backward
+    assert len(exchanges) == 2 * (1 + 3 + 1 + 3)
+    assert {c.module for c in exchanges} == {f"model.layers.{i}.mlp.experts" for i in range(2)}
+    assert expert_count(model) == 4  # the search offers ep dividing 4
+    model = _tiny_hf("mixtral")
+    spmd.annotate_hf(model)
+    with fake_world({"ep": 4}) as (mesh, _):
+        spmd.parallelize(model, mesh, spmd.Rules.default())
+        experts = model.model.layers[0].mlp.experts
+        assert experts.gate_up_proj.shape[0] == 4 and experts.gate_up_proj._local_tensor.shape[0] == 1
 
 
 def test_annotate_hf_errors_name_the_problem():

@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch.nn as nn
 
 from ..layout.mesh import MESH_AXES, parse_spec
-from ..runtime.experts import expert_modules
-from ..runtime.whole_experts import routes_itself
+from ..layout.annotate import get_axes
+from ..runtime.experts import EXPERTS, expert_modules
 
 __all__ = ["candidate_specs", "candidates", "zero_stages", "spec_name", "expert_count", "mesh_problem", "LONG_SEQ",
            "MIN_CP_TOKENS"]
@@ -57,10 +57,9 @@ def zero_stages(sizes: dict, zero: int | None = None) -> list[int | None]:
 
 
 def expert_count(model: nn.Module) -> int:
-    """How many experts ep may split: those the model's expert modules stack (0: not a mixture of experts, or
-    one whose experts route the tokens themselves, which ep does not split)."""
-    return max((p.shape[0] for m in expert_modules(model).values() if not routes_itself(m)
-                for p in m.parameters(recurse=False)), default=0)
+    """How many experts ep may split: those the model's expert modules stack (0: not a mixture of experts)."""
+    return max((p.shape[0] for m in expert_modules(model).values() for p in m.parameters(recurse=False)
+                if EXPERTS in (get_axes(p) or ())), default=0)
 
 
 def spec_name(sizes: dict, sp: bool) -> str:

@@ -19,20 +19,22 @@ share of each rank's tokens, and the plan's all-to-all records say so.
 An expert's gradient is this rank's share of the tokens: a partial sum over the batch axes that hold the
 expert whole (dp, fsdp), reduced into its storage layout as every parameter's is.
 
-An expert module called otherwise routes the tokens itself (transformers'): spmd.runtime.whole_experts.
+An expert module called otherwise routes the tokens itself (transformers'): spmd.runtime.whole_experts,
+and spmd.runtime.routed_dispatch under ep.
 """
 import contextlib
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from ..layout.annotate import get_axes
 from . import tags
+from .all_to_all import AllToAll
 from .activations import grad_layout, move
+from .routed_dispatch import RoutedDispatch
 from .whole_experts import balanced_grouped_products, check_whole, routes_itself
 from .wrap import contiguous_stride
 
@@ -103,6 +105,9 @@ def install_expert_hooks(model: nn.Module, state) -> None:
     for name, module in expert_modules(model).items():
         if routes_itself(module):
             balanced_grouped_products(module)  # it runs on local tensors (spmd.runtime.local)
+            if "ep" in state.mesh.mesh_dim_names and state.mesh.size(state.mesh.mesh_dim_names.index("ep")) > 1:
+                experts = next(p.shape[0] for p in module.parameters(recurse=False) if EXPERTS in (get_axes(p) or ()))
+                RoutedDispatch(state, name, module, experts).install()
             continue
         parent_name = name.rpartition(".")[0]
         split = _split_dims(module, state.mesh)
@@ -195,7 +200,7 @@ class _Dispatch:
             local_expert = torch.arange(per_source.shape[1]).repeat(n).repeat_interleave(per_source.reshape(-1))
             order = local_expert.argsort(stable=True)    # arrived grouped by source rank: regroup by expert
             inverse, local_counts = order.argsort(), per_source.sum(0)
-        x = _AllToAll.apply(x, recv, send, self.group, self.name, "dispatch tokens to their experts' ranks" + note)
+        x = AllToAll.apply(x, recv, send, self.group, self.name, "dispatch tokens to their experts' ranks" + note)
         self.pending.append((inverse, send, recv, note))
         return x[order], local_counts
 
@@ -204,7 +209,7 @@ class _Dispatch:
         if pending is None:
             return output
         inverse, send, recv, note = pending
-        return _AllToAll.apply(output[inverse], send, recv, self.group, self.name,
+        return AllToAll.apply(output[inverse], send, recv, self.group, self.name,
                                "combine expert outputs on their tokens' ranks" + note)
 
 
@@ -214,21 +219,3 @@ def _balanced_counts(rows: int, experts: int) -> torch.Tensor:
         counts = torch.full((experts,), rows // experts, dtype=torch.long)
         counts[:rows % experts] += 1
     return counts
-
-
-class _AllToAll(torch.autograd.Function):
-    """all_to_all_single with variable splits whose backward is the reverse exchange; a Function of our own
-    (not funcol's autograd variant) so that the backward's collective carries its reason for explain."""
-
-    @staticmethod
-    def forward(ctx, x, out_splits, in_splits, group, module, why):
-        ctx.splits, ctx.group, ctx.module, ctx.why = (in_splits, out_splits), group, module, why
-        with tags.reason(module, why):
-            return funcol.wait_tensor(funcol.all_to_all_single(x.contiguous(), out_splits, in_splits, group))
-
-    @staticmethod
-    def backward(ctx, g):
-        out_splits, in_splits = ctx.splits
-        with tags.reason(ctx.module, f"backward of {ctx.why}"):
-            g = funcol.wait_tensor(funcol.all_to_all_single(g.contiguous(), out_splits, in_splits, ctx.group))
-        return g, None, None, None, None, None

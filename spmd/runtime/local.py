@@ -19,10 +19,11 @@ The edges (inputs in, outputs out, and consecutive local blocks passing local te
 spmd.runtime.local_edges.
 """
 import torch
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .buckets import gather_bucket
-from .experts import expert_modules
+from ..layout.annotate import get_axes
+from .experts import EXPERTS, expert_modules
 from .local_edges import batch_grad_layout, to_local, wrap_outputs
 from .params import gather_param, gather_shared, kept_for_backward, moves_data
 from .reshard import CHECKPOINTED_ATTR, reshard_after_forward, storage_key
@@ -39,7 +40,8 @@ def local_blocks(model, state) -> dict:
     experts = {id(m): m for m in expert_modules(model).values()}
     found = {}
     for m in experts.values():
-        members = _members([m], mesh) if routes_itself(m) else None
+        # under ep each rank computes with its E/ep experts (spmd.runtime.routed_dispatch sends their tokens)
+        members = _members([m], mesh, experts_over="ep") if routes_itself(m) else None
         if members is not None:
             found[id(m)] = members
             setattr(m, _INSIDE_ATTR, True)
@@ -64,15 +66,22 @@ def local_blocks(model, state) -> dict:
     return found
 
 
-def _members(modules, mesh) -> tuple | None:
+def _members(modules, mesh, experts_over: str | None = None) -> tuple | None:
     """(parameters, buffers) of `modules` as (module, name, tensor), when every one is replicated in compute
-    on the mesh axes of size > 1; else None."""
+    on the mesh axes of size > 1 (or, with `experts_over`, split there on its leading `experts` dim); else
+    None."""
     params, buffers = [], []
     for m in modules:
         params += [(m, n, p) for n, p in m._parameters.items() if isinstance(p, DTensor)]
         buffers += [(m, n, b) for n, b in m._buffers.items() if isinstance(b, DTensor)]
-    layouts = [p._spmd_compute for _, _, p in params] + [b.placements for _, _, b in buffers]
-    replicated = all(c.is_replicate() or mesh.size(i) == 1 for layout in layouts for i, c in enumerate(layout))
+    split = mesh.mesh_dim_names.index(experts_over) if experts_over in (mesh.mesh_dim_names or ()) else None
+
+    def whole(t, layout) -> bool:
+        experts = split is not None and (get_axes(t) or (None,))[0] == EXPERTS
+        return all(c.is_replicate() or mesh.size(i) == 1 or (experts and i == split and c == Shard(0))
+                   for i, c in enumerate(layout))
+    replicated = all(whole(p, p._spmd_compute) for _, _, p in params) and all(whole(b, b.placements)
+                                                                              for _, _, b in buffers)
     return (params, buffers) if replicated else None
 
 

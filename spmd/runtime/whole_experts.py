@@ -1,9 +1,9 @@
 """Expert modules that route their tokens themselves, as transformers' do: `forward(hidden_states, top_k_index,
 top_k_weights)`, anything but the (tokens sorted by expert, tokens per expert) of spmd.runtime.experts.
 
-Such a module sorts each token to its chosen experts inside its own forward, so spmd cannot send tokens to
-other ranks' experts around it: it holds its experts whole on every rank, stored sharded as any parameter is
-(fsdp); ep may not split them, nor tp their other dims. It runs on this rank's tokens as plain tensors
+Such a module sorts each token to its chosen experts inside its own forward: without ep it holds its experts
+whole on every rank, stored sharded as any parameter is (fsdp); under ep, E/ep of them, the (token, choice)
+pairs sent to them around its forward (spmd.runtime.routed_dispatch). tp may not split their other dims. It runs on this rank's tokens as plain tensors
 (spmd.runtime.local, as a data-only block does), while the router before it stays in the global view, so that
 router logits a loss reads (transformers' load-balancing loss) are those of every rank's tokens. On fake
 tensors (explain) its grouped products take the balanced routing: equal groups, one batched product (torch's
@@ -25,20 +25,29 @@ __all__ = ["routes_itself", "check_whole", "balanced_grouped_products"]
 def routes_itself(module: nn.Module) -> bool:
     """Whether an expert module takes each token's chosen experts and sorts the tokens itself, rather than
     tokens sorted by expert and the count per expert: its forward takes other than two positional arguments."""
+    return _positional(module) != 2
+
+
+def _positional(module: nn.Module) -> int:
     kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    return sum(p.kind in kinds for p in inspect.signature(module.forward).parameters.values()) != 2
+    return sum(p.kind in kinds for p in inspect.signature(module.forward).parameters.values())
 
 
 def check_whole(name: str, module: nn.Module, mesh, rules, ep: int) -> None:
-    """An expert module that routes its tokens itself computes with its experts whole."""
+    """An expert module that routes its tokens itself computes with whole experts: all of them, or E/ep
+    under ep (spmd.runtime.routed_dispatch), whose forward takes (tokens, experts chosen, their weights)."""
     if ep > 1:
-        raise ValueError(f"ep={ep} would split the experts of {name} ({type(module).__name__}), whose forward "
-                         f"routes the tokens itself; spmd's expert parallelism takes an expert module called with "
-                         f"(tokens sorted by expert, tokens per expert). Drop ep from the mesh: fsdp shards these "
-                         f"experts as it shards any parameter")
+        params = [p for p in module.parameters(recurse=False) if "experts" in (get_axes(p) or ())]
+        if _positional(module) != 3:
+            raise ValueError(f"ep={ep} would split the experts of {name} ({type(module).__name__}), whose forward "
+                             f"takes other than (hidden_states, top_k_index, top_k_weights); drop ep from the mesh: "
+                             f"fsdp shards these experts as it shards any parameter")
+        if params and params[0].shape[0] % ep:
+            raise ValueError(f"{name}: {params[0].shape[0]} experts do not divide by ep={ep}; use an ep that "
+                             f"divides the number of experts")
     sizes = dict(zip(mesh.mesh_dim_names, mesh.shape))
     for p_name, p in module.named_parameters(recurse=False):
-        split = [(ax, a) for ax in (get_axes(p) or ()) if ax
+        split = [(ax, a) for ax in (get_axes(p) or ()) if ax and ax != "experts"
                  for a in rules.compute.get(ax, ()) if sizes.get(a, 1) > 1]
         if split:
             raise ValueError(f"{name}.{p_name}: its axis {split[0][0]!r} splits over {split[0][1]} in compute, but "
