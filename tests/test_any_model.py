@@ -61,6 +61,14 @@ def build(kind: str):
                 # the key bias shifts every score of a query alike, which softmax ignores: its gradient is
                 # zero but for roundoff, which Adam would blow up into steps of size lr on both sides
                 module.bias = None
+    elif kind == "mixtral_one_sided":
+        # a router of zeros: every token ties, and its top 2 lie on one ep rank; the experts loop over those hit,
+        # so on the other ranks no input reaches the output
+        model = _tiny_hf("mixtral")
+        model.set_experts_implementation("eager")
+        assert model.config._experts_implementation == "eager"
+        for layer in model.model.layers:
+            layer.mlp.gate.weight.data.zero_()
     elif kind == "mistral":  # a sliding window shorter than the sequence: attention under a mask
         model = transformers.MistralForCausalLM(transformers.MistralConfig(**{**_TINY, **_GQA, "sliding_window": 6}))
     else:
@@ -146,8 +154,8 @@ LLAMA_LIKE = ("smollm3", "olmo", "olmo3", "nemotron", "seed_oss", "arcee", "glm"
 # load-balancing loss in the loss where the family has one
 MIXTURES = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "gpt_oss", "glm4_moe", "ernie4_5_moe", "deepseek_v3")
 # on ep: one of each form (a plain top-k router; a shared expert; experts called by keyword, with biases; a
-# router with a score-correction bias and grouped top-k)
-ON_EP = ("mixtral", "qwen2_moe", "gpt_oss", "deepseek_v3")
+# router with a score-correction bias and grouped top-k), and ranks whose experts get no token in a step
+ON_EP = ("mixtral", "qwen2_moe", "gpt_oss", "deepseek_v3", "mixtral_one_sided")
 
 
 @pytest.mark.slow

@@ -65,8 +65,12 @@ class RoutedDispatch:
     def leave(self, module, args, output):
         token, n, send, recv, note, experts = self.pending.pop()
         module.__dict__["num_experts"] = experts
-        if output.shape[0] == 0:  # no pair came here: the local experts still take a (zero) gradient
-            output = output + 0 * sum(p.sum() for p in _local_experts(module))
+        if output.shape[0] == 0:
+            # no pair came here, so a module that loops over the experts hit used none of its inputs: tie them
+            # and its experts to the output, so that this rank's backward runs the reverse exchanges with the
+            # others' and its experts take a (zero) gradient as theirs do
+            rows, _, row_weights = args
+            output = output + 0 * (rows.sum() + row_weights.sum() + sum(p.sum() for p in _local_experts(module)))
         rows = AllToAll.apply(output, send, recv, self.group, self.name,
                                "combine expert outputs on their tokens' ranks" + note)
         return torch.zeros(n, rows.shape[1], dtype=rows.dtype, device=rows.device).index_add(0, token, rows)
