@@ -46,7 +46,12 @@ def git_commit() -> dict:
     A copy of a committed tree whose git directory is missing or not its own (a device machine's) names its
     commit in `SPMD_COMMIT`."""
     if os.environ.get("SPMD_COMMIT"):
-        return {"commit": os.environ["SPMD_COMMIT"], "dirty": False}
+        named = os.environ["SPMD_COMMIT"]
+        if not re.fullmatch(r"[0-9a-f]{40}", named):  # results name the commit in full (tests/test_results.py)
+            raise ValueError(f"SPMD_COMMIT={named!r}: give the commit's full 40-character hash "
+                             f"(git rev-parse {named or 'HEAD'})")
+        return {"commit": named, "dirty": False}
+
     def git(*args):
         return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True).stdout.strip()
     try:

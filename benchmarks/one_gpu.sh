@@ -2,6 +2,7 @@
 # The one-GPU checks, each bounded in time, in the order of their value, every log kept:
 #   bash benchmarks/one_gpu.sh COMMIT OUTDIR
 # COMMIT: the committed tree being run (recorded in the results); OUTDIR gets log.txt and results.tar.
+[[ $1 =~ ^[0-9a-f]{40}$ ]] || { echo "one_gpu.sh: COMMIT must be a full 40-character hash (git rev-parse HEAD), not '$1'"; exit 2; }
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD SPMD_COMMIT=$1
 OUT=${2:-/tmp/one_gpu}; mkdir -p "$OUT"; L=$OUT/log.txt
 step() { local t=$1; shift; echo "=== $(date +%T) [$t s] $*" >>"$L"; timeout "$t" "$@" >>"$L" 2>&1; echo "=== rc=$? $(date +%T)" >>"$L"; }

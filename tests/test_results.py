@@ -37,3 +37,14 @@ def test_result_names_no_machine_path(path):
 
 def test_there_are_results():
     assert RESULTS, "benchmarks/results holds no results"
+
+
+def test_a_commit_named_from_outside_must_be_whole(monkeypatch):
+    """A device machine's copy has no git directory of its own: `SPMD_COMMIT` names the commit, in full, or
+    the benchmark writes no results (results naming a short hash would fail the checks above)."""
+    from benchmarks import common
+    monkeypatch.setenv("SPMD_COMMIT", "53dd53d")
+    with pytest.raises(ValueError, match="full 40-character hash"):
+        common.environment()
+    monkeypatch.setenv("SPMD_COMMIT", "a" * 40)
+    assert common.environment()["commit"] == "a" * 40
