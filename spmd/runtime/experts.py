@@ -31,6 +31,7 @@ from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from ..layout.annotate import get_axes
+from ..layout.mesh import mesh_sizes
 from . import tags
 from .all_to_all import AllToAll
 from .activations import grad_layout, move
@@ -105,9 +106,8 @@ def install_expert_hooks(model: nn.Module, state) -> None:
     for name, module in expert_modules(model).items():
         if routes_itself(module):
             balanced_grouped_products(module)  # it runs on local tensors (spmd.runtime.local)
-            if "ep" in state.mesh.mesh_dim_names and state.mesh.size(state.mesh.mesh_dim_names.index("ep")) > 1:
-                experts = next(p.shape[0] for p in module.parameters(recurse=False) if EXPERTS in (get_axes(p) or ()))
-                RoutedDispatch(state, name, module, experts).install()
+            if mesh_sizes(state.mesh).get("ep", 1) > 1:
+                RoutedDispatch(state, name, module).install()
             continue
         parent_name = name.rpartition(".")[0]
         split = _split_dims(module, state.mesh)
@@ -210,7 +210,7 @@ class _Dispatch:
             return output
         inverse, send, recv, note = pending
         return AllToAll.apply(output[inverse], send, recv, self.group, self.name,
-                               "combine expert outputs on their tokens' ranks" + note)
+                              "combine expert outputs on their tokens' ranks" + note)
 
 
 def _balanced_counts(rows: int, experts: int) -> torch.Tensor:

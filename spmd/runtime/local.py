@@ -21,8 +21,8 @@ spmd.runtime.local_edges.
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from .buckets import gather_bucket
 from ..layout.annotate import get_axes
+from .buckets import gather_bucket
 from .experts import EXPERTS, expert_modules
 from .local_edges import batch_grad_layout, to_local, wrap_outputs
 from .params import gather_param, gather_shared, kept_for_backward, moves_data

@@ -20,6 +20,8 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
 
+from ..layout.annotate import get_axes
+from ..layout.mesh import mesh_sizes
 from . import tags
 from .all_to_all import AllToAll
 
@@ -29,11 +31,11 @@ __all__ = ["RoutedDispatch"]
 class RoutedDispatch:
     """The hooks that send a self-routing expert module's (token, choice) pairs to their experts' ranks."""
 
-    def __init__(self, state, name: str, module: nn.Module, experts: int):
-        mesh = state.mesh
-        self.name, self.module, self.experts = name, module, experts
-        self.ep = mesh.size(mesh.mesh_dim_names.index("ep"))
-        self.group = mesh.get_group("ep")
+    def __init__(self, state, name: str, module: nn.Module):
+        self.name, self.module = name, module
+        self.experts = next(p.shape[0] for p in module.parameters(recurse=False) if "experts" in (get_axes(p) or ()))
+        self.ep = mesh_sizes(state.mesh)["ep"]
+        self.group = state.mesh.get_group("ep")
         self.signature = inspect.signature(module.forward)
         self.pending: list = []
 
@@ -64,7 +66,10 @@ class RoutedDispatch:
 
     def leave(self, module, args, output):
         token, n, send, recv, note, experts = self.pending.pop()
-        module.__dict__["num_experts"] = experts
+        if experts is None:  # (not an attribute of the module's own: a class's, or none)
+            del module.__dict__["num_experts"]
+        else:
+            module.__dict__["num_experts"] = experts
         if output.shape[0] == 0:
             # no pair came here, so a module that loops over the experts hit used none of its inputs: tie them
             # and its experts to the output, so that this rank's backward runs the reverse exchanges with the

@@ -3,8 +3,8 @@ top_k_weights)`, anything but the (tokens sorted by expert, tokens per expert) o
 
 Such a module sorts each token to its chosen experts inside its own forward: without ep it holds its experts
 whole on every rank, stored sharded as any parameter is (fsdp); under ep, E/ep of them, the (token, choice)
-pairs sent to them around its forward (spmd.runtime.routed_dispatch). tp may not split their other dims. It runs on this rank's tokens as plain tensors
-(spmd.runtime.local, as a data-only block does), while the router before it stays in the global view, so that
+pairs sent to them around its forward (spmd.runtime.routed_dispatch). tp may not split their other dims. It
+runs on this rank's tokens as plain tensors (spmd.runtime.local, as a data-only block does), while the router before it stays in the global view, so that
 router logits a loss reads (transformers' load-balancing loss) are those of every rank's tokens. On fake
 tensors (explain) its grouped products take the balanced routing: equal groups, one batched product (torch's
 fake grouped product accepts bf16 only, where its CPU kernel takes any float).

@@ -42,13 +42,18 @@ def cast_all(ts: list, dtypes) -> list:
     local tensors cast by `cast_locals`, each rewrapped in its own layout."""
     dtypes = dtypes if isinstance(dtypes, (list, tuple)) else [dtypes] * len(ts)
     out = list(ts)
-    todo = [i for i, t in enumerate(ts) if t is not None and t.dtype != dtypes[i] and not t.requires_grad]
-    for dtype in {dtypes[i] for i in todo}:
-        group = [i for i in todo if dtypes[i] == dtype]
+    groups: dict = {}  # dtype -> indices whose local tensors cast together (a tensor in autograd casts alone)
+    for i, (t, dtype) in enumerate(zip(ts, dtypes)):
+        if t is not None and t.dtype != dtype:
+            if t.requires_grad:
+                out[i] = t.to(dtype)
+            else:
+                groups.setdefault(dtype, []).append(i)
+    for dtype, group in groups.items():
         for i, local in zip(group, cast_locals([ts[i]._local_tensor for i in group], dtype)):
             t = ts[i]
             out[i] = wrap_local(local, t.device_mesh, t.placements, t.shape, t.stride())
-    return [t if t is None or i in todo else cast(t, dtypes[i]) for i, t in enumerate(out)]
+    return out
 
 
 def cast_locals(tensors: list, dtype) -> list:
