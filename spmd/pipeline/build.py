@@ -27,6 +27,7 @@ from ..layout.blocks import find_blocks
 from ..layout.rules import local_shape
 from ..runtime.buckets import drop_root_unit
 from ..runtime.checkpointing import checkpoint_block, parse_mode
+from ..runtime.local_model import OUTPUTS_LOCAL_ATTR
 from ..runtime.parallelize import parallelize
 from ..runtime.state import STATE_ATTR
 from .cut import cut_stage, plan_cut, sum_tied_grads, trace_uses
@@ -213,6 +214,7 @@ def lay_out_stage(stage: nn.Module, info, stage_mesh, rules, schedule: str, ever
     allow, so there parameters move one by one; and since several micro-batches run forward before their
     backward, the parameters outside the blocks are not kept gathered as a root unit (a copy per
     micro-batch) but move one by one, regathered in backward. Then the stage's activation checkpointing."""
+    setattr(stage, OUTPUTS_LOCAL_ATTR, True)  # the stage hands torch's pipelining local tensors
     parallelize(stage, stage_mesh, rules, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
                 bucket=schedule not in SPLIT_BACKWARD,
                 input_axes={0: hidden_axes if not info.first else token_axes, "targets": token_axes,

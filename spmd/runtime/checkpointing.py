@@ -10,6 +10,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..layout.blocks import find_blocks
 from .buckets import regather_for_recompute
+from .local_model import drop_local_model
 from .plain import GlobalView
 from .reshard import BODY_COMPILED_ATTR, CHECKPOINTED_ATTR
 from .state import STATE_ATTR, activated
@@ -46,6 +47,7 @@ def apply_activation_checkpointing(model: nn.Module, mode: str = "full", blocks:
 
 
 def checkpoint_block(root: nn.Module, block: nn.Module):
+    drop_local_model(root, getattr(root, STATE_ATTR, None))  # the recompute runs after the model's call ended
     block._spmd_body = block.forward  # what the checkpoint recomputes; compile_body compiles it
 
     def run(*args, **kwargs):

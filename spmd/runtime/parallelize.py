@@ -13,9 +13,9 @@ from collections import Counter
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 
-from ..layout.annotate import copy_annotations, get_pin, infer_axes, out_dim
+from ..layout.annotate import get_pin, infer_axes, out_dim
 from ..layout.heads import check_heads_divide
 from ..layout.mesh import flatten_groups, mesh_sizes
 from ..layout.rules import Rules, _as_axes, placements_for
@@ -27,14 +27,16 @@ from .activations import finish_output, map_tensors, move_linear_input
 from .agree import check_layout_agrees
 from .buckets import make_buckets
 from .experts import check_expert_layout, install_expert_hooks
-from .host import host_params, host_tensor
+from .host import host_params
 from .local import enter_local, local_blocks
+from .local_model import enter_local_model, whole_model_members
 from .params import gather_block, gather_module_params, release_module_params
 from .partials import reduce_partials
 from .plain import GlobalView
 from .reducer import DEFAULT_BUCKET_MB, GradientReducer
 from .state import STATE_ATTR, SPMDState
-from .wrap import as_dtensor, wrap_local
+from .storage import check_param_init, laid_out_buffer, laid_out_param
+from .wrap import as_dtensor
 
 __all__ = ["parallelize", "no_sync", "param_layouts"]
 
@@ -97,8 +99,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, rules: Rules, *, param_dtype
     state = SPMDState(mesh, rules, param_dtype, reduce_dtype, input_axes, master, offload)
     layouts = param_layouts(model, mesh, rules)  # every check runs before anything changes
     bucket = bucket and not _offloads_stage_3(state, layouts)
-    if param_init is None and any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
-        raise _needs_param_init(next(n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta))
+    check_param_init(model, param_init)
     check_layout_agrees(model, mesh, rules, layouts, param_dtype=param_dtype, reduce_dtype=reduce_dtype, bucket=bucket,
                         master=master, offload=offload)
     flatten_groups(mesh, rules.token_axes())  # every rank, now: sums over several axes become one collective
@@ -109,16 +110,12 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, rules: Rules, *, param_dtype
                 continue
             full = f"{mod_name}.{p_name}" if mod_name else p_name
             if id(p) not in converted:
-                converted[id(p)] = _laid_out(p, full, layouts[full], state, param_init)
+                converted[id(p)] = laid_out_param(p, full, layouts[full], state, param_init)
             module._parameters[p_name] = converted[id(p)]
         for b_name, b in list(module._buffers.items()):
             if b is not None and not isinstance(b, DTensor):
                 full = f"{mod_name}.{b_name}" if mod_name else b_name
-                placements = get_pin(b) or placements_for(
-                    mesh, rules.mesh_axes(getattr(b, "_spmd_axes", None) or (None,) * b.dim(), "compute",
-                                          f"buffer {full!r}"), b.shape, f"buffer {full!r}")
-                module._buffers[b_name] = distribute_tensor(_initial(b, full, param_init), mesh, placements,
-                                                            src_data_rank=None)
+                module._buffers[b_name] = laid_out_buffer(b, full, state, param_init)
         uses.update(id(p) for p in module._parameters.values() if p is not None)
         hooked.install(module, _pre_hook(state, mod_name, module, module is model),
                        _post_hook(state, module, module is model))
@@ -137,21 +134,11 @@ def _install_buckets(model: nn.Module, state: SPMDState, bucket_mb: float):
     for m in model.modules():
         if id(m) in state.local_members:
             hooked.strip_inside(m)
+    whole = whole_model_members(model, state)
+    if whole is not None:  # a mesh of one rank: nothing moves anywhere
+        state.local_members[id(model)] = whole
+        hooked.strip_inside(model)
     state.reducer = GradientReducer(state.mesh, bucket_mb) if bucket_mb > 0 else None
-
-
-def _laid_out(p, name: str, layout, state: SPMDState, param_init) -> nn.Parameter:
-    """`p` as a DTensor parameter in its storage layout and dtype, carrying its other layouts and its name."""
-    storage, compute, grads, optim = layout
-    value = _initial(p, name, param_init)
-    dt = distribute_tensor(value.to(state.storage_dtype(value.dtype)), state.mesh, storage, src_data_rank=None)
-    if host_params(state):
-        dt = wrap_local(host_tensor(dt._local_tensor), state.mesh, storage, dt.shape, dt.stride())
-    new = nn.Parameter(dt, requires_grad=p.requires_grad)
-    copy_annotations(p, new)
-    new._spmd_compute, new._spmd_grads, new._spmd_optim = compute, grads, optim
-    new._spmd_name = name
-    return new
 
 
 def _offloads_stage_3(state, layouts) -> bool:
@@ -165,24 +152,6 @@ def _offloads_stage_3(state, layouts) -> bool:
                              f"Rules.default(zero=3) (parameters sharded as their optimizer state), or "
                              f"offload='optimizer'")
     return True
-
-
-def _needs_param_init(name: str) -> ValueError:
-    return ValueError(f"{name!r} is on the meta device; pass parallelize(..., param_init=fn) with fn(name, tensor) "
-                      f"returning its initial value (e.g. the model's initializer()), or build the model on a device")
-
-
-def _initial(t: torch.Tensor, name: str, param_init) -> torch.Tensor:
-    if not t.is_meta:
-        return t.data
-    if param_init is None:
-        raise _needs_param_init(name)
-    with torch.no_grad():
-        value = param_init(name, t)
-    if tuple(value.shape) != tuple(t.shape) or value.is_meta:
-        raise ValueError(f"param_init({name!r}) returned {'a meta tensor' if value.is_meta else tuple(value.shape)}; "
-                         f"expected a real tensor of shape {tuple(t.shape)}")
-    return value.to(t.dtype)
 
 
 def _to_dtensor(state: SPMDState, t, key):
@@ -217,6 +186,9 @@ def _pre_hook(state: SPMDState, name: str, module: nn.Module, is_root: bool):
             state.prefetched.clear()  # left over only if a forward stopped early
             if state.reducer is not None:
                 state.reducer.reset()  # left over only if a backward stopped early
+            local = enter_local_model(state, mod, name, args, kwargs)
+            if local is not None:
+                return local
             args = tuple(_to_dtensor(state, a, i) for i, a in enumerate(args))
             kwargs = {k: _to_dtensor(state, v, k) for k, v in kwargs.items()}
         else:
@@ -252,6 +224,8 @@ def _post_hook(state: SPMDState, module: nn.Module, is_root: bool):
             if state.local[-1].module is not mod:
                 return None
             output = state.local.pop().leave(output)
+            if is_root:
+                output = _end_of_model(state, output)
             tags.pop_module()
             active.pop()
             return output
@@ -265,18 +239,21 @@ def _post_hook(state: SPMDState, module: nn.Module, is_root: bool):
         if not compiling and state.global_view and state.global_view[-1][0] is mod:
             state.global_view.pop()[1].__exit__(None, None, None)
         if is_root:
-            state.shared_gathers.clear()
-            output = finish_output(output, tags.current_module())
-            if state.sync and state.accumulating:
-                if state.compiled_params:
-                    output = reduce_after_backward(output, state)
-                else:
-                    state.accumulating = False
+            output = _end_of_model(state, finish_output(output, tags.current_module()))
         tags.pop_module()
         active.pop()
         return output
 
     return hook
+
+
+def _end_of_model(state: SPMDState, output):
+    state.shared_gathers.clear()
+    if state.sync and state.accumulating:
+        if state.compiled_params:
+            return reduce_after_backward(output, state)
+        state.accumulating = False
+    return output
 
 
 class no_sync:

@@ -1,0 +1,85 @@
+"""On a mesh of one rank nothing moves, and the whole model runs on local tensors, as plain PyTorch runs it
+(spmd.runtime.local_model): no DTensor op in forward, losses, gradients and parameters those of the
+plain model, for spmd's Llama and for transformers' LlamaForCausalLM. With a block under activation
+checkpointing the model goes back to the per-block path, which the comparison covers too."""
+import pytest
+import torch
+from torch.distributed.tensor import DTensor
+
+import spmd
+from benchmarks.overhead import count_ops
+from tests.dist_utils import run_distributed
+from tests.spmd_cases import global_batch, norm_rel_err, tiny_model
+
+TOL = 1e-6  # fp32, the same ops in the same order: only AdamW's fused and unfused arithmetic may round apart
+
+
+def _train_like_plain(model, plain, loss_fn, steps=3):
+    """3 AdamW steps of both models; asserts losses, gradients and parameters agree within TOL, and returns
+    the DTensor ops spmd's model dispatched in each forward."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    ref_opt = torch.optim.AdamW(plain.parameters(), lr=1e-2, fused=True)
+    dtensor_ops = []
+    for step in range(steps):
+        tokens, targets = global_batch(step)
+        box = {}
+
+        def forward():
+            box["loss"] = loss_fn(model, tokens, targets)
+        dtensor_ops.append(count_ops(forward)["DTensor ops"])
+        box["loss"].backward()  # (its only DTensor ops: AccumulateGrad's detach of each parameter's gradient)
+        ref_loss = loss_fn(plain, tokens, targets)
+        ref_loss.backward()
+        assert type(box["loss"]) is torch.Tensor
+        assert abs(box["loss"].item() - ref_loss.item()) <= TOL * abs(ref_loss.item()), (step, box["loss"], ref_loss)
+        for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+            assert norm_rel_err(p.grad.full_tensor(), q.grad) <= TOL, (step, name)
+        opt.step(); ref_opt.step()
+        opt.zero_grad(); ref_opt.zero_grad()
+    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+        assert norm_rel_err(p.full_tensor(), q.detach()) <= TOL, name
+    return dtensor_ops
+
+
+def _llama_loss(model, tokens, targets):
+    return model(tokens, targets)
+
+
+def _spmd_llama(rank, world):
+    mesh = spmd.make_mesh({"dp": 1})
+    model, plain = spmd.parallelize(tiny_model(), mesh, spmd.Rules.default()), tiny_model()
+    assert _train_like_plain(model, plain, _llama_loss) == [0, 0, 0]
+    logits = model(global_batch(0)[0])
+    assert isinstance(logits, DTensor) and norm_rel_err(logits.full_tensor(), plain(global_batch(0)[0])) <= TOL
+
+    # a block under activation checkpointing recomputes after the model's call: the blocks go their own way
+    model = spmd.parallelize(tiny_model(), mesh, spmd.Rules.default())
+    spmd.apply_activation_checkpointing(model, "selective:2")
+    ops = _train_like_plain(model, tiny_model(), _llama_loss)
+    assert all(n > 0 for n in ops), ops
+    outside = [m for m in model.modules() if m is not model and not any(m is x for b in model.layers
+                                                                        for x in list(b.modules())[1:])]
+    assert all(len(m._forward_pre_hooks) == 1 for m in outside), "the model's own modules carry the pass's hooks again"
+    assert not any(m._forward_pre_hooks for m in list(model.layers[1].modules())[1:]), \
+        "the block left unchecked still runs on local tensors, its insides bare"
+
+
+def test_a_one_rank_mesh_runs_the_model_as_plain_pytorch():
+    run_distributed(_spmd_llama, 1, timeout_s=180)
+
+
+def _hf_llama(rank, world):
+    transformers = pytest.importorskip("transformers")
+    from tests.test_any_model import build
+    mesh = spmd.make_mesh({"fsdp": 1})
+    model, loss_fn = build("llama")
+    plain, _ = build("llama")
+    spmd.parallelize(model, mesh, spmd.Rules.default())
+    assert _train_like_plain(model, plain, lambda m, tokens, targets: loss_fn(m, tokens % 256)) == [0, 0, 0]
+    out = model(input_ids=global_batch(0)[0] % 256)
+    assert isinstance(out, transformers.modeling_outputs.CausalLMOutputWithPast) and isinstance(out.logits, DTensor)
+
+
+def test_transformers_llama_on_one_rank_runs_as_plain_pytorch():
+    pytest.importorskip("transformers")
+    run_distributed(_hf_llama, 1, timeout_s=180)
