@@ -2,7 +2,7 @@
 model as plain PyTorch (same dtype, same compile setting), and where the difference goes.
 
     python -m benchmarks.overhead [--models tiny small] [--steps 10] [--dtype fp32] [--compile] [--batch 8 --seq 128]
-                                  [--native]
+                                  [--native] [--per-block]
 
 At `--batch 1 --seq 16` the kernels take little time and the ratio is that of the host work, what a GPU step
 waits on when its kernels are short.
@@ -13,8 +13,12 @@ median of the rounds' ratios with its 95% distribution-free interval (common.med
 that covers 1:
   plain            the model as plain PyTorch
   plain+recorder   plain under spmd.analysis.record.CollectiveRecorder (the dispatch mode launch.train wraps each step in)
-  spmd             spmd.parallelize on a 1-process mesh (every mesh axis of size 1; no collectives at all)
+  spmd             spmd.parallelize on a 1-process mesh (every mesh axis of size 1: nothing moves, no collective,
+                   and the whole model runs on local tensors)
   spmd+recorder    what launch.train runs on one rank of a mesh
+  spmd-blocks      with --per-block: spmd's per-block path on the same mesh (each block on local tensors with its own
+                   hooks, the model's code between them on DTensors), what each rank of a mesh with data axes runs;
+                   on a mesh of one rank spmd runs the whole model on local tensors instead (spmd.runtime.local_model)
   ddp, fsdp2       with --native: torch's own wrappers on the same 1-process group, DistributedDataParallel and
                    fully_shard per block then the root (benchmarks.native_train's layouts): what torch-native
                    costs per step where nothing needs to move, the reference spmd's `dp` and `fsdp` specs face
@@ -76,6 +80,10 @@ def build(model_name: str, variant: str, dtype: str, compile_: bool = False):
         mesh = spmd.make_mesh({"dp": 1}, device_type=DEVICE.type)
     if variant.startswith("spmd"):
         spmd.parallelize(model, mesh, spmd.Rules.default(), param_dtype=param_dtype)
+    if variant == "spmd-blocks":
+        from spmd.runtime.local_model import drop_local_model
+        from spmd.runtime.state import STATE_ATTR
+        drop_local_model(model, getattr(model, STATE_ATTR))
     if compile_:
         spmd.compile_blocks(model)
     if variant == "ddp":
@@ -303,7 +311,7 @@ def markdown(rep: dict) -> str:
                      f"{cell(s, 'plain+recorder', '.4f')} | {cell(s, 'spmd', '.4f')} | "
                      f"{cell(s, 'spmd+recorder', '.4f')} | {ratio} | "
                      f"{cell(q, 'plain+recorder', '.2f')} | {cell(q, 'spmd+recorder', '.2f')} |")
-    lines += _native_table(rep["runs"])
+    lines += _per_block_table(rep["runs"]) + _native_table(rep["runs"])
     per_process = [f"{r['model']} {'compiled' if r['compile'] else 'eager'} "
                    + ", ".join(f"{x:.3f}" for x in r["ratio_per_process"]["spmd"])
                    for r in rep["runs"] if "spmd" in r.get("ratio_per_process", {})]
@@ -331,6 +339,20 @@ def markdown(rep: dict) -> str:
 
 def _interval(i: dict) -> str:
     return f"{i['median']:.3f} [{i['low']:.3f}, {i['high']:.3f}] {i['verdict']}"
+
+
+def _per_block_table(runs: list) -> list[str]:
+    """spmd's per-block path on the same one-rank mesh: what a rank of a mesh with data axes pays per step."""
+    rows = [r for r in runs if "spmd-blocks" in r.get("ratio_interval", {})]
+    if not rows:
+        return []
+    lines = ["", "spmd's per-block path on the same mesh (each block on local tensors with its own hooks, the model's "
+                 "code between them on DTensors: what each rank of a mesh with data axes runs), in the same rounds:", "",
+             "| model | compile | per block s | per block / plain |", "|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['model']} | {'per block' if r['compile'] else 'no'} | {r['step_s']['spmd-blocks']:.4f} | "
+                     f"{_interval(r['ratio_interval']['spmd-blocks'])} |")
+    return lines
 
 
 def _native_table(runs: list) -> list[str]:
@@ -406,13 +428,16 @@ def main(argv=None) -> int:
     ap.add_argument("--processes", type=int, default=1,
                     help="run each measurement in this many fresh processes, one after another, and pool their rounds")
     ap.add_argument("--tag", default="", help="suffix of the results' name (a second shape on the same day)")
+    ap.add_argument("--per-block", action="store_true",
+                    help="also measure spmd's per-block path on the same mesh (what a rank of a mesh with data axes runs)")
     ap.add_argument("--native", action="store_true",
                     help="also measure torch's DDP and fully_shard on the same 1-process group (the native reference)")
     a = ap.parse_args(argv)
     import logging
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     rep = {"environment": common.environment(), "args": vars(a), "runs": []}
-    variants = ["plain", "plain+recorder", "spmd", "spmd+recorder"] + (NATIVE if a.native else [])
+    extra = (["spmd-blocks"] if a.per_block else []) + (NATIVE if a.native else [])
+    variants = ["plain", "plain+recorder", "spmd", "spmd+recorder"] + extra
     if DEVICE.type == "cpu":
         torch.set_num_threads(a.threads)
     rep["dtensor_op_overhead"] = dtensor_op_overhead()
@@ -421,7 +446,7 @@ def main(argv=None) -> int:
             for comp in ([False, True] if a.compile else [False]):
                 print(f"[overhead] {model} {dtype}{' compile' if comp else ''}", flush=True)
                 try:
-                    chosen = list(variants) if not comp else ["plain", "spmd"] + (NATIVE if a.native else [])
+                    chosen = list(variants) if not comp else ["plain", "spmd"] + extra
                     r = measure_in_processes(a.processes, model, dtype, a.steps, a.warmup, chosen, comp, a.batch, a.seq)
                 except Exception as e:  # noqa: BLE001  (compile of a DTensor model may fail: say so)
                     rep["runs"].append({"model": model, "dtype": dtype, "compile": comp, "error": str(e)[:500]})
