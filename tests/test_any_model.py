@@ -17,6 +17,7 @@ regions). One launch per model runs all its specs.
 """
 import pytest
 import torch
+from torch.distributed.tensor import DTensor
 
 import spmd
 from spmd.analysis.candidates import expert_count
@@ -380,6 +381,34 @@ def test_annotate_hf_errors_name_the_problem():
     # a table passed in annotates what the preset does not know
     table = {**PRESETS["llama"], "*.extra.weight": (None, "embed")}
     assert spmd.annotate_hf(model, table=table) is table
+
+
+def _checkpointing_the_spmd_way(rank, world):
+    mesh = spmd.make_mesh({"dp": 2})
+    model, loss_fn = build("llama")
+    model.activation_checkpointing_enable()
+    with pytest.raises(ValueError, match=r"activation checkpointing on \(in 3 modules, model\.layers\.1 among them\).*"
+                                         r"activation_checkpointing_disable\(\).*apply_activation_checkpointing"):
+        spmd.parallelize(model, mesh, spmd.Rules.default())
+    assert not any(isinstance(p, DTensor) for p in model.parameters())  # refused before anything changed
+    ref, _ = build("llama")
+    ref.activation_checkpointing_enable()
+    model.activation_checkpointing_disable()
+    spmd.parallelize(model, mesh, spmd.Rules.default())
+    assert spmd.apply_activation_checkpointing(model, "full") == [0, 1]
+    tokens = batch(0)
+    loss, ref_loss = loss_fn(model, _local(tokens, mesh)), loss_fn(ref, tokens)
+    loss.backward()
+    ref_loss.backward()
+    assert abs(loss.item() - ref_loss.item()) <= TOL * abs(ref_loss.item()), (loss, ref_loss)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert norm_rel_err(p.grad.full_tensor(), q.grad) <= TOL, name
+
+
+def test_transformers_activation_checkpointing_is_refused_for_spmds_own():
+    """transformers' recompute would run a layer past the pass's hooks (a DTensor met a plain tensor deep in
+    backward); the error names the switch, and spmd's checkpointing of the same layers equals transformers'."""
+    run_distributed(_checkpointing_the_spmd_way, 2, timeout_s=180)
 
 
 @pytest.mark.parametrize("spec", ["fsdp=4", "dp=2,fsdp=2", "tp=4", "tp=4,sp", "fsdp=2,tp=2,sp"])

@@ -96,6 +96,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, rules: Rules, *, param_dtype
     """
     if hasattr(model, STATE_ATTR):
         raise ValueError("this model is already parallelized; build a fresh model to lay it out again")
+    _refuse_foreign_checkpointing(model)
     state = SPMDState(mesh, rules, param_dtype, reduce_dtype, input_axes, master, offload)
     layouts = param_layouts(model, mesh, rules)  # every check runs before anything changes
     bucket = bucket and not _offloads_stage_3(state, layouts)
@@ -139,6 +140,17 @@ def _install_buckets(model: nn.Module, state: SPMDState, bucket_mb: float):
         state.local_members[id(model)] = whole
         hooked.strip_inside(model)
     state.reducer = GradientReducer(state.mesh, bucket_mb) if bucket_mb > 0 else None
+
+
+def _refuse_foreign_checkpointing(model: nn.Module) -> None:
+    layers = [n for n, m in model.named_modules() if getattr(m, "gradient_checkpointing", False) is True]
+    if layers:
+        raise ValueError(f"{type(model).__name__} has transformers' activation checkpointing on (in {len(layers)} "
+                         f"modules, {layers[-1] or 'the model'} among them): it recomputes each layer in backward past "
+                         f"spmd's hooks, where the layer's parameters are not laid out. Turn it off "
+                         f"(model.activation_checkpointing_disable(), or gradient_checkpointing_disable()) and, after "
+                         f"parallelize, call spmd.apply_activation_checkpointing(model, 'full') (every_n_layers=N: "
+                         f"'selective:N'; the trainer's --ac), which recomputes the same layers")
 
 
 def _offloads_stage_3(state, layouts) -> bool:
