@@ -83,3 +83,37 @@ def _hf_llama(rank, world):
 def test_transformers_llama_on_one_rank_runs_as_plain_pytorch():
     pytest.importorskip("transformers")
     run_distributed(_hf_llama, 1, timeout_s=180)
+
+
+def _mixed_precision_accumulated(per_block: bool):
+    from spmd.runtime.local_model import drop_local_model
+    from spmd.runtime.state import STATE_ATTR
+    model = spmd.parallelize(tiny_model(), spmd.make_mesh({"dp": 1}), spmd.Rules.default(),
+                             param_dtype=torch.bfloat16, master="optimizer")
+    if per_block:
+        drop_local_model(model, getattr(model, STATE_ATTR))
+    opt = spmd.shard_optimizer(model, torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True))
+    losses = []
+    for step in range(2):
+        tokens, targets = global_batch(step)
+        with spmd.no_sync(model):
+            first = model(tokens[:4], targets[:4])
+            (first / 2).backward()
+        second = model(tokens[4:], targets[4:])
+        (second / 2).backward()
+        losses += [first.item(), second.item()]
+        opt.step()
+        opt.zero_grad()
+    return losses, [p.full_tensor() for p in model.parameters()]
+
+
+def _same_as_per_block(rank, world):
+    (whole, whole_params), (blocks, block_params) = (_mixed_precision_accumulated(b) for b in (False, True))
+    assert whole == blocks
+    assert all(torch.equal(a, b) for a, b in zip(whole_params, block_params))
+
+
+def test_one_rank_in_bf16_with_accumulation_is_the_per_block_path_bit_for_bit():
+    """bf16 compute, fp32 masters with the optimizer, two micro-batches under no_sync: the same casts and sums
+    as the per-block path, which the multi-rank tests hold against one device."""
+    run_distributed(_same_as_per_block, 1, timeout_s=180)
