@@ -29,7 +29,7 @@ from .params import gather_param, gather_shared, kept_for_backward, moves_data
 from .reshard import CHECKPOINTED_ATTR, reshard_after_forward, storage_key
 from .whole_experts import routes_itself
 
-__all__ = ["local_blocks", "enter_local", "LocalBlock"]
+__all__ = ["local_blocks", "enter_local", "LocalBlock", "whole_members", "static_facts"]
 
 
 def local_blocks(model, state) -> dict:
@@ -41,7 +41,7 @@ def local_blocks(model, state) -> dict:
     found = {}
     for m in experts.values():
         # under ep each rank computes with its E/ep experts (spmd.runtime.routed_dispatch sends their tokens)
-        members = _members([m], mesh, experts_over="ep") if routes_itself(m) else None
+        members = whole_members([m], mesh, experts_over="ep") if routes_itself(m) else None
         if members is not None:
             found[id(m)] = members
             setattr(m, _INSIDE_ATTR, True)
@@ -50,7 +50,7 @@ def local_blocks(model, state) -> dict:
             continue  # the root unit: the model itself, whose inputs and outputs are not a block's
         if any(id(m) in experts for m in bucket.module.modules()):
             continue
-        members = _members(bucket.module.modules(), mesh)
+        members = whole_members(bucket.module.modules(), mesh)
         if members is not None:
             found[id(bucket.module)] = members
     root = state.buckets.get(id(model))
@@ -59,14 +59,14 @@ def local_blocks(model, state) -> dict:
         for m in model.modules():
             if next(m.children(), None) is not None or id(m) in experts:
                 continue
-            members = _members([m], mesh)
+            members = whole_members([m], mesh)
             if members and members[0] and all(id(p) in rooted or getattr(p, "_spmd_shared", False)
                                               for _, _, p in members[0]):
                 found[id(m)] = members
     return found
 
 
-def _members(modules, mesh, experts_over: str | None = None) -> tuple | None:
+def whole_members(modules, mesh, experts_over: str | None = None) -> tuple | None:
     """(parameters, buffers) of `modules` as (module, name, tensor), when every one is replicated in compute
     on the mesh axes of size > 1 (or, with `experts_over`, split there on its leading `experts` dim); else
     None."""
@@ -139,7 +139,7 @@ class LocalBlock:
         """Gathers the block's parameters into its modules as local tensors; returns the local inputs."""
         state = self.state
         bucket = state.buckets.get(id(self.module))  # None: a layer of the root unit, gathered as the model began
-        grad_layouts, regathered = _static_facts(state, self.module, bucket, self.members, self.split)
+        grad_layouts, regathered = static_facts(state, self.module, bucket, self.members, self.split)
         values = {} if bucket is None else gather_bucket(bucket, state, grad_layouts)
         regather = {}
         for (m, n, p), regathers in zip(self.members, regathered):
@@ -179,7 +179,7 @@ class LocalBlock:
 _STATIC_ATTR = "_spmd_local_facts"  # on a block: {split: (grad layouts, regathered)}, fixed once laid out
 
 
-def _static_facts(state, module, bucket, members, split) -> tuple:
+def static_facts(state, module, bucket, members, split) -> tuple:
     """(the bucket's parameters' gradient layouts, whether each member is regathered for backward) for a block
     fed a batch split over the mesh axes `split`: fixed once laid out, so worked out on the first call."""
     facts = module.__dict__.setdefault(_STATIC_ATTR, {})

@@ -8,7 +8,7 @@ from torch.distributed.tensor._utils import compute_global_tensor_info
 
 from .wrap import contiguous_stride, layout_spec, wrap_local
 
-__all__ = ["to_local", "batch_grad_layout", "wrap_outputs"]
+__all__ = ["to_local", "from_local", "batch_grad_layout", "wrap_outputs"]
 
 
 def to_local(x, partial_axes: tuple = ()):
@@ -71,6 +71,11 @@ class _FromLocal(torch.autograd.Function):
         return g._local_tensor, None, None, None, None
 
 
+def from_local(t: torch.Tensor, mesh, layout, shape, stride) -> DTensor:
+    """`t` as the local tensor of a DTensor of `layout`; its gradient comes back as that DTensor's local tensor."""
+    return _FromLocal.apply(t, mesh, layout, shape, stride)
+
+
 def batch_grad_layout(placements, partial_axes: tuple) -> tuple:
     """`placements` with Partial on the replicated mesh axes in `partial_axes` (those that split the batch)."""
     return tuple(Partial() if (s and p.is_replicate()) else p for s, p in zip(partial_axes, placements))
@@ -84,7 +89,7 @@ def wrap_outputs(output, mesh, layout, batch):
             return t
         if t.ndim and t.shape[0] == local_batch:
             shape = torch.Size((global_batch, *t.shape[1:]))
-            out = _FromLocal.apply(t, mesh, layout, shape, contiguous_stride(shape))
+            out = from_local(t, mesh, layout, shape, contiguous_stride(shape))
             if out.requires_grad:  # the next local block takes `t` back (`to_local`): gradients meet in it
                 setattr(out, _MADE_FROM_ATTR, (t, layout, out.grad_fn, out._version))
             return out

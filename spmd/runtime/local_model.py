@@ -17,8 +17,8 @@ from . import hooked
 from .activations import map_tensors
 from .buckets import gather_bucket
 from .experts import expert_modules
-from .local import LocalBlock, _members, _static_facts
-from .local_edges import _FromLocal, to_local
+from .local import LocalBlock, static_facts, whole_members
+from .local_edges import from_local, to_local
 from .params import gather_param, gather_shared
 from .reshard import CHECKPOINTED_ATTR
 
@@ -34,7 +34,7 @@ def whole_model_members(model, state) -> tuple | None:
         return None
     if any(getattr(m, CHECKPOINTED_ATTR, False) for m in model.modules()):
         return None
-    return _members(model.modules(), state.mesh)
+    return whole_members(model.modules(), state.mesh)
 
 
 def enter_local_model(state, model, name: str, args, kwargs):
@@ -68,7 +68,7 @@ class LocalModel(LocalBlock):
         state = self.state
         values = {}
         for bucket in _forward_order(state, self.module):
-            grad_layouts = _static_facts(state, bucket.module, bucket, (), self.split)[0]
+            grad_layouts = static_facts(state, bucket.module, bucket, (), self.split)[0]
             values.update(gather_bucket(bucket, state, grad_layouts))
         for m, n, p in self.members:
             local = values.get(id(p))
@@ -86,14 +86,14 @@ class LocalModel(LocalBlock):
         """Drops the local values; a scalar output stays plain, any other tensor becomes a replicated DTensor."""
         for m, n, _ in (*self.members, *self.buffers):
             m.__dict__.pop(n, None)
-        mesh, layout = self.state.mesh, self.layout
         if getattr(self.module, OUTPUTS_LOCAL_ATTR, False):
             return output
+        mesh, layout = self.state.mesh, self.layout
 
         def wrap(t):
             if isinstance(t, DTensor) or t.ndim == 0:
                 return t
-            return _FromLocal.apply(t, mesh, layout, t.shape, t.stride())
+            return from_local(t, mesh, layout, t.shape, t.stride())
         return map_tensors(output, wrap)
 
 
