@@ -1,7 +1,8 @@
 """On a mesh of one rank nothing moves, and the whole model runs on local tensors, as plain PyTorch runs it
 (spmd.runtime.local_model): no DTensor op in forward, losses, gradients and parameters those of the
-plain model, for spmd's Llama and for transformers' LlamaForCausalLM. With a block under activation
-checkpointing the model goes back to the per-block path, which the comparison covers too."""
+plain model, for spmd's Llama and for transformers' LlamaForCausalLM, whose base model called on its own
+still lays itself out. With a block under activation checkpointing the model goes back to the per-block path,
+which the comparison covers too."""
 import pytest
 import torch
 from torch.distributed.tensor import DTensor
@@ -59,7 +60,7 @@ def _spmd_llama(rank, world):
     assert all(n > 0 for n in ops), ops
     outside = [m for m in model.modules() if m is not model and not any(m is x for b in model.layers
                                                                         for x in list(b.modules())[1:])]
-    assert all(len(m._forward_pre_hooks) == 1 for m in outside), "the model's own modules carry the pass's hooks again"
+    assert all(len(m._forward_pre_hooks) == 1 for m in outside), "the model's own modules carry the pass's hooks"
     assert not any(m._forward_pre_hooks for m in list(model.layers[1].modules())[1:]), \
         "the block left unchecked still runs on local tensors, its insides bare"
 
@@ -76,8 +77,12 @@ def _hf_llama(rank, world):
     plain, _ = build("llama")
     spmd.parallelize(model, mesh, spmd.Rules.default())
     assert _train_like_plain(model, plain, lambda m, tokens, targets: loss_fn(m, tokens % 256)) == [0, 0, 0]
-    out = model(input_ids=global_batch(0)[0] % 256)
+    ids = global_batch(0)[0] % 256
+    out = model(input_ids=ids)
     assert isinstance(out, transformers.modeling_outputs.CausalLMOutputWithPast) and isinstance(out.logits, DTensor)
+    # a module called on its own, outside the model's call, still lays itself out (its hooks stayed)
+    hidden, ref = model.model(input_ids=ids).last_hidden_state, plain.model(input_ids=ids).last_hidden_state
+    assert norm_rel_err(hidden.full_tensor(), ref) <= TOL
 
 
 def test_transformers_llama_on_one_rank_runs_as_plain_pytorch():

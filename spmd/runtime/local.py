@@ -29,7 +29,7 @@ from .params import gather_param, gather_shared, kept_for_backward, moves_data
 from .reshard import CHECKPOINTED_ATTR, reshard_after_forward, storage_key
 from .whole_experts import routes_itself
 
-__all__ = ["local_blocks", "enter_local", "LocalBlock", "whole_members", "static_facts"]
+__all__ = ["local_blocks", "enter_local", "LocalBlock", "whole_members"]
 
 
 def local_blocks(model, state) -> dict:
@@ -139,7 +139,7 @@ class LocalBlock:
         """Gathers the block's parameters into its modules as local tensors; returns the local inputs."""
         state = self.state
         bucket = state.buckets.get(id(self.module))  # None: a layer of the root unit, gathered as the model began
-        grad_layouts, regathered = static_facts(state, self.module, bucket, self.members, self.split)
+        grad_layouts, regathered = _static_facts(state, self.module, bucket, self.members, self.split)
         values = {} if bucket is None else gather_bucket(bucket, state, grad_layouts)
         regather = {}
         for (m, n, p), regathers in zip(self.members, regathered):
@@ -179,7 +179,7 @@ class LocalBlock:
 _STATIC_ATTR = "_spmd_local_facts"  # on a block: {split: (grad layouts, regathered)}, fixed once laid out
 
 
-def static_facts(state, module, bucket, members, split) -> tuple:
+def _static_facts(state, module, bucket, members, split) -> tuple:
     """(the bucket's parameters' gradient layouts, whether each member is regathered for backward) for a block
     fed a batch split over the mesh axes `split`: fixed once laid out, so worked out on the first call."""
     facts = module.__dict__.setdefault(_STATIC_ATTR, {})

@@ -3,9 +3,10 @@
 Every parameter's compute layout there is its stored local tensor (cast to the compute dtype, if one is set).
 The model's call gathers every bucket once, in forward order (one autograd node each, whose backward lays out
 and reduces the gradients as a block's does, spmd.runtime.buckets), puts the local values in the modules, and
-runs the model's own forward with no DTensor in it: no per-op dispatch, no global view, and no hooks inside
-(spmd.runtime.hooked). The loss comes back plain, the other tensor outputs as DTensors replicated on the mesh,
-as the DTensor path returns them (a pipeline stage's stay local, as its forward makes them).
+runs the model's own forward with no DTensor in it: no per-op dispatch and no global view. The hooks of the
+modules inside return at once; they stay for a module called on its own, outside the model's call. The loss
+comes back plain, the other tensor outputs as DTensors replicated on the mesh, as the DTensor path returns
+them (a pipeline stage's stay local, as its forward makes them).
 
 A model with a block under activation checkpointing takes the per-block path instead (spmd.runtime.local): the
 recompute runs in backward, after the model's call has ended and its local values have left the modules.
@@ -13,11 +14,10 @@ recompute runs in backward, after the model's call has ended and its local value
 import torch
 from torch.distributed.tensor import DTensor, Replicate
 
-from . import hooked
 from .activations import map_tensors
 from .buckets import gather_bucket
 from .experts import expert_modules
-from .local import LocalBlock, static_facts, whole_members
+from .local import LocalBlock, whole_members
 from .local_edges import from_local, to_local
 from .params import gather_param, gather_shared
 from .reshard import CHECKPOINTED_ATTR
@@ -50,14 +50,9 @@ def enter_local_model(state, model, name: str, args, kwargs):
 
 
 def drop_local_model(model, state) -> None:
-    """The model runs block by block from now on: its insides get their hooks back, but for the insides of
-    the blocks that run on local tensors."""
-    if state is None or state.local_members.pop(id(model), None) is None:
-        return
-    hooked.dress_inside(model)
-    for m in model.modules():
-        if m is not model and id(m) in state.local_members:
-            hooked.strip_inside(m)
+    """The model runs block by block from now on."""
+    if state is not None:
+        state.local_members.pop(id(model), None)
 
 
 class LocalModel(LocalBlock):
@@ -68,8 +63,8 @@ class LocalModel(LocalBlock):
         state = self.state
         values = {}
         for bucket in _forward_order(state, self.module):
-            grad_layouts = static_facts(state, bucket.module, bucket, (), self.split)[0]
-            values.update(gather_bucket(bucket, state, grad_layouts))
+            # on one rank no mesh axis splits the batch: each gradient comes back in its compute layout
+            values.update(gather_bucket(bucket, state, [p._spmd_compute for p in bucket.params]))
         for m, n, p in self.members:
             local = values.get(id(p))
             if local is None:  # in no bucket: shared by several modules, or a model without repeated blocks

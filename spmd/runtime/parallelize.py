@@ -138,7 +138,6 @@ def _install_buckets(model: nn.Module, state: SPMDState, bucket_mb: float):
     whole = whole_model_members(model, state)
     if whole is not None:  # a mesh of one rank: nothing moves anywhere
         state.local_members[id(model)] = whole
-        hooked.strip_inside(model)
     state.reducer = GradientReducer(state.mesh, bucket_mb) if bucket_mb > 0 else None
 
 
