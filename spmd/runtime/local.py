@@ -143,19 +143,10 @@ class LocalBlock:
         values = {} if bucket is None else gather_bucket(bucket, state, grad_layouts)
         regather = {}
         for (m, n, p), regathers in zip(self.members, regathered):
-            local = values.get(id(p))
-            if local is None:  # outside the block's bucket: the root unit's, shared, or moving on its own
-                g = (gather_shared(state, p, p._spmd_compute, self.name) if getattr(p, "_spmd_shared", False)
-                     else state.bucket_values.get(id(p)))
-                if g is None:
-                    g = gather_param(p, p._spmd_compute, state.param_dtype, state.reduce_dtype, state, self.name,
-                                     p._spmd_name)
-                local = to_local(g, self.split)
-            m.__dict__[n] = local
+            local = m.__dict__[n] = self.value(values, p)
             if regathers:
                 regather[storage_key(local)] = (p, p._spmd_compute)
-        for m, n, b in self.buffers:  # (a module's own buffers: its rotary tables, an embedding's scale)
-            m.__dict__[n] = b.to_local() if b.requires_grad else b._local_tensor
+        self.put_buffers()
         if regather and not getattr(self.module, CHECKPOINTED_ATTR, False):
             self.hooks = reshard_after_forward(regather, state, self.name)
             self.hooks.__enter__()
@@ -169,11 +160,34 @@ class LocalBlock:
         try:
             if self.hooks is not None:
                 self.hooks.__exit__(None, None, None)
-            for m, n, _ in (*self.members, *self.buffers):
-                m.__dict__.pop(n, None)
+            self.drop_values()
             return wrap_outputs(output, self.state.mesh, self.layout, self.batch)
         finally:
             _resume(self.mode)
+
+
+    def value(self, gathered: dict, p) -> torch.Tensor:
+        """`p`'s local value: from `gathered` (its bucket's), else, outside the bucket, the root unit's, a shared
+        parameter's or one moving on its own."""
+        local = gathered.get(id(p))
+        if local is not None:
+            return local
+        state = self.state
+        g = (gather_shared(state, p, p._spmd_compute, self.name) if getattr(p, "_spmd_shared", False)
+             else state.bucket_values.get(id(p)))
+        if g is None:
+            g = gather_param(p, p._spmd_compute, state.param_dtype, state.reduce_dtype, state, self.name, p._spmd_name)
+        return to_local(g, self.split)
+
+    def put_buffers(self) -> None:
+        """The modules' own buffers (rotary tables, an embedding's scale) as local tensors."""
+        for m, n, b in self.buffers:
+            m.__dict__[n] = b.to_local() if b.requires_grad else b._local_tensor
+
+    def drop_values(self) -> None:
+        """Takes the local parameters and buffers out of the modules: their DTensors show through again."""
+        for m, n, _ in (*self.members, *self.buffers):
+            m.__dict__.pop(n, None)
 
 
 _STATIC_ATTR = "_spmd_local_facts"  # on a block: {split: (grad layouts, regathered)}, fixed once laid out

@@ -19,7 +19,6 @@ from .buckets import gather_bucket
 from .experts import expert_modules
 from .local import LocalBlock, whole_members
 from .local_edges import from_local, to_local
-from .params import gather_param, gather_shared
 from .reshard import CHECKPOINTED_ATTR
 
 __all__ = ["OUTPUTS_LOCAL_ATTR", "whole_model_members", "enter_local_model", "drop_local_model"]
@@ -66,21 +65,13 @@ class LocalModel(LocalBlock):
             # on one rank no mesh axis splits the batch: each gradient comes back in its compute layout
             values.update(gather_bucket(bucket, state, [p._spmd_compute for p in bucket.params]))
         for m, n, p in self.members:
-            local = values.get(id(p))
-            if local is None:  # in no bucket: shared by several modules, or a model without repeated blocks
-                g = (gather_shared(state, p, p._spmd_compute, self.name) if getattr(p, "_spmd_shared", False)
-                     else gather_param(p, p._spmd_compute, state.param_dtype, state.reduce_dtype, state, self.name,
-                                       p._spmd_name))
-                local = to_local(g)
-            m.__dict__[n] = local
-        for m, n, b in self.buffers:
-            m.__dict__[n] = b.to_local() if b.requires_grad else b._local_tensor
+            m.__dict__[n] = self.value(values, p)
+        self.put_buffers()
         return tuple(to_local(a) for a in args), {k: to_local(v) for k, v in kwargs.items()}
 
     def leave(self, output):
         """Drops the local values; a scalar output stays plain, any other tensor becomes a replicated DTensor."""
-        for m, n, _ in (*self.members, *self.buffers):
-            m.__dict__.pop(n, None)
+        self.drop_values()
         if getattr(self.module, OUTPUTS_LOCAL_ATTR, False):
             return output
         mesh, layout = self.state.mesh, self.layout
