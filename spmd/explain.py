@@ -7,8 +7,8 @@
     python -m spmd.explain --config launch/configs/tiny_rules.toml [flags]   # the trainer's file and its rules
 
 prints `plan.table()` of a registry model (meta tensors, no devices) laid out by the default rules of ZeRO
-stage `--zero`, or by the [rules.*] tables of `--config FILE`; `--model hf:DIR` plans the transformers model of a local Hugging Face directory (config.json
-is enough).
+stage `--zero`, or by the [rules.*] tables of `--config FILE`; `--model hf:DIR` plans the transformers model
+of a local Hugging Face directory (config.json is enough).
 """
 import argparse
 

@@ -90,7 +90,8 @@ def test_explain_and_search_take_the_same_file(tmp_path, capsys):
     # the shipped file's defaults (model tiny) and its tables (sp) reach explain; flags override them
     same = _plan("--config", str(SHIPPED), "--mesh", "tp=2", "--batch", "2", "--seq", "16", "--dtype", "fp32")
     sp = _plan(*flags[:3], "tp=2,sp", *flags[4:])
-    assert [(c.module, c.kind, c.bytes) for c in same.collectives] == [(c.module, c.kind, c.bytes) for c in sp.collectives]
+    assert [(c.module, c.kind, c.bytes) for c in same.collectives] == \
+        [(c.module, c.kind, c.bytes) for c in sp.collectives]
     import spmd.search as search_cli
     assert search_cli.main(["--config", custom, "--world", "2"]) == 2
     assert "spmd.search ranks meshes under Rules.default's tables" in capsys.readouterr().err
