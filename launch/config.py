@@ -6,7 +6,8 @@
 TOML files hold the same keys as the dataclass (`batch_size = 16`); flags are the same names with dashes
 (`--batch-size 16`). A TOML file may also state the layout rules as data (`[rules.compute]`, `[rules.params]`,
 `[rules.grads]`, `[rules.optimizer]`: spmd.layout.rules_table) instead of `sp` and `zero`. The defaults are a
-short CPU run of the tiny model on the Python standard library that shows the loss falling from 6.2 to about 2 in 15-20 s on two idle cores (longer on a busy machine).
+short CPU run of the tiny model on the Python standard library that shows the loss falling from 6.2 to about
+2 in 15-20 s on two idle cores (longer on a busy machine).
 """
 from __future__ import annotations
 
