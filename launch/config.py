@@ -215,7 +215,7 @@ def parser() -> argparse.ArgumentParser:
 def load_config(argv: list[str] | None = None) -> TrainConfig:
     """Defaults, then --config FILE, then flags. Does not validate (call `validate(world_size)`)."""
     args = vars(parser().parse_args(argv))
-    cfg, given = TrainConfig(), set(args) - {"config"}
+    cfg, given, path = TrainConfig(), set(args) - {"config"}, None
     if "config" in args:
         path, data = _read(args.pop("config"))
         cfg, given = _apply(path, data, cfg), given | set(data)

@@ -43,6 +43,15 @@ def _same_tensors(a, b) -> bool:
     return ta.keys() == tb.keys() and all(ta[k].equal(tb[k]) for k in ta)
 
 
+def test_the_loop_and_the_writer_hold_no_test_code():
+    """Faults come from tests/fault_injection.py only: no product module reads a test variable or imports it.
+    Mutation killed: an `os.environ.get("SPMD_TEST_...")` check put back into the loop or the writer."""
+    product = [p for room in ("spmd", "launch", "models", "kernels") for p in (REPO / room).rglob("*.py")]
+    offenders = [str(p.relative_to(REPO)) for p in product
+                 if "SPMD_TEST" in p.read_text() or "fault_injection" in p.read_text()]
+    assert product and offenders == []
+
+
 # ------------------------------------------------------------------------------ kills and damaged checkpoints
 def test_kill_during_a_save_resumes_the_previous_checkpoint_with_its_values(tmp_path):
     """One process, a checkpoint every step: files 1-9 are steps 1-3 (rank file, meta.json, index.json each);
