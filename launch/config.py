@@ -4,24 +4,22 @@
     cfg.validate(world_size)               # every rank, before any collective: ValueError naming problem + fix
 
 TOML files hold the same keys as the dataclass (`batch_size = 16`); flags are the same names with dashes
-(`--batch-size 16`). The defaults are a short CPU run of the tiny model on the Python standard library
-that shows the loss falling from 6.2 to about 2 in 15-20 s on two idle cores (longer on a busy machine).
+(`--batch-size 16`). A TOML file may also state the layout rules as data (`[rules.compute]`, `[rules.params]`,
+`[rules.grads]`, `[rules.optimizer]`: spmd.layout.rules_table) instead of `sp` and `zero`. The defaults are a
+short CPU run of the tiny model on the Python standard library that shows the loss falling from 6.2 to about
+2 in 15-20 s on two idle cores (longer on a busy machine).
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
-
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10
-    import tomli as tomllib
 
 import models
 from spmd.layout.mesh import parse_spec
 from spmd.layout.rules import Rules
+from spmd.layout.rules_table import check_rules_flags, read_toml, rules_from_table
 from spmd.pipeline.runtime import default_microbatches
 
 from .config_checks import config_problems, flag_name
@@ -79,6 +77,8 @@ class TrainConfig:
     virtual_stages: int = 1        # stages per pp rank (interleaved schedules)
     # failures
     collective_timeout: float = 600.0  # seconds a collective waits for a dead or stuck rank before failing
+    # the TOML file's [rules.*] tables (no flag): when set, they are the layout instead of Rules.default
+    rules_table: dict = field(default_factory=dict)
 
     # ------------------------------------------------------------------ derived
     def mesh_sizes(self, world_size: int) -> dict[str, int]:
@@ -90,6 +90,8 @@ class TrainConfig:
         return self.sp or "sp" in self.parse_mesh()[1]
 
     def rules(self) -> Rules:
+        if self.rules_table:
+            return rules_from_table(self.rules_table, "the config's [rules]")
         return Rules.default(sequence_parallel=self.sequence_parallel(), zero=self.zero)
 
     def dp_size(self, world_size: int) -> int:
@@ -139,21 +141,26 @@ def _check_type(name: str, value, default, source: str):
     return value
 
 
-def from_toml(path: str | Path, base: TrainConfig | None = None) -> TrainConfig:
-    """Values from a TOML file on top of `base` (defaults). Unknown keys are an error naming them."""
+def _read(path: str | Path) -> tuple[Path, dict]:
     path = Path(path)
     if not path.is_file() and (CONFIG_DIR / path).is_file():
         path = CONFIG_DIR / path  # `--config tiny_cpu.toml` finds the shipped examples
-    if not path.is_file():
-        raise ValueError(f"config file {str(path)!r} does not exist; pass a TOML file such as "
-                         f"launch/configs/tiny_cpu.toml")
-    try:
-        data = tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as e:
-        raise ValueError(f"config file {path} is not valid TOML: {e}") from None
+    return path, read_toml(path)
+
+
+def from_toml(path: str | Path, base: TrainConfig | None = None) -> TrainConfig:
+    """Values from a TOML file on top of `base` (defaults). Unknown keys are an error naming them."""
+    return _apply(*_read(path), base)
+
+
+def _apply(path: Path, data: dict, base: TrainConfig | None) -> TrainConfig:
     cfg = dataclasses.replace(base or TrainConfig())
-    known = {f.name: f for f in fields(TrainConfig)}
+    known = {f.name: f for f in fields(TrainConfig) if f.name != "rules_table"}
     for key, value in data.items():
+        if key == "rules":
+            cfg.rules_table = value
+            rules_from_table(value, f"config file {path}")  # a bad table is an error naming its key
+            continue
         if key not in known:
             import difflib
             hint = difflib.get_close_matches(key, known, n=1)
@@ -193,6 +200,8 @@ def parser() -> argparse.ArgumentParser:
                    "parameter shards too; nvme: files under DIR), the step on the CPU",
     }
     for f in fields(TrainConfig):
+        if f.name == "rules_table":  # TOML only
+            continue
         flag = "--" + flag_name(f.name)
         h = helps.get(f.name, f.name.replace("_", " ")) + f" (default: {f.default!r})"
         if f.type in ("bool", bool):
@@ -206,9 +215,20 @@ def parser() -> argparse.ArgumentParser:
 def load_config(argv: list[str] | None = None) -> TrainConfig:
     """Defaults, then --config FILE, then flags. Does not validate (call `validate(world_size)`)."""
     args = vars(parser().parse_args(argv))
-    cfg = TrainConfig()
+    cfg, given, path = TrainConfig(), set(args) - {"config"}, None
     if "config" in args:
-        cfg = from_toml(args.pop("config"), cfg)
+        path, data = _read(args.pop("config"))
+        cfg, given = _apply(path, data, cfg), given | set(data)
     for key, value in args.items():
         setattr(cfg, key, value)
+    if cfg.rules_table:
+        _adopt_rules(cfg, given, f"config file {path}")
     return cfg
+
+
+def _adopt_rules(cfg: TrainConfig, given: set, source: str) -> None:
+    """The rules table decides sp and zero; a flag or key that says otherwise is an error naming both."""
+    rules = rules_from_table(cfg.rules_table, source)
+    sp = True if "sp" in cfg.parse_mesh()[1] else cfg.sp if "sp" in given else None
+    check_rules_flags(rules, source, cfg.zero if "zero" in given else None, sp)
+    cfg.zero, cfg.sp = rules.zero_stage, rules.sequence_parallel

@@ -8,7 +8,7 @@ from __future__ import annotations
 from kernels import IMPLS
 from spmd.layout.dtypes import DTYPES
 from spmd.layout.mesh import format_sizes
-from spmd.layout.rules import ZERO_STAGES, Rules
+from spmd.layout.rules import ZERO_STAGES
 from spmd.layout.sequence import check_seq_len
 from spmd.pipeline.runtime import validate_pipeline
 from spmd.runtime.checkpointing import parse_mode as parse_ac_mode
@@ -110,7 +110,10 @@ def _mesh_problems(cfg, world_size: int, sizes: dict, flags) -> list[str]:
         problems.append(f"--mesh {format_sizes(sizes)} has {product} devices but {world_size} processes were "
                         f"started; make the product of the axis sizes equal the process count (e.g. "
                         f"--nproc-per-node {product})")
-    rules = Rules.default(sequence_parallel=cfg.sequence_parallel())
+    try:
+        rules = cfg.rules()
+    except ValueError as e:
+        return problems + [str(e)]
     dp = rules.data_parallel_size(sizes)
     if cfg.batch_size % (dp * cfg.grad_accum):
         step = dp * cfg.grad_accum
@@ -169,8 +172,7 @@ def _pipeline_problems(cfg, world_size: int, sizes: dict, model_cfg) -> list[str
     try:
         validate_pipeline(sizes["pp"], cfg.pp_schedule, cfg.pipeline_microbatches(world_size), cfg.virtual_stages,
                           n_blocks=model_cfg.n_layers, batch_size=cfg.batch_size // cfg.grad_accum,
-                          data_parallel=Rules.default(sequence_parallel=cfg.sequence_parallel())
-                          .data_parallel_size(sizes), world=world_size)
+                          data_parallel=cfg.rules().data_parallel_size(sizes), world=world_size)
     except ValueError as e:
         problems.append(str(e))
     if getattr(model_cfg, "pipeline_ties", False):  # the first and last stage both hold the tied weight

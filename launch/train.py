@@ -20,7 +20,7 @@ optimizer update the optimizer map's shards and all-gather the updated parameter
 `fp16` adds dynamic loss scaling: a step whose gradient norm is inf/nan is skipped and the scale halves;
 after 1000 good steps it doubles.
 
-Failures (README, "Failure behaviour"): ranks first agree on config and code (`launch.startup`), every
+Failures (docs/checkpoints-and-failures.md): ranks first agree on config and code (`launch.startup`), every
 collective is bounded by --collective-timeout, a step with a non-finite loss or gradient norm is skipped
 and --max-bad-steps of them in a row stop the run (`launch.nonfinite`), and --resume starts from the newest
 checkpoint whose checksums verify.
@@ -54,7 +54,7 @@ from spmd.analysis.record import CollectiveRecorder
 from spmd.layout.dtypes import DTYPES
 from spmd.runtime.optimizer import refresh_masters
 
-from . import faults, schedule, startup
+from . import schedule, startup
 from .config import TrainConfig, load_config
 from .data import build_loader, model_inputs
 from .metrics import MetricsLogger, flops_per_token, peak_flops, peak_mem_bytes
@@ -156,11 +156,9 @@ def train(cfg: TrainConfig, log=True) -> list[dict]:
     profiler = StepProfiler(cfg.profile_steps, cfg.profile_dir, rank, device)
     rows: list[dict] = []
     step = start
-    nan_steps = faults.nan_steps()
     saver = checkpoint.AsyncSaver() if cfg.ckpt_dir and cfg.ckpt_async else None
     try:
         while step < cfg.steps:
-            faults.before_step(step + 1, rank, settle=saver.wait if saver else None)
             profiler.before(step + 1)
             lr = schedule.lr_at(step, cfg.lr, cfg.warmup, cfg.steps)
             schedule.set_lr(opt, lr)
@@ -188,8 +186,6 @@ def train(cfg: TrainConfig, log=True) -> list[dict]:
                     with sync:  # no_sync covers the backward: that is where gradients are reduced
                         with amp:
                             loss = model(*model_inputs(x, y, mesh)) / len(micro)
-                        if step + 1 in nan_steps:
-                            loss = loss * float("nan")
                         (loss * scaler.scale).backward()
                     loss_sum += loss.detach().float()
                 if mesh is not None:  # --zero 1: the gradients backward held, reduced before clipping
@@ -265,9 +261,13 @@ def _rank_lost(e: BaseException) -> bool:
 def main(argv: list[str] | None = None) -> int:
     # clip_grad_norm_ over a 2-D mesh reduces the norm axis by axis; DTensor warns about it on every rank
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
-    cfg = load_config(argv)
     rank, world, _ = ranks()
     prefix = f"launch.train{f' [rank {rank}]' if world > 1 else ''}: error:"
+    try:
+        cfg = load_config(argv)
+    except ValueError as e:  # a bad TOML file or rules table: every rank, before any collective
+        print(f"{prefix} {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     try:
         train(cfg)
     except (ValueError, FileNotFoundError, KeyError, ImportError) as e:  # bad input: the message says the fix

@@ -4,17 +4,18 @@
     python -m spmd.explain --model 8b --mesh fsdp=8,tp=8,sp --batch 8 --seq 4096 --dtype bf16 [--ac full]
                            [--grad-accum 2] [--json FILE] [--zero 1|2|3] [--master params|optimizer]
                            [--reduce-dtype fp32|bf16] [--offload optimizer|params|nvme:DIR]
+    python -m spmd.explain --config launch/configs/tiny_rules.toml [flags]   # the trainer's file and its rules
 
 prints `plan.table()` of a registry model (meta tensors, no devices) laid out by the default rules of ZeRO
-stage `--zero`; `--model hf:DIR` plans the transformers model of a local Hugging Face directory (config.json
-is enough).
+stage `--zero`, or by the [rules.*] tables of `--config FILE`; `--model hf:DIR` plans the transformers model
+of a local Hugging Face directory (config.json is enough).
 """
 import argparse
 
 import torch
 
 from .analysis.explain import explain
-from .cli import add_model_args, batch_shape, make_callable, model_config, report
+from .cli import add_model_args, batch_shape, config_rules, parse_args, make_callable, model_config, report
 from .layout.mesh import parse_spec
 from .layout.rules import Rules
 
@@ -32,8 +33,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--pp-schedule", default="1f1b", help="with a pp axis: gpipe|1f1b|interleaved-1f1b|zero-bubble|zbv")
     ap.add_argument("--microbatches", type=int, default=None, help="pipeline micro-batches (default: the schedule's)")
     ap.add_argument("--virtual-stages", type=int, default=1, help="pipeline stages per pp rank")
-    ap.add_argument("--zero", type=int, default=3, help="ZeRO stage: 1 optimizer states, 2 + gradients, 3 + "
-                    "parameters sharded over fsdp (Rules.default(zero=...))")
+    ap.add_argument("--zero", type=int, default=None, help="ZeRO stage: 1 optimizer states, 2 + gradients, 3 + "
+                    "parameters sharded over fsdp (Rules.default(zero=...); default 3)")
     ap.add_argument("--master", default="params", help="params|optimizer: where fp32 master weights live")
     ap.add_argument("--reduce-dtype", default="fp32", help="gradient reduction dtype: fp32|bf16")
     ap.add_argument("--offload", default=None,
@@ -49,14 +50,19 @@ def plan_from_args(a: argparse.Namespace):
     world = 1
     for s in sizes.values():
         world *= s
-    return explain(model, Rules.default(sequence_parallel="sp" in flags, zero=a.zero), sizes,
+    rules = config_rules(a, True if "sp" in flags else None)
+    if rules is None:
+        rules = Rules.default(sequence_parallel="sp" in flags, zero=3 if a.zero is None else a.zero)
+    return explain(model, rules, sizes,
                    batch_shape(a, cfg, world), a.dtype, ac=a.ac, grad_accum=a.grad_accum, schedule=a.pp_schedule,
                    microbatches=a.microbatches, virtual_stages=a.virtual_stages, reduce_dtype=a.reduce_dtype,
                    master=a.master, offload=a.offload)
 
 
 def main(argv=None) -> int:
-    a = parser().parse_args(argv)
+    a = parse_args(parser(), argv, "spmd.explain")
+    if a is None:
+        return 2
     return report("spmd.explain", a.json, lambda: plan_from_args(a))
 
 

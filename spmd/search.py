@@ -4,6 +4,7 @@ and its command line:
     python -m spmd.search --model 8b --world 8 --device h100 --batch 16 --seq 8192 [--ac full] [--grad-accum 2]
                           [--zero 1|2|3]
     python -m spmd.search --model hf:DIR --world 8 --device h100   # a local Hugging Face directory
+    python -m spmd.search --config FILE.toml --world 8              # launch.train's file: model, batch, rules
 
 Each ranked row ends in the launch.train flags it assumes: --mesh SPEC [--zero K] --ac MODE --grad-accum K
 (--zero where the mesh has an fsdp axis: each stage is a row of its own unless --zero pins one).
@@ -14,7 +15,9 @@ import sys
 
 from .analysis.search import (Row, SearchResult, candidate_specs, flops_per_token, links, model_state_bytes,
                               predict, search, spec_name)
-from .cli import add_model_args, batch_shape, make_callable, model_config, report
+from .cli import add_model_args, batch_shape, config_rules, make_callable, model_config, parse_args, report
+from .layout.rules import Rules
+from .layout.rules_table import ordered_maps
 
 __all__ = ["search", "main", "Row", "SearchResult", "candidate_specs", "flops_per_token", "links",
            "model_state_bytes", "predict", "spec_name"]
@@ -35,14 +38,30 @@ def main(argv=None) -> int:
                     "axis instead of trying each")
     ap.add_argument("--top", type=int, default=None)
     ap.add_argument("--workers", type=int, default=min(os.cpu_count() or 1, 8), help="planning processes")
-    a = ap.parse_args(argv)
+    a = parse_args(ap, argv, "spmd.search")
+    if a is None:
+        return 2
 
     def ranked():
         cfg = model_config(a)
+        zero, sp = _pinned_by_rules(a)
         return search(cfg, a.world, a.device, None if a.budget_gib is None else a.budget_gib * 2**30,
                       batch_shape(a, cfg, a.world), a.dtype, a.top, workers=a.workers, ac=a.ac,
-                      grad_accum=a.grad_accum, zero=a.zero)
+                      grad_accum=a.grad_accum, zero=zero, sequence_parallel=sp)
     return report("spmd.search", a.json, ranked)
+
+
+def _pinned_by_rules(a):
+    """(zero, sequence_parallel) for `search`: `--config`'s [rules.*] tables pin both where they are a default
+    table; the search tries meshes under Rules.default only, so another table is an error naming the fix."""
+    rules = config_rules(a, None)
+    if rules is None:
+        return a.zero, (False, True)
+    if ordered_maps(rules) != ordered_maps(Rules.default(rules.sequence_parallel, rules.zero_stage)):
+        raise ValueError(f"config file {a.config}: spmd.search ranks meshes under Rules.default's tables; plan "
+                         f"these [rules.*] tables on a mesh with `python -m spmd.explain --config {a.config} --mesh "
+                         f"SPEC`, or state a default table (docs/layouts-and-rules.md)")
+    return rules.zero_stage, (rules.sequence_parallel,)
 
 
 if __name__ == "__main__":

@@ -189,7 +189,9 @@ def test_clear_errors(tmp_path):
 
 _SAVE_THREE = textwrap.dedent("""
     import sys, torch
+    import fault_injection
     from spmd import checkpoint as ckpt
+    fault_injection.kill_after_files(setattr, int(sys.argv[2]))
     for step in (1, 2, 3):  # one process writes 3 files a save: its rank file, meta.json, index.json
         ckpt.save(sys.argv[1], step, {"w": torch.full((64, 32), float(step)), "b": torch.arange(5.0) * step},
                   meta={"n": step})
@@ -198,11 +200,11 @@ _SAVE_THREE = textwrap.dedent("""
 
 @pytest.mark.parametrize("files", [7, 8, 9], ids=["after-rank-file", "after-meta", "after-index"])
 def test_a_kill_at_each_point_of_a_save_leaves_the_previous_checkpoint(tmp_path, files):
-    """SPMD_TEST_KILL_AFTER_FILES=N kills the saver right after its N-th file: 7, 8, 9 are the rank file,
+    """fault_injection.kill_after_files(N) kills the saver right after its N-th file: 7, 8, 9 are the rank file,
     meta.json and index.json of the third save (the last one before the rename)."""
-    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-           "SPMD_TEST_KILL_AFTER_FILES": str(files)}
-    proc = subprocess.run([sys.executable, "-c", _SAVE_THREE, str(tmp_path)], env=env, timeout=120)
+    paths = [str(REPO), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
+    proc = subprocess.run([sys.executable, "-c", _SAVE_THREE, str(tmp_path), str(files)], env=env, timeout=120)
     assert proc.returncode == -signal.SIGKILL
     written = ["rank-00000.safetensors", "meta.json", "index.json"][:files - 6]
     assert sorted(os.listdir(tmp_path / ".tmp-step-3")) == sorted(written)

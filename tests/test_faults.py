@@ -1,8 +1,8 @@
 """launch.train when things go wrong: ranks started with different configs, a rank that dies or hangs, a kill
 and a torchrun restart, a kill during a save, damaged checkpoints, non-finite steps.
 
-Every fault is triggered deterministically by a test-only environment variable (launch/faults.py,
-SPMD_TEST_KILL_AFTER_FILES in spmd/checkpoint/save.py); time bounds are generous ceilings, never races.
+Every fault is installed deterministically by tests/fault_injection.py (patching the trainer's and the writer's
+own functions; child processes run tests/fault_train.py); time bounds are generous ceilings, never races.
 """
 import json
 import math
@@ -15,12 +15,14 @@ from pathlib import Path
 
 import pytest
 
+import fault_injection
 import launch.train as T
 from launch.startup import code_version
 from tests.test_train import SMALL, _isolated, _train  # noqa: F401  (_isolated: an autouse fixture)
 from spmd import checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
+FAULT_TRAIN = str(REPO / "tests" / "fault_train.py")
 
 
 def _env(**extra):
@@ -41,6 +43,15 @@ def _same_tensors(a, b) -> bool:
     return ta.keys() == tb.keys() and all(ta[k].equal(tb[k]) for k in ta)
 
 
+def test_the_loop_and_the_writer_hold_no_test_code():
+    """Faults come from tests/fault_injection.py only: no product module reads a test variable or imports it.
+    Mutation killed: an `os.environ.get("SPMD_TEST_...")` check put back into the loop or the writer."""
+    product = [p for room in ("spmd", "launch", "models", "kernels") for p in (REPO / room).rglob("*.py")]
+    offenders = [str(p.relative_to(REPO)) for p in product
+                 if "SPMD_TEST" in p.read_text() or "fault_injection" in p.read_text()]
+    assert product and offenders == []
+
+
 # ------------------------------------------------------------------------------ kills and damaged checkpoints
 def test_kill_during_a_save_resumes_the_previous_checkpoint_with_its_values(tmp_path):
     """One process, a checkpoint every step: files 1-9 are steps 1-3 (rank file, meta.json, index.json each);
@@ -48,8 +59,8 @@ def test_kill_during_a_save_resumes_the_previous_checkpoint_with_its_values(tmp_
     ref = _train("--steps", "5", "--ckpt-dir", str(tmp_path / "ref"), "--ckpt-every", "1", "--ckpt-keep", "0")
     ck = tmp_path / "ck"
     flags = [*SMALL, "--steps", "5", "--ckpt-dir", str(ck), "--ckpt-every", "1", "--ckpt-keep", "0"]
-    out = subprocess.run([sys.executable, "-m", "launch.train", *flags], cwd=REPO, timeout=300,
-                         env=_env(SPMD_TEST_KILL_AFTER_FILES="10"), capture_output=True, text=True)
+    out = subprocess.run([sys.executable, FAULT_TRAIN, "--kill-after-files", "10", *flags], cwd=REPO,
+                         timeout=300, env=_env(), capture_output=True, text=True)
     assert out.returncode == -signal.SIGKILL, out.stderr[-2000:]
     assert checkpoint.latest(ck).name == "step-3" and (ck / ".tmp-step-4" / "rank-00000.safetensors").is_file()
     assert _same_tensors(ck / "step-3", tmp_path / "ref" / "step-3")  # values, not only the step number
@@ -92,7 +103,7 @@ def test_resume_skips_a_truncated_or_altered_checkpoint_and_says_so(tmp_path, ca
 
 # ------------------------------------------------------------------------------ non-finite steps
 def test_a_nonfinite_step_is_skipped_and_counted(tmp_path, monkeypatch):
-    monkeypatch.setenv("SPMD_TEST_NAN_STEPS", "3")
+    fault_injection.nan_steps(monkeypatch.setattr, {3})
     ck, m = tmp_path / "ck", tmp_path / "m.jsonl"
     _train("--steps", "4", "--ckpt-dir", str(ck), "--ckpt-every", "1", "--ckpt-keep", "0", "--metrics", str(m))
     rows = _jsonl(m)
@@ -104,7 +115,7 @@ def test_a_nonfinite_step_is_skipped_and_counted(tmp_path, monkeypatch):
 
 
 def test_consecutive_nonfinite_steps_stop_the_run_with_the_last_good_state(tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv("SPMD_TEST_NAN_STEPS", "3,4,5,6,7")
+    fault_injection.nan_steps(monkeypatch.setattr, {3, 4, 5, 6, 7})
     ck, m = tmp_path / "ck", tmp_path / "m.jsonl"
     code = T.main([*SMALL, "--steps", "10", "--max-bad-steps", "3", "--ckpt-dir", str(ck), "--ckpt-every", "2",
                    "--metrics", str(m)])
@@ -164,9 +175,9 @@ def _two_ranks(tmp_path, *flags, fault):
     for rank in (0, 1):
         logs.append(tmp_path / f"rank{rank}.err")
         env = _env(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(store.port), TORCHELASTIC_USE_AGENT_STORE="True", SPMD_TEST_FAULT=fault)
-        procs.append(subprocess.Popen([sys.executable, "-m", "launch.train", *SMALL, "--steps", "6", *flags],
-                                      cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=open(logs[-1], "w")))
+                   MASTER_PORT=str(store.port), TORCHELASTIC_USE_AGENT_STORE="True")
+        cmd = [sys.executable, FAULT_TRAIN, "--fault", fault, *SMALL, "--steps", "6", *flags]
+        procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=open(logs[-1], "w")))
     return store, procs, logs
 
 
@@ -231,15 +242,15 @@ def test_a_killed_rank_restarted_by_torchrun_resumes_and_matches_an_uninterrupte
     """Rank 1 SIGKILLs itself before step 5 on torchrun's first attempt; torchrun restarts the group, which
     resumes from step-4 (a restart resumes without --resume) and ends where an uninterrupted run ends, loss for
     loss and tensor for tensor."""
-    def run(name, **fault):
+    def run(name, *fault):
         ck, m = tmp_path / name / "ck", tmp_path / name / "m.jsonl"
-        out = _torchrun("-m", "launch.train", *SMALL, "--steps", "6", "--ckpt-dir", str(ck), "--ckpt-every", "2",
-                        "--metrics", str(m), env=_env(**fault), restarts=1)
+        out = _torchrun(*(fault or ("-m", "launch.train")), *SMALL, "--steps", "6", "--ckpt-dir", str(ck),
+                        "--ckpt-every", "2", "--metrics", str(m), restarts=1)
         assert out.returncode == 0, out.stderr[-3000:]
         return out, ck, _jsonl(m)
 
     _, ref_ck, ref = run("straight")
-    out, ck, rows = run("killed", SPMD_TEST_FAULT="1:5:kill")
+    out, ck, rows = run("killed", FAULT_TRAIN, "--fault", "1:5:kill")
     assert "rank 1: kill before step 5" in out.stderr and f"resumed from {ck / 'step-4'} at step 4 (torchrun restart 1)" in out.stdout
     assert [(r["step"], r["loss"], r["grad_norm"]) for r in rows] == \
         [(r["step"], r["loss"], r["grad_norm"]) for r in ref]

@@ -27,8 +27,7 @@ SMALL = ["--batch-size", "8", "--seq-len", "64", "--warmup", "3", "--lr", "3e-3"
 def _isolated(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("SPMD_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "spmd-cache"))
     monkeypatch.setattr(T, "peak_flops", lambda dtype, device: (1e11, "test"))
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SPMD_TEST_FAULT", "SPMD_TEST_NAN_STEPS",
-                "SPMD_TEST_KILL_AFTER_FILES"):
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(var, raising=False)
 
 

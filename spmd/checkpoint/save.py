@@ -2,16 +2,12 @@
 
 `save` = `prepare` (collective on the default group: who writes what, this rank's boxes copied to the host)
 then `write` (files, checksums, commit: collective over the group it is given, so it can run in a thread).
-
-For the tests of interrupted saves, SPMD_TEST_KILL_AFTER_FILES=N makes a process SIGKILL itself right after
-it has written its N-th checkpoint file (counting rank files, meta.json and index.json, in that order, over
-the life of the process).
+Every file goes through `_write_rank_file` or `_write_json`.
 """
 import json
 import math
 import os
 import shutil
-import signal
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,16 +19,6 @@ from .stream import save_file
 from .verify import file_record
 
 __all__ = ["Job", "save", "prepare", "write"]
-
-_files_written = 0
-
-
-def _written() -> None:
-    global _files_written
-    _files_written += 1
-    if str(_files_written) == os.environ.get("SPMD_TEST_KILL_AFTER_FILES"):
-        os.kill(os.getpid(), signal.SIGKILL)
-
 
 @dataclass
 class Job:
@@ -172,10 +158,7 @@ def _write_rank_files(job: Job, group) -> dict[str, dict]:
     error = None
     try:
         path = job.tmp / rank_file(job.rank)
-        save_file(_writable(job.out), str(path), metadata={"format": "pt", "spmd": FORMAT})
-        with open(path, "rb+") as f:
-            os.fsync(f.fileno())
-        _written()
+        _write_rank_file(path, _writable(job.out))
         record = {path.name: file_record(path)}  # of the bytes on disk: a short write shows up here already
     except Exception as e:  # report instead of leaving the other ranks waiting at a barrier
         error, record = f"rank {job.rank}: {type(e).__name__}: {e}", {}
@@ -187,17 +170,24 @@ def _write_rank_files(job: Job, group) -> dict[str, dict]:
     return {name: rec for _, r in gathered for name, rec in r.items()}
 
 
+def _write_rank_file(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    save_file(tensors, str(path), metadata={"format": "pt", "spmd": FORMAT})
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
+
+
+def _write_json(path: Path, obj: dict, sort_keys: bool = False) -> None:
+    path.write_text(json.dumps(obj, indent=1, sort_keys=sort_keys))
+
+
 def _commit(job: Job, files: dict) -> None:
     """Rank 0: meta and index (with `files`' and meta's checksums) into `job.tmp`, renamed to `job.final`,
     `latest` pointed at it, old ones pruned."""
     ckpt_dir, tmp, final, step, world = job.ckpt_dir, job.tmp, job.final, job.step, job.world
-    (tmp / "meta.json").write_text(json.dumps({**json.loads(job.meta_json), "step": step, "world_size": world},
-                                              indent=1, sort_keys=True))
-    _written()
+    _write_json(tmp / "meta.json", {**json.loads(job.meta_json), "step": step, "world_size": world}, sort_keys=True)
     files = {**files, "meta.json": file_record(tmp / "meta.json")}
-    (tmp / "index.json").write_text(json.dumps(
-        {"format": FORMAT, "step": step, "world_size": world, "files": files, "tensors": job.index}, indent=1))
-    _written()
+    _write_json(tmp / "index.json",
+                {"format": FORMAT, "step": step, "world_size": world, "files": files, "tensors": job.index})
     fsync_dir(tmp)
     if final.exists():  # re-saving a step (e.g. after a resume): move the old one aside first
         old = ckpt_dir / f".tmp-old-step-{step}"
