@@ -63,6 +63,7 @@ def _mixed_addmm_works(device: torch.device, dtype: torch.dtype) -> bool:
     if key not in _MIXED_ADDMM:
         gen = torch.Generator().manual_seed(0)
         a, b = (torch.randn(16, 16, generator=gen).to(device, dtype) for _ in range(2))
+        a = a.t()  # transposed, as dlogits.t() is
         acc, want = torch.ones(16, 16, device=device), 1.0 + (a.float() @ b.float())
         try:  # accumulating in place, as _accumulate calls it
             torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
