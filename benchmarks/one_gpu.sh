@@ -4,7 +4,7 @@
 # COMMIT: the committed tree being run (recorded in the results); OUTDIR gets log.txt and results.tar.
 [[ $1 =~ ^[0-9a-f]{40}$ ]] || { echo "one_gpu.sh: COMMIT must be a full 40-character hash (git rev-parse HEAD), not '$1'"; exit 2; }
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD SPMD_COMMIT=$1
-OUT=${2:-/tmp/one_gpu}; mkdir -p "$OUT"; L=$OUT/log.txt
+OUT=${2:-/tmp/one_gpu}; mkdir -p "$OUT"; L=$OUT/log.txt; touch "$OUT/.start"
 step() { local t=$1; shift; echo "=== $(date +%T) [$t s] $*" >>"$L"; timeout "$t" "$@" >>"$L" 2>&1; echo "=== rc=$? $(date +%T)" >>"$L"; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >>"$L" 2>&1
 step 60 torchrun --standalone --nproc-per-node 1 -m launch.train --model tiny --steps 5
@@ -17,4 +17,5 @@ step 150 python3 -m benchmarks.mfu --model 1b --nproc 1 --no-native --specs fsdp
 step 170 python3 -m benchmarks.overhead --models 1b --dtypes bf16 --batch 8 --seq 2048 --per-block --compile \
     --steps 10 --warmup 3 --tag per-block-8x2048
 step 30 python3 -m benchmarks.overhead_mfu benchmarks/results/*-overhead-per-block-8x2048.json
-(cd benchmarks/results && tar cf "$OUT/results.tar" $(ls -t | head -12)) 2>>"$L"
+# only what this run wrote: a fresh checkout gives every committed result a new mtime too
+(cd benchmarks/results && tar cf "$OUT/results.tar" $(find . -type f -newer "$OUT/.start")) 2>>"$L"
