@@ -30,7 +30,7 @@ from .data import DataLoader, build_loader, model_inputs, token_stream
 
 HELD_OUT_FRACTION = 0.01
 
-__all__ = ["HELD_OUT_FRACTION", "held_out_tokens", "ValSet", "build_loaders", "evaluate", "Validator"]
+__all__ = ["HELD_OUT_FRACTION", "ValSet", "Validator", "build_loaders", "evaluate", "held_out_tokens"]
 
 
 def held_out_tokens(n_tokens: int, batch_size: int, seq_len: int, val_batches: int) -> int:
@@ -72,7 +72,7 @@ def build_loaders(cfg, dp_rank: int, dp_size: int, vocab_size: int, device="cpu"
     loader, tokenizer = build_loader(cfg, dp_rank, dp_size, vocab_size, device)
     if not cfg.val_every:
         return loader, tokenizer, None
-    common = dict(dp_rank=dp_rank, dp_size=dp_size, grad_accum=cfg.grad_accum, device=device)
+    common = {"dp_rank": dp_rank, "dp_size": dp_size, "grad_accum": cfg.grad_accum, "device": device}
     if cfg.val_data:
         try:
             tokens, _ = token_stream(cfg.val_data, tokenizer, cfg.data_field)
