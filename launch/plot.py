@@ -2,7 +2,8 @@
 
 Reads the `--metrics` JSONL files launch.train writes and draws loss, tokens/s and MFU against the step,
 one panel each, every run a line labelled by its file name. A run that validated (`--val-every`) adds its
-validation loss to the loss panel: dashed, with a marker per validation, labelled `NAME val`. Needs matplotlib (`pip install 'spmd[bench]'`).
+validation loss to the loss panel: dashed, with a marker per validation, labelled `NAME val`.
+Needs matplotlib (`pip install 'spmd[bench]'`).
 """
 from __future__ import annotations
 

@@ -214,10 +214,10 @@ def train(cfg: TrainConfig, log=True) -> list[dict]:
             if recorder is not None:
                 comm = sum(r.bytes for r in recorder.records)
             step += 1
-            val = validator.metrics(step)  # collective, after the step and outside its time; prints a line
+            extra = {**_router_metrics(model), **validator.metrics(step)}  # in this order: eval replaces the first
             rows.append(metrics.record(step, loss_value, float(grad_norm), lr, step_time,
                                        peak_mem_bytes(device), comm, skipped_steps=bad.skipped,
-                                       extra={**_router_metrics(model), **val}))
+                                       extra=extra))
             for path in profiler.after(step):
                 metrics.write(f"[launch.train] profile: {path}" + (" (one per rank)" if world > 1 else ""))
             # one all-reduce: a stop asked on any rank, a background save failed on any rank
