@@ -119,17 +119,28 @@ def test_held_out_split_is_disjoint_from_training(corpus):
 
 def test_rows_of_validation_steps_are_written_and_plotted(tmp_path, corpus):
     """Validation runs after every --val-every-th step and after the last; its row is written even where
-    --log-every skips the step; launch.plot draws the val curve on the loss panel at those steps."""
+    --log-every skips the step, and TensorBoard and W&B get it as val_loss/val_perplexity at that step;
+    launch.plot draws the val curve on the loss panel at those steps.
+    Mutation seen failing: metrics._tag giving val_loss the training prefix (train/val_loss)."""
     cfg = load_config([*COMMON, "--data", str(corpus), "--val-every", "2", "--steps", "5"])
     validator = Validator(cfg, build_loaders(cfg, 0, 1, 512)[2], None, None, None, 1)
     assert [s for s in range(1, 6) if validator.due(s)] == [2, 4, 5]
     out = tmp_path / "run.jsonl"
     log = MetricsLogger(5, 64, 10, 1e9, 1, jsonl=str(out), log_every=2, console=False)
+    logged = []  # what TensorBoard's add_scalar and W&B's log receive: (tag, step)
+    log.tb = type("Writer", (), {"add_scalar": lambda _, tag, v, step: logged.append(("tb", tag, step)),
+                                 "close": lambda _: None})()
+    log.wandb = type("Run", (), {"log": lambda _, row, step: logged.extend(("wandb", k, step) for k in row),
+                                 "finish": lambda _: None})()
     for step in range(1, 6):
         val = {"val_loss": 4.0 - step / 2, "val_perplexity": math.exp(4.0 - step / 2)} if step in (3, 5) else {}
         log.record(step, 5.0 - step / 2, 1.0, 1e-3, 0.1, 0, 0, extra=val)
     log.close()
     assert [(r["step"], "val_loss" in r) for r in _jsonl(out)] == [(2, False), (3, True), (4, False), (5, True)]
+    for sink in ("tb", "wandb"):
+        assert [(tag, step) for s, tag, step in logged if s == sink and tag.startswith("val")] == \
+            [("val_loss", 3), ("val_perplexity", 3), ("val_loss", 5), ("val_perplexity", 5)]
+        assert (sink, "train/loss", 3) in logged
     fig = plot.draw({"run.jsonl": plot.read_metrics(out)})
     lines = fig.axes[0].get_lines()
     assert [line.get_label() for line in lines] == ["run.jsonl", "run.jsonl val"]
