@@ -56,6 +56,10 @@ class TrainConfig:
     data_field: str = "text"       # the text field of .jsonl/.parquet/datasets records
     tokenizer: str = "bytes"       # bytes | path/to/tokenizer.json
     seed: int = 0
+    # validation (launch/validate.py)
+    val_data: str = ""             # like --data; empty: a held-out tail of --data that training never reads
+    val_every: int = 0             # steps between validations (and after the last step); 0: no validation
+    val_batches: int = 10          # batches of batch_size x seq_len tokens each validation evaluates
     # checkpoints
     ckpt_dir: str = ""             # empty: no checkpoints
     ckpt_every: int = 0            # steps between checkpoints; 0: only at the end (and on SIGTERM/SIGINT)
@@ -196,6 +200,9 @@ def parser() -> argparse.ArgumentParser:
         "collective_timeout": "seconds a collective waits for a dead or stuck rank",
         "zero": "ZeRO stage 0|1|2|3: which states fsdp shards (1 optimizer, 2 + gradients, 3 + parameters)",
         "master": "params|optimizer: where fp32 master weights live under --dtype bf16/fp16",
+        "val_data": "validation data, formats as --data (default: a held-out 1%% tail of --data)",
+        "val_every": "validate every N steps and after the last (0: never)",
+        "val_batches": "batches each validation evaluates",
         "offload": "optimizer | params | nvme:DIR: AdamW states and fp32 masters in host memory (params: stage-3 "
                    "parameter shards too; nvme: files under DIR), the step on the CPU",
     }

@@ -26,7 +26,7 @@ def flag_name(name: str) -> str:
 
 def config_problems(cfg, world_size: int = 1, model_cfg=None) -> list[str]:
     """The problems of `cfg` on `world_size` processes (model_cfg: the resolved model config, if known)."""
-    problems = _scalar_problems(cfg) + _zero_problems(cfg) + _run_problems(cfg)
+    problems = _scalar_problems(cfg) + _zero_problems(cfg) + _run_problems(cfg) + _validation_problems(cfg)
     sizes, flags = cfg.parse_mesh()
     sizes = sizes or {"fsdp": world_size}
     problems += _mesh_problems(cfg, world_size, sizes, flags)
@@ -97,6 +97,20 @@ def _run_problems(cfg) -> list[str]:
                             f"step {cfg.steps} or before")
     except ValueError as e:
         problems.append(str(e))
+    return problems
+
+
+def _validation_problems(cfg) -> list[str]:
+    """--val-every, --val-batches and --val-data (launch/validate.py)."""
+    problems = []
+    if cfg.val_every < 0:
+        problems.append(f"--val-every must be >= 0 (steps between validations; 0 turns validation off), got "
+                        f"{cfg.val_every}")
+    if cfg.val_batches < 1:
+        problems.append(f"--val-batches must be >= 1 (batches each validation evaluates), got {cfg.val_batches}")
+    if cfg.val_data and not cfg.val_every:
+        problems.append(f"--val-data {cfg.val_data} is never read without --val-every N; add --val-every N "
+                        f"(e.g. --val-every {max(1, cfg.steps // 10)}) or drop --val-data")
     return problems
 
 

@@ -10,7 +10,9 @@ machine at this dtype and thread count, measured once and cached in `<cache>/pea
 ($SPMD_CACHE_DIR or ~/.cache/spmd). On CPU a "device" is one process with its torch thread count.
 
 JSONL lines carry exactly: step, loss, grad_norm, lr, tokens_per_s, mfu, step_time_s, peak_mem_bytes,
-comm_bytes, skipped_steps. `step` counts completed optimizer steps (1 is the first); `comm_bytes` is bytes on
+comm_bytes, skipped_steps, and after a validation (`--val-every`) val_loss and val_perplexity, written even
+where --log-every would skip the row (TensorBoard and W&B log them as `val_loss` and `val_perplexity`, the
+rest as `train/KEY`). `step` counts completed optimizer steps (1 is the first); `comm_bytes` is bytes on
 the wire per rank for a step (spmd.analysis.record's ring convention), measured on the run's first and last
 steps only (recording slows a small CPU step by a fifth or more); the rows between carry the first step's
 figure; `peak_mem_bytes` is the CUDA allocator's peak during the step, or the process's peak resident memory
@@ -39,6 +41,14 @@ from spmd.layout.dtypes import DTYPES
 
 KEYS = ("step", "loss", "grad_norm", "lr", "tokens_per_s", "mfu", "step_time_s", "peak_mem_bytes", "comm_bytes",
         "skipped_steps")
+
+
+VAL_KEYS = ("val_loss", "val_perplexity")  # added to the rows of the steps validation ran after (launch.validate)
+
+
+def _tag(key: str) -> str:
+    """TensorBoard's tag and W&B's key of a row's field: train/KEY, validation's under their own names."""
+    return key if key in VAL_KEYS else f"train/{key}"
 
 
 def flops_per_token(model_cfg, seq_len: int) -> int:
@@ -157,16 +167,16 @@ class MetricsLogger:
             self.bar.update(1)
             self.bar.set_postfix_str(f"loss {row['loss']:.4f}  {tokens_per_s:,.0f} tok/s  MFU {100 * mfu:.1f}%",
                                      refresh=False)
-        if step % self.log_every == 0:
+        if step % self.log_every == 0 or VAL_KEYS[0] in row:  # a validation's row is always kept
             if self.jsonl:
                 self.jsonl.write(json.dumps(row) + "\n")
                 self.jsonl.flush()
             if self.tb:
                 for k, v in row.items():
                     if k != "step" and isinstance(v, (int, float)):
-                        self.tb.add_scalar(f"train/{k}", v, step)
+                        self.tb.add_scalar(_tag(k), v, step)
             if self.wandb:
-                self.wandb.log({f"train/{k}": v for k, v in row.items() if k != "step"}, step=step)
+                self.wandb.log({_tag(k): v for k, v in row.items() if k != "step"}, step=step)
         return row
 
     def write(self, message: str) -> None:

@@ -1,7 +1,9 @@
 """Plot training metrics: `python -m launch.plot RUN.jsonl [RUN2.jsonl ...] --out runs.png`.
 
 Reads the `--metrics` JSONL files launch.train writes and draws loss, tokens/s and MFU against the step,
-one panel each, every run a line labelled by its file name. Needs matplotlib (`pip install 'spmd[bench]'`).
+one panel each, every run a line labelled by its file name. A run that validated (`--val-every`) adds its
+validation loss to the loss panel: dashed, with a marker per validation, labelled `NAME val`.
+Needs matplotlib (`pip install 'spmd[bench]'`).
 """
 from __future__ import annotations
 
@@ -41,6 +43,14 @@ def _labels(paths: list[Path]) -> list[str]:
     return [str(p) if names.count(p.name) > 1 else p.name for p in paths]
 
 
+def _validation_curve(ax, label: str, rows: list[dict], color) -> None:
+    """The run's val_loss at the steps it validated after, if any, in its training line's color."""
+    val = [r for r in rows if "val_loss" in r]
+    if val:
+        ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], label=f"{label} val", color=color,
+                ls="--", marker="o", ms=3, lw=1.2)
+
+
 def draw(runs: dict[str, list[dict]]):
     """A figure with one panel per metric and one line per run."""
     try:
@@ -53,7 +63,9 @@ def draw(runs: dict[str, list[dict]]):
     fig, axes = plt.subplots(len(PANELS), 1, sharex=True, figsize=(7, 7.5))
     for ax, (key, ylabel, scale) in zip(axes, PANELS):
         for label, rows in runs.items():
-            ax.plot([r["step"] for r in rows], [scale * r[key] for r in rows], label=label, lw=1.2)
+            line, = ax.plot([r["step"] for r in rows], [scale * r[key] for r in rows], label=label, lw=1.2)
+            if key == "loss":
+                _validation_curve(ax, label, rows, line.get_color())
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)

@@ -56,12 +56,13 @@ from spmd.runtime.optimizer import refresh_masters
 
 from . import schedule, startup
 from .config import TrainConfig, load_config
-from .data import build_loader, model_inputs
+from .data import model_inputs
 from .metrics import MetricsLogger, flops_per_token, peak_flops, peak_mem_bytes
 from .nonfinite import BadSteps, Diverged, LossScaler
 from .profile import StepProfiler
 from .setup import adamw, build_model, ranks, resume_point
 from .stopping import StopRequest, stop_everywhere
+from .validate import Validator, build_loaders
 
 
 # --------------------------------------------------------------------------------------------- pieces
@@ -113,7 +114,7 @@ def train(cfg: TrainConfig, log=True) -> list[dict]:
         spmd.shard_optimizer(model if pipe is None else pipe, opt)
     scaler = LossScaler(cfg.dtype == "fp16")
     bad = BadSteps(cfg.max_bad_steps, loss_scaling=scaler.enabled)
-    loader, tokenizer = build_loader(cfg, dp_rank, dp_size, model_cfg.vocab_size, device)
+    loader, tokenizer, val_set = build_loaders(cfg, dp_rank, dp_size, model_cfg.vocab_size, device)
 
     start = 0
     if resuming:
@@ -148,6 +149,7 @@ def train(cfg: TrainConfig, log=True) -> list[dict]:
             metrics.write(f"[launch.train] resumed from {resume_from} at step {start}"
                           + (f" (torchrun restart {os.environ['TORCHELASTIC_RESTART_COUNT']})" if restarted else ""))
 
+    validator = Validator(cfg, val_set, model, mesh, pipe, world, say=metrics.write)  # says what it evaluates
     comm = 0
     params = [p for p in model.parameters() if p.requires_grad]
     max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else math.inf
@@ -208,9 +210,10 @@ def train(cfg: TrainConfig, log=True) -> list[dict]:
             if recorder is not None:
                 comm = sum(r.bytes for r in recorder.records)
             step += 1
+            extra = {**_router_metrics(model), **validator.metrics(step)}  # in this order: eval replaces the first
             rows.append(metrics.record(step, loss_value, float(grad_norm), lr, step_time,
                                        peak_mem_bytes(device), comm, skipped_steps=bad.skipped,
-                                       extra=_router_metrics(model)))
+                                       extra=extra))
             for path in profiler.after(step):
                 metrics.write(f"[launch.train] profile: {path}" + (" (one per rank)" if world > 1 else ""))
             # one all-reduce: a stop asked on any rank, a background save failed on any rank

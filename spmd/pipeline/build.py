@@ -108,6 +108,16 @@ class Pipeline(PipelineRuntime):
             sum_tied_grads(dict(self.named_parameters()), self._cut, self._tie_group)
         return loss
 
+    def evaluate(self, tokens: torch.Tensor, targets: torch.Tensor,
+                 positions: torch.Tensor | None = None) -> torch.Tensor:
+        """The mean loss over the global batch, as `step` returns it, from forwards only: the schedule's
+        eval() under no_grad, no activations kept for a backward and no gradients touched."""
+        if self._schedule is None or tuple(tokens.shape) != self._shape:
+            self._build_schedule(tokens)
+        extra = {} if positions is None else {"positions": positions}
+        with torch.no_grad():
+            return self._run(tokens, targets, 1.0, True, backward=False, targets=targets, **extra)
+
     def _stage_losses(self):
         """This rank's stages' own loss terms (a model's blocks_loss) before the last stage, as the mean over
         the micro-batches; None for a model without them."""

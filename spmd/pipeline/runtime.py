@@ -136,7 +136,7 @@ class PipelineRuntime:
                              loss_fn=loss_fn, scale_grads=False)  # we scale the loss by 1/M ourselves
         self._return_outputs_arg = "return_outputs" in inspect.signature(self._schedule.step).parameters
 
-    def _run(self, inputs, target, loss_scale, sync, **kwargs) -> torch.Tensor:
+    def _run(self, inputs, target, loss_scale, sync, backward: bool = True, **kwargs) -> torch.Tensor:
         if inputs.shape[0] % self.microbatches:
             raise ValueError(f"this rank's batch of {inputs.shape[0]} sequences does not divide into "
                              f"{self.microbatches} micro-batches")
@@ -144,7 +144,8 @@ class PipelineRuntime:
         losses: list = []
         if self._return_outputs_arg:
             kwargs["return_outputs"] = False
-        self._schedule.step(inputs, target=target, losses=losses, **kwargs)
+        # eval(): the same schedule's forwards only (torch skips its backward actions and sends no gradients)
+        (self._schedule.step if backward else self._schedule.eval)(inputs, target=target, losses=losses, **kwargs)
         device = self._device()
         if losses:
             loss = torch.stack([l.detach().float() for l in losses]).sum().to(device) / self._scale
