@@ -17,7 +17,7 @@ different (wrong) update. Newton-Schulz runs in bf16 on CUDA (as published) and 
 (0.02 typical), not AdamW's.
 
 Embeddings and the LM head (a dim named `vocab`, or an nn.Embedding), norms, biases and scalars step with
-AdamW (`muon_param_groups`).
+AdamW (`muon_param_groups`); AdamW's weight decay applies to its 2-D weights only, as the trainer's does.
 """
 import math
 
@@ -77,8 +77,10 @@ class Muon(torch.optim.Optimizer):
         muon, adamw = muon_param_groups(model)
         groups = [dict(params=muon, use_muon=True, lr=lr, momentum=momentum, nesterov=nesterov,
                        ns_steps=ns_steps, weight_decay=weight_decay),
-                  dict(params=adamw, use_muon=False, lr=adamw_lr, betas=adamw_betas, eps=adamw_eps,
-                       weight_decay=adamw_weight_decay)]
+                  dict(params=[p for p in adamw if p.dim() >= 2], use_muon=False, lr=adamw_lr, betas=adamw_betas,
+                       eps=adamw_eps, weight_decay=adamw_weight_decay),
+                  dict(params=[p for p in adamw if p.dim() < 2], use_muon=False, lr=adamw_lr, betas=adamw_betas,
+                       eps=adamw_eps, weight_decay=0.0)]
         super().__init__([g for g in groups if g["params"]], dict(lr=lr))
         self.ns_dtype = ns_dtype
         self._plans = {}
