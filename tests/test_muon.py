@@ -124,6 +124,8 @@ def _check_bytes(spec, model, log, rank):
     numel*(replicas + 1 - 2/shards) per matrix (gather: all but the owner's shard; scatter: every replica's)."""
     planned = muon_comm_bytes(model, element_size=1)
     assert sum(log) == planned[rank], (spec, log, planned)
+    sizes, flags = spmd.parse_spec(spec)  # the same from the plain model, the rules and the mesh sizes alone
+    assert muon_comm_bytes(tiny_model(), spmd.Rules.default(sequence_parallel="sp" in flags), sizes, 1) == planned
     want = 0
     for p in muon_param_groups(model)[0]:
         shards = p.numel() // p.to_local().numel()

@@ -141,7 +141,7 @@ class Muon(torch.optim.Optimizer):
             if not all(isinstance(p, DTensor) for p in params):
                 raise ValueError("Muon got DTensor and plain parameters in one group; lay the whole model out "
                                  "with spmd.parallelize before building the optimizer")
-            self._plans = {key: WholeMatrixPlan(params)}
+            self._plans = {key: WholeMatrixPlan.of(params)}
         return self._plans[key]
 
     def _adamw_step(self, params, group) -> None:

@@ -1,7 +1,7 @@
 """Whole matrices from sharded DTensors: each matrix is brought whole to ONE rank of its mesh, a function runs
 on it there, and the result goes back to the shards.
 
-`WholeMatrixPlan(tensors)` decides, identically on every rank from shapes and placements alone, which rank
+`WholeMatrixPlan.of(tensors)` decides, identically on every rank from shapes and placements alone, which rank
 owns each matrix (greedy: the largest cost first, onto the least loaded rank) and which box of it every rank
 holds. `plan.apply(locals_, fn)` then runs two `all_to_all_single` over the mesh's ranks:
 
@@ -42,10 +42,20 @@ def box_of(shape, placements, mesh_shape, coord) -> tuple[list[int], list[int]]:
 class WholeMatrixPlan:
     """Owners and boxes of a list of 2-D DTensors sharing one device mesh (see the module docstring)."""
 
-    def __init__(self, tensors: list[DTensor], costs: list[float] | None = None):
-        if not tensors:
-            self.owners, self.world = [], 1
-            return
+    def __init__(self, shapes, placements, mesh_shape, ranks=None, costs: list[float] | None = None):
+        """From layouts alone: `shapes` and `placements` of each matrix on a mesh of `mesh_shape` whose flat
+        positions are the global `ranks` (default 0..n-1). `of(tensors)` builds it from DTensors."""
+        self.mesh_shape = tuple(int(n) for n in mesh_shape)
+        self.world = math.prod(self.mesh_shape)
+        self.ranks = list(ranks) if ranks is not None else list(range(self.world))
+        self.me = self.ranks.index(dist.get_rank()) if dist.is_initialized() and self.world > 1 else 0
+        self.shapes = [tuple(s) for s in shapes]
+        self.placements = [tuple(p) for p in placements]
+        costs = costs or [r * c * min(r, c) for r, c in self.shapes]  # Newton-Schulz FLOPs ~ rows*cols*min
+        self.owners = _balance(costs, self.world)
+
+    @classmethod
+    def of(cls, tensors: list[DTensor]) -> "WholeMatrixPlan":
         mesh = tensors[0].device_mesh
         if any(t.device_mesh != mesh for t in tensors):
             raise ValueError("whole-matrix optimizers need every matrix on one device mesh (a pipeline's stages "
@@ -54,14 +64,8 @@ class WholeMatrixPlan:
             raise ValueError(f"whole-matrix optimizers exchange over every rank of the mesh; this mesh holds "
                              f"{mesh.size()} of {dist.get_world_size()} processes (a pipeline stage?): use a "
                              f"mesh without pp")
-        self.mesh_shape = tuple(mesh.mesh.shape)
-        self.ranks = mesh.mesh.flatten().tolist()  # flat mesh index -> global rank
-        self.world = len(self.ranks)
-        self.me = self.ranks.index(dist.get_rank()) if dist.is_initialized() else 0
-        self.shapes = [tuple(t.shape) for t in tensors]
-        self.placements = [tuple(t.placements) for t in tensors]
-        costs = costs or [r * c * min(r, c) for r, c in self.shapes]  # Newton-Schulz FLOPs ~ rows*cols*min
-        self.owners = _balance(costs, self.world)
+        return cls([t.shape for t in tensors], [t.placements for t in tensors], mesh.mesh.shape,
+                   mesh.mesh.flatten().tolist())
 
     def box(self, m: int, rank_index: int):
         return box_of(self.shapes[m], self.placements[m], self.mesh_shape, _unravel(rank_index, self.mesh_shape))
