@@ -9,6 +9,7 @@ order (~1e-7); orthogonalising a shard instead of the whole matrix is off by ~1e
 Mutation checked: `Muon._muon_step` orthogonalising each rank's local shard (`updates = [orthogonalise(u, m)
 for m, u in enumerate(updates)]` for DTensors too) fails the first spec at step 0 (wq off by 1.5e-1).
 """
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -157,6 +158,7 @@ def _all_specs(rank, world, ckpt_dir):
     _train(f"resume on {RESUME_SPEC}", model, opt, mesh, ref, range(SAVE_AT, STEPS))
 
 
+@pytest.mark.slow
 def test_muon_on_every_spec_matches_one_device_and_resumes_on_another_mesh(tmp_path):
     run_distributed(_all_specs, 4, str(tmp_path / "ckpt"), timeout_s=300)
 
