@@ -29,7 +29,7 @@ def config_problems(cfg, world_size: int = 1, model_cfg=None) -> list[str]:
     problems = _scalar_problems(cfg) + _zero_problems(cfg) + _run_problems(cfg) + _validation_problems(cfg)
     sizes, flags = cfg.parse_mesh()
     sizes = sizes or {"fsdp": world_size}
-    problems += _mesh_problems(cfg, world_size, sizes, flags)
+    problems += _mesh_problems(cfg, world_size, sizes, flags) + _optimizer_problems(cfg, sizes)
     if model_cfg is None and (not cfg.init_from_hf or cfg.model.startswith("hf:")):
         try:
             model_cfg = cfg.model_config()
@@ -50,6 +50,22 @@ def _scalar_problems(cfg) -> list[str]:
         problems.append(f"--collective-timeout must be a positive number of seconds, got {cfg.collective_timeout}")
     if cfg.dtype not in DTYPES:
         problems.append(f"--dtype {cfg.dtype!r} is not one of {'|'.join(DTYPES)}; pick one of them")
+    return problems
+
+
+def _optimizer_problems(cfg, sizes) -> list[str]:
+    """--optimizer and --muon-lr."""
+    if cfg.optimizer not in ("adamw", "muon"):
+        return [f"--optimizer {cfg.optimizer!r} is not supported; use adamw or muon"]
+    if cfg.optimizer != "muon":
+        return []
+    problems = [] if cfg.muon_lr > 0 else [f"--muon-lr must be positive, got {cfg.muon_lr}"]
+    if sizes.get("pp", 1) > 1:
+        problems.append("--optimizer muon exchanges whole matrices over the whole mesh, which a pipeline's stages "
+                        "do not share: use a mesh without pp, or --optimizer adamw")
+    if cfg.offload:
+        problems.append(f"--optimizer muon steps on the device; --offload {cfg.offload} moves the step to the host: "
+                        f"leave --offload out, or use --optimizer adamw")
     return problems
 
 

@@ -22,8 +22,8 @@ def lr_at(step: int, peak: float, warmup: int, total: int, min_ratio: float = MI
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
-    for group in optimizer.param_groups:
-        group["lr"] = lr
+    for group in optimizer.param_groups:  # a group with its own peak (spmd.Muon's matrices) keeps the ratio
+        group["lr"] = lr * group.get("lr_scale", 1.0)
 
 
 def scheduler(optimizer: torch.optim.Optimizer, warmup: int, total: int, min_ratio: float = MIN_RATIO):

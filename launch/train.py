@@ -60,7 +60,7 @@ from .data import model_inputs
 from .metrics import MetricsLogger, flops_per_token, peak_flops, peak_mem_bytes
 from .nonfinite import BadSteps, Diverged, LossScaler
 from .profile import StepProfiler
-from .setup import adamw, build_model, ranks, resume_point
+from .setup import build_model, optimizer, ranks, resume_point
 from .stopping import StopRequest, stop_everywhere
 from .validate import Validator, build_loaders
 
@@ -109,7 +109,7 @@ def train(cfg: TrainConfig, log=True) -> list[dict]:
     # a pipeline checkpoints inside its stages (build_pipeline's ac)
     ac_blocks = [] if pipe else spmd.apply_activation_checkpointing(model, cfg.ac)
     compiled = spmd.compile_blocks(model) if cfg.compile else []
-    opt = adamw(model, cfg)
+    opt = optimizer(model, cfg)
     if mesh is not None:  # --zero 1/2: the optimizer updates the optimizer map's shards
         spmd.shard_optimizer(model if pipe is None else pipe, opt)
     scaler = LossScaler(cfg.dtype == "fp16")

@@ -16,6 +16,7 @@ from .layout.mesh import MESH_AXES, make_mesh, mesh_sizes, parse_spec
 from .layout.presets import annotate_hf
 from .layout.rules import Rules
 from .layout.sequence import cp_slice, zigzag_positions
+from .optim import Muon
 from .pipeline import Pipeline, build_pipeline, build_traced_pipeline, split_stages, validate_pipeline
 from .runtime.activations import constrain
 from .runtime.checkpointing import apply_activation_checkpointing
@@ -26,7 +27,7 @@ from .runtime.parallelize import no_sync, parallelize
 __all__ = ["explain", "Plan", "P", "annotate", "annotate_by_name", "find_blocks", "MESH_AXES", "make_mesh",
            "mesh_sizes", "parse_spec", "annotate_hf", "Rules", "cp_slice", "zigzag_positions", "Pipeline", "build_pipeline", "build_traced_pipeline",
            "split_stages", "validate_pipeline", "constrain", "apply_activation_checkpointing", "compile_blocks",
-           "no_sync", "parallelize", "reduce_gradients", "shard_optimizer", "search"]
+           "no_sync", "parallelize", "reduce_gradients", "shard_optimizer", "search", "Muon"]
 
 
 def __getattr__(name):  # spmd.search (callable) loads on first use, so `python -m spmd.search` runs cleanly

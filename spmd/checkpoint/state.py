@@ -22,7 +22,8 @@ def model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def optim_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, init: bool = False
                 ) -> dict[str, torch.Tensor]:
-    """The optimizer's per-parameter state flattened to `<param name>.<key>` (AdamW: exp_avg, exp_avg_sq, step).
+    """The optimizer's per-parameter state flattened to `<param name>.<key>` (AdamW: exp_avg, exp_avg_sq, step;
+    spmd.Muon: momentum_buffer on its matrices).
 
     The tensors are the optimizer's own, in its layout (sharded per the optimizer map under ZeRO 1/2) (loading fills them in place). AdamW creates its state lazily on the
     first step; `init=True` creates it now, exactly as AdamW would, so a checkpoint can be loaded into it.
@@ -31,6 +32,8 @@ def optim_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, init: 
     # a sharded optimizer's masters (spmd.shard_optimizer) save under their parameters' names: any stage loads
     names.update({i: names[id(p)] for i, p in masters_of(optimizer).items() if id(p) in names})
     out: dict[str, torch.Tensor] = {}
+    if init and hasattr(optimizer, "init_state"):  # an optimizer that makes its own state (spmd.Muon)
+        optimizer.init_state()
     for group in optimizer.param_groups:
         for p in group["params"]:
             if id(p) not in names:
