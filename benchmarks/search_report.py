@@ -1,7 +1,7 @@
 """The spec search as a results file: `python -m benchmarks.search_report --model 8b --world 64 --device h100`.
 
-Writes results/<date>-search-<model>-<world>x<device>.{json,md}: `spmd.search`'s ranking (a prediction, not a
-measurement; spmd/analysis/search.py says how each term is modelled) with the commit it was made at and how
+Writes results/<date>-search-<model>-<world>x<device>-<batch>x<seq>.{json,md}: `spmd.search`'s ranking (a
+prediction, not a measurement; spmd/analysis/search.py says how each term is modelled) with the commit and how
 long the search took (wall clock, and the CPU seconds of this process and its workers: the machine may be
 shared).
 

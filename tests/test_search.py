@@ -359,7 +359,7 @@ def test_sigterm_stops_the_search_and_its_workers():
     import sys
     import time
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
-    cmd = [sys.executable, "-m", "spmd.search", "--model", "70b", "--world", "512", "--workers", "2"]
+    cmd = [sys.executable, "-m", "spmd.search", "--model", "8b", "--world", "64", "--workers", "2"]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         workers: set = set()
@@ -395,7 +395,11 @@ def test_pipeline_specs_are_planned_whole_with_their_bubble():
     assert row.comm_bytes == sum(c.bytes for c in plan.collectives if c.kind != "recv")
     bubble = (2 - 1) / (4 + 2 - 1)
     work = row.compute_s + row.activation_comm_s + row.param_comm_s - row.hidden_s
-    assert row.step_s == pytest.approx(work / (1 - bubble)) and row.bubble_s == pytest.approx(work * bubble / (1 - bubble))
+    assert row.step_s == pytest.approx(work / (1 - bubble))
+    assert row.bubble_s == pytest.approx(work * bubble / (1 - bubble))
     assert row.flags == "--mesh pp=2,fsdp=2 --zero 3 --ac none --grad-accum 1 --pp-schedule 1f1b --microbatches 4"
-    names = {r.spec for r in S.search(model, 4, max_pp=2, **ask)}
-    assert {"pp=2,fsdp=2", "pp=2,tp=2", "pp=2,dp=2", "fsdp=4"} <= names and not any("pp=4" in n for n in names)
+    from spmd.analysis.search import search_meshes
+    names = [S.spec_name(sizes, sp) for sizes, sp in search_meshes(model, 4, None, 8, max_pp=2)]
+    assert {"pp=2,fsdp=2", "pp=2,tp=2", "pp=2,tp=2,sp", "pp=2,dp=2", "fsdp=4"} <= set(names)
+    assert len(names) == len(set(names)) and not any("pp=4" in n for n in names)
+    assert "pp=4" in [S.spec_name(s, sp) for s, sp in search_meshes(model, 4, None, 8, max_pp=4)]

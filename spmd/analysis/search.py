@@ -47,7 +47,7 @@ from .search_pipeline import Pipeline, pipeline_sizes, plan_pipeline
 from .search_pool import Progress, Workers, plan_all
 from .summaries import accumulated, as_model, checkpointed, frozen, model_state_bytes, rules_for
 
-__all__ = ["Row", "SearchResult", "candidate_specs", "spec_name", "links", "flops_per_token", "predict", "search",
+__all__ = ["Row", "SearchResult", "search_meshes", "candidate_specs", "spec_name", "links", "flops_per_token", "predict", "search",
            "model_state_bytes", "ac_modes"]
 
 
@@ -84,11 +84,7 @@ def search(model, world_size: int, device="h100", memory_budget_bytes: float | N
     cfg = getattr(net, "cfg", None)
     batch, seq = batch_shape or (world_size, min(getattr(cfg, "max_seq_len", 2048), 4096))
     budget = memory_budget_bytes if memory_budget_bytes is not None else 0.9 * dev.memory_per_rank(world_size)
-    meshes = candidates(world_size, specs, max_tp or dev.per_node, sequence_parallel, seq, expert_count(net))
-    if specs is None:
-        meshes += [({"pp": pp, **sizes}, sp) for pp in pipeline_sizes(world_size, _count_blocks(net), max_pp)
-                   for sizes, sp in candidates(world_size // pp, None, max_tp or dev.per_node, sequence_parallel,
-                                               seq, expert_count(net))]
+    meshes = search_meshes(net, world_size, specs, max_tp or dev.per_node, sequence_parallel, seq, max_pp)
     tried = [(sizes, sp, z) for sizes, sp in meshes for z in zero_stages(sizes, zero)]
     compute_s = flops_per_token(net, seq) * batch * seq / world_size / (dev.peak(dtype) * dev.efficiency)
     unplanned = _screen(net, tried, world_size, budget)
@@ -122,6 +118,18 @@ def search(model, world_size: int, device="h100", memory_budget_bytes: float | N
             "budget": budget, "compute_s": compute_s, "efficiency": dev.efficiency,
             "peak_flops": dev.peak(dtype), "candidates": len(tried), "ac": ac, "grad_accum": grad_accum, "zero": zero}
     return SearchResult(ranked[:top] if top else ranked, dropped, meta)
+
+
+def search_meshes(net, world: int, specs, max_tp: int, sequence_parallel=(False, True), seq=None,
+                  max_pp: int = 1) -> list[tuple[dict, bool]]:
+    """The (sizes, sp) a search tries: `specs`, or every candidate mesh and, for each pp of
+    `pipeline_sizes(world, blocks, max_pp)`, every mesh of world / pp ranks under that pp axis."""
+    meshes = candidates(world, specs, max_tp, sequence_parallel, seq, expert_count(net))
+    if specs is None:
+        meshes += [({"pp": pp, **{a: n for a, n in sizes.items() if n > 1}}, sp)
+                   for pp in pipeline_sizes(world, _count_blocks(net), max_pp)
+                   for sizes, sp in candidates(world // pp, None, max_tp, sequence_parallel, seq, expert_count(net))]
+    return meshes
 
 
 def ac_modes(n_blocks: int) -> list[str]:
