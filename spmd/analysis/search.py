@@ -89,19 +89,8 @@ def search(model, world_size: int, device="h100", memory_budget_bytes: float | N
     compute_s = flops_per_token(net, seq) * batch * seq / world_size / (dev.peak(dtype) * dev.efficiency)
     unplanned = _screen(net, tried, world_size, budget)
     todo = [c for c in tried if _floor_key(c) not in unplanned]
-    quiet = logging.getLogger("torch.distributed.tensor._redistribute")
-    level = quiet.level
-    quiet.setLevel(logging.ERROR)
-    shown = Progress(progress)
-    try:
-        with Workers(model, workers or 1) as pool:
-            chosen = _fit(net, [c for c in todo if "pp" not in c[0]], (batch, seq, str(dtype)), budget,
-                          (ac, grad_accum), (pool, shown))
-        chosen.update(_fit_pipelines(net, [c for c in todo if "pp" in c[0]], (batch, seq, str(dtype)), budget, ac,
-                                     pipeline or Pipeline()))
-    finally:
-        quiet.setLevel(level)
-        shown.close()
+    chosen = _plan(net, model, todo, (batch, seq, str(dtype)), budget, (ac, grad_accum),
+                   (workers or 1, Progress(progress), pipeline or Pipeline()))
     ranked, dropped = [], []
     for sizes, sp, z in tried:
         row = Row(spec_name(sizes, sp), dict(sizes), sp, zero=z, budget=budget)
@@ -187,6 +176,23 @@ def _fit(net, todo, shape, budget, pinned, workers) -> dict:
             if error is not None or out[key][0].memory["total"] <= budget or not pending[key]:
                 del pending[key]
     return out
+
+
+def _plan(net, model, todo, shape, budget, pinned, how) -> dict:
+    """{candidate key: chosen plan} of every candidate in `todo`: the pp ones planned whole, the rest by _fit in
+    `how`'s (processes, Progress, Pipeline)."""
+    processes, shown, pipeline = how
+    quiet = logging.getLogger("torch.distributed.tensor._redistribute")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        with Workers(model, processes) as pool:
+            chosen = _fit(net, [c for c in todo if "pp" not in c[0]], shape, budget, pinned, (pool, shown))
+        chosen.update(_fit_pipelines(net, [c for c in todo if "pp" in c[0]], shape, budget, pinned[0], pipeline))
+    finally:
+        quiet.setLevel(level)
+        shown.close()
+    return chosen
 
 
 def _fit_pipelines(net, todo, shape, budget, ac, how: Pipeline) -> dict:
