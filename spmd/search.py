@@ -2,7 +2,7 @@
 and its command line:
 
     python -m spmd.search --model 8b --world 8 --device h100 --batch 16 --seq 8192 [--ac full] [--grad-accum 2]
-                          [--zero 1|2|3]
+                          [--zero 1|2|3] [--max-pp 4 --pp-schedule 1f1b --microbatches 8]
     python -m spmd.search --model hf:DIR --world 8 --device h100   # a local Hugging Face directory
     python -m spmd.search --config FILE.toml --world 8              # launch.train's file: model, batch, rules
 
@@ -15,6 +15,8 @@ import sys
 
 from .analysis.search import (Row, SearchResult, candidate_specs, flops_per_token, links, model_state_bytes,
                               predict, search, spec_name)
+from .analysis.search_pipeline import Pipeline
+from .analysis.search_pool import stop_on_term
 from .cli import add_model_args, batch_shape, config_rules, make_callable, model_config, parse_args, report
 from .layout.rules import Rules
 from .layout.rules_table import ordered_maps
@@ -36,18 +38,24 @@ def main(argv=None) -> int:
                     "of the fewest that fit")
     ap.add_argument("--zero", type=int, default=None, help="assume this ZeRO stage (1|2|3) on meshes with an fsdp "
                     "axis instead of trying each")
+    ap.add_argument("--max-pp", type=int, default=1, help="also try pipelines of up to this many stages")
+    ap.add_argument("--pp-schedule", default="1f1b", help="the pipelines' schedule (launch.train's --pp-schedule)")
+    ap.add_argument("--microbatches", type=int, default=0, help="pipeline micro-batches per step (0: the "
+                    "schedule's default, pp or 2 pp)")
     ap.add_argument("--top", type=int, default=None)
     ap.add_argument("--workers", type=int, default=min(os.cpu_count() or 1, 8), help="planning processes")
     a = parse_args(ap, argv, "spmd.search")
     if a is None:
         return 2
+    stop_on_term()
 
     def ranked():
         cfg = model_config(a)
         zero, sp = _pinned_by_rules(a)
         return search(cfg, a.world, a.device, None if a.budget_gib is None else a.budget_gib * 2**30,
                       batch_shape(a, cfg, a.world), a.dtype, a.top, workers=a.workers, ac=a.ac,
-                      grad_accum=a.grad_accum, zero=zero, sequence_parallel=sp)
+                      grad_accum=a.grad_accum, zero=zero, sequence_parallel=sp, progress=True, max_pp=a.max_pp,
+                      pipeline=Pipeline(a.pp_schedule, a.microbatches))
     return report("spmd.search", a.json, ranked)
 
 

@@ -300,8 +300,9 @@ def test_flops_follow_design_formula():
 def test_cli_prints_a_table(capsys):
     assert S.main(["--model", "tiny", "--world", "2", "--device", "a100", "--batch", "4", "--seq", "32",
                    "--workers", "1"]) == 0
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
     assert "spec search" in out and "fsdp=2" in out and "tp=2,sp" in out
+    assert "meshes planned" in err  # the progress line
     assert "--mesh tp=2,sp --ac none --grad-accum 1" in out
     assert all(f"--mesh fsdp=2 --zero {z} --ac none --grad-accum 1" in out for z in (1, 2, 3))
 
@@ -323,3 +324,82 @@ def test_long_sequences_also_try_context_parallelism():
                     zero=3)
     assert row.bytes_by_axis["cp"] == ring + grads
     assert row.bytes_by_axis["fsdp+cp"] == 2 * (2 * 4) * (4 - 1) // 4
+
+
+def _children(pid: int) -> set[int]:
+    """Every live descendant of process `pid` (from /proc)."""
+    parents = {}
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (ValueError, OSError, IndexError):
+            continue
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = {p for p, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads the process tree from /proc")
+def test_sigterm_stops_the_search_and_its_workers():
+    """The CLI stopped with SIGTERM while its worker processes plan exits, and takes them along. Mutation:
+    without stop_on_term and the workers' parent-death signal, both workers survive, planning on."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    cmd = [sys.executable, "-m", "spmd.search", "--model", "8b", "--world", "64", "--workers", "2"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        workers: set = set()
+        for _ in range(1200):  # until both workers run (the search plans for minutes after that)
+            workers = {p for p in _children(proc.pid) if "spawn_main" in open(f"/proc/{p}/cmdline").read()}
+            if len(workers) >= 2 or proc.poll() is not None:
+                break
+            time.sleep(0.25)
+        assert len(workers) >= 2, "the search never started its workers"
+        everyone = _children(proc.pid)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) != 0
+        for _ in range(600):
+            if not any(_alive(p) for p in everyone):
+                break
+            time.sleep(0.1)
+        assert not [p for p in everyone if _alive(p)], "worker processes outlived the search"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_pipeline_specs_are_planned_whole_with_their_bubble():
+    """A pp spec's row is explain's plan of the pipeline (memory and bytes of its busiest pp rank, equal), and
+    its step is the rank's work over 1 - bubble, (p-1)/(m+p-1) for 1F1B. Mutation: dropping the bubble term
+    (step = work) fails the step equation; planning pp specs by block extrapolation fails the memory."""
+    from spmd.analysis.search_pipeline import Pipeline
+    model = tiny(n_layers=4)
+    ask = dict(device="h100", batch_shape=(8, 32), dtype="fp32", zero=3, ac="none")
+    row, = S.search(model, 4, specs=["pp=2,fsdp=2"], pipeline=Pipeline("1f1b", 4), **ask)
+    plan = spmd.explain(model, spmd.Rules.default(), {"pp": 2, "fsdp": 2}, batch_shape=(8, 32), microbatches=4)
+    assert row.memory == plan.memory
+    assert row.comm_bytes == sum(c.bytes for c in plan.collectives if c.kind != "recv")
+    bubble = (2 - 1) / (4 + 2 - 1)
+    work = row.compute_s + row.activation_comm_s + row.param_comm_s - row.hidden_s
+    assert row.step_s == pytest.approx(work / (1 - bubble))
+    assert row.bubble_s == pytest.approx(work * bubble / (1 - bubble))
+    assert row.flags == "--mesh pp=2,fsdp=2 --zero 3 --ac none --grad-accum 1 --pp-schedule 1f1b --microbatches 4"
+    from spmd.analysis.search import search_meshes
+    names = [S.spec_name(sizes, sp) for sizes, sp in search_meshes(model, 4, None, 8, max_pp=2)]
+    assert {"pp=2,fsdp=2", "pp=2,tp=2", "pp=2,tp=2,sp", "pp=2,dp=2", "fsdp=4"} <= set(names)
+    assert len(names) == len(set(names)) and not any("pp=4" in n for n in names)
+    assert "pp=4" in [S.spec_name(s, sp) for s, sp in search_meshes(model, 4, None, 8, max_pp=4)]

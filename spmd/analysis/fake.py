@@ -1,5 +1,10 @@
 """Fake worlds: a process group of any size in this one process, whose collectives move nothing, and
-tensors that hold no data. `explain` runs the real pass inside one."""
+tensors that hold no data. `explain` runs the real pass inside one.
+
+Inside `kept_worlds()` (the search's dry runs) a world outlives its dry run: the next dry run of the same
+sizes finds its process group and mesh, and with them DTensor's cached sharding and redistribution plans
+(a third of a dry run's time when recomputed); a world of other sizes replaces it, and leaving the scope
+destroys the last one."""
 import contextlib
 
 import torch
@@ -9,13 +14,48 @@ from torch.distributed.tensor import DTensor
 
 from ..layout.mesh import make_mesh
 
-__all__ = ["fake_world"]
+__all__ = ["fake_world", "kept_worlds"]
+
+_kept = {"depth": 0, "world": None}  # world: (sizes as a tuple, the default group it made, its mesh)
+
+
+@contextlib.contextmanager
+def kept_worlds():
+    """Within this scope a fake world stays up after its dry run, for the next one of the same sizes."""
+    _kept["depth"] += 1
+    try:
+        yield
+    finally:
+        _kept["depth"] -= 1
+        if not _kept["depth"] and _kept["world"] is not None:
+            _kept["world"] = None
+            if dist.is_initialized():
+                dist.destroy_process_group()
 
 
 @contextlib.contextmanager
 def fake_world(sizes: dict):
     """(mesh of `sizes` on a fake process group, FakeTensorMode): everything a dry run needs. The fake group
-    replaces any process group this process has and is destroyed on exit."""
+    replaces any process group this process has and is destroyed on exit (inside `kept_worlds`, when a world
+    of other sizes or the scope's end replaces it)."""
+    key = tuple(sizes.items())
+    kept = _kept["world"]
+    if kept is not None and kept[0] == key and dist.is_initialized() and dist.group.WORLD is kept[1]:
+        mesh = kept[2]
+    else:
+        mesh = _new_world(sizes)
+        _kept["world"] = (key, dist.group.WORLD, mesh) if _kept["depth"] else None
+    try:
+        # Fake CPU tensors rather than meta: ops such as attention pick their kernel by device.
+        with _real_strided_offsets():
+            yield mesh, FakeTensorMode(allow_non_fake_inputs=True)
+    finally:
+        if _kept["world"] is None:
+            dist.destroy_process_group()
+
+
+def _new_world(sizes: dict):
+    """A fake default process group of the mesh's size, in place of any this process has, and its mesh."""
     import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the "fake" backend)
     world = 1
     for s in sizes.values():
@@ -24,12 +64,7 @@ def fake_world(sizes: dict):
         dist.destroy_process_group()
     dist.init_process_group("fake", store=dist.HashStore(), rank=0, world_size=world)
     _clear_dtensor_caches()
-    try:
-        # Fake CPU tensors rather than meta: ops such as attention pick their kernel by device.
-        with _real_strided_offsets():
-            yield make_mesh(sizes, device_type="cpu"), FakeTensorMode(allow_non_fake_inputs=True)
-    finally:
-        dist.destroy_process_group()
+    return make_mesh(sizes, device_type="cpu")
 
 
 @contextlib.contextmanager

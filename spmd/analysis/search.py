@@ -6,7 +6,9 @@
 1. Enumerate the meshes of the world size: every dp x fsdp x ep x cp x tp = world (tp at most one node, 8
    devices), each tp > 1 with and without sequence parallelism; cp > 1 only for sequences longer than 4096
    tokens, keeping at least 1024 on each rank; ep > 1 only for a mixture of experts, dividing its experts
-   (ep splits the data like dp and fsdp; explain plans its all-to-alls at balanced routing). (pp comes later.)
+   (ep splits the data like dp and fsdp; explain plans its all-to-alls at balanced routing). With `max_pp` > 1
+   also each of those meshes under a pp axis (pp dividing the world, at most one stage per block), run with
+   `pipeline`'s schedule and micro-batches (spmd/analysis/search_pipeline.py: planned whole, bubble included).
    A mesh with an fsdp axis is tried at each ZeRO stage (`Rules.default(zero=k)`): 1 shards the optimizer
    states over fsdp, 2 also the gradients, 3 also the parameters; `zero=` pins one.
 2. Plan each one with `spmd.explain`: its collectives (bytes per rank, per mesh axis) and its memory per
@@ -41,16 +43,19 @@ from .candidates import candidate_specs, candidates, expert_count, mesh_problem,
 from .devices import Device, get_device
 from .search_rows import Row, SearchResult
 from .step_time import flops_per_token, links, predict, recompute_fraction
-from .summaries import accumulated, as_model, checkpointed, frozen, model_state_bytes, plan_all, rules_for
+from .search_pipeline import Pipeline, pipeline_sizes, plan_pipeline
+from .search_pool import Progress, Workers, plan_all
+from .summaries import accumulated, as_model, checkpointed, frozen, model_state_bytes, rules_for
 
-__all__ = ["Row", "SearchResult", "candidate_specs", "spec_name", "links", "flops_per_token", "predict", "search",
+__all__ = ["Row", "SearchResult", "search_meshes", "candidate_specs", "spec_name", "links", "flops_per_token", "predict", "search",
            "model_state_bytes", "ac_modes"]
 
 
 def search(model, world_size: int, device="h100", memory_budget_bytes: float | None = None,
            batch_shape=None, dtype: str = "bf16", top: int | None = None, max_tp: int | None = None,
            sequence_parallel=(False, True), specs=None, workers: int | None = None, ac: str | None = None,
-           grad_accum: int | None = None, zero: int | None = None) -> SearchResult:
+           grad_accum: int | None = None, zero: int | None = None, progress: bool = False, max_pp: int = 1,
+           pipeline: Pipeline | None = None) -> SearchResult:
     """Ranks the specs of `world_size` ranks for `model` by predicted step time. `model`: an nn.Module (the
     meta device will do), or a model config with `build()` (e.g. a LlamaConfig).
 
@@ -61,6 +66,9 @@ def search(model, world_size: int, device="h100", memory_budget_bytes: float | N
     `grad_accum` (K): assume these instead of choosing the least that fits (module docstring, step 3).
     `workers`: processes planning the candidates in parallel (spawned: call from under
     `if __name__ == "__main__":`); default 1, in this process. Plans are cached per (model config, spec).
+    `progress`: a line on stderr says how far the dry runs are. `max_pp`: also try pipelines of up to this many
+    stages; `pipeline`: their schedule and micro-batches (default 1F1B, pp micro-batches); both also apply to
+    `specs` that name a pp axis.
     Returns a list of `Row` (fastest first) with `.dropped` (specs that do not fit or divide, and why),
     `.table()` and `.to_dict()`.
     """
@@ -76,19 +84,13 @@ def search(model, world_size: int, device="h100", memory_budget_bytes: float | N
     cfg = getattr(net, "cfg", None)
     batch, seq = batch_shape or (world_size, min(getattr(cfg, "max_seq_len", 2048), 4096))
     budget = memory_budget_bytes if memory_budget_bytes is not None else 0.9 * dev.memory_per_rank(world_size)
-    tried = [(sizes, sp, z) for sizes, sp in
-             candidates(world_size, specs, max_tp or dev.per_node, sequence_parallel, seq, expert_count(net))
-             for z in zero_stages(sizes, zero)]
+    meshes = search_meshes(net, world_size, specs, max_tp or dev.per_node, sequence_parallel, seq, max_pp)
+    tried = [(sizes, sp, z) for sizes, sp in meshes for z in zero_stages(sizes, zero)]
     compute_s = flops_per_token(net, seq) * batch * seq / world_size / (dev.peak(dtype) * dev.efficiency)
     unplanned = _screen(net, tried, world_size, budget)
     todo = [c for c in tried if _floor_key(c) not in unplanned]
-    quiet = logging.getLogger("torch.distributed.tensor._redistribute")
-    level = quiet.level
-    quiet.setLevel(logging.ERROR)
-    try:
-        chosen = _fit(net, model, todo, (batch, seq, str(dtype)), budget, (ac, grad_accum), workers or 1)
-    finally:
-        quiet.setLevel(level)
+    chosen = _plan(net, model, todo, (batch, seq, str(dtype)), budget, (ac, grad_accum),
+                   (workers or 1, Progress(progress), pipeline or Pipeline()))
     ranked, dropped = [], []
     for sizes, sp, z in tried:
         row = Row(spec_name(sizes, sp), dict(sizes), sp, zero=z, budget=budget)
@@ -105,6 +107,18 @@ def search(model, world_size: int, device="h100", memory_budget_bytes: float | N
             "budget": budget, "compute_s": compute_s, "efficiency": dev.efficiency,
             "peak_flops": dev.peak(dtype), "candidates": len(tried), "ac": ac, "grad_accum": grad_accum, "zero": zero}
     return SearchResult(ranked[:top] if top else ranked, dropped, meta)
+
+
+def search_meshes(net, world: int, specs, max_tp: int, sequence_parallel=(False, True), seq=None,
+                  max_pp: int = 1) -> list[tuple[dict, bool]]:
+    """The (sizes, sp) a search tries: `specs`, or every candidate mesh and, for each pp of
+    `pipeline_sizes(world, blocks, max_pp)`, every mesh of world / pp ranks under that pp axis."""
+    meshes = candidates(world, specs, max_tp, sequence_parallel, seq, expert_count(net))
+    if specs is None:
+        meshes += [({"pp": pp, **{a: n for a, n in sizes.items() if n > 1}}, sp)
+                   for pp in pipeline_sizes(world, _count_blocks(net), max_pp)
+                   for sizes, sp in candidates(world // pp, None, max_tp, sequence_parallel, seq, expert_count(net))]
+    return meshes
 
 
 def ac_modes(n_blocks: int) -> list[str]:
@@ -138,7 +152,7 @@ def _floor_key(candidate) -> tuple:
     return frozen(sizes), zero
 
 
-def _fit(net, model, todo, shape, budget, pinned, workers) -> dict:
+def _fit(net, todo, shape, budget, pinned, workers) -> dict:
     """{candidate key: (Summary or error, ac, K)}: per spec the first (K, ac) of step 3 that fits the
     budget, else the last tried. Planned in rounds, every spec's next try in one `plan_all`."""
     batch = shape[0]
@@ -149,11 +163,11 @@ def _fit(net, model, todo, shape, budget, pinned, workers) -> dict:
         local = batch // Rules.default(sp).data_parallel_size(sizes)
         pending[_key((sizes, sp, z))] = [grad_accum] if grad_accum else [k for k in range(1, local + 1) if local % k == 0] or [1]
     while pending:
-        nones = _plan_round(net, model, pending, "none", shape, workers)
+        nones = _plan_round(net, pending, "none", shape, workers)
         needs = {key: pending[key] for key, none in nones.items()
                  if modes != ["none"] and not isinstance(none, Exception) and not _fits(none, modes, budget)}
-        fulls = _plan_round(net, model, needs, "full", shape, workers)
-        nones.update(_plan_round(net, model, needs, "none", shape, workers, block=True))
+        fulls = _plan_round(net, needs, "full", shape, workers)
+        nones.update(_plan_round(net, needs, "none", shape, workers, block=True))
         for key in list(pending):
             k, none, full = pending[key][0], nones[key], fulls.get(key)
             error = next((s for s in (none, full) if isinstance(s, Exception)), None)
@@ -164,12 +178,37 @@ def _fit(net, model, todo, shape, budget, pinned, workers) -> dict:
     return out
 
 
-def _plan_round(net, model, pending: dict, mode: str, shape, workers, block: bool = False) -> dict:
+def _plan(net, model, todo, shape, budget, pinned, how) -> dict:
+    """{candidate key: chosen plan} of every candidate in `todo`: the pp ones planned whole, the rest by _fit in
+    `how`'s (processes, Progress, Pipeline)."""
+    processes, shown, pipeline = how
+    quiet = logging.getLogger("torch.distributed.tensor._redistribute")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        with Workers(model, processes) as pool:
+            chosen = _fit(net, [c for c in todo if "pp" not in c[0]], shape, budget, pinned, (pool, shown))
+        chosen.update(_fit_pipelines(net, [c for c in todo if "pp" in c[0]], shape, budget, pinned[0], pipeline))
+    finally:
+        quiet.setLevel(level)
+        shown.close()
+    return chosen
+
+
+def _fit_pipelines(net, todo, shape, budget, ac, how: Pipeline) -> dict:
+    """{candidate key: (Summary or error, ac, 1, pipeline section)} of the pp candidates, planned whole."""
+    modes = [ac] if ac is not None else ["none", "full"]
+    return {_key(c): plan_pipeline(net, _key(c), shape, budget, modes, how) for c in todo}
+
+
+def _plan_round(net, pending: dict, mode: str, shape, workers, block: bool = False) -> dict:
     """{spec key: plan or error} of each pending spec at its next K with checkpointing `mode`, in one plan_all;
-    `block`: with one block's share (checkpointing composes from it)."""
+    `block`: with one block's share (checkpointing composes from it). `workers`: (Workers, Progress)."""
     batch, seq, dtype = shape
     jobs = {key: _job(key, ks[0], mode, batch, seq, dtype) + (mode == "full" or block,) for key, ks in pending.items()}
-    planned = plan_all(net, model, sorted(set(jobs.values()), key=repr), workers) if jobs else {}
+    pool, progress = workers
+    progress.stage = f"--ac {mode}"
+    planned = plan_all(net, sorted(set(jobs.values()), key=repr), pool, progress) if jobs else {}
     return {key: planned[job] for key, job in jobs.items()}
 
 
@@ -210,7 +249,8 @@ def _screen(net: nn.Module, candidates, world_size: int, budget: float) -> dict:
         if n != world_size:
             out[key] = (f"mesh has {n} ranks, not {world_size}", {})
             continue
-        floor = model_state_bytes(net, sizes, rules_for(False, zero))
+        # a pipeline's stages split the states: the rank holding most holds at least their mean
+        floor = model_state_bytes(net, sizes, rules_for(False, zero)) // sizes.get("pp", 1)
         problem = mesh_problem(net, sizes)
         if floor > budget:
             out[key] = (f"parameters, gradients and optimizer states alone need {floor / 2**30:,.1f} "
@@ -224,7 +264,7 @@ def _screen(net: nn.Module, candidates, world_size: int, budget: float) -> dict:
 def _fill(row: Row, chosen, dev: Device, compute_s: float, n_blocks: int, tokens: int, mfu_per_token_s: float):
     """Fills `row` from its chosen plan (or the error planning it raised); `row.fits` says whether it stays.
     `tokens`: per step; `mfu_per_token_s`: FLOPs per token / (peak x world), MFU per token/s."""
-    s, row.ac, row.grad_accum = chosen
+    s, row.ac, row.grad_accum, *section = chosen
     if isinstance(s, Exception):
         row.fits, row.note = False, f"does not lay out: {str(s).splitlines()[0]}"
         return
@@ -237,6 +277,11 @@ def _fill(row: Row, chosen, dev: Device, compute_s: float, n_blocks: int, tokens
     p = predict(s, row.sizes, dev, compute_s, row.recompute_s)
     row.compute_s, row.activation_comm_s, row.param_comm_s = compute_s, p["activation_comm_s"], p["param_comm_s"]
     row.hidden_s, row.step_s, row.links = p["hidden_s"], p["step_s"], p["links"]
+    if section and section[0]:  # a pipeline idles `bubble` of its step
+        pipe = section[0]
+        row.schedule, row.microbatches = pipe["schedule"], pipe["microbatches"]
+        row.bubble_s = row.step_s * pipe["bubble"] / (1 - pipe["bubble"])
+        row.step_s += row.bubble_s
     row.tokens_per_s = tokens / row.step_s
     row.mfu = row.tokens_per_s * mfu_per_token_s
     if s.memory["total"] > row.budget:

@@ -22,6 +22,9 @@ class Row:
     activation_comm_s: float = math.nan
     param_comm_s: float = math.nan
     hidden_s: float = 0.0
+    schedule: str = ""          # pipeline schedule assumed (launch.train --pp-schedule); "" without pp
+    microbatches: int = 0       # pipeline micro-batches per step (launch.train --microbatches)
+    bubble_s: float = 0.0       # the schedule's idle time (spmd/analysis/search_pipeline.py)
     comm_bytes: int = 0
     collectives: int = 0
     bytes_by_axis: dict = field(default_factory=dict)
@@ -41,7 +44,8 @@ class Row:
     def flags(self) -> str:
         """The layout as launch.train's flags."""
         zero = "" if self.zero is None else f" --zero {self.zero}"
-        return f"--mesh {self.spec}{zero} --ac {self.ac} --grad-accum {self.grad_accum}"
+        pipe = f" --pp-schedule {self.schedule} --microbatches {self.microbatches}" if self.schedule else ""
+        return f"--mesh {self.spec}{zero} --ac {self.ac} --grad-accum {self.grad_accum}{pipe}"
 
     def to_dict(self) -> dict:
         return {**asdict(self), "comm_s": self.comm_s, "flags": self.flags}

@@ -1,6 +1,6 @@
 """What the search needs of each spec's plan: its collectives (per mesh axis and traffic class) and memory,
-summarised from `explain` dry runs of 1- and 2-block copies of the model (exact for identical blocks), cached,
-optionally in worker processes.
+summarised from `explain` dry runs of 1- and 2-block copies of the model (exact for identical blocks), cached
+(search_pool runs them, optionally in worker processes).
 
 Activation checkpointing: `none` and `full` are planned as they are; `selective:N` (every N-th block
 checkpointed) is composed from the blocks of those two plans: the first block checkpointed plus k-1 more
@@ -10,7 +10,6 @@ tensors leaves out)."""
 from __future__ import annotations
 
 import copy
-import logging
 import math
 import operator
 from dataclasses import dataclass
@@ -18,14 +17,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from ..layout.annotate import fake_copy, infer_axes
+from ..layout.annotate import infer_axes
 from ..layout.blocks import find_blocks
 from ..layout.rules import Rules
 from ..runtime.checkpointing import parse_mode
 from .explain import explain
 from .record import ring_steps
 
-__all__ = ["Summary", "summarize", "plan_summary", "planned", "checkpointed", "plan_all", "accumulated", "model_state_bytes",
+__all__ = ["Summary", "summarize", "plan_summary", "planned", "checkpointed", "accumulated", "model_state_bytes",
            "frozen", "as_model", "rules_for", "TRAFFIC", "traffic"]
 
 # how a collective's time is spent: "gather" parameters (critical path), "prefetch-forward"/"prefetch-backward"
@@ -217,60 +216,8 @@ def planned(model: nn.Module, sizes: dict, sp: bool, batch_shape, dtype, rules, 
     return out
 
 
-_worker_model = None
-
-
-def _first_line(e: Exception) -> str:
-    return next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
-
-
-def _worker_init(model_or_cfg):
-    global _worker_model
-    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
-    _worker_model = as_model(model_or_cfg)
-
-
-def _plan_or_error(job):
-    sizes, sp, zero, batch_shape, dtype, *how = job
-    try:
-        return job, planned(_worker_model, sizes, sp, batch_shape, dtype, rules_for(sp, zero), *how)
-    except (ValueError, RuntimeError) as e:
-        return job, ValueError(_first_line(e))
-
-
 def _blocks(model: nn.Module) -> tuple:
     try:
         return find_blocks(model)
     except ValueError:
         return None, []
-
-
-def _job_key(net, job):
-    """planned()'s cache key of a plan_all job."""
-    sizes, sp, zero, batch_shape, dtype, ac, grad_accum, block = job
-    block = block or len(_blocks(net)[1]) > 2
-    return _cache_key(net, sizes, sp, batch_shape, dtype, rules_for(sp, zero), (ac, grad_accum, block))
-
-
-def plan_all(net: nn.Module, model_arg, jobs: list, workers: int) -> dict:
-    """{job: Summary or ValueError}, planned in this process or in `workers` spawned processes. A job is
-    (sizes, sp, zero, batch_shape, dtype, ac, grad_accum, block): `planned`'s arguments, with the rules
-    as `rules_for(sp, zero)`."""
-    todo = [j for j in jobs if _job_key(net, j) not in _cache]
-    results = {}
-    if workers > 1 and len(todo) > 1:
-        import multiprocessing
-        payload = model_arg if not isinstance(model_arg, nn.Module) else fake_copy(model_arg, None)
-        with multiprocessing.get_context("spawn").Pool(min(workers, len(todo)), _worker_init, (payload,)) as pool:
-            for job, out in pool.imap_unordered(_plan_or_error, todo):
-                results[job] = out
-                if isinstance(out, Summary):
-                    _cache[_job_key(net, job)] = (net if getattr(net, "cfg", None) is None else None, out)
-    for job in jobs:
-        if job not in results:
-            try:
-                sizes, sp, zero, batch_shape, dtype, *how = job
-                results[job] = planned(net, sizes, sp, batch_shape, dtype, rules_for(sp, zero), *how)
-            except (ValueError, RuntimeError) as e:  # a layout that does not divide (DTensor says RuntimeError)
-                results[job] = ValueError(_first_line(e))
-    return results

@@ -1,0 +1,140 @@
+"""Where the search's dry runs run: in this process or in spawned worker processes, grouped by mesh so that a
+mesh's fake world and DTensor's cached plans serve all of its dry runs (fake.kept_worlds), with a progress
+line on stderr, and workers that end with the search: stopped (SIGINT, SIGTERM) or killed, it takes them along."""
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import time
+
+import torch.nn as nn
+
+from ..layout.annotate import fake_copy
+from .fake import kept_worlds
+from .summaries import Summary, _blocks, _cache, _cache_key, as_model, planned, rules_for
+
+__all__ = ["plan_all", "Progress", "Workers", "stop_on_term"]
+
+_worker_model = None
+
+
+class Progress:
+    """`spmd.search: none, K=1: 12/40 meshes planned, 35 s` on stderr, one line rewritten in place; silent
+    unless `on`. `stage`: what the current round plans."""
+
+    def __init__(self, on: bool, stream=None):
+        self.on, self.stream, self.start, self.stage = on, stream or sys.stderr, time.perf_counter(), ""
+
+    def show(self, done: int, total: int) -> None:
+        if self.on:
+            print(f"\rspmd.search: {self.stage}{': ' if self.stage else ''}{done}/{total} meshes planned, "
+                  f"{time.perf_counter() - self.start:.0f} s\033[K", end="", file=self.stream, flush=True)
+
+    def close(self) -> None:
+        if self.on:
+            print(file=self.stream, flush=True)
+
+
+def stop_on_term() -> None:
+    """SIGTERM raises SystemExit in the main thread, as SIGINT raises KeyboardInterrupt: a search in progress
+    unwinds, its worker pool is terminated on the way out."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+
+
+def _first_line(e: Exception) -> str:
+    return next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
+
+
+def _die_with_parent() -> None:
+    """Linux: this worker gets SIGTERM when its parent dies, however the parent ends (even SIGKILL)."""
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _worker_init(model_or_cfg):
+    global _worker_model
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops on ^C and terminates the pool
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    _worker_model = as_model(model_or_cfg)
+
+
+def _plan_one(model, job):
+    sizes, sp, zero, batch_shape, dtype, *how = job
+    try:
+        return planned(model, sizes, sp, batch_shape, dtype, rules_for(sp, zero), *how)
+    except (ValueError, RuntimeError) as e:  # a layout that does not divide (DTensor says RuntimeError)
+        return ValueError(_first_line(e))
+
+
+def _plan_group(jobs):
+    """The dry runs of one mesh, one after another in one fake world."""
+    with kept_worlds():
+        return [(job, _plan_one(_worker_model, job)) for job in jobs]
+
+
+def _job_key(net, job):
+    """planned()'s cache key of a plan_all job."""
+    sizes, sp, zero, batch_shape, dtype, ac, grad_accum, block = job
+    block = block or len(_blocks(net)[1]) > 2
+    return _cache_key(net, sizes, sp, batch_shape, dtype, rules_for(sp, zero), (ac, grad_accum, block))
+
+
+def _by_mesh(jobs: list) -> list[list]:
+    groups: dict = {}
+    for job in jobs:
+        groups.setdefault(job[0], []).append(job)
+    return list(groups.values())
+
+
+class Workers:
+    """The search's worker processes, spawned at the first round that has two meshes or more to plan and kept
+    for the rounds after it; terminated when the `with` block ends, however it ends."""
+
+    def __init__(self, model_arg, processes: int):
+        self.model_arg, self.processes, self.pool = model_arg, processes, None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if self.pool is not None:
+            self.pool.terminate()
+            self.pool.join()
+
+    def map(self, groups: list):
+        """The results of `_plan_group` on each group, in the order they finish."""
+        if self.pool is None:
+            import multiprocessing
+            arg = self.model_arg
+            payload = arg if not isinstance(arg, nn.Module) else fake_copy(arg, None)
+            self.pool = multiprocessing.get_context("spawn").Pool(self.processes, _worker_init, (payload,))
+        return self.pool.imap_unordered(_plan_group, groups)
+
+
+def plan_all(net: nn.Module, jobs: list, workers: Workers | None = None, progress: Progress | None = None) -> dict:
+    """{job: Summary or ValueError}, planned in this process or by `workers`. A job is (sizes, sp, zero,
+    batch_shape, dtype, ac, grad_accum, block): `planned`'s arguments, with the rules as `rules_for(sp, zero)`."""
+    progress = progress or Progress(False)
+    groups = _by_mesh([j for j in jobs if _job_key(net, j) not in _cache])
+    results = {}
+    if workers is not None and workers.processes > 1 and len(groups) > 1:
+        for i, done in enumerate(workers.map(groups), 1):
+            for job, out in done:
+                results[job] = out
+                if isinstance(out, Summary):
+                    _cache[_job_key(net, job)] = (net if getattr(net, "cfg", None) is None else None, out)
+            progress.show(i, len(groups))
+    else:
+        with kept_worlds():
+            for i, group in enumerate(groups, 1):
+                results.update((job, _plan_one(net, job)) for job in group)
+                progress.show(i, len(groups))
+    for job in jobs:
+        if job not in results:
+            results[job] = _plan_one(net, job)
+    return results
