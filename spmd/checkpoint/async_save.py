@@ -27,6 +27,7 @@ import functools
 import os
 import sys
 import threading
+import weakref
 from pathlib import Path
 
 import torch
@@ -40,6 +41,7 @@ from .save import Job, prepare, save, write
 __all__ = ["AsyncSaver", "finish_saves"]
 
 _IN_FLIGHT: set = set()  # savers whose writer may still run, until someone waits for it
+_SAVERS: "weakref.WeakSet[AsyncSaver]" = weakref.WeakSet()  # each holds a gloo group of its own
 
 
 class AsyncSaver:
@@ -53,6 +55,7 @@ class AsyncSaver:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._pending: Path | None = None
+        _SAVERS.add(self)
         _finish_saves_before_exit()
 
     def save(self, ckpt_dir: str | os.PathLike, step: int, model_state: dict[str, torch.Tensor],
@@ -124,8 +127,11 @@ def _finish_saves_before_exit() -> None:
 
     @functools.wraps(destroy)
     def destroy_process_group(group=None):
-        errors = finish_saves() if group is None or group is dist.GroupMember.WORLD else []
+        world = group is None or group is dist.GroupMember.WORLD
+        errors = finish_saves() if world else []
         destroy(group)
+        if world:
+            _let_go_of_groups()
         if errors:
             raise errors[0]
 
@@ -134,8 +140,16 @@ def _finish_saves_before_exit() -> None:
     atexit.register(_finish_saves_at_exit)
 
 
+def _let_go_of_groups() -> None:
+    """Drops each saver's group (destroyed with the world, or about to be at exit), so that its gloo workers are
+    joined when the groups go rather than in the interpreter's finalization (spmd.layout.mesh.release_groups)."""
+    for saver in list(_SAVERS):
+        saver._group = None
+
+
 def _finish_saves_at_exit() -> None:
     errors = finish_saves()
+    _let_go_of_groups()
     if errors:
         print(f"spmd.checkpoint: {errors[0]}", file=sys.stderr, flush=True)
         sys.stdout.flush()
