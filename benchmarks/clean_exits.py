@@ -82,7 +82,7 @@ def launch(case: str, timeout_s: float) -> dict:
            "seconds": round(time.monotonic() - start, 1)}
     if not ok:
         row["aborted"] = "terminate called" in output or "Signal 6" in output or "SIGABRT" in output
-        row["output_tail"] = common.portable(output[-3000:])
+        row["output_tail"] = common.portable(output[-3000:].replace(tmp, "<tmp>"))
     return row
 
 
@@ -119,13 +119,13 @@ def main(argv=None) -> int:
         return 0
     from benchmarks import common
 
-    start = time.monotonic()
+    start, environment = time.monotonic(), common.environment()  # the code the launches run
     rows = run(a.cases, a.launches, a.parallel, a.timeout)
     for row in rows:
         if not row["ok"]:
             print(json.dumps(row), flush=True)
     counts = summary(rows)
-    report = {"environment": common.environment(), "parallel": a.parallel, "summary": counts,
+    report = {"environment": environment, "parallel": a.parallel, "summary": counts,
               "seconds": round(time.monotonic() - start), "failures": [r for r in rows if not r["ok"]]}
     print(json.dumps({"summary": counts, "seconds": report["seconds"]}))
     if a.tag or a.write:
