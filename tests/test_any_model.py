@@ -43,7 +43,10 @@ NANOGPT = {
 
 
 def build(kind: str):
-    """(model, loss_fn(model, tokens)) with seed-fixed weights; norm weights and biases made non-trivial."""
+    """(model, loss_fn(model, tokens)) with seed-fixed weights; norm weights and biases made non-trivial.
+    `KIND:by_name`: annotated by `spmd.annotate_by_name` with the family's preset table, which leaves the
+    config (its default `use_cache=True`) as it is, instead of by `annotate_hf`."""
+    kind, _, how = kind.partition(":")
     torch.manual_seed(0)
     if kind == "nanogpt":
         from tests.nanogpt import GPT, GPTConfig
@@ -79,7 +82,10 @@ def build(kind: str):
         for name, p in model.named_parameters():
             if p.dim() == 1:
                 p.add_(0.1 * torch.randn(p.shape))
-    spmd.annotate_hf(model)
+    if how == "by_name":
+        spmd.annotate_by_name(model, PRESETS[model.config.model_type])
+    else:
+        spmd.annotate_hf(model)
     if kind == "llama_padded":
         return model, _padded_loss
     return model, lambda m, tokens: m(input_ids=tokens[:, :-1], labels=tokens[:, :-1]).loss

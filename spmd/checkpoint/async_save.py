@@ -13,11 +13,21 @@ interleave with the training's. A failed save raises on every rank: from `wait()
 and (`failed()`) from the trainer's next step.
 State in memory-mapped files (offload="nvme:DIR", possibly larger than host memory) is not copied to host
 buffers: such a save is written synchronously from the files (`save`), piece by piece.
+A save in flight when the script ends is finished in order, so that a script may end right after `save()`:
+`torch.distributed.destroy_process_group()` first waits for every save in flight (whose collectives run on a
+group it would destroy), and so does the interpreter's exit (an atexit handler; a writer still running in
+native code as the interpreter finalizes aborts the process, "terminate called without an active exception").
+A save that fails there raises from `destroy_process_group` after the groups are gone, or, at exit, is
+printed and the process exits 1: a lost checkpoint never ends a job with 0.
 Choice: this thread over DCP's `async_save` with `HuggingFaceStorageWriter`, which would replace the rank
 files, the per-file SHA-256 index, the atomic `latest` and the interrupted-save points rather than keep them.
 """
+import atexit
+import functools
 import os
+import sys
 import threading
+import weakref
 from pathlib import Path
 
 import torch
@@ -28,7 +38,10 @@ from ..runtime.offload import file_backed
 from .common import all_gather
 from .save import Job, prepare, save, write
 
-__all__ = ["AsyncSaver"]
+__all__ = ["AsyncSaver", "finish_saves"]
+
+_IN_FLIGHT: set = set()  # savers whose writer may still run, until someone waits for it
+_SAVERS: "weakref.WeakSet[AsyncSaver]" = weakref.WeakSet()  # each holds a gloo group of its own
 
 
 class AsyncSaver:
@@ -42,6 +55,8 @@ class AsyncSaver:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._pending: Path | None = None
+        _SAVERS.add(self)
+        _finish_saves_before_exit()
 
     def save(self, ckpt_dir: str | os.PathLike, step: int, model_state: dict[str, torch.Tensor],
              optim_state: dict[str, torch.Tensor] | None = None, meta: dict | None = None,
@@ -58,6 +73,7 @@ class AsyncSaver:
         self._pending = job.final
         self._thread = threading.Thread(target=self._write, args=(job,), name=f"spmd-checkpoint-{job.step}",
                                         daemon=True)
+        _IN_FLIGHT.add(self)
         self._thread.start()
         return job.final
 
@@ -77,6 +93,7 @@ class AsyncSaver:
         if self._thread is None:
             return None
         self._thread.join()
+        _IN_FLIGHT.discard(self)
         error, done = self._error, self._pending
         self._thread = self._error = self._pending = None
         if error is not None:
@@ -89,3 +106,51 @@ class AsyncSaver:
             self.wait()
         finally:
             self._stager.close()
+
+
+def finish_saves() -> list[BaseException]:
+    """Waits for every save in flight in this process and returns their errors (none raised here)."""
+    errors = []
+    for saver in list(_IN_FLIGHT):
+        try:
+            saver.wait()
+        except Exception as e:  # noqa: BLE001  (each caller decides how to report them)
+            errors.append(e)
+    return errors
+
+
+def _finish_saves_before_exit() -> None:
+    """Makes `destroy_process_group()` and the interpreter's exit wait for the saves in flight (once)."""
+    destroy = dist.destroy_process_group
+    if getattr(destroy, "_finishes_saves", False):
+        return
+
+    @functools.wraps(destroy)
+    def destroy_process_group(group=None):
+        world = group is None or group is dist.GroupMember.WORLD
+        errors = finish_saves() if world else []
+        destroy(group)
+        if world:
+            _let_go_of_groups()
+        if errors:
+            raise errors[0]
+
+    destroy_process_group._finishes_saves = True
+    dist.destroy_process_group = dist.distributed_c10d.destroy_process_group = destroy_process_group
+    atexit.register(_finish_saves_at_exit)
+
+
+def _let_go_of_groups() -> None:
+    """Drops each saver's group (destroyed with the world, or about to be at exit), so that its gloo workers are
+    joined when the groups go rather than in the interpreter's finalization (spmd.layout.mesh.release_groups)."""
+    for saver in list(_SAVERS):
+        saver._group = None
+
+
+def _finish_saves_at_exit() -> None:
+    errors = finish_saves()
+    _let_go_of_groups()
+    if errors:
+        print(f"spmd.checkpoint: {errors[0]}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(1)

@@ -4,10 +4,12 @@ Mesh dims are laid out in a fixed order, pipeline outermost and tensor parallel 
 a tensor-parallel group are neighbours (one node, fastest links) whatever order the user wrote; context
 parallel (`cp`, the sequence across ranks) sits just outside tp, its ring the next-fastest links.
 """
+import atexit
 import itertools
 import logging
 import os
 import sys
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -15,7 +17,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 __all__ = ["MESH_AXES", "SPEC_FLAGS", "parse_spec", "check_sizes", "format_sizes", "init_distributed",
-           "exit_process", "make_mesh", "mesh_sizes", "flatten_groups", "group_over", "group_axes"]
+           "exit_process", "release_groups", "make_mesh", "mesh_sizes", "flatten_groups", "group_over", "group_axes"]
 
 MESH_AXES = ("pp", "dp", "fsdp", "ep", "cp", "tp")  # outermost first (Megatron's order: tp innermost, then cp, ep)
 SPEC_FLAGS = ("sp",)
@@ -104,7 +106,34 @@ def make_mesh(sizes, device_type: str | None = None) -> DeviceMesh:
     device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
     init_distributed(device_type)
     names = tuple(a for a in MESH_AXES if a in sizes)
-    return init_device_mesh(device_type, tuple(sizes[a] for a in names), mesh_dim_names=names)
+    mesh = init_device_mesh(device_type, tuple(sizes[a] for a in names), mesh_dim_names=names)
+    if not _MESHES:
+        atexit.register(release_groups)
+    _MESHES.append(weakref.ref(mesh))
+    return mesh
+
+
+_MESHES: list = []  # weak references to the meshes made here, whose process groups release_groups lets go
+
+
+def release_groups() -> None:
+    """Ends the process groups while the interpreter is whole (at exit, from an atexit handler): destroys them
+    if the script did not (unless it is ending on an uncaught exception: a peer may be stuck in a collective),
+    then drops the meshes' own references to them. A DeviceMesh keeps its groups in `_pg_registry`, so after
+    `destroy_process_group()` every gloo group of a mesh still lives, its worker threads too. Left to the
+    interpreter's finalization, a worker that still holds a finished collective frees its tensors there, must
+    take the GIL to do so, is made to exit by the finalizing interpreter inside native code, and aborts the
+    process ("terminate called without an active exception"). Dropped here, each group's destructor joins its
+    workers (it releases the GIL for them) before finalization starts."""
+    if dist.is_initialized():
+        if getattr(sys, "last_value", None) is not None or getattr(sys, "last_exc", None) is not None:
+            return
+        dist.destroy_process_group()
+    for ref in _MESHES:
+        mesh = ref()
+        if mesh is not None:
+            for m in (mesh, *mesh._flatten_mapping.values()):
+                m._pg_registry.clear()
 
 
 def mesh_sizes(mesh: DeviceMesh) -> dict[str, int]:

@@ -28,6 +28,7 @@ from .agree import check_layout_agrees
 from .buckets import make_buckets
 from .experts import check_expert_layout, install_expert_hooks
 from .host import host_params
+from .kv_cache import refuse_generate, skip_cache_in_training
 from .local import enter_local, local_blocks
 from .local_model import enter_local_model, whole_model_members
 from .params import gather_block, gather_module_params, release_module_params
@@ -121,6 +122,8 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, rules: Rules, *, param_dtype
         hooked.install(module, _pre_hook(state, mod_name, module, module is model),
                        _post_hook(state, module, module is model))
     install_expert_hooks(model, state)
+    skip_cache_in_training(model)
+    refuse_generate(model)
     for p in (p for p in converted.values() if uses[id(p)] > 1):
         p._spmd_shared = True
     if bucket:

@@ -48,6 +48,10 @@ class GlobalView(TorchFunctionMode):
         mesh = next((a.device_mesh for a in flat if isinstance(a, DTensor)), None)
         if mesh is not None and ring.cp_active(mesh):
             ring.check_sequence_order(func, flat)
+        if func is torch.cat and mesh is not None and args and isinstance(args[0], (list, tuple)):
+            # torch.cat skips a 1-D empty tensor (a cache's start: transformers' DynamicLayer); DTensor does not
+            args = ([t for t in args[0] if not (_plain(t) and t.shape == (0,))],) + tuple(args[1:])
+            flat = _tensors(args, kwargs)
         if mesh is not None and any(_plain(a) for a in flat):
             def replicate(t):
                 return as_dtensor(t, mesh, (Replicate(),) * mesh.ndim) if _plain(t) else t
