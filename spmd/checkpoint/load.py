@@ -101,14 +101,14 @@ def read_into(target: torch.Tensor, key: str, shards: list[dict], files, global_
             piece = f.get_tensor(key)
         else:
             piece = f.get_slice(key)[tuple(slice(l - so, h - so) for l, h, so in zip(lo, hi, shard["offsets"]))]
+        if dtype is not None and piece.dtype != getattr(torch, dtype):
+            raise ValueError(f"{name}: {shard['file']} holds {piece.dtype} where the index says {dtype}; "
+                             "the checkpoint is damaged: resume from an earlier one")
         if lo == offsets and list(piece.shape) == lengths:
             buf = piece
         else:
             if buf is None:
                 buf = torch.empty(lengths, dtype=piece.dtype)
-        if dtype is not None and piece.dtype != getattr(torch, dtype):
-            raise ValueError(f"{name}: {shard['file']} holds {piece.dtype} where the index says {dtype}; "
-                             "the checkpoint is damaged: resume from an earlier one")
             buf[tuple(slice(l - o, h - o) for l, h, o in zip(lo, hi, offsets))] = piece
         covered += piece.numel()
     if covered != math.prod(lengths):
