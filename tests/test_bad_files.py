@@ -7,7 +7,8 @@ and that the files are unchanged. Mutations killed (each checked once): dropping
 spmd/checkpoint/load.py `_check_stored` (wrong-shape row: a RuntimeError from torch's copy), dropping the dtype
 check in `read_into` (wrong-dtype row: loads silently, exit 0 after training), dropping `outside_problem` from
 verify.py and load.py (the `../x` row: reads the file outside the directory and trains), dropping
-`_config_problem` in models/transformers_lm.py (StopIteration from `_get`).
+`_config_problem` in models/transformers_lm.py (StopIteration from `_get`; a negative size reaches torch).
+The four-rank faults test (tests/test_faults_four_ranks.py) covers reading a checkpoint of several files.
 """
 import hashlib
 import json

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
+from dist_utils import run_distributed
 from torch.distributed.tensor.debug import CommDebugMode
 
-from dist_utils import run_distributed
 from tests.test_train import SMALL, _isolated  # noqa: F401  (_isolated: an autouse fixture)
 
 COLLECTIVES = ("all_gather_object", "all_gather", "all_reduce", "broadcast", "broadcast_object_list", "barrier",
@@ -75,7 +75,7 @@ def _differing(a, b) -> list[str]:
 def _differing_configs_fail_before_any_collective(rank, base):
     """Rank 1 gets another --lr, rank 3 another --seed. Every rank fails with exit 2 naming both fields, and
     the only collective it made is the agreement's one all_gather_object (no DTensor or training collective).
-    Mutations killed: the agreement removed (all ranks train, exit 0); a dist.barrier() put before it."""
+    Mutation killed: a dist.barrier() put before the agreement in launch/train.py (calls: barrier first)."""
     extra = {1: ["--lr", "1e-3"], 3: ["--seed", "1"]}.get(rank, [])
     with _calls_logged() as calls, CommDebugMode() as comm:
         code, err = _main([*base, "--steps", "1", *extra])
@@ -91,8 +91,8 @@ def _one_rank_nan_and_a_streak(rank, base, ck, metrics):
     """Rank 2's first micro-batch (of 2) is NaN in steps 3, 5, 6 and 7; --max-bad-steps 3. Every rank skips
     step 3 (every rank's shards after it equal those before it, the step counted as bad), step 4 trains, and
     steps 5..7 stop every rank with exit 4 and step-7 saved holding step 4's state.
-    Mutations killed: the skip decided from this rank's own loss only (ranks 0, 1, 3 step at 3: step-3 differs
-    from step-2); the stop without its save (no step-7)."""
+    Mutation killed: launch/train.py deciding the skip from the loss alone (`bad.check(step + 1, loss_value,
+    0.0)`): the loss is this rank's own, so rank 2 skips while the others step, and the test fails."""
     import fault_injection
     fault_injection.nan_steps(setattr, {3, 5, 6, 7}, rank=2, micro=0)
     code, err = _main([*base, "--steps", "10", "--grad-accum", "2", "--max-bad-steps", "3", "--ckpt-dir", ck,
@@ -104,7 +104,8 @@ def _one_rank_nan_and_a_streak(rank, base, ck, metrics):
         ck = Path(ck)
         rows = [json.loads(line) for line in Path(metrics).read_text().splitlines()]
         assert [r["skipped_steps"] for r in rows] == [0, 0, 1, 1, 2, 3, 4]
-        skipped, stepped, stopped = (_differing(ck / f"step-{a}", ck / f"step-{b}") for a, b in ((3, 2), (4, 3), (7, 4)))
+        pairs = ((3, 2), (4, 3), (7, 4))
+        skipped, stepped, stopped = (_differing(ck / f"step-{a}", ck / f"step-{b}") for a, b in pairs)
         assert skipped == [] and stepped and stopped == [], (skipped, stepped[:3], stopped)
         assert (ck / "latest").read_text().strip() == "step-7"
         from spmd import checkpoint
@@ -114,7 +115,9 @@ def _one_rank_nan_and_a_streak(rank, base, ck, metrics):
 
 def _a_damaged_shard_falls_back_on_every_rank(rank, base, ck):
     """Rank 2's file of step-7 has a flipped byte: every rank (each hashing a share of the files, then
-    gathering) rejects step-7 and resumes step-6, and the run ends at its last step."""
+    gathering) rejects step-7 and resumes step-6.
+    Mutation killed: newest_intact without its all_gather (each rank judging only its share of the files):
+    the ranks that did not hash rank 2's file pick step-7."""
     from launch.config import load_config
     from launch.setup import resume_point
     if rank == 0:
