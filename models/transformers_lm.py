@@ -43,6 +43,9 @@ class TransformersConfig:
         if not (Path(name) / "config.json").is_file():
             raise ValueError(f"hf:{name}: {name} has no config.json; --model hf:DIR takes a local Hugging Face "
                              f"directory (config.json, optional *.safetensors); nothing is downloaded")
+        problem = _config_problem(Path(name) / "config.json")
+        if problem:
+            raise ValueError(f"hf:{name}: {name}/config.json {problem}")
         return cls(path=str(name), **{k: v for k, v in overrides.items() if k == "kernels"})
 
     @property
@@ -161,6 +164,30 @@ class TransformersConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+# each entry: one field under its alternative names; each must be a positive integer
+_REQUIRED = (("vocab_size",), ("num_hidden_layers", "n_layer"), ("max_position_embeddings", "n_positions"))
+_SIZES = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "n_embd", "n_head",
+          "n_inner", "head_dim")
+
+
+def _config_problem(path: Path) -> str | None:
+    """What makes a config.json unusable (None: fine), caught here rather than deep inside transformers."""
+    try:
+        hf = json.loads(path.read_text())
+    except ValueError as e:
+        return f"is not valid JSON ({e})"
+    if not isinstance(hf, dict):
+        return "does not hold a JSON object"
+    for names in _REQUIRED:
+        if not any(n in hf for n in names):
+            return f"has no {' or '.join(repr(n) for n in names)}; add it (a positive integer)"
+    for key in [n for names in _REQUIRED for n in names] + list(_SIZES):
+        value = hf.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+            return f"has {key} = {value!r}; it must be a positive integer"
+    return None
 
 
 def _has_weights(path: str) -> bool:

@@ -8,7 +8,9 @@ and the checkpoint writer's own functions: the product code holds no test branch
                                    Fires on torchrun's first attempt only, so a restarted group runs through;
                                    and once that rank's checkpoint in flight (--ckpt-async) is committed, so
                                    the fault lands between steps, never inside a save.
-    nan_steps({3, 4})              the loss of these steps is multiplied by NaN on every rank (no pp)
+    nan_steps({3, 4}, rank=R, micro=M)
+                                   the loss of these steps is multiplied by NaN (no pp): on every rank, or on
+                                   rank R only; in every micro-batch, or in the M-th (0-based) of each step only
     kill_after_files(N)            the process SIGKILLs itself right after it has written its N-th checkpoint
                                    file (rank files, meta.json and index.json, in that order, over its life)
 
@@ -69,15 +71,20 @@ def before_step(patch, rank: int, step: int, kind: str) -> None:
     _before_each_step(patch, fire)
 
 
-def nan_steps(patch, steps) -> None:
-    steps, current = set(steps), [0]
-    _before_each_step(patch, lambda step: current.__setitem__(0, step))
+def nan_steps(patch, steps, rank: int | None = None, micro: int | None = None) -> None:
+    steps, current = set(steps), [0, 0]  # the step, the forward calls in it
+    _before_each_step(patch, lambda step: current.__setitem__(slice(None), [step, 0]))
     build_model = launch.train.build_model
+
+    def poison(module, inputs, loss):
+        forward, current[1] = current[1], current[1] + 1
+        me = dist.get_rank() if dist.is_initialized() else 0
+        hit = current[0] in steps and rank in (None, me) and micro in (None, forward)
+        return loss * float("nan") if hit else loss
 
     def build(*args, **kwargs):
         built = build_model(*args, **kwargs)
-        built[0].register_forward_hook(lambda module, inputs, loss: loss * float("nan")
-                                       if current[0] in steps else loss)
+        built[0].register_forward_hook(poison)
         return built
     patch(launch.train, "build_model", build)
 

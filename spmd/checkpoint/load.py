@@ -10,7 +10,7 @@ from safetensors import safe_open
 from ..runtime.offload import release_pages
 from .common import FORMAT, LATEST, RNG_CPU, RNG_CUDA, rank_file, rank_world, region
 
-__all__ = ["latest", "load", "read_full", "read_into", "read_meta", "resolve", "tensor_names"]
+__all__ = ["latest", "load", "outside_problem", "read_full", "read_into", "read_meta", "resolve", "tensor_names"]
 
 
 def latest(ckpt_dir: str | os.PathLike) -> Path | None:
@@ -62,6 +62,9 @@ class _Files:
 
     def __call__(self, name: str):
         if name not in self.handles:
+            problem = outside_problem(name)
+            if problem:
+                raise ValueError(f"{self.root}/index.json: {problem}")
             path = self.root / name
             if not path.is_file():
                 raise FileNotFoundError(f"{path} is missing; the checkpoint is incomplete")
@@ -70,11 +73,12 @@ class _Files:
 
 
 def read_into(target: torch.Tensor, key: str, shards: list[dict], files, global_shape=None,
-              name: str | None = None) -> None:
+              name: str | None = None, dtype: str | None = None) -> None:
     """Fill `target`'s local box (plain tensor: all of it) from the `shards` of tensor `key`.
 
     `shards`: [{"file", "offsets", "lengths"}]; `files(file)` returns an open `safe_open` handle. Only the
-    overlapping slices are read. Converts dtype and device as needed.
+    overlapping slices are read. Converts dtype and device as needed. Each shard must hold the shape its
+    entry names (and `dtype`, when given, the index's dtype): a file that disagrees with its index is damaged.
     """
     name = name or key
     if global_shape is not None and list(target.shape) != list(global_shape):
@@ -91,11 +95,15 @@ def read_into(target: torch.Tensor, key: str, shards: list[dict], files, global_
         if any(h <= l for l, h in zip(lo, hi)):
             continue
         f = files(shard["file"])
+        _check_stored(f, key, shard, name)
         if local.dim() == 0 or (lo == list(shard["offsets"]) and
                                 [h - l for l, h in zip(lo, hi)] == list(shard["lengths"])):
             piece = f.get_tensor(key)
         else:
             piece = f.get_slice(key)[tuple(slice(l - so, h - so) for l, h, so in zip(lo, hi, shard["offsets"]))]
+        if dtype is not None and piece.dtype != getattr(torch, dtype):
+            raise ValueError(f"{name}: {shard['file']} holds {piece.dtype} where the index says {dtype}; "
+                             "the checkpoint is damaged: resume from an earlier one")
         if lo == offsets and list(piece.shape) == lengths:
             buf = piece
         else:
@@ -108,6 +116,24 @@ def read_into(target: torch.Tensor, key: str, shards: list[dict], files, global_
                          "this rank needs; the checkpoint is incomplete")
     with torch.no_grad():
         local.copy_(buf.reshape(local.shape))
+
+
+def outside_problem(name: str) -> str | None:
+    """Why a file name from an index would reach outside its checkpoint directory (None: a plain name)."""
+    if not name or Path(name).name != name or name in (".", "..") or "\\" in name:
+        return f"names file {name!r}, which is not a file inside the checkpoint directory (damaged or edited index)"
+    return None
+
+
+def _check_stored(f, key: str, shard: dict, name: str) -> None:
+    try:
+        stored = list(f.get_slice(key).get_shape())
+    except Exception as e:  # safetensors raises its own error type for a missing key
+        raise ValueError(f"{name}: {shard['file']} has no tensor {key!r} ({type(e).__name__}); the checkpoint "
+                         "is damaged: resume from an earlier one") from None
+    if stored != list(shard["lengths"]):
+        raise ValueError(f"{name}: {shard['file']} holds shape {stored} where the index says "
+                         f"{list(shard['lengths'])}; the checkpoint is damaged: resume from an earlier one")
 
 
 def load(path: str | os.PathLike, model_state: dict[str, torch.Tensor] | None = None,
@@ -132,7 +158,7 @@ def load(path: str | os.PathLike, model_state: dict[str, torch.Tensor] | None = 
                 missing.append(key)
                 continue
             entry = index[key]
-            read_into(t, key, entry["shards"], files, entry["shape"])
+            read_into(t, key, entry["shards"], files, entry["shape"], dtype=entry["dtype"])
             release_pages([t])  # a file-backed (nvme-offloaded) tensor: its values are in its file now
         unexpected += [k for k in index if k.startswith(prefix) and k[len(prefix):] not in state]
     if strict and (missing or unexpected):
@@ -158,5 +184,5 @@ def read_full(path: str | os.PathLike, key: str) -> torch.Tensor:
         raise KeyError(f"{key} is not in checkpoint {step_dir}; it holds {sorted(index)[:8]} ...")
     entry = index[key]
     out = torch.empty(entry["shape"], dtype=getattr(torch, entry["dtype"]))
-    read_into(out, key, entry["shards"], _Files(step_dir), entry["shape"])
+    read_into(out, key, entry["shards"], _Files(step_dir), entry["shape"], dtype=entry["dtype"])
     return out

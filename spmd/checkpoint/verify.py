@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 
 from .common import FORMAT, LATEST, all_gather, rank_world
+from .load import outside_problem
 
 __all__ = ["file_record", "verify", "newest_intact"]
 
@@ -44,6 +45,9 @@ def verify(step_dir: str | os.PathLike, share: tuple[int, int] = (0, 1)) -> list
     problems = []
     r, n = share
     for name in sorted(records)[r::n]:
+        if outside_problem(name):
+            problems.append(f"index.json {outside_problem(name)}")
+            continue
         path, want = step_dir / name, records[name]
         if not path.is_file():
             problems.append(f"{name} is missing")
