@@ -62,6 +62,11 @@ MUTANTS = [
            "        master_size = 4 if separate else p.element_size()\n",
            "        master_size = p.element_size()\n",
            "tests/test_zero_table.py::test_explain_reproduces_zero_paper_table_1_for_64_devices"),
+    # fp16's loss scale does not back off after an overflow
+    Mutant("launch/nonfinite.py",
+           "            self.scale, self.good = max(self.scale / 2, 1.0), 0\n",
+           "            self.scale, self.good = max(self.scale, 1.0), 0\n",
+           "tests/test_train.py::test_fp16_on_four_processes_skips_an_overflowing_step_on_every_rank"),
 ]
 
 

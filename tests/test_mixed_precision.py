@@ -1,12 +1,13 @@
-"""bf16 compute with fp32 master weights, several AdamW steps, on every kind of mesh axis, against one process
-running the same mixed-precision recipe in plain PyTorch.
+"""bf16 compute with fp32 master weights, several AdamW steps, on dp, fsdp, tp with sp, cp and pp, against one
+process running the same mixed-precision recipe in plain PyTorch.
 
 The recipe (`reference`, no spmd): the fp32 master model is copied to bf16 for each step's forward and
 backward; each data-parallel slice of the batch (each micro-batch under pp) runs on that bf16 copy, and its
 bf16 gradients are cast to fp32 and summed in fp32; AdamW steps the fp32 masters. spmd runs it as
 `parallelize(..., param_dtype=torch.bfloat16)` (reduce_dtype fp32) with `master="params"` (fp32 parameters,
 cast when gathered) and `master="optimizer"` (bf16 parameters, the fp32 master with AdamW, through
-spmd.shard_optimizer), STEPS steps on each of SPECS, in one 4-process launch for the specs without a pipeline
+spmd.shard_optimizer; its masters start from the bf16-rounded initial weights, and so do the recipe's),
+STEPS steps on each of SPECS, in one 4-process launch for the specs without a pipeline
 and one for `pp=2,fsdp=2`.
 
 Tolerances, from bf16's machine epsilon EPS = 2^-8 (each bf16 rounding moves a value by at most EPS/2 of
@@ -14,8 +15,8 @@ itself; a tensor rounded elementwise moves by ~EPS/(2*sqrt(3)) in relative norm)
 - loss and gradients, checked before each step, relative norm <= GRAD_TOL = 4 EPS: the sharded run rounds to
   bf16 at other points than one device (a row-parallel matmul rounds each partial sum, ring attention each
   block) and the gradient passes through a few roundings per layer;
-- the fp32 masters after each step, relative norm <= MASTER_TOL = EPS / 16, an eighth of what rounding the
-  masters to bf16 once costs. The learning rate LR = 1e-5 keeps a step's change of a parameter (std 0.02) below
+- the fp32 masters after each step, relative norm <= MASTER_TOL = EPS / 16, under a quarter of what rounding
+  the masters to bf16 once costs. The learning rate LR = 1e-5 keeps a step's change of a parameter (std 0.02) below
   bf16's spacing there (2^-13 ~ 1.2e-4), as real training's updates are: only fp32 masters hold it; masters
   destroyed by a bf16 round trip miss it by more than MASTER_TOL, on every spec.
 
