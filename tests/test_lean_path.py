@@ -83,7 +83,11 @@ def _eager_and_compiled_losses(compiled: bool) -> tuple[list[float], int]:
     from spmd.runtime import detach
     traced = []
     original = detach.dtensor_dispatch
-    detach.dtensor_dispatch = lambda op, args, kwargs: traced.append(type(args[0]._local_tensor)) or original(op, args, kwargs)
+
+    def counted(op, args, kwargs):
+        traced.append(type(args[0]._local_tensor))
+        return original(op, args, kwargs)
+    detach.dtensor_dispatch = counted
     try:
         cfg, model, opt = overhead.build("tiny", "spmd", "fp32")
         spmd.apply_activation_checkpointing(model, "full")  # checkpointed blocks compile on the DTensor path
