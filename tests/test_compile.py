@@ -114,6 +114,16 @@ def test_compiled_checkpointed_accumulated_steps_match_one_device():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_inductor_with_collectives_in_the_graphs_matches_one_device():
+    """Backend "inductor" (its generated C++ kernels, and the all-gathers, reduce-scatters and all-reduces of
+    fsdp x tp x sp inside the block graphs, bucketed by inductor), every second block checkpointed, two
+    micro-batches: 3 AdamW steps match one eager device within TOL (fp32; the fused kernels reorder sums by
+    ~1e-7), with one graph for every block."""
+    run_distributed(_compiled_steps, 4, "fsdp=2,tp=2,sp", "selective:2", 2, "inductor", timeout_s=900)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("zero", [1, 2])
 def test_compiled_zero_stages_1_and_2_match_one_device(zero):
     """Compiled blocks hold gradients as the stage says: stage 2 reduce-scattered onto the optimizer's shards in
