@@ -8,7 +8,8 @@ partial sum over the data axes: reduced once per step, not per micro-batch), bac
 and its partition into forward and backward, where a DeviceMesh saved for backward or a process group looked
 up at run time fail, without inductor's code generation): 3 AdamW steps match one eager device within 1e-5
 (fp32), with no graph break and one graph for every block, checkpointed or not, and for the recompute.
-Inductor itself runs in test_train's compiled trainer run. ZeRO stages 1 and 2 compile too: a block's
+Backend "inductor" runs the same case, collectives inside its generated graphs, within the same 1e-5.
+ZeRO stages 1 and 2 compile too: a block's
 graph reduce-scatters stage-2 gradients onto the optimizer's shards and leaves stage-1 gradients partial
 sums for the step, which the test checks on the gradients' placements before the step.
 
