@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.tensor import Replicate, Shard
 
 import spmd
 from spmd.analysis.fake import fake_world
@@ -58,11 +59,26 @@ def test_the_trainer_reads_the_same_counts_from_a_config_alone(tmp_path):
                      llama.mesh_problem({"tp": 4}))
 
 
+def _local_rows(model) -> dict:
+    """{projection: (placements, local shape)} of the first layer's attention weights."""
+    attn = model.model.layers[0].self_attn
+    return {n: (tuple(w.placements), tuple(w._local_tensor.shape))
+            for n, w in (("q", attn.q_proj.weight), ("k", attn.k_proj.weight), ("o", attn.o_proj.weight))}
+
+
 def test_heads_that_divide_or_stay_whole_pass():
+    """4 query and 2 key/value heads of head_dim 8 (dim 32) over tp=2: every rank holds 2 whole query heads and
+    1 whole key/value head (the projections' rows, the output's columns); where no mesh axis splits the heads
+    (dp=4) each rank holds them all. Kills the rules' `kv_heads` unmapped from tp (the key/value projections
+    whole on every tp rank while the query heads split)."""
     with fake_world({"tp": 2}) as (mesh, _):
-        spmd.parallelize(_qwen3(4, 2), mesh, spmd.Rules.default())
+        model = spmd.parallelize(_qwen3(4, 2), mesh, spmd.Rules.default())
+        assert _local_rows(model) == {"q": ((Shard(0),), (2 * 8, 32)), "k": ((Shard(0),), (1 * 8, 32)),
+                                      "o": ((Shard(1),), (32, 2 * 8))}
     with fake_world({"dp": 4}) as (mesh, _):  # no mesh axis splits the heads
-        spmd.parallelize(_qwen3(4, 2), mesh, spmd.Rules.default())
+        model = spmd.parallelize(_qwen3(4, 2), mesh, spmd.Rules.default())
+        assert _local_rows(model) == {"q": ((Replicate(),), (32, 32)), "k": ((Replicate(),), (16, 32)),
+                                      "o": ((Replicate(),), (32, 32))}
 
 
 class _Attention(nn.Module):

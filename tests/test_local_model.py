@@ -95,15 +95,21 @@ def _mixed_precision_accumulated(per_block: bool):
     from spmd.runtime.state import STATE_ATTR
     model = spmd.parallelize(tiny_model(), spmd.make_mesh({"dp": 1}), spmd.Rules.default(),
                              param_dtype=torch.bfloat16, master="optimizer")
+    state = getattr(model, STATE_ATTR)
     if per_block:
-        drop_local_model(model, getattr(model, STATE_ATTR))
+        drop_local_model(model, state)
     opt = spmd.shard_optimizer(model, torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True))
     losses = []
     for step in range(2):
         tokens, targets = global_batch(step)
         with spmd.no_sync(model):
-            first = model(tokens[:4], targets[:4])
+            box = {}
+            dtensor_ops = count_ops(lambda: box.update(first=model(tokens[:4], targets[:4])))["DTensor ops"]
+            first = box["first"]
             (first / 2).backward()
+        # the path taken: the whole model on local tensors dispatches no DTensor op, the per-block path does
+        assert (id(model) in state.local_members) is not per_block, (per_block, step)
+        assert (dtensor_ops > 0) is per_block, (per_block, step, dtensor_ops)
         second = model(tokens[4:], targets[4:])
         (second / 2).backward()
         losses += [first.item(), second.item()]
@@ -120,5 +126,6 @@ def _same_as_per_block(rank, world):
 
 def test_one_rank_in_bf16_with_accumulation_is_the_per_block_path_bit_for_bit():
     """bf16 compute, fp32 masters with the optimizer, two micro-batches under no_sync: the same casts and sums
-    as the per-block path, which the multi-rank tests hold against one device."""
+    as the per-block path, which the multi-rank tests hold against one device. Each run asserts the path it
+    took (kills `drop_local_model` made a no-op, which sent both runs down the whole-model path)."""
     run_distributed(_same_as_per_block, 1, timeout_s=180)

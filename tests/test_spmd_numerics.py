@@ -13,6 +13,7 @@ world: after the first real AdamW step, the bytes of the local shards of every p
 AdamW moment equal the plan's exactly; the bytes autograd keeps for backward (tests/measured.py) in the
 first step are within ACT_TOL of the plan's activations, and so are they with full and every-second-block
 activation checkpointing on AC_SPECS (ZeRO-3's regather handles, tensor and sequence parallel, both).
+Kills explain's activation bytes 4% high (tests/mutants.py).
 """
 import contextlib
 
@@ -25,7 +26,7 @@ from tests.measured import saved_bytes, state_bytes
 from tests.spmd_cases import global_batch, local_slice, norm_rel_err, plan_for, tiny_model
 
 TOL = 1e-5
-ACT_TOL = 0.10
+ACT_TOL = 0.01  # measured: at most +0.46% (fsdp=4, full checkpointing)
 SPECS = ["dp=4", "fsdp=4", "dp=2,fsdp=2", "tp=4", "tp=4,sp", "fsdp=2,tp=2", "fsdp=2,tp=2,sp"]
 AC_SPECS = ["fsdp=4", "tp=4,sp", "fsdp=2,tp=2,sp"]
 AC_MODES = ["full", "selective:2"]

@@ -212,3 +212,44 @@ def test_bad_input_exits_2_with_the_fix(capsys):
     assert "pass 'bytes' or a tokenizer.json" in capsys.readouterr().err
     assert T.main(["--mesh", "cp=2", "--seq-len", "62"]) == 2
     assert "use a length that is a multiple of 4 (e.g. 60)" in capsys.readouterr().err
+
+
+def _set_loss_scale(step_dir: Path, scale: float) -> None:
+    """Rewrites a checkpoint's loss scale, and meta.json's record in its index so that it still verifies."""
+    from spmd.checkpoint.verify import file_record
+    meta = json.loads((step_dir / "meta.json").read_text())
+    meta["loss_scale"]["scale"] = scale
+    (step_dir / "meta.json").write_text(json.dumps(meta))
+    index = json.loads((step_dir / "index.json").read_text())
+    index["files"]["meta.json"] = file_record(step_dir / "meta.json")
+    (step_dir / "index.json").write_text(json.dumps(index, indent=1))
+
+
+def _tensors(step_dir: Path) -> dict:
+    from safetensors.torch import load_file
+    return {(f.name, k): v for f in sorted(step_dir.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+@pytest.mark.slow
+def test_fp16_on_four_processes_skips_an_overflowing_step_on_every_rank(tmp_path):
+    """fp16 with dynamic loss scaling on fsdp=2,tp=2 under torchrun. Step 1 trains at the default scale and
+    checkpoints; its scale is then set to 2^40, so on resume the scaled gradients of step 2 overflow fp16: the
+    step is skipped (skipped_steps 1), the scale halves to 2^39, and every rank's shards of the parameters and
+    AdamW states are the step-1 checkpoint's bit for bit. Step 1's loss tracks the fp32 one-process run within
+    1e-2 (fp16 keeps 11 bits). Kills a scale that does not back off after an overflow (tests/mutants.py)."""
+    ck, m = tmp_path / "ck", tmp_path / "m.jsonl"
+    common = [*SMALL, "--mesh", "fsdp=2,tp=2", "--dtype", "fp16", "--ckpt-dir", str(ck), "--ckpt-every", "1",
+              "--metrics", str(m)]
+    _torchrun(4, *common, "--steps", "1")
+    first = _jsonl(m)[-1]
+    assert first["skipped_steps"] == 0
+    assert first["loss"] == pytest.approx(_train("--steps", "1")[0]["loss"], rel=1e-2)
+    _set_loss_scale(ck / "step-1", 2.0 ** 40)
+    _torchrun(4, *common, "--steps", "2", "--resume")
+    row = _jsonl(m)[-1]
+    assert row["step"] == 2 and row["skipped_steps"] == 1, row
+    assert checkpoint.read_meta(ck / "step-2")["loss_scale"]["scale"] == 2.0 ** 39
+    before, after = _tensors(ck / "step-1"), _tensors(ck / "step-2")
+    assert before.keys() == after.keys() and len({f for f, _ in before}) >= 4, sorted({f for f, _ in before})
+    changed = [k for k in before if not torch.equal(before[k], after[k])]
+    assert not changed, changed[:5]

@@ -7,7 +7,9 @@ Adam (K = 12), N = 64: 31.4 GB (stage 1: 4Ψ + KΨ/N), 16.6 GB (stage 2: 2Ψ + (
 gradients, the fp32 master and two fp32 moments with the optimizer. The model is Llama-shaped (4 wide blocks
 of dim 8192, GQA, SwiGLU 64000, vocab 32000, every weight divisible by 64; few blocks keep the
 64-rank dry run short; Ψ = 7.420B) so that the plan's bytes equal the formulas exactly for its own Ψ; scaled by 7.5B/Ψ
-they are the paper's figures, within 3%.
+they are the paper's figures within 0.3% (measured: stage 1 +0.02%, stage 2 +0.24%, stage 3 -0.27%: the
+paper rounds). The plan's bytes equal the formulas exactly; kills the fp32 master copy counted in the
+parameters' dtype (tests/mutants.py).
 """
 import pytest
 import torch
@@ -42,7 +44,7 @@ def test_explain_reproduces_zero_paper_table_1_for_64_devices():
         scaled = sum(states.values()) * 7.5e9 / psi / 1e9
         print(f"stage {stage}: {sum(states.values()) / 1e9:.3f} GB at Ψ={psi / 1e9:.3f}B, scaled to 7.5B "
               f"{scaled:.3f} GB, paper {paper} GB, ratio {scaled / paper:.4f}")
-        assert abs(scaled - paper) <= 0.03 * paper, (stage, scaled, paper)
+        assert abs(scaled - paper) <= 0.003 * paper, (stage, scaled, paper)
 
 
 def test_bad_zero_settings_fail_naming_the_fix():
