@@ -29,10 +29,10 @@ __all__ = ["explain", "Plan", "P", "annotate", "annotate_by_name", "find_blocks"
            "no_sync", "parallelize", "reduce_gradients", "shard_optimizer", "search"]
 
 
-def __getattr__(name):  # spmd.search (callable) loads on first use, so `python -m spmd.search` runs cleanly
+def __getattr__(name):  # spmd.search (spmd.analysis.search's function) loads on first use
     if name == "search":
-        import importlib
-        return importlib.import_module(".search", __name__)
+        from .analysis.search import search
+        return search
     raise AttributeError(f"module 'spmd' has no attribute {name!r}")
 
 

@@ -1,12 +1,20 @@
-"""What `python -m spmd.explain` and `python -m spmd.search` share: their model flags, how a result is printed and
-saved, and the module that is also a function."""
+"""The commands `python -m spmd.explain` and `python -m spmd.search` (`explain_main`, `search_main`): their model
+flags, how a result is printed and saved. The package's `spmd.explain` and `spmd.search` are the functions
+(spmd.analysis); the command modules are scripts that run these."""
 import argparse
 import importlib
 import json
+import os
 import sys
-import types
 
-__all__ = ["add_model_args", "model_config", "batch_shape", "write_json", "report", "make_callable"]
+import torch
+
+from .analysis.explain import explain
+from .layout.mesh import parse_spec
+from .layout.rules import Rules
+
+__all__ = ["add_model_args", "model_config", "batch_shape", "write_json", "report", "explain_parser",
+           "plan_from_args", "explain_main", "search_main", "run_command"]
 
 
 def add_model_args(ap: argparse.ArgumentParser, batch_default: str) -> None:
@@ -53,11 +61,75 @@ def report(prog: str, path: str, produce) -> int:
     return 0
 
 
-def make_callable(module_name: str, fn) -> None:
-    """Makes module `module_name` callable as `fn`: importing `spmd.explain` (or `spmd.search`) replaces the
-    package's function of that name with the module, and `spmd.explain(model, ...)` must still plan."""
-    class CallableModule(types.ModuleType):
-        def __call__(self, *args, **kwargs):
-            return fn(*args, **kwargs)
+def explain_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m spmd.explain", description="Prints the plan of one training "
+                                 "step (collectives, layout decisions, memory per rank) of a registry model on a "
+                                 "mesh of any size, without devices.")
+    ap.add_argument("--mesh", default="fsdp=8,tp=8,sp", help="mesh spec, e.g. fsdp=8,tp=8,sp or pp=2,fsdp=4,tp=8")
+    add_model_args(ap, batch_default="the mesh's size")
+    ap.add_argument("--ac", default="none", help="activation checkpointing: none|full|selective:N")
+    ap.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step (gradient accumulation)")
+    ap.add_argument("--pp-schedule", default="1f1b", help="with a pp axis: gpipe|1f1b|interleaved-1f1b|zero-bubble|zbv")
+    ap.add_argument("--microbatches", type=int, default=None, help="pipeline micro-batches (default: the schedule's)")
+    ap.add_argument("--virtual-stages", type=int, default=1, help="pipeline stages per pp rank")
+    ap.add_argument("--zero", type=int, default=3, help="ZeRO stage: 1 optimizer states, 2 + gradients, 3 + "
+                    "parameters sharded over fsdp (Rules.default(zero=...))")
+    ap.add_argument("--master", default="params", help="params|optimizer: where fp32 master weights live")
+    ap.add_argument("--reduce-dtype", default="fp32", help="gradient reduction dtype: fp32|bf16")
+    ap.add_argument("--offload", default=None,
+                    help="optimizer|params|nvme:DIR: optimizer states (params: stage-3 parameter shards too) off the device")
+    return ap
 
-    sys.modules[module_name].__class__ = CallableModule
+
+def plan_from_args(a: argparse.Namespace):
+    sizes, flags = parse_spec(a.mesh)
+    cfg = model_config(a)
+    with torch.device("meta"):
+        model = cfg.build()
+    world = 1
+    for s in sizes.values():
+        world *= s
+    return explain(model, Rules.default(sequence_parallel="sp" in flags, zero=a.zero), sizes,
+                   batch_shape(a, cfg, world), a.dtype, ac=a.ac, grad_accum=a.grad_accum, schedule=a.pp_schedule,
+                   microbatches=a.microbatches, virtual_stages=a.virtual_stages, reduce_dtype=a.reduce_dtype,
+                   master=a.master, offload=a.offload)
+
+
+def explain_main(argv=None) -> int:
+    a = explain_parser().parse_args(argv)
+    return report("spmd.explain", a.json, lambda: plan_from_args(a))
+
+
+def search_main(argv=None) -> int:
+    from .analysis.search import search
+    ap = argparse.ArgumentParser(prog="python -m spmd.search", description=sys.modules["spmd.analysis.search"].__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--world", type=int, default=64, help="number of devices")
+    ap.add_argument("--device", default="h100", help="h100|h200|a100|cpu")
+    add_model_args(ap, batch_default="world")
+    ap.add_argument("--budget-gib", type=float, default=None, help="memory budget per rank (default 90%% of device)")
+    ap.add_argument("--ac", default=None, help="assume this activation checkpointing (none|full|selective:N) "
+                    "instead of the least that fits")
+    ap.add_argument("--grad-accum", type=int, default=None, help="assume this many micro-batches per step instead "
+                    "of the fewest that fit")
+    ap.add_argument("--zero", type=int, default=None, help="assume this ZeRO stage (1|2|3) on meshes with an fsdp "
+                    "axis instead of trying each")
+    ap.add_argument("--top", type=int, default=None)
+    ap.add_argument("--workers", type=int, default=min(os.cpu_count() or 1, 8), help="planning processes")
+    a = ap.parse_args(argv)
+
+    def ranked():
+        cfg = model_config(a)
+        return search(cfg, a.world, a.device, None if a.budget_gib is None else a.budget_gib * 2**30,
+                      batch_shape(a, cfg, a.world), a.dtype, a.top, workers=a.workers, ac=a.ac,
+                      grad_accum=a.grad_accum, zero=a.zero)
+    return report("spmd.search", a.json, ranked)
+
+
+def run_command(module_name: str, main) -> None:
+    """The body of a command module (spmd/explain.py, spmd/search.py): runs `main` as `python -m module_name`.
+    Imported instead, the module would take the place of the package's function of the same name."""
+    if module_name != "__main__":
+        raise ImportError(f"spmd.{main.__name__.split('_')[0]} is a command (python -m); its code is "
+                          f"spmd.cli.{main.__name__}, and the function of that name is the package's")
+    raise SystemExit(main())

@@ -1,5 +1,4 @@
-"""`spmd.search`: the spec search (spmd.analysis.search), callable as `spmd.search(model, 64, device="h100")`,
-and its command line:
+"""`python -m spmd.search`: the spec search (spmd.cli.search_main; in code `spmd.search(model, 64, device="h100")`):
 
     python -m spmd.search --model 8b --world 8 --device h100 --batch 16 --seq 8192 [--ac full] [--grad-accum 2]
                           [--zero 1|2|3]
@@ -8,44 +7,8 @@ and its command line:
 Each ranked row ends in the launch.train flags it assumes: --mesh SPEC [--zero K] --ac MODE --grad-accum K
 (--zero where the mesh has an fsdp axis: each stage is a row of its own unless --zero pins one).
 """
-import argparse
-import os
-import sys
+from spmd.cli import run_command, search_main
 
-from .analysis.search import (Row, SearchResult, candidate_specs, flops_per_token, links, model_state_bytes,
-                              predict, search, spec_name)
-from .cli import add_model_args, batch_shape, make_callable, model_config, report
+__all__: list[str] = []
 
-__all__ = ["search", "main", "Row", "SearchResult", "candidate_specs", "flops_per_token", "links",
-           "model_state_bytes", "predict", "spec_name"]
-
-
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m spmd.search", description=sys.modules["spmd.analysis.search"].__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--world", type=int, default=64, help="number of devices")
-    ap.add_argument("--device", default="h100", help="h100|h200|a100|cpu")
-    add_model_args(ap, batch_default="world")
-    ap.add_argument("--budget-gib", type=float, default=None, help="memory budget per rank (default 90%% of device)")
-    ap.add_argument("--ac", default=None, help="assume this activation checkpointing (none|full|selective:N) "
-                    "instead of the least that fits")
-    ap.add_argument("--grad-accum", type=int, default=None, help="assume this many micro-batches per step instead "
-                    "of the fewest that fit")
-    ap.add_argument("--zero", type=int, default=None, help="assume this ZeRO stage (1|2|3) on meshes with an fsdp "
-                    "axis instead of trying each")
-    ap.add_argument("--top", type=int, default=None)
-    ap.add_argument("--workers", type=int, default=min(os.cpu_count() or 1, 8), help="planning processes")
-    a = ap.parse_args(argv)
-
-    def ranked():
-        cfg = model_config(a)
-        return search(cfg, a.world, a.device, None if a.budget_gib is None else a.budget_gib * 2**30,
-                      batch_shape(a, cfg, a.world), a.dtype, a.top, workers=a.workers, ac=a.ac,
-                      grad_accum=a.grad_accum, zero=a.zero)
-    return report("spmd.search", a.json, ranked)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
-else:
-    make_callable(__name__, search)
+run_command(__name__, search_main)

@@ -9,6 +9,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 ROOMS = ("layout", "runtime", "pipeline", "analysis")  # each may import only the ones before it
 MAX_FILE_LINES, MAX_FUNCTION_LINES = 300, 60
+COMMANDS = ("spmd.explain", "spmd.search")  # scripts run by `python -m`, never imported (spmd.cli)
 
 
 def _modules(package: str) -> dict[str, Path]:
@@ -100,7 +101,7 @@ def test_module_is_small_and_says_what_it_owns(name):
 def test_all_names_exist():
     import importlib
     for name in MODULES:
-        if name.endswith("explain_child"):
+        if name.endswith("explain_child") or name in COMMANDS:
             continue
         module = importlib.import_module(name)
         missing = [n for n in module.__all__ if n != "search" and not hasattr(module, n)]
@@ -114,3 +115,41 @@ def test_models_are_found_through_the_registry():
             assert hasattr(entry.config, method), f"{entry.name}: its config lacks {method}"
     cfg = models.preset("tiny")
     assert models.entry(cfg).model is type(cfg.build()) and models.preset("llama:tiny") == cfg
+
+
+_TORCH_TABLES = """
+import json, sys
+from torch.distributed.tensor import DTensor
+def tables():
+    d = DTensor._op_dispatcher
+    p = d.sharding_propagator
+    out = {"custom_op_handlers": d._custom_op_handlers}
+    out.update({k: v for k, v in vars(p).items() if isinstance(v, dict)})
+    return {k: sorted(f"{op}={id(f)}" for op, f in v.items()) for k, v in out.items()}
+before = tables()
+import spmd, spmd.cli, spmd.analysis, spmd.pipeline, spmd.checkpoint  # noqa
+after = tables()
+changed = {k: sorted(set(after[k]) ^ set(before[k])) for k in before if after[k] != before[k]}
+print(json.dumps({"changed": changed, "tables": len(before)}))
+"""
+
+
+def test_importing_spmd_changes_nothing_in_torch():
+    """DTensor's op handler table and its sharding propagator's strategy and rule tables are the same before and
+    after `import spmd` (a fresh interpreter); spmd.runtime.dtensor.install, which parallelize and explain call,
+    registers spmd's handlers. Mutation: an `install()` at the end of spmd/runtime/dtensor/detach.py fails it."""
+    import json
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-c", _TORCH_TABLES], capture_output=True, text=True, cwd=ROOT,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["tables"] >= 3 and not result["changed"], result["changed"]
+
+
+def test_no_module_swaps_a_class_or_an_entry_in_sys_modules():
+    """spmd.explain and spmd.search are the package's functions; their commands are scripts (spmd.cli)."""
+    found = [f"{name}: {line.strip()}" for name, path in MODULES.items() for line in path.read_text().splitlines()
+             if "sys.modules[" in line and ("__class__" in line or "] =" in line)]
+    assert not found, found

@@ -62,6 +62,7 @@ def test_blocks_on_local_tensors_carry_no_hooks_inside_until_they_take_the_dtens
 
 
 def _detach(rank, world):
+    spmd.runtime.dtensor.install()  # (parallelize installs it; this DTensor is made by hand)
     mesh = spmd.make_mesh({"fsdp": 2})
     full = torch.arange(24.0).reshape(4, 6).requires_grad_()
     x = DTensor.from_local(full[2 * rank:2 * rank + 2] * 1.0, mesh, [Shard(0)], run_check=False)

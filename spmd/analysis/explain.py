@@ -20,7 +20,7 @@ from ..layout.annotate import fake_copy
 from ..layout.dtypes import as_dtype
 from ..layout.mesh import MESH_AXES, check_sizes, mesh_sizes
 from ..layout.sequence import check_seq_len, rank_positions
-from ..runtime import attention_memory
+from ..runtime import attention_memory, dtensor
 from ..runtime.checkpointing import apply_activation_checkpointing, parse_mode
 from ..runtime.parallelize import no_sync, parallelize
 from ..runtime.reshard import observe_saved
@@ -58,6 +58,7 @@ def explain(model: nn.Module, rules, mesh_or_sizes, batch_shape=(8, 2048), dtype
     and `offload` mean what they mean to `parallelize`; `plan.memory` counts each state in its layout and
     dtype, host bytes apart (spmd/analysis/memory.py).
     """
+    dtensor.install()
     pipeline = dict(schedule=schedule, microbatches=microbatches, virtual_stages=virtual_stages,
                     split_cost=split_cost)
     if hasattr(model, STATE_ATTR):

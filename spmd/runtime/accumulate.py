@@ -11,6 +11,7 @@ from . import tags
 from .activations import map_tensors
 from .gradients import grads_layout, held_for_step
 from .step_reduce import reduce_all_to
+from .dtensor.stack import after_backward
 
 __all__ = ["reduce_after_backward"]
 
@@ -33,7 +34,7 @@ class _QueueReduction(torch.autograd.Function):
         if not ctx.once:
             ctx.once.append(True)
             state = ctx.state  # the flag holds until then: a checkpointed block's recompute reads it
-            torch.autograd.Variable._execution_engine.queue_callback(lambda: reduce_accumulated(state))
+            after_backward(lambda: reduce_accumulated(state))
         return g, None, None
 
 

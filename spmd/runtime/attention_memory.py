@@ -13,6 +13,7 @@ import weakref
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+from .dtensor.wrap import local_of
 
 __all__ = ["observe", "attending", "attending_now", "note_saved"]
 
@@ -97,4 +98,4 @@ def _is_tensor(t) -> bool:
 
 
 def _storage(t):
-    return (t._local_tensor if isinstance(t, DTensor) else t).untyped_storage()
+    return local_of(t).untyped_storage()

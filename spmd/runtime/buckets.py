@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor
 from ..layout.blocks import find_blocks
 from . import flat, tags
 from .gradients import grads_layout, held_for_step, join_unreduced, reduce_for_step, reduce_to, slice_onto_shards
-from .wrap import cast_all, cast_locals, wrap_local
+from .dtensor.wrap import cast_all, cast_locals, local_of, wrap_local
 from .reshard import CHECKPOINTED_ATTR, gathers_in_graph
 
 __all__ = ["Bucket", "make_buckets", "drop_root_unit", "gather_bucket", "regather_for_recompute", "shard_dims"]
@@ -58,7 +58,7 @@ class Bucket:
         """Starts the all-gather of the first mesh axis (asynchronous); `finish` completes the gather. Issued
         one block ahead, it runs while the previous block computes (FSDP2's prefetch)."""
         with torch.no_grad():
-            locals_ = [p._local_tensor for p in self.params]
+            locals_ = [local_of(p) for p in self.params]
             if dtype is not None:
                 locals_ = cast_locals(locals_, dtype)
             axes = sorted({m for dims in self.shard_dims for m in dims})
@@ -140,7 +140,7 @@ class Bucket:
             for m in (m for m in range(mesh.ndim) if mesh.size(m) > 1):
                 members = [i for i, g in work.items() if _bucketable(g.placements[m], grads_layout(self.params[i])[m],
                                                                       kind, work[i], mesh.size(m))]
-                for group in _by_dtype(members, {i: work[i]._local_tensor for i in members}):
+                for group in _by_dtype(members, {i: local_of(work[i]) for i in members}):
                     self._reduce_group(work, group, m, kind)
         for i, g in work.items():
             storage = grads_layout(self.params[i])
@@ -172,7 +172,7 @@ class Bucket:
 
     def _reduce_group(self, work: dict, group: list, m: int, kind: str):
         mesh, what = self.mesh, f"gradients of {self.name} ({len(group)} parameters, one buffer)"
-        tensors = [work[i]._local_tensor for i in group]
+        tensors = [local_of(work[i]) for i in group]
         if kind == "reduce_scatter":
             with tags.reason(self.name, f"reduce-scatter {what}"):
                 pending = flat.reduce_scatter(tensors, [grads_layout(self.params[i])[m].dim for i in group], mesh, m)
@@ -190,7 +190,7 @@ def _bucketable(current, storage, kind: str, g, n: int) -> bool:
     if not (current.is_partial() and getattr(current, "reduce_op", "sum") == "sum"):
         return False
     if kind == "reduce_scatter":
-        return storage.is_shard() and g._local_tensor.shape[storage.dim] % n == 0
+        return storage.is_shard() and local_of(g).shape[storage.dim] % n == 0
     return storage.is_replicate()
 
 

@@ -37,7 +37,7 @@ from .all_to_all import AllToAll
 from .activations import grad_layout, move
 from .routed_dispatch import RoutedDispatch
 from .whole_experts import balanced_grouped_products, check_whole, routes_itself
-from .wrap import contiguous_stride
+from .dtensor.wrap import contiguous_stride
 
 __all__ = ["EXPERTS", "expert_modules", "check_expert_layout", "install_expert_hooks", "balanced_routing"]
 

@@ -28,6 +28,8 @@ from .local_edges import batch_grad_layout, to_local, wrap_outputs
 from .params import gather_param, gather_shared, kept_for_backward, moves_data
 from .reshard import CHECKPOINTED_ATTR, reshard_after_forward, storage_key
 from .whole_experts import routes_itself
+from .dtensor.stack import resume, suspend_top
+from .dtensor.wrap import local_of
 
 __all__ = ["local_blocks", "enter_local", "LocalBlock", "whole_members"]
 
@@ -151,7 +153,7 @@ class LocalBlock:
             self.hooks = reshard_after_forward(regather, state, self.name)
             self.hooks.__enter__()
         first = next(iter(_dtensors(args, kwargs)))
-        self.batch = (first._local_tensor.shape[0] if first.ndim else None, first.shape[0] if first.ndim else None)
+        self.batch = (local_of(first).shape[0] if first.ndim else None, first.shape[0] if first.ndim else None)
         return (tuple(to_local(a, self.split) for a in args),
                 {k: to_local(v, self.split) for k, v in kwargs.items()})
 
@@ -163,7 +165,7 @@ class LocalBlock:
             self.drop_values()
             return wrap_outputs(output, self.state.mesh, self.layout, self.batch)
         finally:
-            _resume(self.mode)
+            resume(self.mode)
 
 
     def value(self, gathered: dict, p) -> torch.Tensor:
@@ -182,7 +184,7 @@ class LocalBlock:
     def put_buffers(self) -> None:
         """The modules' own buffers (rotary tables, an embedding's scale) as local tensors."""
         for m, n, b in self.buffers:
-            m.__dict__[n] = b.to_local() if b.requires_grad else b._local_tensor
+            m.__dict__[n] = b.to_local() if b.requires_grad else local_of(b)
 
     def drop_values(self) -> None:
         """Takes the local parameters and buffers out of the modules: their DTensors show through again."""
@@ -210,18 +212,7 @@ def _suspend_global_view(state):
     """Takes the model's global-view mode (spmd.runtime.plain) off the torch-function stack from the block's
     entry to its exit: with no DTensor inside, it has nothing to do, yet it would see every op and every read
     of a tensor's attributes. Returns it, to put back; None when another mode sits above it."""
-    if not state.global_view:
-        return None
-    n = torch._C._len_torch_function_stack()
-    mode = state.global_view[-1][1]
-    if n == 0 or torch._C._get_function_stack_at(n - 1) is not mode:
-        return None
-    return torch._C._pop_torch_function_stack()
-
-
-def _resume(mode) -> None:
-    if mode is not None:
-        torch._C._push_on_torch_function_stack(mode)
+    return suspend_top(state.global_view[-1][1]) if state.global_view else None
 
 
 _INSIDE_ATTR = "_spmd_local_inside"  # on a module that runs on local tensors inside its block's forward
@@ -241,13 +232,13 @@ def enter_local(state, mod, name: str, args, kwargs):
     try:
         layout = _batch_layout(args, kwargs, state)
         if layout is None or (any(q.is_shard() for q in layout) and _whole_batch_plain(args, kwargs)):
-            _resume(mode)
+            resume(mode)
             return None  # a plain tensor made from global shapes (a mask) meets the split batch: DTensor slices it
         call = LocalBlock(state, mod, name, members, layout)
         call.mode = mode
         out = call.enter(args, kwargs)
     except BaseException:
-        _resume(mode)
+        resume(mode)
         raise
     state.local.append(call)
     return out

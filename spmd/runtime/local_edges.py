@@ -6,7 +6,7 @@ import torch
 from torch.distributed.tensor import DTensor, Partial
 from torch.distributed.tensor._utils import compute_global_tensor_info
 
-from .wrap import contiguous_stride, layout_spec, wrap_local
+from .dtensor.wrap import contiguous_stride, layout_spec, local_of, wrap_local
 
 __all__ = ["to_local", "from_local", "batch_grad_layout", "wrap_outputs"]
 
@@ -19,7 +19,7 @@ def to_local(x, partial_axes: tuple = ()):
             return type(x)(to_local(v, partial_axes) for v in x)
         return x
     if not x.requires_grad:  # (RoPE tables, token ids): no gradient to lay out, no autograd node
-        return x._local_tensor
+        return local_of(x)
     layout = batch_grad_layout(x.placements, partial_axes) if partial_axes else tuple(x.placements)
     made = getattr(x, _MADE_FROM_ATTR, None)
     if made is not None and made[1] == layout and x.grad_fn is made[2] and x._version == made[3]:
@@ -35,7 +35,7 @@ class _ToLocal(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: DTensor, layout):
-        local = x._local_tensor
+        local = local_of(x)
         ctx.mesh, ctx.layout, ctx.shape, ctx.stride, ctx.local_stride = (x.device_mesh, layout, x.shape, x.stride(),
                                                                          local.stride())
         ctx.set_materialize_grads(False)
@@ -68,7 +68,7 @@ class _FromLocal(torch.autograd.Function):
             return None, None, None, None, None
         if tuple(g.placements) != ctx.layout:
             g = g.redistribute(placements=ctx.layout)
-        return g._local_tensor, None, None, None, None
+        return local_of(g), None, None, None, None
 
 
 def from_local(t: torch.Tensor, mesh, layout, shape, stride) -> DTensor:

@@ -16,7 +16,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from .host import host_tensor
-from .wrap import wrap_local
+from .dtensor.wrap import local_of, wrap_local
 
 __all__ = ["nvme_dir", "host_copy", "file_backed_adam_state", "file_backed", "release_pages"]
 
@@ -54,7 +54,7 @@ def file_backed_adam_state(opt: torch.optim.Optimizer, masters, directory: str) 
         raise ValueError(f"offload='nvme:DIR' keeps Adam/AdamW moments in files; {type(opt).__name__} is not "
                          f"supported: use torch.optim.AdamW, or offload='optimizer'")
     for m in masters:
-        local = m._local_tensor
+        local = local_of(m)
         state = {"step": torch.zeros((), dtype=torch.float32)}
         for key in ("exp_avg", "exp_avg_sq"):
             t = _file_tensor(directory, f"{m._spmd_name}.{key}", local)
@@ -64,7 +64,7 @@ def file_backed_adam_state(opt: torch.optim.Optimizer, masters, directory: str) 
 
 def file_backed(t: torch.Tensor) -> bool:
     """Whether `t` (or a DTensor's local shard) lives in a memory-mapped file (offload="nvme:DIR")."""
-    return (t._local_tensor if isinstance(t, DTensor) else t).untyped_storage().filename is not None
+    return local_of(t).untyped_storage().filename is not None
 
 
 _libc = ctypes.CDLL(None, use_errno=True) if hasattr(mmap, "MADV_DONTNEED") else None
@@ -75,7 +75,7 @@ def release_pages(tensors) -> None:
     the shared mapping: dirty pages stay in the file; the next access reads them back). Tensors that are
     not file-backed are left alone."""
     for t in tensors:
-        storage = (t._local_tensor if isinstance(t, DTensor) else t).untyped_storage()
+        storage = local_of(t).untyped_storage()
         if _libc is None or not file_backed(t) or storage.nbytes() == 0:
             continue
         if _libc.madvise(ctypes.c_void_p(storage.data_ptr()), ctypes.c_size_t(storage.nbytes()),

@@ -27,7 +27,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from . import tags
 from .gradients import HELD_ATTR, grads_layout, held_for_step, optim_layout, slice_onto_shards
-from .wrap import wrap_local
+from .dtensor.wrap import local_of, wrap_local
 from .offload import file_backed_adam_state, host_copy, nvme_dir, release_pages
 from .state import laid_out_parts
 from .step_reduce import reduce_all_to
@@ -62,7 +62,7 @@ def shard_optimizer(model: nn.Module, opt: torch.optim.Optimizer) -> torch.optim
         _unfuse_for_views(group)
     offload = parts[0][1].offload  # a pipeline's stages are laid out alike
     streamed = bool(pairs) and nvme_dir(offload) is not None
-    if streamed and not isinstance(pairs[0][1]._local_tensor, FakeTensor):
+    if streamed and not isinstance(local_of(pairs[0][1]), FakeTensor):
         file_backed_adam_state(opt, [m for _, m in pairs], nvme_dir(offload))
         release_pages(_file_tensors(opt, [m for _, m in pairs]))
     if pairs:
@@ -126,8 +126,8 @@ def refresh_masters(opt: torch.optim.Optimizer) -> None:
     under master="optimizer" restarts the fp32 master from the stored parameters). Views need nothing."""
     for m in (m for g in opt.param_groups for m in g["params"] if hasattr(m, MASTER_OF_ATTR)):
         local = _local_view(getattr(m, MASTER_OF_ATTR), m.placements)
-        if local.untyped_storage()._cdata != m._local_tensor.untyped_storage()._cdata:
-            m._local_tensor.copy_(local)
+        if local.untyped_storage()._cdata != local_of(m).untyped_storage()._cdata:
+            local_of(m).copy_(local)
 
 
 def _master(p: DTensor, state) -> DTensor:
@@ -154,7 +154,7 @@ def _unfuse_for_views(group: dict) -> None:
     """A fused step (`fused=True`) on a master that is a strided view of its parameter's shard (fp32 ZeRO-1
     and 2, sharded on a dim other than the first) would update the wrong elements: torch's fused AdamW treats
     each tensor as contiguous (on the CPU, torch 2.13). Such a group steps with foreach kernels instead."""
-    if group.get("fused") and any(isinstance(m, DTensor) and not m._local_tensor.is_contiguous()
+    if group.get("fused") and any(isinstance(m, DTensor) and not local_of(m).is_contiguous()
                                   for m in group["params"]):
         group["fused"], group["foreach"] = False, True
 
@@ -168,7 +168,7 @@ def _local_view(p: DTensor, optim) -> torch.Tensor:
     mesh = p.device_mesh
     mine, mine_at = compute_local_shape_and_global_offset(p.shape, mesh, p.placements)
     want, want_at = compute_local_shape_and_global_offset(p.shape, mesh, optim)
-    local = p._local_tensor
+    local = local_of(p)
     for d, (n, at, base, base_n) in enumerate(zip(want, want_at, mine_at, mine)):
         if at < base or at + n > base + base_n:
             raise ValueError(f"{p._spmd_name}: its optimizer shard {optim} is not inside its stored shard "
@@ -193,7 +193,7 @@ def _grads_to_masters(pairs, copy_out: bool, copies=None):
             if id(p) in copied:
                 master.grad = copied[id(p)]
             elif copies is not None and id(p) in copies.master_of:
-                master.grad = copies.copy_now(slice_onto_shards(g, master.placements)._local_tensor, master)
+                master.grad = copies.copy_now(local_of(slice_onto_shards(g, master.placements)), master)
             else:
                 g = slice_onto_shards(g, master.placements)
                 master.grad = g.to(master.device, master.dtype, copy=copy_out)

@@ -19,7 +19,7 @@ from ..layout.annotate import get_pin, infer_axes, out_dim
 from ..layout.heads import check_heads_divide
 from ..layout.mesh import flatten_groups, mesh_sizes
 from ..layout.rules import Rules, _as_axes, placements_for
-from . import detach, fused_step, ops  # noqa: F401  (DTensor op handlers and sharding strategies, on import)
+from . import dtensor
 from . import hooked, tags
 from . import state as active
 from .accumulate import reduce_after_backward
@@ -36,7 +36,7 @@ from .plain import GlobalView
 from .reducer import DEFAULT_BUCKET_MB, GradientReducer
 from .state import STATE_ATTR, SPMDState
 from .storage import check_param_init, laid_out_buffer, laid_out_param
-from .wrap import as_dtensor
+from .dtensor.wrap import as_dtensor
 
 __all__ = ["parallelize", "no_sync", "param_layouts"]
 
@@ -96,6 +96,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, rules: Rules, *, param_dtype
     """
     if hasattr(model, STATE_ATTR):
         raise ValueError("this model is already parallelized; build a fresh model to lay it out again")
+    dtensor.install()
     _refuse_foreign_checkpointing(model)
     state = SPMDState(mesh, rules, param_dtype, reduce_dtype, input_axes, master, offload)
     layouts = param_layouts(model, mesh, rules)  # every check runs before anything changes

@@ -9,7 +9,7 @@ partial sums for the pass to reduce where it plans to.
 import torch
 from torch.distributed.tensor import DTensor
 
-from .wrap import wrap_local
+from .dtensor.wrap import local_of, wrap_local
 
 __all__ = ["MULTIPLIES", "scale_partial"]
 
@@ -24,7 +24,7 @@ def scale_partial(a, b) -> DTensor | None:
                                            for p in x.placements)
                 and isinstance(s, torch.Tensor) and s.numel() == 1 and not s.requires_grad
                 and (not isinstance(s, DTensor) or all(p.is_replicate() for p in s.placements))):
-            return _ScalePartial.apply(x, s._local_tensor if isinstance(s, DTensor) else s)
+            return _ScalePartial.apply(x, local_of(s))
     return None
 
 
@@ -32,10 +32,10 @@ class _ScalePartial(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: DTensor, s: torch.Tensor):
         ctx.s = s
-        local = x._local_tensor * s
+        local = local_of(x) * s
         return wrap_local(local, x.device_mesh, x.placements, x.shape, local.stride())
 
     @staticmethod
     def backward(ctx, g):
-        local = g._local_tensor * ctx.s
+        local = local_of(g) * ctx.s
         return wrap_local(local, g.device_mesh, g.placements, g.shape, local.stride()), None

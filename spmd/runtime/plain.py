@@ -25,7 +25,7 @@ from torch.utils._pytree import tree_map
 
 from . import attention_memory, direct, loss, partial_scale, ring, tags
 from .activations import grad_layout, move
-from .wrap import as_dtensor
+from .dtensor.wrap import as_dtensor, local_of
 
 __all__ = ["GlobalView"]
 
@@ -137,7 +137,7 @@ def _replicated_constant(t, mesh) -> bool:
 def _local_slice(mask: torch.Tensor, q: DTensor) -> torch.Tensor:
     """This rank's part of a whole mask broadcast against attention scores [batch, heads, q_seq, k_seq] that
     are split as `q` is: along each dim q's layout splits (batch or heads), unless the mask broadcasts it."""
-    local = mask._local_tensor if isinstance(mask, DTensor) else mask
+    local = local_of(mask)
     offset = local.ndim - 4  # a mask of fewer dims broadcasts from the right
     mesh = q.device_mesh
     for i, p in enumerate(q.placements):  # mesh dims in order: each splits what the ones before left

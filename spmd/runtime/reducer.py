@@ -19,7 +19,8 @@ from torch.distributed.tensor import DTensor
 
 from . import flat, tags
 from .gradients import grads_layout, reduce_to
-from .wrap import cast, wrap_local
+from .dtensor.wrap import cast, local_of, wrap_local
+from .dtensor.stack import after_backward
 
 __all__ = ["GradientReducer", "DEFAULT_BUCKET_MB", "FIRST_BUCKET_MB"]
 
@@ -67,9 +68,9 @@ class GradientReducer:
         and the dims `summed` (all-reduced) only; it is reduced by the end of backward."""
         key = (scatter, tuple(summed), g.dtype)
         self.open.setdefault(key, []).append((p, g, block))
-        self.sizes[key] = self.sizes.get(key, 0) + g._local_tensor.numel() * g._local_tensor.element_size()
+        self.sizes[key] = self.sizes.get(key, 0) + local_of(g).numel() * local_of(g).element_size()
         if not self.queued:
-            torch.autograd.Variable._execution_engine.queue_callback(self.finish)
+            after_backward(self.finish)
             self.queued = True
         if self.sizes[key] >= (self.cap if key in self.started else self.first_cap):
             self._issue(key)
@@ -81,7 +82,7 @@ class GradientReducer:
         self.started.add(key)
         blocks = sorted({b for _, _, b in members})
         what = f"gradients of {', '.join(blocks)} ({len(members)} parameters, one buffer)"
-        tensors = [g._local_tensor for _, g, _ in members]
+        tensors = [local_of(g) for _, g, _ in members]
         for earlier in self.issued:
             earlier.advance(self.mesh)
         with tags.phase("backward"):

@@ -12,6 +12,7 @@ from torch.distributed.tensor import DTensor
 
 from . import attention_memory, tags
 from .host import to_compute
+from .dtensor.wrap import local_of
 
 __all__ = ["CHECKPOINTED_ATTR", "BODY_COMPILED_ATTR", "gathers_in_graph", "reshard_after_forward", "storage_key",
            "observe_saved"]
@@ -32,7 +33,7 @@ _observers: list[dict] = []
 
 def storage_key(t: torch.Tensor) -> int:
     """The storage a tensor (a DTensor: its local tensor) views: tensors aliasing one storage share the key."""
-    local = t._local_tensor if isinstance(t, DTensor) else t
+    local = local_of(t)
     return local.untyped_storage()._cdata
 
 
@@ -42,7 +43,7 @@ class _Regather:
     def __init__(self, param, compute, dtype, module, t: torch.Tensor, bucket=None, state=None):
         self.param, self.compute, self.dtype, self.module, self.bucket = param, compute, dtype, module, bucket
         self.state = state
-        local = t._local_tensor if isinstance(t, DTensor) else t
+        local = local_of(t)
         self.local_view = (local.size(), local.stride(), local.storage_offset())
         # a plain tensor is a view of the gathered local shard (experts compute on local tensors)
         self.spec = (t.device_mesh, t.placements, t.shape, t.stride()) if isinstance(t, DTensor) else None
@@ -55,7 +56,7 @@ class _Regather:
             with tags.reason(self.module, f"regather {self.param._spmd_name} for backward"):
                 full = p.redistribute(p.device_mesh, self.compute)
         size, stride, offset = self.local_view
-        local = full._local_tensor
+        local = local_of(full)
         if isinstance(local, AsyncCollectiveTensor):
             local = local.wait()
         local = local.as_strided(size, stride, offset)
@@ -83,7 +84,7 @@ def reshard_after_forward(gathered: dict, state, module: str):
 
 def _observe(t):
     if _observers:
-        local = t._local_tensor if isinstance(t, DTensor) else t
+        local = local_of(t)
         storage = local.untyped_storage()
         for seen in _observers:
             seen[storage._cdata] = storage.nbytes()

@@ -7,7 +7,7 @@ from torch.distributed.tensor import distribute_tensor
 from ..layout.annotate import copy_annotations, get_pin
 from ..layout.rules import placements_for
 from .host import host_params, host_tensor
-from .wrap import wrap_local
+from .dtensor.wrap import local_of, wrap_local
 
 __all__ = ["check_param_init", "laid_out_param", "laid_out_buffer"]
 
@@ -24,7 +24,7 @@ def laid_out_param(p, name: str, layout, state, param_init) -> nn.Parameter:
     value = _initial_value(p, name, param_init)
     dt = distribute_tensor(value.to(state.storage_dtype(value.dtype)), state.mesh, storage, src_data_rank=None)
     if host_params(state):
-        dt = wrap_local(host_tensor(dt._local_tensor), state.mesh, storage, dt.shape, dt.stride())
+        dt = wrap_local(host_tensor(local_of(dt)), state.mesh, storage, dt.shape, dt.stride())
     new = nn.Parameter(dt, requires_grad=p.requires_grad)
     copy_annotations(p, new)
     new._spmd_compute, new._spmd_grads, new._spmd_optim = compute, grads, optim

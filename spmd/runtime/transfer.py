@@ -22,7 +22,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
 from .gradients import held_for_step
-from .wrap import wrap_local
+from .dtensor.wrap import local_of, wrap_local
 
 __all__ = ["SideStream", "side_stream", "GradientCopies", "bit_sum"]
 
@@ -88,7 +88,7 @@ def side_stream(device: torch.device) -> SideStream:
 
 def _fake(t) -> bool:
     """Whether `t` (or a DTensor's local tensor) is a FakeTensor (explain's dry run: there is nothing to copy)."""
-    return isinstance(getattr(t, "_local_tensor", t), FakeTensor)
+    return isinstance(local_of(t), FakeTensor)
 
 
 class _Copy:
@@ -138,7 +138,7 @@ class GradientCopies:
         master, g = self.master_of.get(id(p)), p.grad
         if master is None or g is None or tuple(g.placements) != tuple(master.placements) or _fake(g):
             return
-        local = g._local_tensor
+        local = local_of(g)
         record = self.copied.get(id(p))
         if record is None or record.grad is not None or not record.same_memory(local):
             self.side.stream_wait_current()
@@ -158,7 +158,7 @@ class GradientCopies:
             pieces = pending.results()
         for i, p in chosen:
             master = self.master_of[id(p)]
-            if pieces[i].shape == master._local_tensor.shape:
+            if pieces[i].shape == local_of(master).shape:
                 self.copied[id(p)] = self._copy(master, pieces[i])
 
     def take(self, pairs) -> dict:
@@ -166,10 +166,10 @@ class GradientCopies:
         whose gradient is unchanged since (call after `side.host_wait()`). The records are used up."""
         records = [(p, m, self.copied.pop(id(p), None)) for p, m in pairs]
         valid = [(p, m, r) for p, m, r in records if r is not None and p.grad is r.grad
-                 and p.grad._version == r.version and r.same_memory(p.grad._local_tensor)]
+                 and p.grad._version == r.version and r.same_memory(local_of(p.grad))]
         if not valid:
             return {}
-        now = torch.stack([bit_sum(p.grad._local_tensor) for p, _, _ in valid])
+        now = torch.stack([bit_sum(local_of(p.grad)) for p, _, _ in valid])
         then = torch.stack([r.checksum.to(now.device) for _, _, r in valid])
         same = (now == then).tolist()
         return {id(p): wrap_local(self.buffers[id(m)], m.device_mesh, m.placements, m.shape, m.stride())
@@ -196,7 +196,7 @@ class GradientCopies:
     def _buffer(self, master) -> torch.Tensor:
         buffer = self.buffers.get(id(master))
         if buffer is None:
-            local = master._local_tensor
+            local = local_of(master)
             buffer = self.buffers[id(master)] = torch.empty(local.shape, dtype=local.dtype,
                                                             pin_memory=torch.cuda.is_available())
         return buffer

@@ -8,7 +8,7 @@ import torch
 from . import flat, tags
 from .reducer import DEFAULT_BUCKET_MB
 from .transfer import SideStream, side_stream
-from .wrap import wrap_local
+from .dtensor.wrap import local_of, wrap_local
 
 __all__ = ["MASTER_OF_ATTR", "gather_updated", "gather_into_param"]
 
@@ -59,7 +59,7 @@ def _capped(members: list, cap: int) -> list:
     larger one alone)."""
     runs, size = [[]], 0
     for master, dim in members:
-        local = getattr(master, MASTER_OF_ATTR)._local_tensor
+        local = local_of(getattr(master, MASTER_OF_ATTR))
         nbytes = local.numel() * local.element_size()
         if runs[-1] and size + nbytes > cap:
             runs.append([])
@@ -74,7 +74,7 @@ def _to_param_device(masters) -> tuple:
     with): host masters (offloaded) copy on the side stream (spmd.runtime.transfer), others cast in place."""
     out, event = [], None
     for m in masters:
-        p, local = getattr(m, MASTER_OF_ATTR), m._local_tensor
+        p, local = getattr(m, MASTER_OF_ATTR), local_of(m)
         if local.device == p.device:
             out.append(local.to(p.dtype))
         else:
@@ -90,10 +90,10 @@ def _gather_bucket(bucket: list, mesh_dim: int, arrived: tuple) -> None:
     shards, event = arrived
     SideStream.device_wait(event)
     with tags.reason("", f"all-gather updated {len(bucket)} parameters to their params layout (one buffer)"):
-        full = flat.all_gather(shards, [d for _, d in bucket], [p._local_tensor.shape for p in params],
+        full = flat.all_gather(shards, [d for _, d in bucket], [local_of(p).shape for p in params],
                                params[0].device_mesh, mesh_dim)
     for p, f in zip(params, full):
-        p._local_tensor.copy_(f)
+        local_of(p).copy_(f)
 
 
 def gather_into_param(master) -> None:
@@ -103,4 +103,4 @@ def gather_into_param(master) -> None:
     m = wrap_local(local, p.device_mesh, master.placements, master.shape, master.stride())
     with tags.reason("", f"all-gather updated {p._spmd_name} to its params layout"):
         full = m.redistribute(p.device_mesh, p.placements)
-    p._local_tensor.copy_(full.to_local())
+    local_of(p).copy_(full.to_local())

@@ -1,4 +1,4 @@
-"""Local tensors wrapped into DTensors without DTensor.from_local's per-call work: a layout's DTensorSpec is
+"""Local tensors into and out of DTensors: wrapped without DTensor.from_local's per-call work: a layout's DTensorSpec is
 built once and shared (DTensor's own dispatch shares its cached output specs too), and the local tensor stays
 where it lives."""
 import torch
@@ -6,7 +6,12 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._utils import compute_global_tensor_info
 
-__all__ = ["wrap_local", "as_dtensor", "cast", "cast_all", "cast_locals", "layout_spec", "contiguous_stride"]
+__all__ = ["local_of", "wrap_local", "as_dtensor", "cast", "cast_all", "cast_locals", "layout_spec", "contiguous_stride"]
+
+
+def local_of(t: torch.Tensor) -> torch.Tensor:
+    """The local tensor of a DTensor (no autograd node, unlike `to_local`), or `t` itself when it is plain."""
+    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 def wrap_local(local: torch.Tensor, mesh, placements, shape, stride) -> DTensor:

@@ -4,7 +4,7 @@ Autograd detaches every gradient it stores into a parameter's `.grad` (Accumulat
 per step, and DTensor's dispatch spends longer propagating the layout of a detach than the detach itself
 takes. This DTensor op handler (torch's mechanism for ops it treats specially, as fused_step's) gives the
 answer directly: the input's spec, shared as DTensor's cached output specs are. A traced detach (under
-torch.compile) keeps DTensor's own dispatch. Importing spmd installs it.
+torch.compile) keeps DTensor's own dispatch. `spmd.runtime.dtensor.install` registers it.
 """
 import torch
 from torch.distributed.tensor import DTensor
@@ -22,8 +22,5 @@ def _detach(op_call, args, kwargs):
 
 
 def install() -> None:
-    """Registers the handler for aten.detach (idempotent; done when spmd is imported)."""
+    """Registers the handler for aten.detach (idempotent)."""
     DTensor._op_dispatcher._custom_op_handlers.setdefault(torch.ops.aten.detach.default, _detach)
-
-
-install()

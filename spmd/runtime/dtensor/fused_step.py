@@ -6,7 +6,7 @@ DTensor's dispatch of the fused op (the sharding propagation of five lists of te
 On the tiny model on one process it costs about 0.6 ms of a 1.4 ms step. This installs a DTensor op handler
 (torch's own mechanism for ops it treats specially, as its loss_parallel does) that calls the fused kernel
 on the local tensors when the layouts agree, and otherwise leaves the op to DTensor's dispatch as before.
-Importing spmd installs it.
+`spmd.runtime.dtensor.install` registers it.
 """
 import torch
 from torch.distributed.tensor import DTensor
@@ -77,10 +77,7 @@ def dtensor_dispatch(op_call, args, kwargs):
 
 
 def install() -> None:
-    """Registers the local fused step for Adam and AdamW (idempotent; done when spmd is imported)."""
+    """Registers the local fused step for Adam and AdamW (idempotent)."""
     handlers = DTensor._op_dispatcher._custom_op_handlers
     for op in _FUSED:
         handlers.setdefault(op, _local_update)
-
-
-install()
