@@ -17,10 +17,10 @@ from .layout.presets import annotate_hf
 from .layout.rules import Rules
 from .layout.sequence import cp_slice, zigzag_positions
 from .pipeline import Pipeline, build_pipeline, build_traced_pipeline, split_stages, validate_pipeline
-from .runtime.activations import constrain
-from .runtime.checkpointing import apply_activation_checkpointing
-from .runtime.compile import compile_blocks
-from .runtime.optimizer import reduce_gradients, shard_optimizer
+from .runtime.activations.moves import constrain
+from .runtime.transforms.checkpointing import apply_activation_checkpointing
+from .runtime.transforms.compile import compile_blocks
+from .runtime.optimizer.shard import reduce_gradients, shard_optimizer
 from .runtime.parallelize import no_sync, parallelize
 
 __all__ = ["explain", "Plan", "P", "annotate", "annotate_by_name", "find_blocks", "MESH_AXES", "make_mesh",

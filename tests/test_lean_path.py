@@ -95,7 +95,7 @@ def test_compiled_blocks_trace_detach_through_dtensor_dispatch():
 
 def _layouts_decided_once(rank, world):
     import importlib
-    activations, laid_out = (importlib.import_module(f"spmd.runtime.{m}") for m in ("activations", "parallelize"))
+    activations, laid_out = (importlib.import_module(f"spmd.runtime.{m}") for m in ("activations.moves", "parallelize"))
     mesh = spmd.make_mesh({"dp": 2})
     model = spmd.parallelize(tiny_model(), mesh, spmd.Rules.default())
     decided = []

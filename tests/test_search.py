@@ -14,7 +14,7 @@ from models.llama import Llama, LlamaConfig
 from spmd.analysis.devices import DEVICES, Device
 from spmd.analysis.search import ac_modes
 
-S = importlib.import_module("spmd.search")  # the module; the attribute spmd.search is the function
+S = importlib.import_module("spmd.analysis.search")  # the module; the attribute spmd.search is the function
 
 
 def tiny(**overrides):

@@ -20,10 +20,11 @@ from ..layout.annotate import fake_copy
 from ..layout.dtypes import as_dtype
 from ..layout.mesh import MESH_AXES, check_sizes, mesh_sizes
 from ..layout.sequence import check_seq_len, rank_positions
-from ..runtime import attention_memory, dtensor
-from ..runtime.checkpointing import apply_activation_checkpointing, parse_mode
+from ..runtime.activations import attention_memory
+from ..runtime import dtensor
+from ..runtime.transforms.checkpointing import apply_activation_checkpointing, parse_mode
 from ..runtime.parallelize import no_sync, parallelize
-from ..runtime.reshard import observe_saved
+from ..runtime.parameters.reshard import observe_saved
 from ..runtime.state import STATE_ATTR
 from . import record
 from .explain_pipeline import explain_pipeline

@@ -14,8 +14,8 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from ..layout.annotate import get_axes
-from ..runtime.experts import EXPERTS
-from ..runtime.reshard import storage_key
+from ..runtime.experts.dispatch import EXPERTS
+from ..runtime.parameters.reshard import storage_key
 from ..runtime.state import STATE_ATTR
 from ..runtime.dtensor.wrap import local_of
 

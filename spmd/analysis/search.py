@@ -36,12 +36,12 @@ import torch.nn as nn
 
 from ..layout.blocks import find_blocks
 from ..layout.rules import ZERO_STAGES, Rules
-from ..runtime.checkpointing import parse_mode
+from ..runtime.transforms.checkpointing import parse_mode
 from .candidates import candidate_specs, candidates, expert_count, mesh_problem, spec_name, zero_stages
 from .devices import Device, get_device
 from .search_rows import Row, SearchResult
 from .step_time import flops_per_token, links, predict, recompute_fraction
-from .summaries import accumulated, as_model, checkpointed, frozen, model_state_bytes, plan_all, rules_for
+from .summaries import (accumulated, as_model, checkpointed, frozen, model_state_bytes, plan_all, rules_for)
 
 __all__ = ["Row", "SearchResult", "candidate_specs", "spec_name", "links", "flops_per_token", "predict", "search",
            "model_state_bytes", "ac_modes"]

@@ -1,10 +1,10 @@
 """`parallelize(model, mesh, rules)`: lays a global-view model out on a mesh, in place.
 
 Parameters become DTensors in their storage layout (the params map). Hooks on the modules (every module
-but the insides of blocks that run on local tensors: spmd.runtime.hooked) then run the propagation pass as
+but the insides of blocks that run on local tensors: spmd.runtime.local.hook_sets) then run the propagation pass as
 the model runs: before a module computes, its parameters are gathered to their
 compute layout (and cast to the compute dtype); a linear layer's input is moved to the layout its weight
-needs (spmd.runtime.activations); `constrain` points move activations to the rules' layout. After the
+needs (spmd.runtime.activations.moves); `constrain` points move activations to the rules' layout. After the
 forward of a module, gathered parameters are dropped and regathered for backward (ZeRO-3), unless the
 module sits under activation checkpointing, which regathers by recomputing.
 """
@@ -20,22 +20,23 @@ from ..layout.heads import check_heads_divide
 from ..layout.mesh import flatten_groups, mesh_sizes
 from ..layout.rules import Rules, _as_axes, placements_for
 from . import dtensor
-from . import hooked, tags
+from .local import hook_sets
+from . import tags
 from . import state as active
-from .accumulate import reduce_after_backward
-from .activations import finish_output, map_tensors, move_linear_input
-from .agree import check_layout_agrees
-from .buckets import make_buckets
-from .experts import check_expert_layout, install_expert_hooks
-from .host import host_params
-from .local import enter_local, local_blocks
-from .local_model import enter_local_model, whole_model_members
-from .params import gather_block, gather_module_params, release_module_params
-from .partials import reduce_partials
-from .plain import GlobalView
-from .reducer import DEFAULT_BUCKET_MB, GradientReducer
+from .gradients.accumulate import reduce_after_backward
+from .activations.moves import finish_output, map_tensors, move_linear_input
+from .consistency import check_layout_agrees
+from .parameters.buckets import make_buckets
+from .experts.dispatch import check_expert_layout, install_expert_hooks
+from .parameters.host import host_params
+from .local.blocks import enter_local, local_blocks
+from .local.whole_model import enter_local_model, whole_model_members
+from .parameters.gather import gather_block, gather_module_params, release_module_params
+from .activations.partials import reduce_partials
+from .activations.global_view import GlobalView
+from .gradients.reducer import DEFAULT_BUCKET_MB, GradientReducer
 from .state import STATE_ATTR, SPMDState
-from .storage import check_param_init, laid_out_buffer, laid_out_param
+from .parameters.storage import check_param_init, laid_out_buffer, laid_out_param
 from .dtensor.wrap import as_dtensor
 
 __all__ = ["parallelize", "no_sync", "param_layouts"]
@@ -82,8 +83,8 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, rules: Rules, *, param_dtype
     A scalar (the loss), alone or in a dict, tuple or ModelOutput, comes back plain, equal on every rank.
 
     `bucket`: each block's parameters, and the rest as a root unit, gather in one collective per mesh axis
-    (spmd.runtime.buckets), gradients reduce across blocks in `bucket_mb` MB buffers (spmd.runtime.reducer),
-    data-only blocks run on local tensors (spmd.runtime.local). False (and offload="params") moves each alone.
+    (spmd.runtime.parameters.buckets), gradients reduce across blocks in `bucket_mb` MB buffers (spmd.runtime.gradients.reducer),
+    data-only blocks run on local tensors (spmd.runtime.local.blocks). False (and offload="params") moves each alone.
 
     A model built on the meta device needs `param_init(name, meta_tensor)`: the full initial value of each meta
     parameter and buffer (once each, in `named_parameters` order); this rank keeps its slice, one full tensor at
@@ -119,7 +120,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, rules: Rules, *, param_dtype
                 full = f"{mod_name}.{b_name}" if mod_name else b_name
                 module._buffers[b_name] = laid_out_buffer(b, full, state, param_init)
         uses.update(id(p) for p in module._parameters.values() if p is not None)
-        hooked.install(module, _pre_hook(state, mod_name, module, module is model),
+        hook_sets.install(module, _pre_hook(state, mod_name, module, module is model),
                        _post_hook(state, module, module is model))
     install_expert_hooks(model, state)
     for p in (p for p in converted.values() if uses[id(p)] > 1):
@@ -135,7 +136,7 @@ def _install_buckets(model: nn.Module, state: SPMDState, bucket_mb: float):
     state.local_members = local_blocks(model, state)
     for m in model.modules():
         if id(m) in state.local_members:
-            hooked.strip_inside(m)
+            hook_sets.strip_inside(m)
     whole = whole_model_members(model, state)
     if whole is not None:  # a mesh of one rank: nothing moves anywhere
         state.local_members[id(model)] = whole
@@ -188,7 +189,7 @@ def _pre_hook(state: SPMDState, name: str, module: nn.Module, is_root: bool):
     is_linear = kind is not None and not isinstance(module, nn.Embedding)
 
     def hook(mod, args, kwargs):
-        if state.local:  # inside a block running on local tensors (spmd.runtime.local): nothing moves here
+        if state.local:  # inside a block running on local tensors (spmd.runtime.local.blocks): nothing moves here
             return None
         active.push(state)
         tags.push_module(name)
@@ -208,7 +209,7 @@ def _pre_hook(state: SPMDState, name: str, module: nn.Module, is_root: bool):
             if local is not None:
                 return local
             if not torch.compiler.is_compiling():  # (compile_blocks dresses a block before compiling it)
-                hooked.dress_inside(mod)  # this call takes the DTensor path: the modules inside move things
+                hook_sets.dress_inside(mod)  # this call takes the DTensor path: the modules inside move things
         gather_block(state, mod)  # before the global view goes on: under a torch-function mode each op costs twice
         if not torch.compiler.is_compiling() and (is_root or not state.global_view):
             # the root's forward, or a checkpointed block recomputing in backward (the compiler must not read

@@ -32,7 +32,7 @@ class SPMDState:
         self.input_axes = input_axes
         self.sync = True                       # False under no_sync: gradients stay unreduced
         self.accumulating = False              # from no_sync to the end of the backward that syncs
-        self.compiled_params: list = []        # parameters of compiled blocks (spmd.runtime.accumulate)
+        self.compiled_params: list = []        # parameters of compiled blocks (spmd.runtime.gradients.accumulate)
         self.decisions: dict[tuple, object] = {}  # (module, mesh axis) -> activations.Decision
         self.move_cache: dict = {}             # (id(input), layout) -> moved input, shared by sibling linears
         self.targets: dict = {}                # (what, axes or placements, shape) -> placements: fixed
