@@ -29,7 +29,7 @@ from .. import tags
 from ..gradients.layouts import HELD_ATTR, grads_layout, held_for_step, optim_layout, slice_onto_shards
 from ..dtensor.wrap import local_of, wrap_local
 from .offload import file_backed_adam_state, host_copy, nvme_dir, release_pages
-from ..state import laid_out_parts
+from ..state import Phase, laid_out_parts
 from ..gradients.step_reduce import reduce_all_to
 from .transfer import GradientCopies
 from .masters import MASTER_OF_ATTR, gather_updated, gather_into_param
@@ -72,28 +72,40 @@ def shard_optimizer(model: nn.Module, opt: torch.optim.Optimizer) -> torch.optim
             for _, state in parts:  # gradients the cross-block reducer reduces in flat buffers
                 if state.reducer is not None:
                     state.reducer.copies = copies
-
-        def before_step(*_):  # returns None: a pre-hook's return value would replace the step's arguments
-            reduce_gradients(model)
-            if streamed:  # the step proper then finds no gradient left and does nothing
-                _stream_step(opt, pairs)
-            else:
-                _grads_to_masters(pairs, copy_out, copies)
-
-        opt.register_step_pre_hook(before_step)
-        if not streamed:
-            opt.register_step_post_hook(lambda *_: gather_updated(opt))
-        clear = opt.zero_grad
-
-        def zero_grad(set_to_none: bool = True):
-            clear(set_to_none)
-            for part, _ in parts:
-                part.zero_grad(set_to_none)
-            if copies is not None:
-                copies.forget()
-
-        opt.zero_grad = zero_grad
+        _install_step_hooks(opt, model, parts, pairs, streamed, copy_out, copies)
     return opt
+
+
+def _install_step_hooks(opt, model, parts, pairs, streamed: bool, copy_out: bool, copies) -> None:
+    """The step's hooks: gradients reduced and moved to the masters before it, the updated masters gathered into
+    the parameters after it (the optimizer_step phase in between); zero_grad clears the model's gradients too."""
+    def before_step(*_):  # returns None: a pre-hook's return value would replace the step's arguments
+        for _, laid_out in parts:
+            laid_out.phase = Phase.OPTIMIZER_STEP
+        reduce_gradients(model)
+        if streamed:  # the step proper then finds no gradient left and does nothing
+            _stream_step(opt, pairs)
+        else:
+            _grads_to_masters(pairs, copy_out, copies)
+
+    def after_step(*_):
+        if not streamed:
+            gather_updated(opt)
+        for _, laid_out in parts:
+            laid_out.phase = Phase.IDLE
+
+    opt.register_step_pre_hook(before_step)
+    opt.register_step_post_hook(after_step)
+    clear = opt.zero_grad
+
+    def zero_grad(set_to_none: bool = True):
+        clear(set_to_none)
+        for part, _ in parts:
+            part.zero_grad(set_to_none)
+        if copies is not None:
+            copies.forget()
+
+    opt.zero_grad = zero_grad
 
 
 @torch.no_grad()

@@ -13,7 +13,7 @@ from ..parameters.buckets import regather_for_recompute
 from ..local.whole_model import drop_local_model
 from ..activations.global_view import GlobalView
 from ..parameters.reshard import BODY_COMPILED_ATTR, CHECKPOINTED_ATTR
-from ..state import STATE_ATTR, activated
+from ..state import STATE_ATTR, Phase, activated
 
 __all__ = ["apply_activation_checkpointing", "checkpoint_block", "compile_body", "parse_mode"]
 
@@ -73,16 +73,17 @@ def compile_body(block: nn.Module, **compile_kwargs):
 @contextlib.contextmanager
 def recomputing(state):
     """The model's global view while a checkpointed block recomputes in backward (the root's has ended)."""
-    if state is None or state.global_view:
+    if state is None or state.phase in (Phase.FORWARD, Phase.RECOMPUTE):
         yield
         return
     view = GlobalView(state)
-    state.global_view.append((None, view))
+    state.global_view.append((None, view, state.phase))
+    state.phase = Phase.RECOMPUTE
     try:
         with view:
             yield
     finally:
-        state.global_view.pop()
+        state.phase = state.global_view.pop()[2]
 
 
 @contextlib.contextmanager
