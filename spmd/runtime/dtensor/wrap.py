@@ -14,13 +14,13 @@ def local_of(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
-def wrap_local(local: torch.Tensor, mesh, placements, shape, stride) -> DTensor:
+def wrap_local(local: torch.Tensor, mesh, placements, shape, stride, requires_grad: bool = False) -> DTensor:
     """A DTensor of global `shape` and `stride` whose local tensor is `local` itself, wherever it lives
     (`DTensor.from_local` moves a host tensor to the mesh's device: offloaded state would return to the GPU)."""
     # the constructor alone: DTensor.__init__ only calls Tensor.__init__, through a dynamo and an export
     # wrapper that cost a third of a wrap
     return DTensor.__new__(DTensor, local, layout_spec(mesh, placements, shape, stride, local.dtype),
-                           requires_grad=False)
+                           requires_grad=requires_grad)
 
 
 def as_dtensor(t: torch.Tensor, mesh, placements) -> DTensor:

@@ -6,7 +6,7 @@ import torch
 from torch.distributed.tensor import DTensor, Partial
 from torch.distributed.tensor._utils import compute_global_tensor_info
 
-from ..dtensor.wrap import contiguous_stride, layout_spec, local_of, wrap_local
+from ..dtensor.wrap import contiguous_stride, local_of, wrap_local
 
 __all__ = ["to_local", "from_local", "batch_grad_layout", "wrap_outputs"]
 
@@ -59,8 +59,7 @@ class _FromLocal(torch.autograd.Function):
         ctx.layout = layout
         ctx.set_materialize_grads(False)
         # the constructor alone, as wrap_local: DTensor.__init__ only adds two Python wrappers
-        return DTensor.__new__(DTensor, t.view_as(t), layout_spec(mesh, layout, shape, stride, t.dtype),
-                               requires_grad=t.requires_grad)
+        return wrap_local(t.view_as(t), mesh, layout, shape, stride, requires_grad=t.requires_grad)
 
     @staticmethod
     def backward(ctx, g):
