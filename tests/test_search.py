@@ -298,8 +298,9 @@ def test_flops_follow_design_formula():
 
 
 def test_cli_prints_a_table(capsys):
-    assert S.main(["--model", "tiny", "--world", "2", "--device", "a100", "--batch", "4", "--seq", "32",
-                   "--workers", "1"]) == 0
+    from spmd.cli import search_main
+    assert search_main(["--model", "tiny", "--world", "2", "--device", "a100", "--batch", "4", "--seq", "32",
+                       "--workers", "1"]) == 0
     out = capsys.readouterr().out
     assert "spec search" in out and "fsdp=2" in out and "tp=2,sp" in out
     assert "--mesh tp=2,sp --ac none --grad-accum 1" in out
