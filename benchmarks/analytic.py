@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 
 BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}
 REDUCE_BYTES = 4   # gradients are reduced in fp32
-DEFAULT_BUCKET_MB = 25.0  # spmd.runtime.reducer's (DDP's) gradient buffer
+DEFAULT_BUCKET_MB = 25.0  # spmd.runtime.gradients.reducer's (DDP's) gradient buffer
 FIRST_BUCKET_MB = 1.0  # and its first buffer of a backward (DDP's first bucket)
 LOSS_BYTES = 4     # the loss statistics are fp32
 
@@ -151,7 +151,7 @@ def parameter_units(params: list[Param], tied: bool = False) -> dict:
 
 
 def buffers(params: list[Param], nbytes, bucket_mb: float) -> list[int]:
-    """Bytes of each gradient buffer spmd.runtime.reducer issues: gradients arrive block by block in backward
+    """Bytes of each gradient buffer spmd.runtime.gradients.reducer issues: gradients arrive block by block in backward
     order (the last block first, the root last) and a buffer goes out as soon as it holds `bucket_mb` MB, the
     first one at FIRST_BUCKET_MB (DDP's first bucket) already."""
     units = list(parameter_units(params).items())
@@ -167,7 +167,7 @@ def buffers(params: list[Param], nbytes, bucket_mb: float) -> list[int]:
 
 
 def gradient_reductions(params: list[Param], spec: Spec) -> dict:
-    """{(reduce-scatter axis or None, all-reduce axes): parameters} as spmd.runtime.reducer groups them: a
+    """{(reduce-scatter axis or None, all-reduce axes): parameters} as spmd.runtime.gradients.reducer groups them: a
     gradient is summed over the data axes (and over tp too for a sequence-parallel norm weight); it is
     reduce-scattered over fsdp, which shards every parameter, then all-reduced over the other axes as one
     flattened group. A tied weight is left out (it reduces on its own)."""

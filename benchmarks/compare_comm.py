@@ -77,7 +77,7 @@ def worker(args: dict) -> None:
     from models.llama import Llama
     from spmd.analysis.memory import activation_bytes
     from spmd.analysis.record import CollectiveRecorder
-    from spmd.runtime.reshard import observe_saved
+    from spmd.runtime.parameters.reshard import observe_saved
 
     rank = int(os.environ["RANK"])
     cfg = model_config(args["model"])

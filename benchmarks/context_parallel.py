@@ -7,7 +7,7 @@ cp=4: `cp=4`), with a global batch of one sequence per fsdp rank, so every rank 
 seq/cp tokens. Measured in one real step (one torchrun launch for every cp): the bytes autograd keeps for
 backward per rank (less the parameters it saves; ZeRO-3's gathered weights are regathered, not kept),
 attention's part of them, the peak bytes one attention call holds while it runs (what it allocates:
-under cp the ring's K/V blocks in flight and each block's scores; spmd.runtime.attention_memory), and the
+under cp the ring's K/V blocks in flight and each block's scores; spmd.runtime.activations.attention_memory), and the
 bytes the ring sends per rank. Planned: `spmd.explain` for the same mesh and batch on a fake world. The
 ring's formula: per layer, (cp-1) hops of the rank's K and V block (2 · seq/cp · kv_heads · head_dim
 elements), backward twice that. Prints a markdown table.
@@ -52,8 +52,8 @@ def worker(args: dict) -> None:
 
     from spmd.analysis.memory import activation_bytes
     from spmd.analysis.record import CollectiveRecorder
-    from spmd.runtime import attention_memory
-    from spmd.runtime.reshard import observe_saved
+    from spmd.runtime.activations import attention_memory
+    from spmd.runtime.parameters.reshard import observe_saved
 
     rank, cfg, seq, out = int(os.environ["RANK"]), LlamaConfig.preset(args["model"], kernels="torch"), args["seq"], []
     for sizes in args["meshes"]:

@@ -18,7 +18,7 @@ that covers 1:
   spmd+recorder    what launch.train runs on one rank of a mesh
   spmd-blocks      with --per-block: spmd's per-block path on the same mesh (each block on local tensors with its own
                    hooks, the model's code between them on DTensors), what each rank of a mesh with data axes runs;
-                   on a mesh of one rank spmd runs the whole model on local tensors instead (spmd.runtime.local_model)
+                   on a mesh of one rank spmd runs the whole model on local tensors instead (spmd.runtime.local.whole_model)
   ddp, fsdp2       with --native: torch's own wrappers on the same 1-process group, DistributedDataParallel and
                    fully_shard per block then the root (benchmarks.native_train's layouts): what torch-native
                    costs per step where nothing needs to move, the reference spmd's `dp` and `fsdp` specs face
@@ -81,7 +81,7 @@ def build(model_name: str, variant: str, dtype: str, compile_: bool = False):
     if variant.startswith("spmd"):
         spmd.parallelize(model, mesh, spmd.Rules.default(), param_dtype=param_dtype)
     if variant == "spmd-blocks":
-        from spmd.runtime.local_model import drop_local_model
+        from spmd.runtime.local.whole_model import drop_local_model
         from spmd.runtime.state import STATE_ATTR
         drop_local_model(model, getattr(model, STATE_ATTR))
     if compile_:

@@ -6,7 +6,7 @@ CPU, NCCL on GPUs), and forward + backward of one batch (the span the reductions
 optimizer step is the same in every variant and left out) is timed in three variants, interleaved round by
 round:
   overlapped   the runtime as it is: each full gradient buffer is issued while backward goes on, and waited on
-               at the end of backward (spmd.runtime.reducer)
+               at the end of backward (spmd.runtime.gradients.reducer)
   serialized   the same buffers and collectives, each waited on as soon as it is issued (what backward would
                cost without overlap)
   no reduction backward under spmd.no_sync: the compute alone
@@ -50,7 +50,7 @@ def _worker(a) -> None:
     from launch.config import load_config
     from launch.setup import build_model
     from spmd.layout.mesh import exit_process
-    from spmd.runtime.reducer import GradientReducer
+    from spmd.runtime.gradients.reducer import GradientReducer
     from spmd.runtime.state import STATE_ATTR
 
     torch.set_num_threads(1)

@@ -11,7 +11,7 @@ from spmd.layout.mesh import format_sizes
 from spmd.layout.rules import ZERO_STAGES
 from spmd.layout.sequence import check_seq_len
 from spmd.pipeline.runtime import validate_pipeline
-from spmd.runtime.checkpointing import parse_mode as parse_ac_mode
+from spmd.runtime.transforms.checkpointing import parse_mode as parse_ac_mode
 from spmd.runtime.state import MASTERS
 
 from .profile import parse_steps as parse_profile_steps

@@ -52,7 +52,7 @@ import spmd
 from spmd import checkpoint
 from spmd.analysis.record import CollectiveRecorder
 from spmd.layout.dtypes import DTYPES
-from spmd.runtime.optimizer import refresh_masters
+from spmd.runtime.optimizer.shard import refresh_masters
 
 from . import schedule, startup
 from .config import TrainConfig, load_config

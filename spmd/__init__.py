@@ -18,10 +18,10 @@ from .layout.rules import Rules
 from .layout.sequence import cp_slice, zigzag_positions
 from .optim import Muon
 from .pipeline import Pipeline, build_pipeline, build_traced_pipeline, split_stages, validate_pipeline
-from .runtime.activations import constrain
-from .runtime.checkpointing import apply_activation_checkpointing
-from .runtime.compile import compile_blocks
-from .runtime.optimizer import reduce_gradients, shard_optimizer
+from .runtime.activations.moves import constrain
+from .runtime.transforms.checkpointing import apply_activation_checkpointing
+from .runtime.transforms.compile import compile_blocks
+from .runtime.optimizer.shard import reduce_gradients, shard_optimizer
 from .runtime.parallelize import no_sync, parallelize
 
 __all__ = ["explain", "Plan", "P", "annotate", "annotate_by_name", "find_blocks", "MESH_AXES", "make_mesh",
@@ -30,10 +30,10 @@ __all__ = ["explain", "Plan", "P", "annotate", "annotate_by_name", "find_blocks"
            "no_sync", "parallelize", "reduce_gradients", "shard_optimizer", "search", "Muon"]
 
 
-def __getattr__(name):  # spmd.search (callable) loads on first use, so `python -m spmd.search` runs cleanly
+def __getattr__(name):  # spmd.search (spmd.analysis.search's function) loads on first use
     if name == "search":
-        import importlib
-        return importlib.import_module(".search", __name__)
+        from .analysis.search import search
+        return search
     raise AttributeError(f"module 'spmd' has no attribute {name!r}")
 
 

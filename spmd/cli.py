@@ -1,15 +1,21 @@
-"""What `python -m spmd.explain` and `python -m spmd.search` share: their model flags, how a result is printed and
-saved, and the module that is also a function."""
+"""The commands `python -m spmd.explain` and `python -m spmd.search` (`explain_main`, `search_main`): their model
+flags, how a result is printed and saved. The package's `spmd.explain` and `spmd.search` are the functions
+(spmd.analysis); the command modules are scripts that run these."""
 import argparse
 import importlib
 import json
+import os
 import sys
-import types
 
-from .layout.rules_table import check_rules_flags, read_toml, rules_from_table
+import torch
 
-__all__ = ["add_model_args", "model_config", "batch_shape", "write_json", "report", "make_callable",
-           "parse_args", "config_rules"]
+from .analysis.explain import explain
+from .layout.mesh import parse_spec
+from .layout.rules import Rules
+from .layout.rules_table import check_rules_flags, ordered_maps, read_toml, rules_from_table
+
+__all__ = ["add_model_args", "model_config", "batch_shape", "write_json", "report", "parse_args", "config_rules",
+           "explain_parser", "plan_from_args", "explain_main", "search_main", "run_command"]
 
 # launch.train's TOML keys -> the flags of explain and search that mean the same
 _CONFIG_KEYS = {"model": "model", "mesh": "mesh", "batch_size": "batch", "seq_len": "seq", "dtype": "dtype",
@@ -93,11 +99,104 @@ def report(prog: str, path: str, produce) -> int:
     return 0
 
 
-def make_callable(module_name: str, fn) -> None:
-    """Makes module `module_name` callable as `fn`: importing `spmd.explain` (or `spmd.search`) replaces the
-    package's function of that name with the module, and `spmd.explain(model, ...)` must still plan."""
-    class CallableModule(types.ModuleType):
-        def __call__(self, *args, **kwargs):
-            return fn(*args, **kwargs)
+def explain_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m spmd.explain", description="Prints the plan of one training "
+                                 "step (collectives, layout decisions, memory per rank) of a registry model on a "
+                                 "mesh of any size, without devices.")
+    ap.add_argument("--mesh", default="fsdp=8,tp=8,sp", help="mesh spec, e.g. fsdp=8,tp=8,sp or pp=2,fsdp=4,tp=8")
+    add_model_args(ap, batch_default="the mesh's size")
+    ap.add_argument("--ac", default="none", help="activation checkpointing: none|full|selective:N")
+    ap.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step (gradient accumulation)")
+    ap.add_argument("--pp-schedule", default="1f1b", help="with a pp axis: gpipe|1f1b|interleaved-1f1b|zero-bubble|zbv")
+    ap.add_argument("--microbatches", type=int, default=None, help="pipeline micro-batches (default: the schedule's)")
+    ap.add_argument("--virtual-stages", type=int, default=1, help="pipeline stages per pp rank")
+    ap.add_argument("--zero", type=int, default=None, help="ZeRO stage: 1 optimizer states, 2 + gradients, 3 + "
+                    "parameters sharded over fsdp (Rules.default(zero=...); default 3)")
+    ap.add_argument("--master", default="params", help="params|optimizer: where fp32 master weights live")
+    ap.add_argument("--reduce-dtype", default="fp32", help="gradient reduction dtype: fp32|bf16")
+    ap.add_argument("--offload", default=None,
+                    help="optimizer|params|nvme:DIR: optimizer states (params: stage-3 parameter shards too) off the device")
+    return ap
 
-    sys.modules[module_name].__class__ = CallableModule
+
+def plan_from_args(a: argparse.Namespace):
+    sizes, flags = parse_spec(a.mesh)
+    cfg = model_config(a)
+    with torch.device("meta"):
+        model = cfg.build()
+    world = 1
+    for s in sizes.values():
+        world *= s
+    rules = config_rules(a, True if "sp" in flags else None)
+    if rules is None:
+        rules = Rules.default(sequence_parallel="sp" in flags, zero=3 if a.zero is None else a.zero)
+    return explain(model, rules, sizes,
+                   batch_shape(a, cfg, world), a.dtype, ac=a.ac, grad_accum=a.grad_accum, schedule=a.pp_schedule,
+                   microbatches=a.microbatches, virtual_stages=a.virtual_stages, reduce_dtype=a.reduce_dtype,
+                   master=a.master, offload=a.offload)
+
+
+def explain_main(argv=None) -> int:
+    a = parse_args(explain_parser(), argv, "spmd.explain")
+    if a is None:
+        return 2
+    return report("spmd.explain", a.json, lambda: plan_from_args(a))
+
+
+def search_main(argv=None) -> int:
+    from .analysis.search import search
+    from .analysis.search_pipeline import Pipeline
+    from .analysis.search_pool import stop_on_term
+    ap = argparse.ArgumentParser(prog="python -m spmd.search", description=sys.modules["spmd.analysis.search"].__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--world", type=int, default=64, help="number of devices")
+    ap.add_argument("--device", default="h100", help="h100|h200|a100|cpu")
+    add_model_args(ap, batch_default="world")
+    ap.add_argument("--budget-gib", type=float, default=None, help="memory budget per rank (default 90%% of device)")
+    ap.add_argument("--ac", default=None, help="assume this activation checkpointing (none|full|selective:N) "
+                    "instead of the least that fits")
+    ap.add_argument("--grad-accum", type=int, default=None, help="assume this many micro-batches per step instead "
+                    "of the fewest that fit")
+    ap.add_argument("--zero", type=int, default=None, help="assume this ZeRO stage (1|2|3) on meshes with an fsdp "
+                    "axis instead of trying each")
+    ap.add_argument("--max-pp", type=int, default=1, help="also try pipelines of up to this many stages")
+    ap.add_argument("--pp-schedule", default="1f1b", help="the pipelines' schedule (launch.train's --pp-schedule)")
+    ap.add_argument("--microbatches", type=int, default=0, help="pipeline micro-batches per step (0: the "
+                    "schedule's default, pp or 2 pp)")
+    ap.add_argument("--top", type=int, default=None)
+    ap.add_argument("--workers", type=int, default=min(os.cpu_count() or 1, 8), help="planning processes")
+    a = parse_args(ap, argv, "spmd.search")
+    if a is None:
+        return 2
+    stop_on_term()
+
+    def ranked():
+        cfg = model_config(a)
+        zero, sp = _pinned_by_rules(a)
+        return search(cfg, a.world, a.device, None if a.budget_gib is None else a.budget_gib * 2**30,
+                      batch_shape(a, cfg, a.world), a.dtype, a.top, workers=a.workers, ac=a.ac,
+                      grad_accum=a.grad_accum, zero=zero, sequence_parallel=sp, progress=True, max_pp=a.max_pp,
+                      pipeline=Pipeline(a.pp_schedule, a.microbatches))
+    return report("spmd.search", a.json, ranked)
+
+
+def _pinned_by_rules(a):
+    """(zero, sequence_parallel) for `search`: `--config`'s [rules.*] tables pin both where they are a default
+    table; the search tries meshes under Rules.default only, so another table is an error naming the fix."""
+    rules = config_rules(a, None)
+    if rules is None:
+        return a.zero, (False, True)
+    if ordered_maps(rules) != ordered_maps(Rules.default(rules.sequence_parallel, rules.zero_stage)):
+        raise ValueError(f"config file {a.config}: spmd.search ranks meshes under Rules.default's tables; plan "
+                         f"these [rules.*] tables on a mesh with `python -m spmd.explain --config {a.config} --mesh "
+                         f"SPEC`, or state a default table (docs/layouts-and-rules.md)")
+    return rules.zero_stage, (rules.sequence_parallel,)
+
+
+def run_command(module_name: str, main) -> None:
+    """The body of a command module (spmd/explain.py, spmd/search.py): runs `main` as `python -m module_name`.
+    Imported instead, the module would take the place of the package's function of the same name."""
+    if module_name != "__main__":
+        raise ImportError(f"spmd.{main.__name__.split('_')[0]} is a command (python -m); its code is "
+                          f"spmd.cli.{main.__name__}, and the function of that name is the package's")
+    raise SystemExit(main())

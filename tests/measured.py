@@ -5,7 +5,7 @@ the local shards after a real step. `saved_bytes()`: the storages autograd keeps
 context is open, counted where they are kept. The count wraps every saved-tensor hook as it is installed
 (spmd's ZeRO-3 hooks, torch's checkpoint hooks, and an outermost one of its own), and counts what each
 pack hook returns: a tensor is kept, a handle (a regather, a checkpoint's recompute holder) is not. Those
-kept while an attention call runs (spmd.runtime.attention_memory scopes each one) are attention's part.
+kept while an attention call runs (spmd.runtime.activations.attention_memory scopes each one) are attention's part.
 """
 import contextlib
 
@@ -13,7 +13,7 @@ import torch
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
 
-from spmd.runtime import attention_memory
+from spmd.runtime.activations import attention_memory
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

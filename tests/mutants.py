@@ -31,14 +31,14 @@ class Mutant(NamedTuple):
 
 MUTANTS = [
     # the bf16 gather writes its rounded values back into the fp32 parameters: the masters are destroyed
-    Mutant("spmd/runtime/buckets.py",
+    Mutant("spmd/runtime/parameters/buckets.py",
            "                locals_ = cast_locals(locals_, dtype)\n",
            "                locals_ = cast_locals(locals_, dtype)\n"
            "                for p, low in zip(self.params, locals_):\n"
            "                    p._local_tensor.copy_(low)\n",
            "tests/test_mixed_precision.py::test_bf16_with_fp32_masters_trains_as_the_recipe_on_one_process[specs]"),
     # the per-block path is never taken: both runs of the bit-for-bit comparison take the whole-model path
-    Mutant("spmd/runtime/local_model.py",
+    Mutant("spmd/runtime/local/whole_model.py",
            "    if state is not None:\n        state.local_members.pop(id(model), None)\n",
            "    return\n",
            "tests/test_local_model.py::test_one_rank_in_bf16_with_accumulation_is_the_per_block_path_bit_for_bit"),
@@ -48,7 +48,7 @@ MUTANTS = [
            '"heads": "tp", "kv_heads": (),',
            "tests/test_heads.py::test_heads_that_divide_or_stay_whole_pass"),
     # a traced detach takes the eager shortcut instead of DTensor's dispatch
-    Mutant("spmd/runtime/detach.py",
+    Mutant("spmd/runtime/dtensor/detach.py",
            "    if type(x._local_tensor) is not torch.Tensor:",
            "    if False:",
            "tests/test_lean_path.py::test_compiled_blocks_trace_detach_through_dtensor_dispatch"),

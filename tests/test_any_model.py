@@ -157,7 +157,7 @@ def test_model_matches_one_device(kind):
 # query_key_value kept whole, as GPT-NeoX's; attention and MLP side by side)
 LLAMA_LIKE = ("smollm3", "olmo", "olmo3", "nemotron", "seed_oss", "arcee", "glm", "glm4", "gemma2", "helium",
               "falcon")
-# transformers' mixtures of experts (spmd.runtime.whole_experts, spmd.runtime.routed_dispatch under ep), the
+# transformers' mixtures of experts (spmd.runtime.experts.whole_experts, spmd.runtime.experts.routed_dispatch under ep), the
 # load-balancing loss in the loss where the family has one
 MIXTURES = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "gpt_oss", "glm4_moe", "ernie4_5_moe", "deepseek_v3")
 # on ep: one of each form (a plain top-k router; a shared expert; experts called by keyword, with biases; a
@@ -304,7 +304,7 @@ def test_presets_lay_out_each_family_on_a_fake_world(model_type):
     assert plan.comm_bytes() > 0
     if model_type in ("llama", "mistral", "qwen2", "qwen3"):
         # DTensor decides nothing on its own, transformers' loss included: its cross-entropy on the
-        # vocab-sharded logits runs vocab-parallel (spmd.runtime.loss), never gathering them
+        # vocab-sharded logits runs vocab-parallel (spmd.runtime.activations.loss), never gathering them
         assert not [c for c in plan.collectives if c.origin == "implicit"]
 
 

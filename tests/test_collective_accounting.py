@@ -74,7 +74,7 @@ def test_sequence_parallel_turns_each_all_reduce_into_all_gather_plus_reduce_sca
         act_bytes = sum(c.bytes for c in block if c.kind != "all_reduce")
         report(f"sp block {layer} activation bytes (same as TP)", act_bytes, 8 * S * (t - 1) // t)
     # sequence-sharded norms (two a block, the final one) see different tokens on each rank: their weight
-    # gradients all-reduce, every block's in one buffer (spmd.runtime.reducer)
+    # gradients all-reduce, every block's in one buffer (spmd.runtime.gradients.reducer)
     norms = planned(plan, "all_reduce", "tp", "backward", why="all-reduce gradients")
     report("sp norm-gradient all-reduces", len(norms), 1)
     report("sp norm-gradient bytes", sum(c.bytes for c in norms),

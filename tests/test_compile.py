@@ -95,7 +95,7 @@ def _check_block_gradients_unreduced(model):
 def _check_block_gradients_in_step_layout(model, zero):
     """After backward, before the step: a compiled block's gradient is reduce-scattered onto the optimizer's
     shards (ZeRO-2) or still a partial sum over the axes the optimizer's shards add (ZeRO-1)."""
-    from spmd.runtime.gradients import grads_layout, optim_layout
+    from spmd.runtime.gradients.layouts import grads_layout, optim_layout
     moved = 0
     for name, p in model.layers.named_parameters():
         added = [m for m, (s, o) in enumerate(zip(p.placements, optim_layout(p))) if s != o]

@@ -29,8 +29,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 import spmd
 from spmd.analysis.record import CollectiveRecorder
 from spmd.layout.sequence import cp_slice, zigzag_positions
-from spmd.runtime import attention_memory
-from spmd.runtime.ring import ring_attention
+from spmd.runtime.activations import attention_memory
+from spmd.runtime.context_parallel.ring import ring_attention
 from tests.dist_utils import run_distributed
 from tests.measured import saved_bytes
 from tests.spmd_cases import BATCH, SEQ, global_batch, local_slice, norm_rel_err, plan_for, tiny_model
@@ -94,7 +94,7 @@ def _hf_llama_dir(path) -> str:
 
 def _hf_mixtral_dir(path) -> str:
     """config.json of a tiny transformers MixtralForCausalLM with its load-balancing loss: its MoE layers
-    flatten batch and sequence into one dim of tokens (spmd.runtime.plain gathers the sequence for it and
+    flatten batch and sequence into one dim of tokens (spmd.runtime.activations.global_view gathers the sequence for it and
     splits it again on the way back)."""
     transformers = pytest.importorskip("transformers")
     from tests.test_any_model import _TINY

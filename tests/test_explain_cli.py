@@ -1,6 +1,7 @@
 """`python -m spmd.explain` prints exactly `plan.table()` of the same arguments and writes the plan as JSON;
 `--ac` plans activation checkpointing as the trainer applies it (tests/test_plan_matches_run.py holds that plan
 against a real checkpointed step); bad arguments are one-line errors."""
+import importlib
 import json
 import os
 import subprocess
@@ -47,7 +48,7 @@ def test_ac_keeps_block_inputs_only_and_replays_the_forward():
 
 
 def test_bad_arguments_are_one_line_errors(capsys):
-    from spmd.explain import main
+    from spmd.cli import explain_main as main
     for argv, message in [(["--mesh", "fsdp=x"], "mesh axis size must be an integer"),
                           (["--model", "nope"], "unknown model preset 'nope'"),
                           (["--ac", "bogus"], "activation checkpointing mode must be"),
@@ -55,7 +56,10 @@ def test_bad_arguments_are_one_line_errors(capsys):
         assert main([*ARGS, *argv]) == 2
         err = capsys.readouterr().err
         assert err.startswith("spmd.explain: error: ") and message in err and err.count("\n") == 1, err
-    assert callable(spmd.explain)  # importing the command's module leaves spmd.explain usable
+    assert callable(spmd.explain)  # the command leaves spmd.explain usable
+    with pytest.raises(ImportError, match="is a command"):  # the command's module is a script, never imported
+        importlib.import_module("spmd.explain")
+    assert callable(spmd.explain) and callable(spmd.search)
 
 
 def test_explain_and_search_take_a_local_hugging_face_directory(tmp_path, capsys):
@@ -66,8 +70,7 @@ def test_explain_and_search_take_a_local_hugging_face_directory(tmp_path, capsys
     transformers.LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                              num_attention_heads=4, num_key_value_heads=2,
                              max_position_embeddings=64).save_pretrained(hf_dir)
-    from spmd.explain import main as explain_main
-    from spmd.search import main as search_main
+    from spmd.cli import explain_main, search_main
 
     assert explain_main(["--model", f"hf:{hf_dir}", "--mesh", "fsdp=2,tp=2,sp", "--batch", "4", "--seq", "16",
                          "--dtype", "fp32"]) == 0

@@ -1,4 +1,4 @@
-"""A fused AdamW step on DTensor parameters runs on their local shards (spmd.runtime.fused_step), on 2 gloo
+"""A fused AdamW step on DTensor parameters runs on their local shards (spmd.runtime.dtensor.fused_step), on 2 gloo
 processes.
 
 Parameters sharded over fsdp on either dim and replicated, 3 steps of torch's fused AdamW with weight decay
@@ -12,7 +12,7 @@ import torch
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import spmd
-from spmd.runtime import fused_step
+from spmd.runtime.dtensor import fused_step
 from tests.dist_utils import run_distributed
 
 TOL = 1e-6

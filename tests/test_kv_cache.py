@@ -1,5 +1,5 @@
 """transformers' defaults on every spec: a model annotated by `spmd.annotate_by_name` keeps its config's
-`use_cache=True`, which makes transformers build a key/value cache in every call (spmd.runtime.kv_cache).
+`use_cache=True`, which makes transformers build a key/value cache in every call (spmd.runtime.activations.kv_cache).
 
 One launch of 4 processes: Llama on tp=4 and fsdp=2,tp=2,sp and Qwen2 on fsdp=2,tp=2,sp, called as
 `model(input_ids=x, labels=x)`, train 3 AdamW steps as one process does (the reference builds its cache):

@@ -62,6 +62,7 @@ def test_blocks_on_local_tensors_carry_no_hooks_inside_until_they_take_the_dtens
 
 
 def _detach(rank, world):
+    spmd.runtime.dtensor.install()  # (parallelize installs it; this DTensor is made by hand)
     mesh = spmd.make_mesh({"fsdp": 2})
     full = torch.arange(24.0).reshape(4, 6).requires_grad_()
     x = DTensor.from_local(full[2 * rank:2 * rank + 2] * 1.0, mesh, [Shard(0)], run_check=False)
@@ -120,7 +121,7 @@ def test_compiled_blocks_trace_detach_through_dtensor_dispatch():
 
 def _layouts_decided_once(rank, world):
     import importlib
-    activations, laid_out = (importlib.import_module(f"spmd.runtime.{m}") for m in ("activations", "parallelize"))
+    activations, laid_out = (importlib.import_module(f"spmd.runtime.{m}") for m in ("activations.moves", "parallelize"))
     mesh = spmd.make_mesh({"dp": 2})
     model = spmd.parallelize(tiny_model(), mesh, spmd.Rules.default())
     decided = []

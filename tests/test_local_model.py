@@ -1,5 +1,5 @@
 """On a mesh of one rank nothing moves, and the whole model runs on local tensors, as plain PyTorch runs it
-(spmd.runtime.local_model): no DTensor op in forward, losses, gradients and parameters those of the
+(spmd.runtime.local.whole_model): no DTensor op in forward, losses, gradients and parameters those of the
 plain model, for spmd's Llama and for transformers' LlamaForCausalLM, whose base model called on its own
 still lays itself out. With a block under activation checkpointing the model goes back to the per-block path,
 which the comparison covers too."""
@@ -91,7 +91,7 @@ def test_transformers_llama_on_one_rank_runs_as_plain_pytorch():
 
 
 def _mixed_precision_accumulated(per_block: bool):
-    from spmd.runtime.local_model import drop_local_model
+    from spmd.runtime.local.whole_model import drop_local_model
     from spmd.runtime.state import STATE_ATTR
     model = spmd.parallelize(tiny_model(), spmd.make_mesh({"dp": 1}), spmd.Rules.default(),
                              param_dtype=torch.bfloat16, master="optimizer")

@@ -1,4 +1,4 @@
-"""The offloaded step's gradient copies (`offload="optimizer"`, spmd.runtime.transfer), on 2 gloo processes.
+"""The offloaded step's gradient copies (`offload="optimizer"`, spmd.runtime.optimizer.transfer), on 2 gloo processes.
 
 Backward copies each reduced gradient into its host master's buffer as it lands (the cross-block reducer's
 buffers, small here so there are several: each is handed over when the next one is issued; gradients autograd

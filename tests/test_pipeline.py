@@ -49,7 +49,7 @@ def _check(mesh, rules, spec, schedule, v, M, n_layers, dtype=torch.float64, ste
         spmd.shard_optimizer(pipe, opt)
     if offload not in (None, "params"):  # every master a copy of its parameter's shard, apart from the device's
         params = dict(pipe.named_parameters())
-        masters = spmd.runtime.optimizer.masters_of(opt)
+        masters = spmd.runtime.optimizer.shard.masters_of(opt)
         assert len(masters) == len(params), (what, len(masters), len(params))
         for m in (m for g in opt.param_groups for m in g["params"]):
             assert m._local_tensor.data_ptr() != masters[id(m)]._local_tensor.data_ptr(), what

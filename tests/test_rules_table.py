@@ -9,7 +9,7 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 
 import launch.train as T
-import spmd.explain as explain_cli
+from spmd.cli import explain_parser, plan_from_args, search_main
 from launch.config import load_config
 from spmd.cli import parse_args
 from spmd.layout.rules import Rules
@@ -76,7 +76,7 @@ def test_a_bad_table_names_the_key_and_the_fix_before_anything_runs(tmp_path, ca
 
 
 def _plan(*argv):
-    return explain_cli.plan_from_args(parse_args(explain_cli.parser(), list(argv), "spmd.explain"))
+    return plan_from_args(parse_args(explain_parser(), list(argv), "spmd.explain"))
 
 
 def test_explain_and_search_take_the_same_file(tmp_path, capsys):
@@ -92,8 +92,7 @@ def test_explain_and_search_take_the_same_file(tmp_path, capsys):
     sp = _plan(*flags[:3], "tp=2,sp", *flags[4:])
     assert [(c.module, c.kind, c.bytes) for c in same.collectives] == \
         [(c.module, c.kind, c.bytes) for c in sp.collectives]
-    import spmd.search as search_cli
-    assert search_cli.main(["--config", custom, "--world", "2"]) == 2
+    assert search_main(["--config", custom, "--world", "2"]) == 2
     assert "spmd.search ranks meshes under Rules.default's tables" in capsys.readouterr().err
 
 

@@ -14,7 +14,7 @@ from models.llama import Llama, LlamaConfig
 from spmd.analysis.devices import DEVICES, Device
 from spmd.analysis.search import ac_modes
 
-S = importlib.import_module("spmd.search")  # the module; the attribute spmd.search is the function
+S = importlib.import_module("spmd.analysis.search")  # the module; the attribute spmd.search is the function
 
 
 def tiny(**overrides):
@@ -298,8 +298,9 @@ def test_flops_follow_design_formula():
 
 
 def test_cli_prints_a_table(capsys):
-    assert S.main(["--model", "tiny", "--world", "2", "--device", "a100", "--batch", "4", "--seq", "32",
-                   "--workers", "1"]) == 0
+    from spmd.cli import search_main
+    assert search_main(["--model", "tiny", "--world", "2", "--device", "a100", "--batch", "4", "--seq", "32",
+                        "--workers", "1"]) == 0
     out, err = capsys.readouterr()
     assert "spec search" in out and "fsdp=2" in out and "tp=2,sp" in out
     assert "meshes planned" in err  # the progress line

@@ -241,7 +241,7 @@ def _uneven_step_reduction():
     shards two dims over dp and fsdp, equals DTensor's redistribute of each within 1e-6 (sums of 4 normal
     values; gloo may add them in another order for another buffer size)."""
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
-    from spmd.runtime.step_reduce import reduce_all_to
+    from spmd.runtime.gradients.step_reduce import reduce_all_to
     mesh = spmd.make_mesh({"dp": 2, "fsdp": 2})
     torch.manual_seed(torch.distributed.get_rank())
     shapes = [(5, 3), (7,), (3, 9), (1, 4), (6, 6)]
@@ -257,14 +257,14 @@ def _uneven_gather():
     """The all-gather of updated shards in one flat buffer, for chunks that differ in size (one empty) along
     different dims, gives back each whole tensor exactly (gathers copy)."""
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
-    from spmd.runtime import flat
+    from spmd.runtime import collectives
     mesh = spmd.make_mesh({"dp": 2, "fsdp": 2})
     torch.manual_seed(0)
     wholes = [torch.randn(s) for s in [(5, 3), (7,), (3, 9), (1, 4)]]
     dims = [0, 0, 1, 0]
     shards = [distribute_tensor(w, mesh, (Replicate(), Shard(d))).to_local() for w, d in zip(wholes, dims)]
     assert shards[3].numel() == (4 if mesh.get_local_rank(1) == 0 else 0)  # one rank's chunk is empty
-    for got, want in zip(flat.all_gather(shards, dims, [w.shape for w in wholes], mesh, 1), wholes):
+    for got, want in zip(collectives.all_gather(shards, dims, [w.shape for w in wholes], mesh, 1), wholes):
         assert torch.equal(got, want), want.shape
 
 

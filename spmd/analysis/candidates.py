@@ -7,7 +7,7 @@ import torch.nn as nn
 
 from ..layout.mesh import MESH_AXES, parse_spec
 from ..layout.annotate import get_axes
-from ..runtime.experts import EXPERTS, expert_modules
+from ..runtime.experts.dispatch import EXPERTS, expert_modules
 
 __all__ = ["candidate_specs", "candidates", "zero_stages", "spec_name", "expert_count", "mesh_problem", "LONG_SEQ",
            "MIN_CP_TOKENS"]

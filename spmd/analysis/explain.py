@@ -20,10 +20,11 @@ from ..layout.annotate import fake_copy
 from ..layout.dtypes import as_dtype
 from ..layout.mesh import MESH_AXES, check_sizes, mesh_sizes
 from ..layout.sequence import check_seq_len, rank_positions
-from ..runtime import attention_memory
-from ..runtime.checkpointing import apply_activation_checkpointing, parse_mode
+from ..runtime.activations import attention_memory
+from ..runtime import dtensor
+from ..runtime.transforms.checkpointing import apply_activation_checkpointing, parse_mode
 from ..runtime.parallelize import no_sync, parallelize
-from ..runtime.reshard import observe_saved
+from ..runtime.parameters.reshard import observe_saved
 from ..runtime.state import STATE_ATTR
 from . import record
 from .explain_pipeline import explain_pipeline
@@ -58,6 +59,7 @@ def explain(model: nn.Module, rules, mesh_or_sizes, batch_shape=(8, 2048), dtype
     and `offload` mean what they mean to `parallelize`; `plan.memory` counts each state in its layout and
     dtype, host bytes apart (spmd/analysis/memory.py).
     """
+    dtensor.install()
     pipeline = dict(schedule=schedule, microbatches=microbatches, virtual_stages=virtual_stages,
                     split_cost=split_cost)
     if hasattr(model, STATE_ATTR):

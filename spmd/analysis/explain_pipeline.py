@@ -18,8 +18,8 @@ from ..pipeline.build import lay_out_stage, without_pp
 from ..pipeline.runtime import bubble_fraction, default_microbatches, validate_pipeline
 from ..pipeline.split import split_stages
 from ..pipeline.stage import LocalModel, StageModule, has_parts
-from ..runtime.checkpointing import parse_mode
-from ..runtime.reshard import observe_saved
+from ..runtime.transforms.checkpointing import parse_mode
+from ..runtime.parameters.reshard import observe_saved
 from ..runtime.state import STATE_ATTR
 from . import record
 from .memory import activation_bytes, memory_per_rank

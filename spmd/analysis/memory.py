@@ -14,9 +14,10 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from ..layout.annotate import get_axes
-from ..runtime.experts import EXPERTS
-from ..runtime.reshard import storage_key
+from ..runtime.experts.dispatch import EXPERTS
+from ..runtime.parameters.reshard import storage_key
 from ..runtime.state import STATE_ATTR
+from ..runtime.dtensor.wrap import local_of
 
 __all__ = ["activation_bytes", "local_bytes", "memory_per_rank", "OPTIMIZER_STATES"]
 
@@ -32,7 +33,7 @@ def activation_bytes(saved: dict, model: nn.Module) -> int:
 
 
 def local_bytes(t) -> int:
-    local = t._local_tensor if isinstance(t, DTensor) else t
+    local = local_of(t)
     return local.numel() * local.element_size()
 
 
@@ -79,7 +80,7 @@ def _numel(p, layout_attr: str) -> int:
     """Elements of p's local shard in the layout `layout_attr` names (its storage layout when it has none)."""
     layout = getattr(p, layout_attr, None)
     if not isinstance(p, DTensor) or layout is None:
-        local = p._local_tensor if isinstance(p, DTensor) else p
+        local = local_of(p)
         return local.numel()
     shape, _ = compute_local_shape_and_global_offset(p.shape, p.device_mesh, layout)
     return math.prod(shape)

@@ -2,8 +2,8 @@
 communicates, recorded without updating anything."""
 import torch
 
-from ..runtime.optimizer import masters_of, reduce_gradients, shard_optimizer
-from ..runtime.updated import gather_updated
+from ..runtime.optimizer.shard import masters_of, reduce_gradients, shard_optimizer
+from ..runtime.optimizer.masters import gather_updated
 
 __all__ = ["planning_optimizer", "record_optimizer_step"]
 

@@ -4,7 +4,7 @@ import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from ..runtime.activations import Decision
+from ..runtime.activations.moves import Decision
 from .record import Collective
 
 __all__ = ["Plan"]

@@ -154,7 +154,7 @@ def _caller() -> str:
     while frame is not None:
         module = frame.f_globals.get("__name__", "")
         # the GlobalView mode sits between every model op and torch: it passes ops on, it issues nothing
-        if not (module.startswith("torch") or module in (__name__, "spmd.runtime.plain")):
+        if not (module.startswith("torch") or module in (__name__, "spmd.runtime.activations.global_view")):
             return f"{module}.{frame.f_code.co_name}"
         frame = frame.f_back
     return "torch"

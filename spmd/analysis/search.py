@@ -38,7 +38,7 @@ import torch.nn as nn
 
 from ..layout.blocks import find_blocks
 from ..layout.rules import ZERO_STAGES, Rules
-from ..runtime.checkpointing import parse_mode
+from ..runtime.transforms.checkpointing import parse_mode
 from .candidates import candidate_specs, candidates, expert_count, mesh_problem, spec_name, zero_stages
 from .devices import Device, get_device
 from .search_rows import Row, SearchResult

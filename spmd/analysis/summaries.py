@@ -20,7 +20,7 @@ import torch.nn as nn
 from ..layout.annotate import infer_axes
 from ..layout.blocks import find_blocks
 from ..layout.rules import Rules
-from ..runtime.checkpointing import parse_mode
+from ..runtime.transforms.checkpointing import parse_mode
 from .explain import explain
 from .record import ring_steps
 
@@ -28,7 +28,7 @@ __all__ = ["Summary", "summarize", "plan_summary", "planned", "checkpointed", "a
            "frozen", "as_model", "rules_for", "TRAFFIC", "traffic"]
 
 # how a collective's time is spent: "gather" parameters (critical path), "prefetch-forward"/"prefetch-backward"
-# (a block's gather issued while the block before computes, spmd.runtime.buckets), "reduce" gradients (once
+# (a block's gather issued while the block before computes, spmd.runtime.parameters.buckets), "reduce" gradients (once
 # per step under gradient accumulation), "activation" (tensor/sequence-parallel moves, losses)
 TRAFFIC = ("activation", "gather", "prefetch-forward", "prefetch-backward", "reduce")
 EMPTY_GROUP = (0, 0, 0)  # a Summary group no collective falls in: count, bytes, ring steps

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-from ..runtime.offload import file_backed
+from ..runtime.optimizer.offload import file_backed
 from .common import all_gather
 from .save import Job, prepare, save, write
 

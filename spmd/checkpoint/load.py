@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from ..runtime.offload import release_pages
+from ..runtime.optimizer.offload import release_pages
 from .common import FORMAT, LATEST, RNG_CPU, RNG_CUDA, rank_file, rank_world, region
 
 __all__ = ["latest", "load", "outside_problem", "read_full", "read_into", "read_meta", "resolve", "tensor_names"]

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from ..runtime.offload import file_backed, release_pages
-from .common import FORMAT, LATEST, RNG_CPU, RNG_CUDA, all_gather, barrier, dtype_name, fsync_dir, rank_file, \
-    rank_world, region
+from ..runtime.optimizer.offload import file_backed, release_pages
+from .common import (FORMAT, LATEST, RNG_CPU, RNG_CUDA, all_gather, barrier, dtype_name, fsync_dir, rank_file,
+                     rank_world, region)
 from .stream import save_file
 from .verify import file_record
 

@@ -1,7 +1,7 @@
 """State dicts for checkpoints: a model's parameters and persistent buffers, an optimizer's state by name."""
 import torch
 
-from ..runtime.optimizer import masters_of
+from ..runtime.optimizer.shard import masters_of
 
 __all__ = ["model_state", "optim_state"]
 

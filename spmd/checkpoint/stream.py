@@ -8,7 +8,7 @@ import struct
 
 import torch
 
-from ..runtime.offload import file_backed, release_pages
+from ..runtime.optimizer.offload import file_backed, release_pages
 
 __all__ = ["save_file", "PIECE_BYTES"]
 

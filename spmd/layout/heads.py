@@ -6,7 +6,7 @@ reshape into heads fails deep inside its forward. The head counts come from the 
 names transformers (`num_attention_heads`, `num_key_value_heads`), nanoGPT (`n_head`) and models.llama
 (`n_heads`, `n_kv_heads`) give them, and are checked before anything is laid out; the trainer checks a
 config alone the same way (`config_problem`: config.json, a preset), before it builds the model. A model whose
-config names neither is caught at that reshape instead (spmd.runtime.plain).
+config names neither is caught at that reshape instead (spmd.runtime.activations.global_view).
 """
 import math
 

@@ -60,7 +60,7 @@ _PHI = {**_LLAMA, "*.self_attn.dense.weight": ("embed", "heads"), "*.mlp.fc1.wei
         "*.mlp.fc2.weight": ("embed", "mlp")}
 _GLM = {**_LLAMA, "*.mlp.gate_up_proj.weight": (None, "embed")}  # gate and up fused, as Phi-3's
 # transformers' mixtures of experts: a router, then experts stacked [experts, out, in] that route the tokens
-# themselves; each rank holds them whole (fsdp shards them in storage), see spmd.runtime.experts
+# themselves; each rank holds them whole (fsdp shards them in storage), see spmd.runtime.experts.dispatch
 _EXPERTS = {"*.mlp.gate.weight": (None, "embed"), "*.mlp.experts.gate_up_proj": ("experts", None, "embed"),
             "*.mlp.experts.down_proj": ("experts", "embed", None), "*.mlp.shared_expert_gate.weight": (None, "embed")}
 # gpt-oss: attention sinks (one logit per head), biased experts stored [experts, in, out]

@@ -4,7 +4,7 @@ The sequence is cut into 2·cp equal chunks and cp rank i holds chunks i and 2·
 a causal mask the early chunk attends to little and the late one to much, so every rank does the same
 attention work. The data path gives each rank its positions' tokens, targets and RoPE positions; the
 model's global view is then the sequence in zigzag order, which token-wise layers never notice and ring
-attention (spmd.runtime.ring) undoes.
+attention (spmd.runtime.context_parallel.ring) undoes.
 """
 import torch
 from torch.distributed.device_mesh import DeviceMesh

@@ -25,9 +25,9 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ..layout.blocks import find_blocks
 from ..layout.rules import local_shape
-from ..runtime.buckets import drop_root_unit
-from ..runtime.checkpointing import checkpoint_block, parse_mode
-from ..runtime.local_model import OUTPUTS_LOCAL_ATTR
+from ..runtime.parameters.buckets import drop_root_unit
+from ..runtime.transforms.checkpointing import checkpoint_block, parse_mode
+from ..runtime.local.whole_model import OUTPUTS_LOCAL_ATTR
 from ..runtime.parallelize import parallelize
 from ..runtime.state import STATE_ATTR
 from .cut import cut_stage, plan_cut, sum_tied_grads, trace_uses

@@ -25,8 +25,8 @@ from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
-from ..runtime.activations import constrain
-from ..runtime.experts import balanced_routing
+from ..runtime.activations.moves import constrain
+from ..runtime.experts.dispatch import balanced_routing
 from .shapes import StageBoundary, fake_inputs, fake_model
 from .split import default_example, outside_blocks
 

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from ..runtime.host import compute_device
+from ..runtime.parameters.host import compute_device
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv")
 INTERLEAVED = ("interleaved-1f1b", "zero-bubble", "zbv")  # several stages per rank

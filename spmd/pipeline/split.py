@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 
 from ..layout.blocks import find_blocks
-from ..runtime.experts import balanced_routing
+from ..runtime.experts.dispatch import balanced_routing
 from .shapes import fake_inputs, fake_model
 
 __all__ = ["COSTS", "StageInfo", "StageSplit", "split_stages", "min_max_partition", "stage_ranks", "outside_blocks",

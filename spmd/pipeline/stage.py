@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from ..runtime.activations import constrain
+from ..runtime.activations.moves import constrain
 
 __all__ = ["PARTS", "StageModule", "LocalModel", "NamedParams", "has_parts", "has_blocks_loss"]
 

@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..runtime.host import compute_device
+from ..runtime.parameters.host import compute_device
 from .runtime import PipelineRuntime, default_microbatches, validate_pipeline
 from .split import split_stages
 from .stage import NamedParams

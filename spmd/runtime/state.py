@@ -4,10 +4,11 @@
 `constrain` and checkpoint recomputation find the model's rules without being handed them.
 """
 import contextlib
+import enum
 
 import torch
 
-__all__ = ["STATE_ATTR", "MASTERS", "OFFLOADS", "SPMDState", "laid_out_parts", "active_state", "activated", "push",
+__all__ = ["STATE_ATTR", "MASTERS", "OFFLOADS", "Phase", "SPMDState", "depth", "unwind_to", "laid_out_parts", "active_state", "activated", "push",
            "pop"]
 
 STATE_ATTR = "_spmd_state"
@@ -15,6 +16,16 @@ STATE_ATTR = "_spmd_state"
 
 MASTERS = ("params", "optimizer")  # where fp32 master weights live under a lower compute dtype
 OFFLOADS = (None, "optimizer", "params")  # which states live in host memory instead of on the device (or "nvme:DIR")
+
+
+class Phase(enum.Enum):
+    """Where a step is. The root's hooks go idle -> forward -> backward (idle when nothing awaits backward); a
+    checkpointed block recomputes in backward in `recompute`; shard_optimizer's step runs in `optimizer_step`."""
+    IDLE = "idle"
+    FORWARD = "forward"
+    RECOMPUTE = "recompute"
+    BACKWARD = "backward"
+    OPTIMIZER_STEP = "optimizer step"
 
 
 class SPMDState:
@@ -30,9 +41,10 @@ class SPMDState:
         self.mesh, self.rules = mesh, rules
         self.param_dtype, self.reduce_dtype, self.master, self.offload = param_dtype, reduce_dtype, master, offload
         self.input_axes = input_axes
+        self.phase = Phase.IDLE
         self.sync = True                       # False under no_sync: gradients stay unreduced
         self.accumulating = False              # from no_sync to the end of the backward that syncs
-        self.compiled_params: list = []        # parameters of compiled blocks (spmd.runtime.accumulate)
+        self.compiled_params: list = []        # parameters of compiled blocks (spmd.runtime.gradients.accumulate)
         self.decisions: dict[tuple, object] = {}  # (module, mesh axis) -> activations.Decision
         self.move_cache: dict = {}             # (id(input), layout) -> moved input, shared by sibling linears
         self.targets: dict = {}                # (what, axes or placements, shape) -> placements: fixed
@@ -45,7 +57,7 @@ class SPMDState:
         self.reducer = None                    # reducer.GradientReducer: bucket gradients reduced across blocks
         self.local_members: dict = {}          # id(block) -> its (module, name, param): blocks that may run locally
         self.local: list = []                  # the local.LocalBlock calls running now
-        self.global_view: list = []            # (module, plain.GlobalView) entered by the root or a recomputed block
+        self.global_view: list = []            # (module, GlobalView, phase before it) entered by the root or a recompute
 
     def target(self, key: tuple, decide):
         """The placements `decide()` gives for `key` (a constrain's, a model input's, a block input's on the active
@@ -99,6 +111,16 @@ def push(state: SPMDState):
     if not torch.compiler.is_compiling():  # a compiled block runs inside the root's or its recompute's push
         _active.append(state)
         _set_top()
+
+
+def depth() -> int:
+    return len(_active)
+
+
+def unwind_to(n: int) -> None:
+    """Pops the states pushed beyond depth `n` (calls whose hooks did not pop them: a forward that raised)."""
+    del _active[n:]
+    _set_top()
 
 
 def pop():

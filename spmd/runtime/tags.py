@@ -9,7 +9,7 @@ import contextvars
 
 import torch
 
-__all__ = ["reason", "phase", "push_module", "pop_module", "current_module", "current_reason", "current_phase"]
+__all__ = ["reason", "phase", "push_module", "pop_module", "depth", "unwind_to", "current_module", "current_reason", "current_phase"]
 
 _context = contextvars.ContextVar("spmd_comm_context", default=None)  # (module, reason, origin)
 _phase = contextvars.ContextVar("spmd_phase", default="forward")
@@ -45,6 +45,14 @@ def push_module(name: str):
 def pop_module():
     if not torch.compiler.is_compiling() and _module_stack:
         _module_stack.pop()
+
+
+def depth() -> int:
+    return len(_module_stack)
+
+
+def unwind_to(n: int) -> None:
+    del _module_stack[n:]
 
 
 def current_module() -> str:

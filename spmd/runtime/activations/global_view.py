@@ -1,0 +1,215 @@
+"""Plain tensors a model makes while it runs (positions, masks, `arange`, constants) are replicated.
+
+A model on the global view makes such tensors from global shapes, so every rank holds the same whole
+tensor: exactly a replicated DTensor. While a parallelized model runs forward (and while a checkpointed
+block recomputes in backward), a torch-function mode turns every plain tensor that meets a DTensor in an
+op into a replicated DTensor before the op runs. Autograd then saves DTensors, so the backward never mixes
+the two either. The same mode hands parameters used outside their own module their compute layout
+(spmd.runtime.parameters.outside_use), and runs attention on a sequence split over cp as a ring (spmd.runtime.context_parallel.ring). Code
+outside the model keeps DTensor's strict mixing check.
+
+A block that flattens its tokens into one dim (OPT: `x.reshape(-1, hidden)`) merges a sequence-sharded
+dim into the batch dim before it, which no DTensor layout holds evenly. Inside a layer, such a view first
+gathers the merged dim (an all-gather over its mesh axis, listed by explain against the module), and the
+block runs on whole sequences from there on. The view back to tokens splits that dim again (a local slice:
+the tensors it meets next, the residual stream, are split so) and keeps its gradient in that layout, so that
+the backward's reverse view never merges a sharded dim either.
+"""
+import math
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, Replicate
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_map
+
+from . import attention_memory, loss
+from ..parameters import outside_use
+from ..dtensor import partial_scale
+from ..context_parallel import ring
+from .. import tags
+from .moves import grad_layout, move
+from ..dtensor.wrap import as_dtensor, local_of
+
+__all__ = ["GlobalView"]
+
+
+def _plain(t) -> bool:
+    return isinstance(t, torch.Tensor) and not isinstance(t, DTensor) and t.numel() != 1
+
+
+class GlobalView(TorchFunctionMode):
+    def __init__(self, state):
+        super().__init__()
+        self.state = state
+        self.merged: dict = {}  # shape before a view merged a sharded dim -> the layout the view gathered
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if not kwargs and len(args) == 1 and isinstance(args[0], torch.Tensor):
+            return func(*args)  # an attribute read or a unary op: no other tensor to meet, nothing to move
+        kwargs = kwargs or {}
+        flat = _tensors(args, kwargs)
+        mesh = next((a.device_mesh for a in flat if isinstance(a, DTensor)), None)
+        if mesh is not None and ring.cp_active(mesh):
+            ring.check_sequence_order(func, flat)
+        if func is torch.cat and mesh is not None and args and isinstance(args[0], (list, tuple)):
+            # torch.cat skips a 1-D empty tensor (a cache's start: transformers' DynamicLayer); DTensor does not
+            args = ([t for t in args[0] if not (_plain(t) and t.shape == (0,))],) + tuple(args[1:])
+            flat = _tensors(args, kwargs)
+        if mesh is not None and any(_plain(a) for a in flat):
+            def replicate(t):
+                return as_dtensor(t, mesh, (Replicate(),) * mesh.ndim) if _plain(t) else t
+            args, kwargs = tree_map(replicate, args), tree_map(replicate, kwargs)
+            flat = _tensors(args, kwargs)
+        if func in partial_scale.MULTIPLIES and len(args) == 2 and not kwargs:
+            out = partial_scale.scale_partial(*args)
+            if out is not None:
+                return out
+        if func in loss.FUNCS:
+            out = loss.global_mean(func, args, kwargs)
+            if out is not None:
+                return out
+        if func is F.scaled_dot_product_attention:
+            attend = ring.ring_attention if ring.applies(args[0]) else _attention
+            return attention_memory.attending(attend, *args, **kwargs)
+        if func in _VIEWS and isinstance(args[0], DTensor) and tags.current_module():
+            x = _gather_merged(args[0], args[0].shape, _shape(args[0], args[1:]))
+            if x is not args[0]:
+                self.merged[tuple(args[0].shape)] = args[0].placements
+            try:
+                out = func(x, *args[1:], **kwargs)
+            except RuntimeError as e:
+                if "unevenly sharded" in str(e):
+                    raise _uneven_split(x, _shape(x, args[1:])) from e
+                raise
+            if out.requires_grad and _merged_dims(out.shape, x.shape, inner_only=True):
+                return self._view_back(out)
+            return out
+        if func in outside_use.FUNCS and any(outside_use.stored(a) for a in flat):
+            return outside_use.call(self.state, func, args, kwargs)
+        return func(*args, **kwargs)
+
+    def _view_back(self, out: DTensor) -> DTensor:
+        """The view back to tokens splits again what the merge gathered (a local slice: the sequence over cp,
+        and over tp under sp, as the tensors it meets next are split), and keeps its gradient in that layout,
+        so that the backward's reverse view never merges a sharded dim either."""
+        before = self.merged.get(tuple(out.shape))
+        target = out.placements if before is None else tuple(
+            b if (p.is_replicate() and b.is_shard()) else p for p, b in zip(out.placements, before))
+        why = ("keep the gradient of a view back to tokens in its forward layout" if target == out.placements else
+               "split again the dim the view's merge gathered")
+        return move(out, target, tags.current_module(), why, grad_placements=grad_layout(target))
+
+
+def _uneven_split(x: DTensor, new) -> ValueError:
+    """The error of a view that splits a sharded dim into pieces the mesh axis cannot hand out whole: heads
+    that do not divide by tp, where the model's config names no head count (spmd.layout.heads)."""
+    axes = [f"{x.device_mesh.mesh_dim_names[i]}={x.device_mesh.size(i)}" for i, p in enumerate(x.placements)
+            if p.is_shard()]
+    return ValueError(f"{tags.current_module()}: viewing a tensor of shape {tuple(x.shape)}, split over "
+                      f"{' x '.join(axes)}, as {tuple(new) if new else '?'} splits a sharded dim into groups (heads) "
+                      f"that do not divide by that mesh size: a rank would hold part of one. Pick a mesh whose size "
+                      f"there divides the number of groups (heads), and give the rest of the world to dp or fsdp")
+
+
+_SDPA_ARGS = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+
+
+def _attention(q, k, v, *rest, **kwargs):
+    """Attention of q, k, v ([batch, heads, seq, head_dim]) split alike over batch or heads, and evenly: each
+    rank attends its own sequences and heads, so the call runs on the local tensors, with this rank's slice
+    of a mask that holds no gradient (a padding or sliding-window mask, made whole from global shapes). This
+    also keeps the backend's choice to the local tensors: DTensor's own dispatch of the math backend (fp32
+    with grouped heads on CUDA) mixes in a plain mask, and its strategy does not split a replicated mask
+    along the batch it splits. Anything else (dropout, uneven splits, a mask with a gradient) goes to
+    DTensor."""
+    kwargs = {**dict(zip(_SDPA_ARGS, rest)), **kwargs}
+    mask = kwargs.pop("attn_mask", None)
+    local = (not kwargs.get("dropout_p") and _split_alike(q, k, v)
+             and (mask is None or _replicated_constant(mask, q.device_mesh)))
+    if not local:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **kwargs)
+    if mask is not None:
+        kwargs["attn_mask"] = _local_slice(mask, q)
+    out = F.scaled_dot_product_attention(q.to_local(), k.to_local(), v.to_local(), **kwargs)
+    return DTensor.from_local(out, q.device_mesh, q.placements, run_check=False)
+
+
+def _replicated_constant(t, mesh) -> bool:
+    """A whole tensor, equal on every rank, with no gradient to carry (a mask)."""
+    if not isinstance(t, torch.Tensor) or t.requires_grad:
+        return False
+    return not isinstance(t, DTensor) or (t.device_mesh == mesh and all(p.is_replicate() for p in t.placements))
+
+
+def _local_slice(mask: torch.Tensor, q: DTensor) -> torch.Tensor:
+    """This rank's part of a whole mask broadcast against attention scores [batch, heads, q_seq, k_seq] that
+    are split as `q` is: along each dim q's layout splits (batch or heads), unless the mask broadcasts it."""
+    local = local_of(mask)
+    offset = local.ndim - 4  # a mask of fewer dims broadcasts from the right
+    mesh = q.device_mesh
+    for i, p in enumerate(q.placements):  # mesh dims in order: each splits what the ones before left
+        d = p.dim + offset if p.is_shard() else -1
+        if d >= 0 and local.shape[d] != 1:
+            size = local.shape[d] // mesh.size(i)
+            local = local.narrow(d, mesh.get_local_rank(i) * size, size)
+    return local
+
+
+def _split_alike(*ts) -> bool:
+    if not all(isinstance(t, DTensor) and t.device_mesh == ts[0].device_mesh and t.placements == ts[0].placements
+               for t in ts):
+        return False
+    mesh = ts[0].device_mesh
+    for i, p in enumerate(ts[0].placements):
+        if p.is_partial() or (p.is_shard() and (p.dim not in (0, 1) or any(t.shape[p.dim] % mesh.size(i)
+                                                                            for t in ts))):
+            return False
+    return True
+
+
+def _tensors(args, kwargs) -> list:
+    """The tensors among an op's arguments, at any depth of lists, tuples and dicts. Runs on every op of the
+    model's forward, so it walks the arguments itself: pytree's generic flatten costs more than many ops."""
+    found = []
+    stack = [args, tuple(kwargs.values())]
+    while stack:
+        for a in stack.pop():
+            if isinstance(a, torch.Tensor):
+                found.append(a)
+            elif isinstance(a, (list, tuple)):
+                stack.append(a)
+            elif isinstance(a, dict):
+                stack.append(tuple(a.values()))
+    return found
+
+
+_VIEWS = {torch.Tensor.reshape, torch.Tensor.view, torch.reshape}
+
+
+def _shape(x: torch.Tensor, shape) -> list | None:
+    """The target shape of `x.view(*shape)` / `x.reshape(shape)`, -1 resolved; None for a view as a dtype."""
+    shape = shape[0] if len(shape) == 1 and isinstance(shape[0], (tuple, list, torch.Size)) else shape
+    if not shape or not all(isinstance(s, int) for s in shape):
+        return None
+    known = math.prod(s for s in shape if s != -1)
+    return [x.numel() // max(known, 1) if s == -1 else s for s in shape]
+
+
+def _merged_dims(shape, new, inner_only: bool = False) -> set:
+    """Dims of `shape` that the view to `new` merges into the dim before them. `inner_only`: not counting the
+    last dim (a split of features into heads, merged back in backward)."""
+    if new is None:
+        return set()
+    starts = [math.prod(new[:k]) for k in range(len(new) + 1)]
+    return {d for d in range(1, len(shape) - inner_only) if math.prod(shape[:d]) not in starts}
+
+
+def _gather_merged(x: DTensor, shape, new) -> DTensor:
+    """`x`, gathered over each mesh axis that shards a dim the view to `new` merges into the dim before it."""
+    dims = _merged_dims(shape, new)
+    merged = [p.is_shard() and p.dim in dims for p in x.placements]
+    if not any(merged):
+        return x
+    target = [Replicate() if m else p for p, m in zip(x.placements, merged)]
+    return move(x, target, tags.current_module(), "gather a sharded dim the model's view merges into the dim before it")

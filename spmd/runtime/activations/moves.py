@@ -1,0 +1,227 @@
+"""How activations move: the layout decisions of the propagation pass and the moves that carry them out.
+
+DTensor's own op rules carry layouts through elementwise ops, views, attention and the loss. The pass
+decides at the points where a layout must change, and makes each change an explicit, recorded move:
+
+* a `constrain` point: the activation goes to the layout the rules give its logical axes, which turns
+  tensor-parallel partial sums into an all-reduce, or a reduce-scatter under sequence parallelism;
+* a linear layer: the input must fit the weight's compute layout; a weight whole over a mesh axis takes
+  an input whole along all but the batch dim over it. When both are sharded over one mesh
+  axis on different dims (a sequence-sharded activation meets a column-parallel weight, or a pinned
+  weight meets a batch-sharded activation), one of the two is gathered: the one with fewer bytes.
+
+`move(x, placements)` changes an activation's layout; its backward brings the gradient back to the
+layout `x` had (a Partial source gets a Replicate gradient: every partial sum sees the whole gradient).
+"""
+from dataclasses import dataclass, asdict
+
+import torch
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from ...layout.rules import placements_for
+from .. import tags
+from ..local.edges import to_local
+from ..state import active_state
+
+__all__ = ["Decision", "constrain", "move", "grad_layout", "linear_layouts", "move_linear_input", "finish_output",
+           "map_tensors"]
+
+
+@dataclass
+class Decision:
+    module: str
+    mesh_axis: str
+    choice: str              # "gather activation" | "gather weight"
+    activation_bytes: int    # per rank, all-gather of the activation over mesh_axis
+    weight_bytes: int        # per rank, all-gather of the weight over mesh_axis
+    why: str = ""
+
+    def to_dict(self):
+        return asdict(self)
+
+    def describe(self) -> str:
+        return (f"{self.module}: {self.choice} over {self.mesh_axis} "
+                f"(activation {self.activation_bytes:,} B vs weight {self.weight_bytes:,} B per rank: {self.why})")
+
+
+def gathered_bytes(shape, placements, mesh, dim: int, element_size: int) -> int:
+    """Per-rank bytes an all-gather over mesh dim `dim` moves: the local size after it, times (n-1)/n."""
+    numel = 1
+    for s in shape:
+        numel *= s
+    for i, p in enumerate(placements):
+        if i != dim and p.is_shard():
+            numel //= mesh.size(i)
+    n = mesh.size(dim)
+    return numel * element_size * (n - 1) // n
+
+
+def linear_layouts(x: DTensor, w_shape, w_placements, w_element_size: int, module: str):
+    """For `F.linear(x, w)`: the input layout to move to, the weight layout to use, and any decisions.
+
+    Weight dims: 0 = out features, 1 = in features; x's last dim is the in-features dim.
+    """
+    mesh = x.device_mesh
+    last = x.ndim - 1
+    x_target = list(x.placements)
+    w_target = list(w_placements)
+    decisions = []
+    for m, (xp, wp) in enumerate(zip(x.placements, w_placements)):
+        axis = mesh.mesh_dim_names[m]
+        if mesh.size(m) == 1 or axis == "cp":
+            continue  # cp splits only tokens, which a linear layer takes one by one
+        if xp.is_partial():
+            # a partial sum cannot enter a matmul with a bias or a sharded weight: finish the sum here,
+            # into the layout the weight wants (reduce-scatter onto in-features for a row-parallel weight)
+            x_target[m] = Shard(last) if wp == Shard(1) else Replicate()
+            continue
+        x_sharded_elsewhere = xp.is_shard() and xp.dim != last
+        if wp == Shard(0) and xp.is_shard() or wp == Shard(1) and x_sharded_elsewhere:
+            act = gathered_bytes(x.shape, x.placements, mesh, m, x.element_size()) if xp.is_shard() else 0
+            wb = gathered_bytes(w_shape, w_placements, mesh, m, w_element_size)
+            # Gathering the weight keeps the layer data-parallel over this axis: sound when x is split on
+            # the batch dim. Split on another token dim (sequence), attention downstream would need the
+            # whole sequence, so the activation is gathered instead.
+            if x_sharded_elsewhere and xp.dim == 0 and wb < act:
+                w_target[m] = Replicate()
+                decisions.append(Decision(module, axis, "gather weight", act, wb, "fewer bytes"))
+            else:
+                x_target[m] = Shard(last) if wp == Shard(1) else Replicate()
+                why = ("fewer bytes" if act <= wb else "the input is split along a non-batch dim (sequence) that later ops need whole") \
+                    if x_sharded_elsewhere else "the input is split along its features"
+                decisions.append(Decision(module, axis, "gather activation", act, wb, why))
+        elif wp == Shard(1) and not xp.is_shard():
+            x_target[m] = Shard(last)  # a local slice, no communication
+        elif wp.is_replicate() and xp.is_shard() and xp.dim != 0:
+            # split along its features, or along the sequence, which attention after a weight that is whole
+            # over this axis (a fused qkv projection) needs whole: gathered before the matmul
+            x_target[m] = Replicate()
+    return tuple(x_target), tuple(w_target), decisions
+
+
+def grad_layout(placements):
+    return tuple(Replicate() if p.is_partial() else p for p in placements)
+
+
+class _Move(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: DTensor, placements, grad_placements, module, why):
+        ctx.src = grad_layout(x.placements) if grad_placements is None else tuple(grad_placements)
+        ctx.module, ctx.why = module, why
+        if tuple(x.placements) == tuple(placements):
+            return x.view_as(x)
+        with tags.reason(module, why):
+            return x.redistribute(placements=placements)
+
+    @staticmethod
+    def backward(ctx, g: DTensor):
+        if tuple(g.placements) != ctx.src:
+            with tags.reason(ctx.module, f"backward of {ctx.why}"):
+                g = g.redistribute(g.device_mesh, ctx.src)
+        return g, None, None, None, None
+
+
+def move(x: DTensor, placements, module: str, why: str, grad_placements=None) -> DTensor:
+    """Redistributes `x` to `placements`. `grad_placements` overrides the gradient's layout on the way back."""
+    placements = tuple(placements)
+    if tuple(x.placements) == placements and (grad_placements is None or torch.compiler.is_compiling()):
+        return x
+    if torch.compiler.is_compiling():
+        # DTensor's own redistribute traces to functional collectives; its backward brings the gradient
+        # back to x's layout (Partial sources get Replicate), the same layout _Move's backward gives
+        return x.redistribute(placements=placements)
+    if not x.requires_grad:
+        if tuple(x.placements) == placements:
+            return x
+        with tags.reason(module, why):
+            return x.redistribute(placements=placements)
+    return _Move.apply(x, placements, grad_placements, module, why)
+
+
+def move_linear_input(state, name, w, x, transposed: bool = False):
+    """(x moved to the layout weight `w` needs, the weight's compute layout if it must differ, else None).
+    `transposed`: `w` is stored [in, out] (transformers' Conv1D) rather than nn.Linear's [out, in]."""
+    el = torch.finfo(state.param_dtype).bits // 8 if state.param_dtype else w.element_size()
+    compute = _transpose(w._spmd_compute) if transposed else tuple(w._spmd_compute)
+    shape = tuple(reversed(w.shape)) if transposed else tuple(w.shape)
+    if torch.compiler.is_compiling():
+        # the same decision without its bookkeeping: a graph that names its module serves only that module
+        x_target, w_target, _ = linear_layouts(x, shape, compute, el, "")
+    else:
+        x_target, w_target, decisions = linear_layouts(x, shape, compute, el, name)
+        for d in decisions:
+            state.decisions[(name, d.mesh_axis)] = d
+    if torch.compiler.is_compiling():  # the compiler merges repeated moves itself (and cannot key a cache by id)
+        moved = _move_input(x, x_target, name)
+    else:
+        key = (id(x), x_target)
+        if key not in state.move_cache:
+            state.move_cache[key] = (x, _move_input(x, x_target, name))
+        moved = state.move_cache[key][1]
+    if w_target == compute:
+        return moved, None
+    return moved, (_transpose(w_target) if transposed else w_target)
+
+
+def _move_input(x, target, name: str):
+    why = "move input to the layout its weight needs"
+    return move(x, target, name, why, grad_placements=grad_layout(x.placements)) if x.requires_grad \
+        else move(x, target, name, why)
+
+
+def _transpose(placements) -> tuple:
+    return tuple(Shard(1 - p.dim) if p.is_shard() else p for p in placements)
+
+
+def constrain(x: torch.Tensor, *axes) -> torch.Tensor:
+    if torch.compiler.is_compiling() or not isinstance(x, DTensor):
+        return _constrain(x, axes)
+    with torch._C.DisableTorchFunction():  # the global view has nothing to do here; under it each op costs twice
+        return _constrain(x, axes)
+
+
+def _constrain(x: torch.Tensor, axes) -> torch.Tensor:
+    if len(axes) != x.dim():
+        raise ValueError(f"constrain got {len(axes)} axes {axes} for a tensor with {x.dim()} dims "
+                         f"(shape {tuple(x.shape)}); give one logical name or None per dim")
+    if not isinstance(x, DTensor):
+        return x
+    state = active_state()
+    if state is None:
+        return x
+
+    def decide():
+        where = f"constrain{axes}"
+        dims = state.rules.mesh_axes(axes, "compute", where, strict=False)
+        return placements_for(x.device_mesh, dims, x.shape, f"activation {where} in {tags.current_module()!r}")
+
+    target = state.target(("constrain", axes, tuple(x.shape), id(x.device_mesh)), decide)
+    return move(x, target, tags.current_module(), f"constrain{tuple(axes)}")
+
+
+def finish_output(output, name):
+    """A scalar (the loss), alone or in a ModelOutput, dict or tuple, made whole on every rank and plain."""
+    def whole(t):
+        if isinstance(t, DTensor) and t.ndim == 0:
+            # (spmd's to_local: DTensor's builds a spec for the gradient on every backward)
+            return to_local(move(t, grad_layout(t.placements), name, "make the loss whole on every rank"))
+        return t
+    return map_tensors(output, whole)
+
+
+def map_tensors(output, fn):
+    """`fn` applied to the tensors of a model output (a tensor, a mapping such as ModelOutput, a tuple or
+    list), one level deep, keeping the container's type."""
+    if isinstance(output, torch.Tensor):
+        return fn(output)
+    if isinstance(output, dict):
+        for k in list(output.keys()):
+            if isinstance(output[k], torch.Tensor):
+                output[k] = fn(output[k])
+        return output
+    if isinstance(output, (tuple, list)):
+        items = [fn(v) if isinstance(v, torch.Tensor) else v for v in output]
+        if isinstance(output, list):
+            return items
+        return type(output)(*items) if hasattr(output, "_fields") else type(output)(items)
+    return output

@@ -1,0 +1,120 @@
+"""Many tensors summed over one mesh axis (or one flattened group of axes) in one collective: packed into one
+flat buffer, cut back after.
+
+A reduce-scatter lays each tensor's chunks along its shard dim (DTensor's own split, so uneven chunks are
+allowed) out rank by rank, each rank's segment padded to the longest; each rank gets back its segment, its
+chunk of every tensor. An all-reduce lays the tensors back to back. Both are issued at once and waited on
+when the results are read, so a caller may go on while they travel. The bytes on the wire are those of the
+per-tensor collectives (plus the padding of uneven chunks).
+
+An all-gather is the reverse of a reduce-scatter: each rank packs its chunk of every tensor into its padded
+segment, and every rank receives every segment, from which the whole tensors are cut and joined.
+
+Used by the block buckets' gradient reductions (spmd.runtime.parameters.buckets), the reductions across blocks
+(spmd.runtime.gradients.reducer), ZeRO-1/2's step reductions (spmd.runtime.gradients.step_reduce) and their all-gathers of the
+updated parameters (spmd.runtime.optimizer.shard).
+"""
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch.distributed.tensor import Shard
+
+from ..layout.mesh import group_over
+
+__all__ = ["wait", "Flat", "reduce_scatter", "all_reduce", "all_gather", "all_gather_buffer"]
+
+# torch 2.13 names the flat collectives *_single and deprecates the *_tensor names; earlier releases have only those
+_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+_reduce_scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
+
+
+def wait(t: torch.Tensor) -> torch.Tensor:
+    """The value of a collective issued through functional collectives (a plain tensor passes through)."""
+    return t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t
+
+
+class Flat:
+    """An issued flat reduction: `results()` waits for it and gives this rank's piece of each input, as views."""
+
+    def __init__(self, out: torch.Tensor, shapes: list, work=None):
+        self.out, self.shapes, self.work = out, shapes, work  # work: a c10d collective writing into `out`
+
+    def results(self) -> list[torch.Tensor]:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        flat, at, pieces = wait(self.out), 0, []
+        for shape in self.shapes:
+            k = shape.numel()
+            pieces.append(flat[at:at + k].view(shape))
+            at += k
+        return pieces
+
+
+def _chunk_shapes(shape, dim: int, n: int) -> list:
+    """The shapes of the n chunks DTensor's Shard(dim) cuts a tensor of `shape` into (uneven ones allowed)."""
+    chunks = Shard(dim)._split_tensor(torch.empty(shape, device="meta"), n, with_padding=False)[0]
+    return [c.shape for c in chunks]
+
+
+def _segment(chunks: list, n: int) -> int:
+    """The longest rank's segment: per tensor its n chunks (tensors or shapes), summed rank by rank."""
+    return max(sum(c[r].numel() for c in chunks) for r in range(n))
+
+
+def _padded(row: list, seg: int) -> list:
+    """A rank's flattened chunks, with zeros after them up to the segment's length."""
+    short = seg - sum(x.numel() for x in row)
+    return row + ([row[0].new_zeros(short)] if short else [])
+
+
+def reduce_scatter(tensors: list, dims: list, mesh, m: int) -> Flat:
+    """Sums `tensors` over mesh dim `m`; each rank receives its chunk of each along its dim in `dims`."""
+    n, rank = mesh.size(m), mesh.get_local_rank(m)
+    chunks = [Shard(d)._split_tensor(t, n, with_padding=False)[0] for t, d in zip(tensors, dims)]
+    seg = _segment(chunks, n)
+    parts = []
+    for r in range(n):
+        parts += _padded([c[r].reshape(-1) for c in chunks], seg)
+    out = _reduce_scatter(torch.cat(parts), "sum", 0, (mesh, m))
+    return Flat(out, [c[rank].shape for c in chunks])
+
+
+def all_reduce(tensors: list, mesh, dims) -> Flat:
+    """Sums `tensors` over mesh dim `dims` (an int, or several dims as one flattened group); every rank
+    receives each whole."""
+    dims = (dims,) if isinstance(dims, int) else dims
+    group = group_over(mesh, dims)
+    out = torch.cat([t.reshape(-1) for t in tensors])
+    work = None
+    for g in [group] if group is not None else [mesh.get_group(m) for m in dims]:  # else axis by axis
+        if work is not None:
+            work.wait()
+        # in place, as DDP reduces its buckets: the packed buffer is ours, so the sum needs no copy of it
+        # (functional collectives' all_reduce copies its input; their in-place one escapes CommDebugMode)
+        work = dist.all_reduce(out, group=g, async_op=True)
+    return Flat(out, [t.shape for t in tensors], work)
+
+
+def all_gather(tensors: list, dims: list, shapes: list, mesh, m: int) -> list:
+    """Each rank's chunk (`tensors`) of whole tensors of `shapes`, split along their dims in `dims` over mesh
+    dim `m`, gathered: the whole tensors, on every rank."""
+    n = mesh.size(m)
+    chunks = [_chunk_shapes(s, d, n) for s, d in zip(shapes, dims)]
+    seg = _segment(chunks, n)
+    buf = torch.cat(_padded([t.reshape(-1) for t in tensors], seg))
+    gathered = wait(all_gather_buffer(buf, mesh, m)).view(n, seg)
+    out, at = [], [0] * n
+    for c, d in zip(chunks, dims):
+        parts = []
+        for r in range(n):
+            k = c[r].numel()
+            parts.append(gathered[r, at[r]:at[r] + k].view(c[r]))
+            at[r] += k
+        out.append(torch.cat(parts, dim=d))
+    return out
+
+
+def all_gather_buffer(buffer: torch.Tensor, mesh, m: int) -> torch.Tensor:
+    """Every rank's `buffer` (one flat tensor) over mesh dim `m`, back to back; issued, waited on when read."""
+    return _all_gather(buffer, 0, (mesh, m))

@@ -1,0 +1,83 @@
+"""A fused Adam/AdamW step (`fused=True`, the trainer's) on DTensor parameters runs on their local tensors.
+
+The update is elementwise within each parameter: where a parameter, its gradient and its states share one
+layout that holds no partial sums, updating every rank's local shard is the update of the whole, and
+DTensor's dispatch of the fused op (the sharding propagation of five lists of tensors) has nothing to decide.
+On the tiny model on one process it costs about 0.6 ms of a 1.4 ms step. This installs a DTensor op handler
+(torch's own mechanism for ops it treats specially, as its loss_parallel does) that calls the fused kernel
+on the local tensors when the layouts agree, and otherwise leaves the op to DTensor's dispatch as before.
+`spmd.runtime.dtensor.install` registers it.
+"""
+import torch
+from torch.distributed.tensor import DTensor
+
+__all__ = ["install", "dtensor_dispatch"]
+
+aten = torch.ops.aten
+_FUSED = [aten._fused_adamw_.default, aten._fused_adamw_.tensor_lr, aten._fused_adam_.default,
+          aten._fused_adam_.tensor_lr]
+_LISTS = 6  # params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps
+
+
+def _local_update(op_call, args, kwargs):
+    lists, rest = args[:_LISTS], [*args[_LISTS:], *kwargs.values()]
+    if not _agree(lists) or any(isinstance(a, DTensor) for a in rest):
+        return dtensor_dispatch(op_call, args, kwargs)
+    local = [[t._local_tensor if isinstance(t, DTensor) else t for t in group] for group in lists]
+    return op_call(*local, *args[_LISTS:], **kwargs)
+
+
+_AGREED: dict = {}  # the ids of a step's specs -> (those specs, held so that no id is reused while cached; answer)
+
+
+def _agree(lists) -> bool:
+    """Whether each parameter, its gradient and its states are DTensors of one layout with no partial sums,
+    and its step count is whole on every rank. A function of the tensors' specs alone, which recur from step
+    to step (the parameters', the states', the gradients' cached layouts): answered once per set of specs."""
+    specs = tuple([t._spec if isinstance(t, DTensor) else None for group in lists for t in group])
+    key = (tuple(map(len, lists)), *map(id, specs))
+    hit = _AGREED.get(key)
+    if hit is None:
+        if len(_AGREED) >= 64:  # (layouts that keep changing would otherwise grow it without end)
+            _AGREED.clear()
+        hit = _AGREED[key] = (specs, _compare(lists))
+    return hit[1]
+
+
+def _compare(lists) -> bool:
+    params, steps = lists[0], lists[5]
+    others = [group for group in lists[1:5] if group]  # grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs
+    for i, p in enumerate(params):
+        if not isinstance(p, DTensor):
+            return False
+        spec = p._spec
+        if any(pl.is_partial() for pl in spec.placements):
+            return False
+        for group in others:
+            t = group[i]
+            if not isinstance(t, DTensor):
+                return False
+            other = t._spec
+            if other is not spec and (other.placements != spec.placements or other.shape != spec.shape
+                                      or (other.mesh is not spec.mesh and other.mesh != spec.mesh)):
+                return False
+        if steps and isinstance(steps[i], DTensor) and not all(pl.is_replicate() for pl in steps[i].placements):
+            return False
+    return True
+
+
+def dtensor_dispatch(op_call, args, kwargs):
+    """The op through DTensor's own dispatch (this handler stood aside for the call)."""
+    handlers = DTensor._op_dispatcher._custom_op_handlers
+    mine = handlers.pop(op_call)
+    try:
+        return op_call(*args, **kwargs)
+    finally:
+        handlers[op_call] = mine
+
+
+def install() -> None:
+    """Registers the local fused step for Adam and AdamW (idempotent)."""
+    handlers = DTensor._op_dispatcher._custom_op_handlers
+    for op in _FUSED:
+        handlers.setdefault(op, _local_update)

@@ -1,0 +1,41 @@
+"""A partial sum times a constant scalar stays a partial sum.
+
+Gemma scales its embedding by sqrt(dim), a 0-d buffer: under tp the vocab-split lookup gives partial sums,
+and DTensor, whose rules treat a multiply by a tensor as nonlinear, reduces them first into a layout of its
+own choosing (on Gemma 3 the batch split over tp, which the whole model then followed, its projections'
+weights gathered whole). Scaling each rank's summand by the scalar is the same product and keeps the
+partial sums for the pass to reduce where it plans to.
+"""
+import torch
+from torch.distributed.tensor import DTensor
+
+from .wrap import local_of, wrap_local
+
+__all__ = ["MULTIPLIES", "scale_partial"]
+
+MULTIPLIES = {torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__}
+
+
+def scale_partial(a, b) -> DTensor | None:
+    """`a * b` where one is a DTensor holding partial sums and the other a constant scalar tensor (one
+    element, no gradient), kept partial; None otherwise."""
+    for x, s in ((a, b), (b, a)):
+        if (isinstance(x, DTensor) and any(p.is_partial() and getattr(p, "reduce_op", "sum") == "sum"
+                                           for p in x.placements)
+                and isinstance(s, torch.Tensor) and s.numel() == 1 and not s.requires_grad
+                and (not isinstance(s, DTensor) or all(p.is_replicate() for p in s.placements))):
+            return _ScalePartial.apply(x, local_of(s))
+    return None
+
+
+class _ScalePartial(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: DTensor, s: torch.Tensor):
+        ctx.s = s
+        local = local_of(x) * s
+        return wrap_local(local, x.device_mesh, x.placements, x.shape, local.stride())
+
+    @staticmethod
+    def backward(ctx, g):
+        local = local_of(g) * ctx.s
+        return wrap_local(local, g.device_mesh, g.placements, g.shape, local.stride()), None

@@ -1,0 +1,221 @@
+"""Expert parallelism: tokens go to their experts' ranks by all-to-all and come back the same way.
+
+An expert module is one whose parameters carry the `experts` axis on dim 0 (stacked experts, as
+torchtitan's GroupedExperts); it is called with the tokens sorted by expert and the count per expert, and
+returns one row per token. The module that calls it routes, sorts and combines each token on its own, so
+the pass runs it on this rank's tokens as plain tensors (the *routing region*): its tensor inputs, passed
+positionally, come in with their batch shards and nothing else sharded; its output (one tensor) goes back
+as a DTensor of that layout.
+
+Supported layout (DeepSpeed-MoE's and torchtitan's): `experts -> ep` with `ep` among the batch axes, so ep
+splits the data as dp and fsdp do and each rank holds E/ep experts. The expert module then
+* sends each expert's tokens to the rank holding it: an all-to-all of the counts, then an all-to-all of
+  the tokens with those split sizes; on arrival they are grouped by local expert;
+* computes with its local experts (under tp each rank holds a slice of `mlp`, so outputs and input
+  gradients are partial sums over tp, reduced after the region as a row-parallel layer's are);
+* sends the outputs back by the reverse all-to-all. Backward mirrors each all-to-all.
+Under `explain` (fake tensors, no data) the routing is taken to be balanced: every expert gets an equal
+share of each rank's tokens, and the plan's all-to-all records say so.
+An expert's gradient is this rank's share of the tokens: a partial sum over the batch axes that hold the
+expert whole (dp, fsdp), reduced into its storage layout as every parameter's is.
+
+An expert module called otherwise routes the tokens itself (transformers'): spmd.runtime.experts.whole_experts,
+and spmd.runtime.experts.routed_dispatch under ep.
+"""
+import contextlib
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
+from torch.distributed.tensor import DTensor, Partial, Replicate
+
+from ...layout.annotate import get_axes
+from ...layout.mesh import mesh_sizes
+from .. import tags
+from .all_to_all import AllToAll
+from ..activations.moves import grad_layout, move
+from .routed_dispatch import RoutedDispatch
+from .whole_experts import balanced_grouped_products, check_whole, routes_itself
+from ..dtensor.wrap import contiguous_stride
+
+__all__ = ["EXPERTS", "expert_modules", "check_expert_layout", "install_expert_hooks", "balanced_routing"]
+
+EXPERTS = "experts"
+
+
+def expert_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """{qualified name: module} of the modules whose own parameters carry the `experts` axis."""
+    return {name: m for name, m in model.named_modules()
+            if any(EXPERTS in (get_axes(p) or ()) for p in m.parameters(recurse=False))}
+
+
+@contextlib.contextmanager
+def balanced_routing(model: nn.Module):
+    """While it is open, a forward of `model` on fake tensors (no data to route by) gives each expert module
+    an equal share of the tokens, as explain plans; a dropless layer's FLOPs are the same for any routing."""
+    def balance(module, args):
+        x, counts, *rest = args
+        return (x, _balanced_counts(x.shape[0], counts.shape[0]), *rest) if is_fake(x) else None
+    handles = []
+    for m in expert_modules(model).values():
+        handles += balanced_grouped_products(m) if routes_itself(m) else [m.register_forward_pre_hook(balance)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def check_expert_layout(model: nn.Module, mesh, rules) -> None:
+    """Raises ValueError naming the problem and the fix for an expert layout spmd does not support."""
+    found = expert_modules(model)
+    if not found:
+        return
+    target = rules.compute.get(EXPERTS, ())
+    if target not in ((), ("ep",)):
+        raise ValueError(f"rule experts -> {target}: experts may be split over the ep mesh axis only; "
+                         f"use Rules(..., {{'experts': 'ep'}}) (Rules.default has it)")
+    ep = dict(zip(mesh.mesh_dim_names, mesh.shape)).get("ep", 1)
+    if ep > 1 and "ep" not in rules.batch_axes():
+        raise ValueError(f"ep={ep} splits the experts but not the batch (batch -> {rules.batch_axes()}); expert "
+                         f"parallelism here also splits the data over ep: add 'ep' to the batch rule")
+    for name, module in found.items():
+        if routes_itself(module):
+            check_whole(name, module, mesh, rules, ep)
+            continue
+        if not name:
+            raise ValueError("the model itself holds the expert parameters; put them in a submodule that the "
+                             "routing code calls with (tokens sorted by expert, tokens per expert)")
+        for p_name, p in module.named_parameters(recurse=False):
+            axes = get_axes(p) or ()
+            if not axes or axes[0] != EXPERTS or any(a in rules.compute.get(ax, ()) for ax in axes[1:]
+                                                      for a in rules.batch_axes()):
+                raise ValueError(f"{name}.{p_name} with axes {axes}: an expert module's parameters carry "
+                                 f"'experts' on dim 0 and no batch mesh axis on the others; annotate it "
+                                 f"('experts', ...)")
+            if ep > 1 and p.shape[0] % ep:
+                raise ValueError(f"{name}.{p_name}: {p.shape[0]} experts do not divide by ep={ep}; use an ep "
+                                 f"that divides the number of experts")
+
+
+def install_expert_hooks(model: nn.Module, state) -> None:
+    """Hooks the routing region (the expert module's parent) and the expert module, for expert modules routed
+    by their caller. Called after the pass's own hooks exist: these run inside them."""
+    modules = dict(model.named_modules())
+    for name, module in expert_modules(model).items():
+        if routes_itself(module):
+            balanced_grouped_products(module)  # it runs on local tensors (spmd.runtime.local.blocks)
+            if mesh_sizes(state.mesh).get("ep", 1) > 1:
+                RoutedDispatch(state, name, module).install()
+            continue
+        parent_name = name.rpartition(".")[0]
+        split = _split_dims(module, state.mesh)
+        region = _Region(state, parent_name, split)
+        modules[parent_name].register_forward_pre_hook(region.enter)
+        modules[parent_name].register_forward_hook(region.leave, prepend=True)
+        dispatch = _Dispatch(state, name)
+        module.register_forward_pre_hook(dispatch.enter)
+        module.register_forward_hook(dispatch.leave, prepend=True)
+
+
+def _split_dims(module: nn.Module, mesh) -> set[int]:
+    """Mesh dims over which the experts' compute layout splits a dim other than `experts` (tp on mlp): the
+    region's output and its inputs' gradients are partial sums over them."""
+    return {m for p in module.parameters(recurse=False) for m, pl in enumerate(p._spmd_compute)
+            if pl.is_shard() and pl.dim != 0 and mesh.size(m) > 1}
+
+
+class _Region:
+    """The routing region: DTensor inputs in (batch shards kept, everything else whole) as local tensors,
+    the local output back out as a DTensor."""
+
+    def __init__(self, state, name: str, split: set[int]):
+        self.state, self.name, self.split = state, name, split
+        self.layouts: list = []
+
+    def enter(self, module, args):
+        layout = None
+        local = []
+        for a in args:
+            if isinstance(a, DTensor):
+                target = tuple(p if p.is_shard() and p.dim == 0 else Replicate() for p in a.placements)
+                layout = layout or (a.device_mesh, target, a.shape)
+                if a.requires_grad:  # the gradient, partial over the split dims, is reduced on the way back
+                    a = move(a, target, self.name, "bring each rank's tokens whole to its routing",
+                             grad_placements=grad_layout(a.placements))
+                    grads = [Partial() if m in self.split else p for m, p in enumerate(target)]
+                    a = a.to_local(grad_placements=grads)
+                else:
+                    a = move(a, target, self.name, "bring each rank's tokens whole to its routing").to_local()
+            local.append(a)
+        self.layouts.append(layout)
+        return tuple(local)
+
+    def leave(self, module, args, output):
+        layout = self.layouts.pop()
+        if layout is None:
+            return output
+        mesh, target, shape = layout
+        placements = [Partial() if m in self.split else p for m, p in enumerate(target)]
+        out_shape = shape[:-1] + output.shape[-1:]
+        return DTensor.from_local(output, mesh, placements, run_check=False, shape=out_shape,
+                                  stride=contiguous_stride(out_shape))
+
+
+class _Dispatch:
+    """The expert module: its parameters as local tensors, tokens to and from the experts' ranks over ep."""
+
+    def __init__(self, state, name: str):
+        self.state, self.name = state, name
+        mesh = state.mesh
+        self.ep = mesh.size(mesh.mesh_dim_names.index("ep")) if "ep" in mesh.mesh_dim_names else 1
+        self.group = mesh.get_group("ep") if self.ep > 1 else None
+        self.batch_dims = {mesh.mesh_dim_names.index(a) for a in state.rules.batch_axes() if a in mesh.mesh_dim_names}
+        self.pending: list = []
+
+    def enter(self, module, args):
+        for p_name, p in module.named_parameters(recurse=False):
+            g = module.__dict__.get(p_name, p)  # the compute-layout gather the pass put there
+            # each rank's tokens give a partial sum of the gradient over the batch axes that hold the expert whole
+            grads = [Partial() if pl.is_replicate() and m in self.batch_dims else pl for m, pl in enumerate(g.placements)]
+            module.__dict__[p_name] = g.to_local(grad_placements=grads)
+        x, counts = args[0], args[1]
+        balanced = is_fake(x)  # explain: no data, so the plan assumes balanced routing
+        if balanced:
+            counts = _balanced_counts(x.shape[0], counts.shape[0])
+        if self.group is None:
+            self.pending.append(None)
+            return x, counts
+        n, note = self.ep, " (balanced routing assumed)" if balanced else ""
+        with tags.reason(self.name, "exchange tokens per expert" + note):
+            received = torch.empty_like(counts)
+            dist.all_to_all_single(received, counts, group=self.group)
+        with unset_fake_temporarily():
+            if balanced:  # every rank sends what this one does
+                received = counts.view(n, -1)[dist.get_rank(self.group)].repeat(n)
+            send = counts.view(n, -1).sum(1).tolist()
+            per_source = received.view(n, -1)           # [source rank, local expert]
+            recv = per_source.sum(1).tolist()
+            local_expert = torch.arange(per_source.shape[1]).repeat(n).repeat_interleave(per_source.reshape(-1))
+            order = local_expert.argsort(stable=True)    # arrived grouped by source rank: regroup by expert
+            inverse, local_counts = order.argsort(), per_source.sum(0)
+        x = AllToAll.apply(x, recv, send, self.group, self.name, "dispatch tokens to their experts' ranks" + note)
+        self.pending.append((inverse, send, recv, note))
+        return x[order], local_counts
+
+    def leave(self, module, args, output):
+        pending = self.pending.pop()
+        if pending is None:
+            return output
+        inverse, send, recv, note = pending
+        return AllToAll.apply(output[inverse], send, recv, self.group, self.name,
+                              "combine expert outputs on their tokens' ranks" + note)
+
+
+def _balanced_counts(rows: int, experts: int) -> torch.Tensor:
+    """Tokens per expert when `rows` (token, choice) pairs spread evenly over the experts (a real tensor)."""
+    with unset_fake_temporarily():
+        counts = torch.full((experts,), rows // experts, dtype=torch.long)
+        counts[:rows % experts] += 1
+    return counts

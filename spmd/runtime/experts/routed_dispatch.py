@@ -1,0 +1,101 @@
+"""Expert parallelism for expert modules that route their tokens themselves (transformers'): `forward(
+hidden_states [N, H], top_k_index [N, k], top_k_weights [N, k])` returning the weighted sum over each token's k
+experts, [N, H].
+
+Under `experts -> ep` each rank holds E/ep of the experts, and ep splits the batch as dp and fsdp do. Around
+the module's own forward (it runs on this rank's tokens as plain tensors, spmd.runtime.local.blocks):
+* each (token, choice) pair goes to the rank holding its expert: the pairs sorted by expert, an all-to-all of
+  the counts per expert, then of the tokens, their weights and their experts' local indices;
+* the module computes on what arrived, one choice per row, with its local experts and `num_experts` set to
+  their count, so its own routing finds them;
+* the rows go back by the reverse all-to-all, and each token sums its k rows.
+Backward mirrors each all-to-all. The router before it stays in the global view. Under `explain` (fake
+tensors) the routing is taken to be balanced, as spmd.runtime.experts.dispatch plans its own dispatch.
+"""
+import inspect
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.nn as nn
+from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
+
+from ...layout.annotate import get_axes
+from ...layout.mesh import mesh_sizes
+from .. import tags
+from .all_to_all import AllToAll
+
+__all__ = ["RoutedDispatch"]
+
+
+class RoutedDispatch:
+    """The hooks that send a self-routing expert module's (token, choice) pairs to their experts' ranks."""
+
+    def __init__(self, state, name: str, module: nn.Module):
+        self.name, self.module = name, module
+        self.experts = next(p.shape[0] for p in module.parameters(recurse=False) if "experts" in (get_axes(p) or ()))
+        self.ep = mesh_sizes(state.mesh)["ep"]
+        self.group = state.mesh.get_group("ep")
+        self.signature = inspect.signature(module.forward)
+        self.pending: list = []
+
+    def install(self) -> list:
+        """Registers the hooks (after the pass's own: these run inside them); returns the handles."""
+        return [self.module.register_forward_pre_hook(self.enter, with_kwargs=True),
+                self.module.register_forward_hook(self.leave, prepend=True)]
+
+    def enter(self, module, args, kwargs):
+        x, index, weights = self.signature.bind(*args, **kwargs).args[:3]
+        n, k = index.shape
+        per_rank = self.experts // self.ep
+        flat = index.reshape(-1)
+        order = flat.argsort(stable=True)  # the pairs grouped by expert, so by the rank holding it
+        counts, received, note = self._counts(flat)
+        with unset_fake_temporarily():
+            send = counts.view(self.ep, per_rank).sum(1).tolist()
+            recv = received.view(self.ep, per_rank).sum(1).tolist()
+        why = "dispatch each (token, choice) to its expert's rank" + note
+        rows = AllToAll.apply(x[order // k], recv, send, self.group, self.name, why)
+        row_weights = AllToAll.apply(weights.reshape(-1)[order].unsqueeze(1), recv, send, self.group, self.name, why)
+        local = (flat[order] % per_rank).unsqueeze(1)
+        with tags.reason(self.name, why):
+            local = funcol.wait_tensor(funcol.all_to_all_single(local.contiguous(), recv, send, self.group))
+        self.pending.append((order // k, n, send, recv, note, module.__dict__.get("num_experts")))
+        module.__dict__["num_experts"] = per_rank  # the module's own routing: its local experts
+        return (rows, local, row_weights), {}
+
+    def leave(self, module, args, output):
+        token, n, send, recv, note, experts = self.pending.pop()
+        if experts is None:  # (not an attribute of the module's own: a class's, or none)
+            del module.__dict__["num_experts"]
+        else:
+            module.__dict__["num_experts"] = experts
+        if output.shape[0] == 0:
+            # no pair came here, so a module that loops over the experts hit used none of its inputs: tie them
+            # and its experts to the output, so that this rank's backward runs the reverse exchanges with the
+            # others' and its experts take a (zero) gradient as theirs do
+            rows, _, row_weights = args
+            output = output + 0 * (rows.sum() + row_weights.sum() + sum(p.sum() for p in _local_experts(module)))
+        rows = AllToAll.apply(output, send, recv, self.group, self.name,
+                               "combine expert outputs on their tokens' ranks" + note)
+        return torch.zeros(n, rows.shape[1], dtype=rows.dtype, device=rows.device).index_add(0, token, rows)
+
+    def _counts(self, flat: torch.Tensor) -> tuple:
+        """(pairs per expert sent, pairs per (source rank, local expert) received, a note for the plan)."""
+        if is_fake(flat):  # explain: no data, so the plan takes the routing to be balanced
+            with unset_fake_temporarily():
+                counts = torch.full((self.experts,), flat.shape[0] // self.experts, dtype=torch.long)
+                counts[:flat.shape[0] % self.experts] += 1
+                received = counts.view(self.ep, -1)[dist.get_rank(self.group)].repeat(self.ep)
+            with tags.reason(self.name, "exchange pairs per expert (balanced routing assumed)"):
+                dist.all_to_all_single(torch.empty_like(counts), counts, group=self.group)
+            return counts, received, " (balanced routing assumed)"
+        counts = torch.bincount(flat, minlength=self.experts)
+        received = torch.empty_like(counts)
+        with tags.reason(self.name, "exchange pairs per expert"):
+            dist.all_to_all_single(received, counts, group=self.group)
+        return counts, received, ""
+
+
+def _local_experts(module: nn.Module) -> list:
+    return [module.__dict__[n] for n, _ in module.named_parameters(recurse=False) if n in module.__dict__]

@@ -1,0 +1,53 @@
+"""Gradient accumulation through compiled blocks: a compiled graph cannot read a gradient that a no_sync pass
+left in `p.grad`, so while micro-batches accumulate the blocks' graphs leave every gradient unreduced (the
+compiler guards on `state.accumulating`, set from no_sync's start to the end of the backward that syncs:
+one graph each way), autograd sums them in
+`p.grad`, and the end of the last micro-batch's backward reduces the sums once, in flat buffers: one
+collective per mesh axis and kind for all compiled blocks (spmd.runtime.gradients.step_reduce), as eager's no_sync
+reduces each gradient once."""
+import torch
+
+from .. import tags
+from ..activations.moves import map_tensors
+from .layouts import grads_layout, held_for_step
+from .step_reduce import reduce_all_to
+from ..dtensor.stack import after_backward
+
+__all__ = ["reduce_after_backward"]
+
+
+def reduce_after_backward(output, state):
+    """`output` (of the micro-batch that ends accumulation) with tensors whose backward queues the reduction of
+    the compiled blocks' accumulated gradients for the end of that backward (once, however many carry it)."""
+    once = []
+    return map_tensors(output, lambda t: _QueueReduction.apply(t, state, once) if t.requires_grad else t)
+
+
+class _QueueReduction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t, state, once: list):
+        ctx.state, ctx.once = state, once
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, g):
+        if not ctx.once:
+            ctx.once.append(True)
+            state = ctx.state  # the flag holds until then: a checkpointed block's recompute reads it
+            after_backward(lambda: reduce_accumulated(state))
+        return g, None, None
+
+
+@torch.no_grad()
+def reduce_accumulated(state) -> None:
+    """The compiled blocks' gradients summed unreduced over the micro-batches -> the grads map's layout (those
+    a ZeRO-1 step reduces stay for it)."""
+    params = [p for p in state.compiled_params if p.grad is not None and not held_for_step(p)
+              and tuple(p.grad.placements) != grads_layout(p)]
+    dtype = state.reduce_dtype
+    grads = [p.grad if dtype is None else p.grad.to(dtype) for p in params]
+    with tags.phase("backward"):
+        reduced = reduce_all_to(grads, [grads_layout(p) for p in params], "reduce accumulated gradients of compiled blocks")
+    for p, g in zip(params, reduced):
+        p.grad = g.to(p.dtype)
+    state.accumulating = False

@@ -1,0 +1,133 @@
+"""Gradient reductions that span blocks, in buckets of a set size (DDP's, 25 MB by default).
+
+A bucket's backward (spmd.runtime.parameters.buckets) hands over each gradient whose reduction is at most one
+reduce-scatter (onto its shards over one mesh axis: FSDP) followed by one all-reduce (over the mesh axes that
+replicate it: DP, HSDP's dp axis, the dp and tp axes of a sequence-parallel norm weight, summed over their
+flattened group in one collective). They join the open buffer of their reduction and dtype; a buffer that
+reaches the size is issued at once, asynchronously, while backward goes on. A buffer that reduce-scatters and
+then all-reduces issues its all-reduce when the next buffer is issued (its reduce-scatter has had that much
+backward to travel) or at the end of backward. At the end of backward the rest are issued, everything is
+waited on, and each parameter's gradient is set (added to the one it already holds). As DDP's first bucket,
+the first buffer of each kind in a backward goes out at 1 MB, so the gradients that arrive first (the last
+block's) travel while the rest of backward runs. So a model whose gradients fit 25 MB reduces them in at
+most two collectives per kind, as DDP does, instead of one per block and mesh axis. Under
+`offload="optimizer"` a buffer whose last collective is issued is handed to the copy-out
+(spmd.runtime.optimizer.transfer) when the next buffer is issued, so its gradients travel to the host during backward.
+"""
+import torch
+from torch.distributed.tensor import DTensor
+
+from .. import collectives, tags
+from .layouts import grads_layout, reduce_to
+from ..dtensor.wrap import cast, local_of, wrap_local
+from ..dtensor.stack import after_backward
+
+__all__ = ["GradientReducer", "DEFAULT_BUCKET_MB", "FIRST_BUCKET_MB"]
+
+DEFAULT_BUCKET_MB = 25.0  # torch DistributedDataParallel's bucket_cap_mb
+FIRST_BUCKET_MB = 1.0  # DistributedDataParallel's first bucket (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES)
+
+
+class _Issued:
+    """A buffer in flight: `pending` reduce-scatters over `scatter` (when set), then all-reduces over `summed`;
+    `members` (param, (placements, shape, stride) of its unreduced gradient, block)."""
+
+    def __init__(self, key, members, pending, block: str, what: str):
+        (self.scatter, self.summed, _), self.members, self.pending = key, members, pending
+        self.block, self.what = block, what
+        self.summing = self.scatter is None  # whether `pending` is the last collective
+        self.copied = False                   # whether its results were handed to the copy-out
+
+    def advance(self, mesh):
+        """Waits for the reduce-scatter and issues the all-reduce of its shards (no-op when that is done)."""
+        if self.summing:
+            return
+        self.summing = True
+        if self.summed:
+            with tags.phase("backward"), tags.reason(self.block, f"all-reduce {self.what}, shards"):
+                self.pending = collectives.all_reduce(self.pending.results(), mesh, self.summed)
+
+
+class GradientReducer:
+    def __init__(self, mesh, bucket_mb: float = DEFAULT_BUCKET_MB):
+        self.mesh, self.cap = mesh, int(bucket_mb * 2**20)
+        self.first_cap = min(self.cap, int(FIRST_BUCKET_MB * 2**20))
+        self.started: set = set()  # keys with a buffer issued in this backward (the later ones take `cap`)
+        self.open: dict = {}     # (scatter dim | None, summed dims, dtype) -> [(param, unreduced gradient, block)]
+        self.sizes: dict = {}    # same key -> bytes in the open buffer
+        self.issued: list = []   # _Issued, in order
+        self.queued = False
+        self.copies = None  # offload="optimizer": spmd.runtime.optimizer.transfer.GradientCopies, fed as buffers land
+
+    def reset(self):
+        """Forgets buffers a backward that failed part-way left (called as each forward starts)."""
+        self.open, self.sizes, self.issued, self.queued, self.started = {}, {}, [], False, set()
+
+    def add(self, p, g: DTensor, scatter: int | None, summed: tuple, block: str):
+        """Takes `g` for `p`, a partial sum over mesh dim `scatter` (reduce-scattered onto p's grads shards)
+        and the dims `summed` (all-reduced) only; it is reduced by the end of backward."""
+        key = (scatter, tuple(summed), g.dtype)
+        self.open.setdefault(key, []).append((p, g, block))
+        self.sizes[key] = self.sizes.get(key, 0) + local_of(g).numel() * local_of(g).element_size()
+        if not self.queued:
+            after_backward(self.finish)
+            self.queued = True
+        if self.sizes[key] >= (self.cap if key in self.started else self.first_cap):
+            self._issue(key)
+
+    def _issue(self, key):
+        scatter, summed, _ = key
+        members = self.open.pop(key)
+        self.sizes.pop(key)
+        self.started.add(key)
+        blocks = sorted({b for _, _, b in members})
+        what = f"gradients of {', '.join(blocks)} ({len(members)} parameters, one buffer)"
+        tensors = [local_of(g) for _, g, _ in members]
+        for earlier in self.issued:
+            earlier.advance(self.mesh)
+        with tags.phase("backward"):
+            if scatter is not None:
+                with tags.reason(blocks[0], f"reduce-scatter {what}"):
+                    pending = collectives.reduce_scatter(tensors, [grads_layout(p)[scatter].dim for p, _, _ in members],
+                                                  self.mesh, scatter)
+            else:
+                with tags.reason(blocks[0], f"all-reduce {what}"):
+                    pending = collectives.all_reduce(tensors, self.mesh, summed)
+        self._copy_out(self.issued)  # those issued before: they have had this buffer's backward to travel
+        # the unreduced gradients were copied into the buffer: only their layouts are kept, so each is freed
+        # now rather than held to the end of backward (a whole gradient's worth more at the peak)
+        members = [(p, (g.placements, g.shape, g.stride()), b) for p, g, b in members]
+        self.issued.append(_Issued(key, members, pending, blocks[0], what))
+
+    def _copy_out(self, buffers):
+        """Hands the buffers whose last collective is issued to the offloaded step's copy-out (once each)."""
+        if self.copies is None:
+            return
+        for buffer in buffers:
+            if buffer.summing and not buffer.copied:
+                buffer.copied = True
+                self.copies.copy_pending([p for p, _, _ in buffer.members], buffer.pending)
+
+    def finish(self):
+        """End of backward: issues the open buffers, waits for all, and sets the parameters' gradients."""
+        for key in list(self.open):
+            self._issue(key)
+        issued, self.issued, self.queued, self.started = self.issued, [], False, set()
+        for buffer in issued:
+            buffer.advance(self.mesh)
+        if self.copies is not None:
+            self._copy_out(issued)
+            self.copies.side.join()  # the copy-out waited for those collectives on its stream
+        for buffer in issued:
+            reduced_dims = ([buffer.scatter] if buffer.scatter is not None else []) + list(buffer.summed)
+            for (p, (placements, shape, stride), _), reduced in zip(buffer.members, buffer.pending.results()):
+                placements = list(placements)
+                for m in reduced_dims:
+                    placements[m] = grads_layout(p)[m]
+                value = wrap_local(reduced, self.mesh, placements, shape, stride)
+                if tuple(value.placements) != grads_layout(p):
+                    value = reduce_to(value, grads_layout(p))
+                value = cast(value, p.dtype)
+                p.grad = value if p.grad is None else p.grad + value
+                if self.copies is not None:
+                    self.copies.ready(p)

@@ -1,0 +1,69 @@
+"""ZeRO-1's step reduction in flat buffers: the gradients backward left unreduced reach their optimizer
+shards in one reduce-scatter per mesh axis (and one all-reduce over the flattened group of the axes that keep
+them replicated), as DDP's and FSDP's buckets do, instead of one collective per parameter.
+
+Each gradient is first sliced onto the shards it already may keep (free), as `gradients.reduce_to` does.
+Then, per mesh axis that turns a partial sum into a shard, one flat reduce-scatter (spmd.runtime.collectives)
+leaves each rank its chunk of every gradient. A gradient whose target shards one
+dim over two mesh axes takes the per-parameter path.
+"""
+from torch.distributed.tensor import DTensor, Replicate
+
+from .. import collectives, tags
+from .layouts import reduce_to, slice_onto_shards
+
+__all__ = ["reduce_all_to"]
+
+
+def reduce_all_to(grads: list, targets: list, why: str) -> list:
+    """[g.redistribute(target)] for DTensor gradients whose placements are partial sums or already the
+    targets', in one collective per mesh axis and kind; `why` tags them for the collective recorder."""
+    out = list(grads)
+    flat = [i for i, (g, t) in enumerate(zip(grads, targets)) if _bucketable(g, t)]
+    for i in set(range(len(grads))) - set(flat):
+        out[i] = reduce_to(grads[i], targets[i])
+    if not flat:
+        return out
+    mesh = grads[flat[0]].device_mesh
+    locals_ = {i: slice_onto_shards(grads[i], targets[i]) for i in flat}
+    current = {i: list(locals_[i].placements) for i in flat}
+    locals_ = {i: t.to_local() for i, t in locals_.items()}
+    for m in range(mesh.ndim):
+        members = [i for i in flat if current[i][m].is_partial() and targets[i][m].is_shard()]
+        if members:
+            with tags.reason("", f"{why} (one reduce-scatter over {mesh.mesh_dim_names[m]})"):
+                locals_.update(_reduce_scatter(mesh, m, {i: (locals_[i], targets[i][m].dim) for i in members}))
+            for i in members:
+                current[i][m] = targets[i][m]
+    summed: dict = {}  # the mesh dims a gradient is still summed over -> its members
+    for i in flat:
+        dims = tuple(m for m in range(mesh.ndim) if current[i][m].is_partial())
+        if dims:
+            summed.setdefault(dims, []).append(i)
+    for dims, members in summed.items():
+        with tags.reason("", f"{why} (one all-reduce over {'+'.join(mesh.mesh_dim_names[m] for m in dims)})"):
+            locals_.update(_all_reduce(mesh, dims, {i: locals_[i] for i in members}))
+        for i in members:
+            for m in dims:
+                current[i][m] = Replicate()
+    for i in flat:
+        g = grads[i]
+        out[i] = DTensor.from_local(locals_[i], mesh, targets[i], run_check=False, shape=g.shape, stride=g.stride())
+    return out
+
+
+def _bucketable(g: DTensor, target) -> bool:
+    dims = [t.dim for t in target if t.is_shard()]
+    return (len(dims) == len(set(dims)) and all(not p.is_partial() or p.reduce_op == "sum" for p in g.placements)
+            and all(p == t or p.is_partial() or (p.is_replicate() and t.is_shard())
+                    for p, t in zip(g.placements, target)))
+
+
+def _reduce_scatter(mesh, m: int, members: dict) -> dict:
+    """{i: (local, shard dim)} -> {i: this rank's shard of the sum over mesh axis m}."""
+    pending = collectives.reduce_scatter([t for t, _ in members.values()], [d for _, d in members.values()], mesh, m)
+    return dict(zip(members, pending.results()))
+
+
+def _all_reduce(mesh, dims: tuple, members: dict) -> dict:
+    return dict(zip(members, collectives.all_reduce(list(members.values()), mesh, dims).results()))

@@ -1,0 +1,181 @@
+"""The pass's forward hooks on every module, and the phases they dispatch on.
+
+Before a module computes (`_pre_hook`): the root's inputs become DTensors (or the whole model runs on local
+tensors), a data-only block runs on local tensors, a block's bucket is gathered, the global view goes on (the
+root's forward, or a module called on its own), a linear layer's input moves to its weight's layout and the
+module's parameters are gathered. After (`_post_hook`): the parameters are dropped, partial sums reduced and
+the global view taken off. The phase (spmd.runtime.state.Phase) says where a step is: the root's hooks move it
+from idle to forward and on to backward; a checkpointed block's recompute runs in its own phase.
+
+Whatever the pre-hooks entered (torch-function modes, saved-tensor hooks, local calls, spmd's stacks) the root's
+post-hook leaves, also when the forward raised (torch calls it then too): `_unwind` brings every stack back to
+its depth at the root's entry, so a failed step leaves nothing on torch's stacks and the next one runs clean.
+"""
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from ..layout.annotate import out_dim
+from ..layout.rules import placements_for
+from . import state as active
+from . import tags
+from .activations.global_view import GlobalView
+from .activations.moves import finish_output, map_tensors, move_linear_input
+from .activations.partials import reduce_partials
+from .dtensor.wrap import as_dtensor
+from .gradients.accumulate import reduce_after_backward
+from .local import hook_sets
+from .local.blocks import enter_local
+from .local.whole_model import enter_local_model
+from .parameters.gather import gather_block, gather_module_params, release_module_params
+from .state import Phase, SPMDState
+
+__all__ = ["module_hooks"]
+
+
+def module_hooks(state: SPMDState, name: str, module: nn.Module, is_root: bool) -> tuple:
+    """(pre-hook, post-hook) of `module`; the root's share the depths of the stacks at its entry."""
+    entry: list = []
+    return _pre_hook(state, name, module, is_root, entry), _post_hook(state, module, is_root, entry)
+
+
+def _marks(state: SPMDState) -> tuple:
+    return (len(state.local), len(state.saved_hooks), len(state.global_view), active.depth(), tags.depth(),
+            state.phase)
+
+
+def _unwind(state: SPMDState, marks: tuple) -> None:
+    """Leaves, innermost first, whatever was entered since `marks` and is still entered (a no-op after a forward
+    that returned)."""
+    local, saved, views, depth, modules, phase = marks
+    while len(state.local) > local:
+        state.local.pop().leave(None)
+    while len(state.saved_hooks) > saved:
+        hooks = state.saved_hooks.pop()
+        if hooks is not None:
+            hooks.__exit__(None, None, None)
+    while len(state.global_view) > views:
+        state.global_view.pop()[1].__exit__(None, None, None)
+    active.unwind_to(depth)
+    tags.unwind_to(modules)
+    state.phase = phase
+
+
+def _awaits_backward(output) -> bool:
+    found = []
+    map_tensors(output, lambda t: found.append(t.requires_grad) or t)
+    return any(found)
+
+
+def _to_dtensor(state: SPMDState, t, key):
+    if not isinstance(t, torch.Tensor) or isinstance(t, DTensor):
+        return t
+    def decide():
+        axes = state.input_axes.get(key) if isinstance(state.input_axes, dict) else state.input_axes
+        axes = axes or ("batch",) + (None,) * (t.dim() - 1)
+        dims = state.rules.mesh_axes(axes, "compute", "model input", strict=False)
+        if t.dim() > 1 and axes[1] is None and "cp" in state.rules.compute.get("seq", ()):
+            dims[1] = ("cp",)  # the data path gives each cp rank its share of the sequence (spmd.cp_slice)
+        return placements_for(state.mesh, dims, None, "model input")
+
+    return as_dtensor(t, state.mesh, state.target(("input", key, t.dim()), decide))
+
+
+def _pre_hook(state: SPMDState, name: str, module: nn.Module, is_root: bool, entry: list):
+    # parameters are read from the module at call time, not captured here, so that a compiled block's
+    # graph takes them as inputs and serves every block of the same type
+    param_names = [n for n, p in module._parameters.items() if isinstance(p, DTensor)]
+    kind = out_dim(module)  # 0: nn.Linear, 1: Conv1D (transposed), or an embedding / other layer
+    is_linear = kind is not None and not isinstance(module, nn.Embedding)
+
+    def hook(mod, args, kwargs):
+        if state.local:  # inside a block running on local tensors (spmd.runtime.local.blocks): nothing moves here
+            return None
+        if is_root and not torch.compiler.is_compiling():
+            entry.append(_marks(state))
+        active.push(state)
+        tags.push_module(name)
+        if is_root:
+            state.move_cache.clear()
+            state.shared_gathers.clear()
+            state.prefetched.clear()  # left over only if a forward stopped early
+            if state.reducer is not None:
+                state.reducer.reset()  # left over only if a backward stopped early
+            local = enter_local_model(state, mod, name, args, kwargs)
+            if local is not None:
+                return local
+            args = tuple(_to_dtensor(state, a, i) for i, a in enumerate(args))
+            kwargs = {k: _to_dtensor(state, v, k) for k, v in kwargs.items()}
+        else:
+            local = enter_local(state, mod, name, args, kwargs)
+            if local is not None:
+                return local
+            if not torch.compiler.is_compiling():  # (compile_blocks dresses a block before compiling it)
+                hook_sets.dress_inside(mod)  # this call takes the DTensor path: the modules inside move things
+        gather_block(state, mod)  # before the global view goes on: under a torch-function mode each op costs twice
+        if not torch.compiler.is_compiling() and (is_root or state.phase not in (Phase.FORWARD, Phase.RECOMPUTE)):
+            # the root's forward, or a module called on its own (the compiler must not read the phase: it differs
+            # between forward and recompute, and a guard on it recompiles)
+            state.global_view.append((mod, GlobalView(state), state.phase))
+            state.global_view[-1][1].__enter__()
+            state.phase = Phase.FORWARD
+        weight_layout = None
+        if is_linear and args and isinstance(args[0], DTensor):
+            x, weight_layout = move_linear_input(state, name, mod._parameters["weight"], args[0], kind == 1)
+            args = (x,) + tuple(args[1:])
+        hooks = gather_module_params(state, mod, name, param_names, weight_layout)
+        if not torch.compiler.is_compiling():  # (no hooks under the compiler; the stack's depth is not guarded)
+            state.saved_hooks.append(hooks)
+        return args, kwargs
+
+    return hook
+
+
+def _post_hook(state: SPMDState, module: nn.Module, is_root: bool, entry: list):
+    param_names = [n for n, p in module._parameters.items() if isinstance(p, DTensor)]
+    has_children = next(module.children(), None) is not None
+
+    def hook(mod, args, output):
+        try:
+            return leave(mod, output)
+        finally:
+            if is_root and entry and not torch.compiler.is_compiling():
+                _unwind(state, entry.pop())  # nothing left entered, however the forward ended (it may have raised)
+                state.phase = Phase.BACKWARD if _awaits_backward(output) else Phase.IDLE
+
+    def leave(mod, output):
+        if state.local:
+            if state.local[-1].module is not mod:
+                return None
+            output = state.local.pop().leave(output)
+            if is_root:
+                output = _end_of_model(state, output)
+            tags.pop_module()
+            active.pop()
+            return output
+        compiling = torch.compiler.is_compiling()
+        release_module_params(state, mod, param_names,
+                              state.saved_hooks.pop() if not compiling and state.saved_hooks else None)
+        if has_children:
+            state.move_cache.clear()
+        else:
+            output = map_tensors(output, lambda t: reduce_partials(t, state.rules, mod, tags.current_module()))
+        if not compiling and state.global_view and state.global_view[-1][0] is mod:
+            _, view, state.phase = state.global_view.pop()
+            view.__exit__(None, None, None)
+        if is_root:
+            output = _end_of_model(state, finish_output(output, tags.current_module()))
+        tags.pop_module()
+        active.pop()
+        return output
+
+    return hook
+
+
+def _end_of_model(state: SPMDState, output):
+    state.shared_gathers.clear()
+    if state.sync and state.accumulating:
+        if state.compiled_params:
+            return reduce_after_backward(output, state)
+        state.accumulating = False
+    return output

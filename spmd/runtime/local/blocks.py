@@ -1,0 +1,244 @@
+"""Blocks whose compute layout is data-only run on local tensors, as DDP and FSDP2 run theirs.
+
+A repeated block whose parameters and buffers are all replicated in compute over every active mesh axis, fed
+activations split along the batch dim only, computes on each rank exactly what that rank's slice of the batch
+needs: no op inside needs DTensor's dispatch. Such a block gathers its parameters as before (its bucket), then
+runs on their local tensors and its inputs' local tensors, and its outputs go back into DTensors in the
+input's layout. The local tensors carry their gradient layout across: a parameter's gradient comes back as
+this rank's partial sum over the mesh axes that split the batch, which the bucket reduces as before, and an
+input's gradient in the input's layout. Collectives, ZeRO-3's regather and no_sync are those of the DTensor
+path; only the per-op dispatch is gone. Blocks under activation checkpointing (their recomputation runs
+inside the block, past these hooks), compiled blocks and blocks holding experts keep the DTensor path. An
+expert module that routes its tokens itself (spmd.runtime.experts.whole_experts) runs on local tensors the
+same way, inside its block's DTensor path: its inputs are flat tokens split along dim 0.
+
+The layers of the root unit (embedding, final norm, output projection: leaf modules outside the blocks whose
+parameters the root unit gathers once per forward) run the same way, on the local tensors of those gathered
+values. The code between modules (the model's own forward: residual adds, the loss) keeps the global view.
+The edges (inputs in, outputs out, and consecutive local blocks passing local tensors) are
+spmd.runtime.local.edges.
+"""
+import torch
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from ...layout.annotate import get_axes
+from ..parameters.buckets import gather_bucket
+from ..experts.dispatch import EXPERTS, expert_modules
+from .edges import batch_grad_layout, to_local, wrap_outputs
+from ..parameters.gather import gather_param, gather_shared, kept_for_backward, moves_data
+from ..parameters.reshard import CHECKPOINTED_ATTR, reshard_after_forward, storage_key
+from ..experts.whole_experts import routes_itself
+from ..dtensor.stack import resume, suspend_top
+from ..dtensor.wrap import local_of
+
+__all__ = ["local_blocks", "enter_local", "LocalBlock", "whole_members"]
+
+
+def local_blocks(model, state) -> dict:
+    """{id(module): ([(module, name, param)], [(module, name, buffer)])} for the bucketed blocks, and the
+    root unit's leaf modules, whose parameters and buffers are all replicated in compute on every mesh axis
+    of size > 1, and that hold no experts; and for the expert modules that route their tokens themselves."""
+    mesh = state.mesh
+    experts = {id(m): m for m in expert_modules(model).values()}
+    found = {}
+    for m in experts.values():
+        # under ep each rank computes with its E/ep experts (spmd.runtime.experts.routed_dispatch sends their tokens)
+        members = whole_members([m], mesh, experts_over="ep") if routes_itself(m) else None
+        if members is not None:
+            found[id(m)] = members
+            setattr(m, _INSIDE_ATTR, True)
+    for bucket in state.buckets.values():
+        if bucket.module is model:
+            continue  # the root unit: the model itself, whose inputs and outputs are not a block's
+        if any(id(m) in experts for m in bucket.module.modules()):
+            continue
+        members = whole_members(bucket.module.modules(), mesh)
+        if members is not None:
+            found[id(bucket.module)] = members
+    root = state.buckets.get(id(model))
+    if root is not None:
+        rooted = {id(p) for p in root.params}
+        for m in model.modules():
+            if next(m.children(), None) is not None or id(m) in experts:
+                continue
+            members = whole_members([m], mesh)
+            if members and members[0] and all(id(p) in rooted or getattr(p, "_spmd_shared", False)
+                                              for _, _, p in members[0]):
+                found[id(m)] = members
+    return found
+
+
+def whole_members(modules, mesh, experts_over: str | None = None) -> tuple | None:
+    """(parameters, buffers) of `modules` as (module, name, tensor), when every one is replicated in compute
+    on the mesh axes of size > 1 (or, with `experts_over`, split there on its leading `experts` dim); else
+    None."""
+    params, buffers = [], []
+    for m in modules:
+        params += [(m, n, p) for n, p in m._parameters.items() if isinstance(p, DTensor)]
+        buffers += [(m, n, b) for n, b in m._buffers.items() if isinstance(b, DTensor)]
+    split = mesh.mesh_dim_names.index(experts_over) if experts_over in (mesh.mesh_dim_names or ()) else None
+
+    def whole(t, layout) -> bool:
+        experts = split is not None and (get_axes(t) or (None,))[0] == EXPERTS
+        return all(c.is_replicate() or mesh.size(i) == 1 or (experts and i == split and c == Shard(0))
+                   for i, c in enumerate(layout))
+    replicated = all(whole(p, p._spmd_compute) for _, _, p in params) and all(whole(b, b.placements)
+                                                                              for _, _, b in buffers)
+    return (params, buffers) if replicated else None
+
+
+def _batch_layout(args, kwargs, state) -> tuple | None:
+    """The placements of the block's first DTensor input when it is split along dim 0 at most (the batch) and
+    every other DTensor input is split the same way or whole; else None."""
+    mesh = state.mesh
+    layout = None
+    for t in _dtensors(args, kwargs):
+        if t.device_mesh is not mesh and t.device_mesh != mesh:
+            return None
+        # Replicate on the mesh axes of size 1, where a split splits nothing: decided once per layout
+        placements = state.target(("active axes", t.placements), lambda p=t.placements: tuple(
+            Replicate() if mesh.size(i) == 1 else q for i, q in enumerate(p)))
+        if layout is None:
+            if not all(p.is_replicate() or (p.is_shard() and p.dim == 0) for p in placements):
+                return None
+            layout = placements
+            first_batch = t.shape[0] if t.ndim else None
+        elif placements != layout and not all(p.is_replicate() for p in placements):
+            return None
+        elif placements != layout and t.ndim and t.shape[0] == first_batch and any(q.is_shard() for q in layout):
+            return None  # whole along a batch the others split (a mask made from global shapes): DTensor slices it
+    return layout
+
+
+def _whole_batch_plain(args, kwargs) -> bool:
+    first = next(iter(_dtensors(args, kwargs)))
+    plain = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor) and not isinstance(a, DTensor)]
+    return first.ndim > 0 and any(a.ndim and a.shape[0] == first.shape[0] for a in plain)
+
+
+def _dtensors(args, kwargs) -> list:
+    found = []
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, DTensor):
+            found.append(a)
+        elif isinstance(a, (tuple, list)):
+            found.extend(x for x in a if isinstance(x, DTensor))
+    return found
+
+
+class LocalBlock:
+    """One call of a data-only block on local tensors: `enter` before its forward, `leave` after."""
+
+    def __init__(self, state, module, name: str, members: tuple, layout: tuple):
+        self.state, self.module, self.name, self.layout = state, module, name, layout
+        self.members, self.buffers = members
+        self.split = tuple(p.is_shard() for p in layout)
+        self.hooks = None
+        self.batch = None
+        self.mode = None
+
+    def enter(self, args, kwargs):
+        """Gathers the block's parameters into its modules as local tensors; returns the local inputs."""
+        state = self.state
+        bucket = state.buckets.get(id(self.module))  # None: a layer of the root unit, gathered as the model began
+        grad_layouts, regathered = _static_facts(state, self.module, bucket, self.members, self.split)
+        values = {} if bucket is None else gather_bucket(bucket, state, grad_layouts)
+        regather = {}
+        for (m, n, p), regathers in zip(self.members, regathered):
+            local = m.__dict__[n] = self.value(values, p)
+            if regathers:
+                regather[storage_key(local)] = (p, p._spmd_compute)
+        self.put_buffers()
+        if regather and not getattr(self.module, CHECKPOINTED_ATTR, False):
+            self.hooks = reshard_after_forward(regather, state, self.name)
+            self.hooks.__enter__()
+        first = next(iter(_dtensors(args, kwargs)))
+        self.batch = (local_of(first).shape[0] if first.ndim else None, first.shape[0] if first.ndim else None)
+        return (tuple(to_local(a, self.split) for a in args),
+                {k: to_local(v, self.split) for k, v in kwargs.items()})
+
+    def leave(self, output):
+        """Drops the local parameters and wraps the block's tensor outputs back into DTensors."""
+        try:
+            if self.hooks is not None:
+                self.hooks.__exit__(None, None, None)
+            self.drop_values()
+            return wrap_outputs(output, self.state.mesh, self.layout, self.batch)
+        finally:
+            resume(self.mode)
+
+
+    def value(self, gathered: dict, p) -> torch.Tensor:
+        """`p`'s local value: from `gathered` (its bucket's), else, outside the bucket, the root unit's, a shared
+        parameter's or one moving on its own."""
+        local = gathered.get(id(p))
+        if local is not None:
+            return local
+        state = self.state
+        g = (gather_shared(state, p, p._spmd_compute, self.name) if getattr(p, "_spmd_shared", False)
+             else state.bucket_values.get(id(p)))
+        if g is None:
+            g = gather_param(p, p._spmd_compute, state.param_dtype, state.reduce_dtype, state, self.name, p._spmd_name)
+        return to_local(g, self.split)
+
+    def put_buffers(self) -> None:
+        """The modules' own buffers (rotary tables, an embedding's scale) as local tensors."""
+        for m, n, b in self.buffers:
+            m.__dict__[n] = b.to_local() if b.requires_grad else local_of(b)
+
+    def drop_values(self) -> None:
+        """Takes the local parameters and buffers out of the modules: their DTensors show through again."""
+        for m, n, _ in (*self.members, *self.buffers):
+            m.__dict__.pop(n, None)
+
+
+_STATIC_ATTR = "_spmd_local_facts"  # on a block: {split: (grad layouts, regathered)}, fixed once laid out
+
+
+def _static_facts(state, module, bucket, members, split) -> tuple:
+    """(the bucket's parameters' gradient layouts, whether each member is regathered for backward) for a block
+    fed a batch split over the mesh axes `split`: fixed once laid out, so worked out on the first call."""
+    facts = module.__dict__.setdefault(_STATIC_ATTR, {})
+    hit = facts.get(split)
+    if hit is None:
+        layouts = None if bucket is None else [batch_grad_layout(p._spmd_compute, split) for p in bucket.params]
+        regathered = [moves_data(p.placements, p._spmd_compute, state.mesh) and not kept_for_backward(state, p)
+                      for _, _, p in members]
+        hit = facts[split] = (layouts, regathered)
+    return hit
+
+
+def _suspend_global_view(state):
+    """Takes the model's global-view mode (spmd.runtime.activations.global_view) off the torch-function stack from the block's
+    entry to its exit: with no DTensor inside, it has nothing to do, yet it would see every op and every read
+    of a tensor's attributes. Returns it, to put back; None when another mode sits above it."""
+    return suspend_top(state.global_view[-1][1]) if state.global_view else None
+
+
+_INSIDE_ATTR = "_spmd_local_inside"  # on a module that runs on local tensors inside its block's forward
+
+
+def enter_local(state, mod, name: str, args, kwargs):
+    """(args, kwargs) on local tensors when `mod` is a data-only block fed batch-split inputs (and pushes
+    the call on `state.local`); None otherwise."""
+    # a checkpointed block recomputes past its own hooks; a module inside it runs its hooks again
+    if torch.compiler.is_compiling() or (getattr(mod, CHECKPOINTED_ATTR, False)
+                                         and not getattr(mod, _INSIDE_ATTR, False)):
+        return None
+    members = state.local_members.get(id(mod))
+    if members is None:
+        return None
+    mode = _suspend_global_view(state)
+    try:
+        layout = _batch_layout(args, kwargs, state)
+        if layout is None or (any(q.is_shard() for q in layout) and _whole_batch_plain(args, kwargs)):
+            resume(mode)
+            return None  # a plain tensor made from global shapes (a mask) meets the split batch: DTensor slices it
+        call = LocalBlock(state, mod, name, members, layout)
+        call.mode = mode
+        out = call.enter(args, kwargs)
+    except BaseException:
+        resume(mode)
+        raise
+    state.local.append(call)
+    return out

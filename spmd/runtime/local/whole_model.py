@@ -1,0 +1,91 @@
+"""On a mesh of one rank nothing moves: the whole model runs on local tensors, as plain PyTorch runs it.
+
+Every parameter's compute layout there is its stored local tensor (cast to the compute dtype, if one is set).
+The model's call gathers every bucket once, in forward order (one autograd node each, whose backward lays out
+and reduces the gradients as a block's does, spmd.runtime.parameters.buckets), puts the local values in the modules, and
+runs the model's own forward with no DTensor in it: no per-op dispatch and no global view. The hooks of the
+modules inside return at once; they stay for a module called on its own, outside the model's call. The loss
+comes back plain, the other tensor outputs as DTensors replicated on the mesh, as the DTensor path returns
+them (a pipeline stage's stay local, as its forward makes them).
+
+A model with a block under activation checkpointing takes the per-block path instead (spmd.runtime.local.blocks): the
+recompute runs in backward, after the model's call has ended and its local values have left the modules.
+"""
+import torch
+from torch.distributed.tensor import DTensor, Replicate
+
+from ..activations.moves import map_tensors
+from ..parameters.buckets import gather_bucket
+from ..experts.dispatch import expert_modules
+from .blocks import LocalBlock, whole_members
+from .edges import from_local, to_local
+from ..parameters.reshard import CHECKPOINTED_ATTR
+
+__all__ = ["OUTPUTS_LOCAL_ATTR", "whole_model_members", "enter_local_model", "drop_local_model"]
+
+OUTPUTS_LOCAL_ATTR = "_spmd_outputs_local"  # on a model whose outputs are local tensors (a pipeline stage's)
+
+
+def whole_model_members(model, state) -> tuple | None:
+    """(parameters, buffers) of the whole model when it may run on local tensors: a mesh of one rank, no
+    experts (their dispatch has its own hooks) and no block under activation checkpointing; else None."""
+    if state.mesh.size() != 1 or expert_modules(model):
+        return None
+    if any(getattr(m, CHECKPOINTED_ATTR, False) for m in model.modules()):
+        return None
+    return whole_members(model.modules(), state.mesh)
+
+
+def enter_local_model(state, model, name: str, args, kwargs):
+    """(args, kwargs) on local tensors when the whole model runs locally (and pushes the call on
+    `state.local`); None otherwise."""
+    members = state.local_members.get(id(model))
+    if members is None or torch.compiler.is_compiling():
+        return None
+    call = LocalModel(state, model, name, members, (Replicate(),) * state.mesh.ndim)
+    out = call.enter(args, kwargs)
+    state.local.append(call)
+    return out
+
+
+def drop_local_model(model, state) -> None:
+    """The model runs block by block from now on."""
+    if state is not None:
+        state.local_members.pop(id(model), None)
+
+
+class LocalModel(LocalBlock):
+    """One call of the whole model on local tensors."""
+
+    def enter(self, args, kwargs):
+        """Gathers every bucket and puts every parameter's local value in its module; returns the local inputs."""
+        state = self.state
+        values = {}
+        for bucket in _forward_order(state, self.module):
+            # on one rank no mesh axis splits the batch: each gradient comes back in its compute layout
+            values.update(gather_bucket(bucket, state, [p._spmd_compute for p in bucket.params]))
+        for m, n, p in self.members:
+            m.__dict__[n] = self.value(values, p)
+        self.put_buffers()
+        return tuple(to_local(a) for a in args), {k: to_local(v) for k, v in kwargs.items()}
+
+    def leave(self, output):
+        """Drops the local values; a scalar output stays plain, any other tensor becomes a replicated DTensor."""
+        self.drop_values()
+        if getattr(self.module, OUTPUTS_LOCAL_ATTR, False):
+            return output
+        mesh, layout = self.state.mesh, self.layout
+
+        def wrap(t):
+            if isinstance(t, DTensor) or t.ndim == 0:
+                return t
+            return from_local(t, mesh, layout, t.shape, t.stride())
+        return map_tensors(output, wrap)
+
+
+def _forward_order(state, model):
+    """The buckets in the order forward uses them: the root unit's, then the blocks' (each prefetches the next)."""
+    bucket = state.buckets.get(id(model)) or next((b for b in state.buckets.values() if b.prev is None), None)
+    while bucket is not None:
+        yield bucket
+        bucket = bucket.next

@@ -1,0 +1,83 @@
+"""Where offloaded optimizer state lives: host memory (`offload="optimizer"`) or files (`offload="nvme:DIR"`).
+
+`host_copy` makes a master's local shard on the host: pinned memory when there is a CUDA device, or a
+memory-mapped file under DIR (`torch.from_file(shared=True)`), so the operating system pages it in while the
+optimizer updates that tensor and writes it back after: a state larger than host memory still trains.
+`file_backed_adam_state` gives Adam/AdamW their moments in files too, before the first step (the optimizer
+then updates them in place). `release_pages` hands a file-backed tensor's pages back to the operating
+system once the step has updated it (its values stay in the file), so the step streams the state through
+memory one parameter at a time instead of leaving all of it resident.
+"""
+import ctypes
+import mmap
+import os
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from ..parameters.host import host_tensor
+from ..dtensor.wrap import local_of, wrap_local
+
+__all__ = ["nvme_dir", "host_copy", "file_backed_adam_state", "file_backed", "release_pages"]
+
+
+def nvme_dir(offload) -> str | None:
+    """DIR of `offload="nvme:DIR"`, else None."""
+    return offload[len("nvme:"):] if isinstance(offload, str) and offload.startswith("nvme:") else None
+
+
+def _file_tensor(directory: str, name: str, like: torch.Tensor) -> torch.Tensor:
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    path = os.path.join(directory, f"rank{rank:05d}", name)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "wb") as f:  # a fresh file of zeros, sized for the tensor
+        f.truncate(like.numel() * like.element_size())
+    return torch.from_file(path, shared=True, size=like.numel(), dtype=like.dtype).view(like.shape)
+
+
+def host_copy(local: torch.Tensor, offload, name: str) -> torch.Tensor:
+    """A copy of `local` in host memory (pinned with CUDA) or, under nvme:DIR, in a memory-mapped file."""
+    directory = nvme_dir(offload)
+    if directory is None:
+        return host_tensor(local)
+    if isinstance(local, torch._subclasses.FakeTensor):  # explain: nothing to write
+        return local.to("cpu", copy=True)
+    out = _file_tensor(directory, f"{name}.master", local)
+    out.copy_(local)
+    return out
+
+
+def file_backed_adam_state(opt: torch.optim.Optimizer, masters, directory: str) -> None:
+    """Adam/AdamW moments of `masters` (DTensors) in files under `directory`, created now as the optimizer
+    would (zeros, step 0)."""
+    if not isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)):
+        raise ValueError(f"offload='nvme:DIR' keeps Adam/AdamW moments in files; {type(opt).__name__} is not "
+                         f"supported: use torch.optim.AdamW, or offload='optimizer'")
+    for m in masters:
+        local = local_of(m)
+        state = {"step": torch.zeros((), dtype=torch.float32)}
+        for key in ("exp_avg", "exp_avg_sq"):
+            t = _file_tensor(directory, f"{m._spmd_name}.{key}", local)
+            state[key] = wrap_local(t, m.device_mesh, m.placements, m.shape, m.stride())
+        opt.state[m] = state
+
+
+def file_backed(t: torch.Tensor) -> bool:
+    """Whether `t` (or a DTensor's local shard) lives in a memory-mapped file (offload="nvme:DIR")."""
+    return local_of(t).untyped_storage().filename is not None
+
+
+_libc = ctypes.CDLL(None, use_errno=True) if hasattr(mmap, "MADV_DONTNEED") else None
+
+
+def release_pages(tensors) -> None:
+    """Unmaps the resident pages of each memory-mapped file tensor from this process (madvise DONTNEED on
+    the shared mapping: dirty pages stay in the file; the next access reads them back). Tensors that are
+    not file-backed are left alone."""
+    for t in tensors:
+        storage = local_of(t).untyped_storage()
+        if _libc is None or not file_backed(t) or storage.nbytes() == 0:
+            continue
+        if _libc.madvise(ctypes.c_void_p(storage.data_ptr()), ctypes.c_size_t(storage.nbytes()),
+                         mmap.MADV_DONTNEED) != 0:
+            raise OSError(ctypes.get_errno(), f"madvise(MADV_DONTNEED) failed on {storage.filename}")

@@ -1,0 +1,231 @@
+"""`shard_optimizer(model, opt)`: the optimizer steps on the optimizer map's shards (ZeRO stages 1 and 2).
+
+Each parameter whose optimizer layout shards more than its storage layout, or whose master weights live with
+the optimizer (`parallelize(master="optimizer")`), gets a master: a DTensor in the optimizer layout that the
+optimizer updates in its place. In fp32 the master is a view of the parameter's own local shard (no copy:
+the update lands in the parameter); under `master="optimizer"` it is an fp32 copy. Before each step the
+reduced gradient moves to the master (sliced to its shard: no communication); after it, the updated shards
+are all-gathered into the parameters' storage layout (the phase `optimizer` of the plan). Parameters whose
+three layouts agree (stage 3, or any stage on a mesh with no data axis) are their own master.
+
+`parallelize(offload="optimizer")`: every master is a copy in host memory (pinned when there is a CUDA
+device), so the optimizer's states are made there too and its step runs on the CPU; gradients are copied
+out as backward reduces them (on a side stream with CUDA, while backward goes on; again at the step if one
+changed since: spmd.runtime.optimizer.transfer) and the updated masters copied back to the device, each gather
+buffer's copies during the all-gather of the one before. On a CPU-only machine host memory is the device,
+and the same path runs. `offload="nvme:DIR"`: the masters and the
+AdamW moments are memory-mapped files under DIR instead (spmd.runtime.optimizer.offload), and the step streams them:
+one parameter at a time its gradient is copied out, the optimizer updates its master and moments, the update
+is all-gathered into the parameter and the files' pages leave memory, so one parameter's state is resident
+at a time, however large the whole.
+"""
+import torch
+import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from .. import tags
+from ..gradients.layouts import HELD_ATTR, grads_layout, held_for_step, optim_layout, slice_onto_shards
+from ..dtensor.wrap import local_of, wrap_local
+from .offload import file_backed_adam_state, host_copy, nvme_dir, release_pages
+from ..state import Phase, laid_out_parts
+from ..gradients.step_reduce import reduce_all_to
+from .transfer import GradientCopies
+from .masters import MASTER_OF_ATTR, gather_updated, gather_into_param
+
+__all__ = ["shard_optimizer", "reduce_gradients", "masters_of", "refresh_masters"]
+
+
+def shard_optimizer(model: nn.Module, opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """Makes `opt` (built on `model.parameters()` of a model laid out by spmd.parallelize, or of a pipeline
+    from spmd.build_pipeline, before its first step) update masters in the optimizer map's layout, and returns
+    it. `opt.zero_grad` also clears the model's gradients. A no-op for parameters that are their own master (ZeRO-3, the default rules, when
+    nothing is offloaded). Call it before the first backward: from then on backward leaves the gradients of
+    parameters whose master shards beyond the grads map (ZeRO-1) for the step to reduce."""
+    parts = laid_out_parts(model, "shard_optimizer")
+    if any(opt.state.values()):
+        raise ValueError("shard_optimizer needs an optimizer that has not stepped yet; call it right after "
+                         "building the optimizer (before loading a checkpoint into it)")
+    owner = {id(p): state for part, state in parts for p in part.parameters()}
+    pairs = []
+    for group in opt.param_groups:
+        for i, p in enumerate(group["params"]):
+            if id(p) not in owner:
+                raise ValueError("the optimizer holds a tensor that is not a parameter of this model; build it "
+                                 "from model.parameters() and pass the same model")
+            master = _master(p, owner[id(p)])
+            if master is not p:
+                pairs.append((p, master))
+                setattr(p, HELD_ATTR, grads_layout(p) != tuple(master.placements))
+                group["params"][i] = master
+        _unfuse_for_views(group)
+    offload = parts[0][1].offload  # a pipeline's stages are laid out alike
+    streamed = bool(pairs) and nvme_dir(offload) is not None
+    if streamed and not isinstance(local_of(pairs[0][1]), FakeTensor):
+        file_backed_adam_state(opt, [m for _, m in pairs], nvme_dir(offload))
+        release_pages(_file_tensors(opt, [m for _, m in pairs]))
+    if pairs:
+        copy_out = offload is not None  # a real copy even where host memory is the device
+        copies = GradientCopies(pairs, pairs[0][0].device) if offload == "optimizer" else None
+        if copies is not None:
+            for _, state in parts:  # gradients the cross-block reducer reduces in flat buffers
+                if state.reducer is not None:
+                    state.reducer.copies = copies
+        _install_step_hooks(opt, model, parts, pairs, streamed, copy_out, copies)
+    return opt
+
+
+def _install_step_hooks(opt, model, parts, pairs, streamed: bool, copy_out: bool, copies) -> None:
+    """The step's hooks: gradients reduced and moved to the masters before it, the updated masters gathered into
+    the parameters after it (the optimizer_step phase in between); zero_grad clears the model's gradients too."""
+    def before_step(*_):  # returns None: a pre-hook's return value would replace the step's arguments
+        for _, laid_out in parts:
+            laid_out.phase = Phase.OPTIMIZER_STEP
+        reduce_gradients(model)
+        if streamed:  # the step proper then finds no gradient left and does nothing
+            _stream_step(opt, pairs)
+        else:
+            _grads_to_masters(pairs, copy_out, copies)
+
+    def after_step(*_):
+        if not streamed:
+            gather_updated(opt)
+        for _, laid_out in parts:
+            laid_out.phase = Phase.IDLE
+
+    opt.register_step_pre_hook(before_step)
+    opt.register_step_post_hook(after_step)
+    clear = opt.zero_grad
+
+    def zero_grad(set_to_none: bool = True):
+        clear(set_to_none)
+        for part, _ in parts:
+            part.zero_grad(set_to_none)
+        if copies is not None:
+            copies.forget()
+
+    opt.zero_grad = zero_grad
+
+
+@torch.no_grad()
+def reduce_gradients(model: nn.Module) -> None:
+    """Reduces the gradients backward left unreduced under ZeRO-1 straight into the optimizer map's layout (a
+    reduce-scatter, Ψ, where an all-reduce would move 2Ψ to keep a shard), in the reduce dtype, in flat
+    buffers: one collective per mesh axis (spmd.runtime.gradients.step_reduce). Once per step
+    however many backward passes accumulated; call it before clipping so the norm sees reduced gradients (the
+    step calls it too: a no-op for gradients already reduced)."""
+    parts = laid_out_parts(model, "reduce_gradients")
+    dtype = parts[0][1].reduce_dtype or parts[0][1].param_dtype  # a pipeline's stages are laid out alike
+    held = [p for part, _ in parts for p in part.parameters() if p.grad is not None and held_for_step(p)
+            and any(pl.is_partial() for pl in p.grad.placements)]
+    grads = [p.grad if dtype is None else p.grad.to(dtype) for p in held]
+    with tags.phase("optimizer"):
+        reduced = reduce_all_to(grads, [optim_layout(p) for p in held], "reduce gradient buckets into optimizer shards")
+    for p, g in zip(held, reduced):
+        p.grad = g.to(p.dtype)
+
+
+def masters_of(opt: torch.optim.Optimizer) -> dict:
+    """{id(master): model parameter} of an optimizer `shard_optimizer` prepared (empty otherwise)."""
+    return {id(m): getattr(m, MASTER_OF_ATTR) for g in opt.param_groups for m in g["params"]
+            if hasattr(m, MASTER_OF_ATTR)}
+
+
+@torch.no_grad()
+def refresh_masters(opt: torch.optim.Optimizer) -> None:
+    """Copies the parameters into the masters that are copies (after loading parameters in place: a resume
+    under master="optimizer" restarts the fp32 master from the stored parameters). Views need nothing."""
+    for m in (m for g in opt.param_groups for m in g["params"] if hasattr(m, MASTER_OF_ATTR)):
+        local = _local_view(getattr(m, MASTER_OF_ATTR), m.placements)
+        if local.untyped_storage()._cdata != local_of(m).untyped_storage()._cdata:
+            local_of(m).copy_(local)
+
+
+def _master(p: DTensor, state) -> DTensor:
+    optim = optim_layout(p)
+    lower = state.master == "optimizer" and p.dtype != torch.float32 and p.dtype.is_floating_point
+    if optim == tuple(p.placements) and not lower and state.offload in (None, "params"):  # params: on the host
+        return p
+    if grads_layout(p) != optim and not _only_slices(grads_layout(p), optim):
+        raise ValueError(f"{p._spmd_name}: the optimizer map must shard at least as much as the grads map "
+                         f"({grads_layout(p)} -> {optim})")
+    with torch.no_grad():
+        local = _local_view(p, optim)
+        local = local.float().clone() if lower else local
+        if state.offload is not None:
+            local = host_copy(local, state.offload, p._spmd_name)
+        master = nn.Parameter(wrap_local(local, p.device_mesh, optim, p.shape, p.stride()),
+                              requires_grad=p.requires_grad)
+    setattr(master, MASTER_OF_ATTR, p)
+    master._spmd_name = p._spmd_name
+    return master
+
+
+def _unfuse_for_views(group: dict) -> None:
+    """A fused step (`fused=True`) on a master that is a strided view of its parameter's shard (fp32 ZeRO-1
+    and 2, sharded on a dim other than the first) would update the wrong elements: torch's fused AdamW treats
+    each tensor as contiguous (on the CPU, torch 2.13). Such a group steps with foreach kernels instead."""
+    if group.get("fused") and any(isinstance(m, DTensor) and not local_of(m).is_contiguous()
+                                  for m in group["params"]):
+        group["fused"], group["foreach"] = False, True
+
+
+def _only_slices(frm, to) -> bool:
+    return all(a == b or (a.is_replicate() and b.is_shard()) for a, b in zip(frm, to))
+
+
+def _local_view(p: DTensor, optim) -> torch.Tensor:
+    """The part of p's local tensor that the layout `optim` gives this rank (a view: it shares storage)."""
+    mesh = p.device_mesh
+    mine, mine_at = compute_local_shape_and_global_offset(p.shape, mesh, p.placements)
+    want, want_at = compute_local_shape_and_global_offset(p.shape, mesh, optim)
+    local = local_of(p)
+    for d, (n, at, base, base_n) in enumerate(zip(want, want_at, mine_at, mine)):
+        if at < base or at + n > base + base_n:
+            raise ValueError(f"{p._spmd_name}: its optimizer shard {optim} is not inside its stored shard "
+                             f"{tuple(p.placements)}; the optimizer map may only add sharding to the params map")
+        local = local.narrow(d, at - base, n)
+    return local
+
+
+def _grads_to_masters(pairs, copy_out: bool, copies=None):
+    """Each parameter's reduced gradient onto its master (a copy when offloaded: `copies`, those backward made
+    already, spmd.runtime.optimizer.transfer), and off the parameter."""
+    copied = {}
+    if copies is not None:
+        copies.side.host_wait()
+        copied = copies.take(pairs)
+    for p, master in pairs:
+        g = p.grad
+        if g is not None:
+            if any(pl.is_partial() for pl in g.placements):  # (compiled blocks reduce to the storage layout)
+                raise RuntimeError(f"{p._spmd_name}: its gradient is still unreduced ({g.placements}); the last "
+                                   f"backward before a step must run outside spmd.no_sync")
+            if id(p) in copied:
+                master.grad = copied[id(p)]
+            elif copies is not None and id(p) in copies.master_of:
+                master.grad = copies.copy_now(local_of(slice_onto_shards(g, master.placements)), master)
+            else:
+                g = slice_onto_shards(g, master.placements)
+                master.grad = g.to(master.device, master.dtype, copy=copy_out)
+        p.grad = None
+
+
+@torch.no_grad()
+def _stream_step(opt: torch.optim.Optimizer, pairs) -> None:
+    """offload="nvme:DIR": the optimizer steps one master at a time (only that master has a gradient), its
+    update is all-gathered into the parameter, and its files' pages are released before the next."""
+    step = type(opt).step.__wrapped__  # the step without its hooks: this runs inside them
+    with tags.phase("optimizer"):
+        for p, master in pairs:
+            _grads_to_masters([(p, master)], copy_out=True)
+            if master.grad is not None:
+                step(opt)
+                master.grad = None
+            gather_into_param(master)
+            release_pages(_file_tensors(opt, [master]))
+
+
+def _file_tensors(opt, masters) -> list:
+    return [t for m in masters for t in (m, *opt.state.get(m, {}).values()) if isinstance(t, torch.Tensor)]

@@ -1,0 +1,103 @@
+"""ZeRO-3's reshard-after-forward: a gathered parameter is not kept alive for backward.
+
+While a module runs forward, tensors autograd saves that alias a gathered parameter are replaced by a
+small handle; backward regathers the parameter from its shard when it needs it. Modules under activation
+checkpointing skip this: recomputation regathers anyway.
+"""
+import contextlib
+
+import torch
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
+from torch.distributed.tensor import DTensor
+
+from ..activations import attention_memory
+from .. import tags
+from .host import to_compute
+from ..dtensor.wrap import local_of
+
+__all__ = ["CHECKPOINTED_ATTR", "BODY_COMPILED_ATTR", "gathers_in_graph", "reshard_after_forward", "storage_key",
+           "observe_saved"]
+
+CHECKPOINTED_ATTR = "_spmd_checkpointed"
+BODY_COMPILED_ATTR = "_spmd_body_compiled"  # a block whose hooks run eager around its compiled body or forward
+
+
+def gathers_in_graph(block) -> bool:
+    """Whether `block` gathers its parameters inside a compiled graph (compiled whole, or a checkpointed block's
+    compiled body), where nothing would take a prefetched bucket."""
+    return getattr(block, "_compiled_call_impl", None) is not None or (
+        getattr(block, BODY_COMPILED_ATTR, False) and getattr(block, CHECKPOINTED_ATTR, False))
+
+
+_observers: list[dict] = []
+
+
+def storage_key(t: torch.Tensor) -> int:
+    """The storage a tensor (a DTensor: its local tensor) views: tensors aliasing one storage share the key."""
+    local = local_of(t)
+    return local.untyped_storage()._cdata
+
+
+class _Regather:
+    __slots__ = ("param", "compute", "dtype", "module", "local_view", "spec", "bucket", "state")
+
+    def __init__(self, param, compute, dtype, module, t: torch.Tensor, bucket=None, state=None):
+        self.param, self.compute, self.dtype, self.module, self.bucket = param, compute, dtype, module, bucket
+        self.state = state
+        local = local_of(t)
+        self.local_view = (local.size(), local.stride(), local.storage_offset())
+        # a plain tensor is a view of the gathered local shard (experts compute on local tensors)
+        self.spec = (t.device_mesh, t.placements, t.shape, t.stride()) if isinstance(t, DTensor) else None
+
+    def materialize(self) -> DTensor:
+        if self.bucket is not None:  # the whole block's parameters, gathered once for its backward
+            full = self.bucket.regather(self.dtype)[id(self.param)]
+        else:
+            p = to_compute(self.param.detach(), self.dtype, self.state)
+            with tags.reason(self.module, f"regather {self.param._spmd_name} for backward"):
+                full = p.redistribute(p.device_mesh, self.compute)
+        size, stride, offset = self.local_view
+        local = local_of(full)
+        if isinstance(local, AsyncCollectiveTensor):
+            local = local.wait()
+        local = local.as_strided(size, stride, offset)
+        if self.spec is None:
+            return local
+        mesh, placements, shape, gstride = self.spec
+        return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=gstride)
+
+
+def reshard_after_forward(gathered: dict, state, module: str):
+    """saved_tensors_hooks that swap tensors aliasing `gathered` ({storage key: (param, compute)})."""
+
+    def pack(t):
+        hit = gathered.get(storage_key(t))
+        if hit is not None:
+            return _Regather(hit[0], hit[1], state.param_dtype, module, t, state.bucket_of.get(id(hit[0])), state)
+        _observe(t)
+        return t
+
+    def unpack(x):
+        return x.materialize() if isinstance(x, _Regather) else x
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+
+def _observe(t):
+    if _observers:
+        local = local_of(t)
+        storage = local.untyped_storage()
+        for seen in _observers:
+            seen[storage._cdata] = storage.nbytes()
+        attention_memory.note_saved(storage._cdata, storage.nbytes())
+
+
+@contextlib.contextmanager
+def observe_saved(seen: dict):
+    """Collects {storage: bytes} of every tensor autograd saves (local shards): the activation memory."""
+    _observers.append(seen)
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: (_observe(t), t)[1], lambda t: t):
+            yield seen
+    finally:
+        _observers.remove(seen)

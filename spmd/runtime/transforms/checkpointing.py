@@ -1,0 +1,103 @@
+"""Activation checkpointing of the repeated blocks: `none`, `full` (every block), `selective:N` (every
+N-th block). Recomputation runs under torch's non-reentrant checkpoint; it regathers FSDP parameters (a
+bucketed block's as one bucket, as its forward did) and replays the block's layout moves, so gradients are
+the same as without it."""
+import contextlib
+
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+from ...layout.blocks import find_blocks
+from ..parameters.buckets import regather_for_recompute
+from ..local.whole_model import drop_local_model
+from ..activations.global_view import GlobalView
+from ..parameters.reshard import BODY_COMPILED_ATTR, CHECKPOINTED_ATTR
+from ..state import STATE_ATTR, Phase, activated
+
+__all__ = ["apply_activation_checkpointing", "checkpoint_block", "compile_body", "parse_mode"]
+
+
+def parse_mode(mode: str) -> int:
+    """0 for none, N for every N-th block (full is 1)."""
+    if mode in ("none", "", None):
+        return 0
+    if mode == "full":
+        return 1
+    if mode.startswith("selective:"):
+        try:
+            n = int(mode.split(":", 1)[1])
+        except ValueError:
+            n = 0
+        if n >= 1:
+            return n
+    raise ValueError(f"activation checkpointing mode must be none, full or selective:N with N >= 1, got {mode!r}")
+
+
+def apply_activation_checkpointing(model: nn.Module, mode: str = "full", blocks: str | None = None) -> list[int]:
+    """Checkpoints blocks in place (parameter names do not change). Returns the indices checkpointed."""
+    every = parse_mode(mode)
+    if not every:
+        return []
+    _, block_list = find_blocks(model, blocks)
+    chosen = [i for i in range(len(block_list)) if i % every == 0]
+    for i in chosen:
+        checkpoint_block(model, block_list[i])
+    return chosen
+
+
+def checkpoint_block(root: nn.Module, block: nn.Module):
+    drop_local_model(root, getattr(root, STATE_ATTR, None))  # the recompute runs after the model's call ended
+    block._spmd_body = block.forward  # what the checkpoint recomputes; compile_body compiles it
+
+    def run(*args, **kwargs):
+        state = getattr(root, STATE_ATTR, None)
+        with activated(state), recomputing(state), _bucket_gathered(state, block):
+            return block._spmd_body(*args, **kwargs)
+
+    def checkpointed(*args, **kwargs):
+        return checkpoint(run, *args, use_reentrant=False, **kwargs)
+
+    block.forward = checkpointed
+    for m in block.modules():
+        setattr(m, CHECKPOINTED_ATTR, True)
+
+
+def compile_body(block: nn.Module, **compile_kwargs):
+    """torch.compile the body of a checkpointed block: the checkpoint stays outside the graph and its
+    recompute runs the compiled body again. The block's own hooks run eager and leave the gathers to it."""
+    block._spmd_body = torch.compile(block._spmd_body, **compile_kwargs)
+    setattr(block, BODY_COMPILED_ATTR, True)
+
+
+@contextlib.contextmanager
+def recomputing(state):
+    """The model's global view while a checkpointed block recomputes in backward (the root's has ended)."""
+    if state is None or state.phase in (Phase.FORWARD, Phase.RECOMPUTE):
+        yield
+        return
+    view = GlobalView(state)
+    state.global_view.append((None, view, state.phase))
+    state.phase = Phase.RECOMPUTE
+    try:
+        with view:
+            yield
+    finally:
+        state.phase = state.global_view.pop()[2]
+
+
+@contextlib.contextmanager
+def _bucket_gathered(state, block: nn.Module):
+    """While a bucketed block recomputes (its forward hook does not run again), its parameters gathered as
+    one bucket instead of one by one."""
+    bucket = None if state is None or getattr(block, BODY_COMPILED_ATTR, False) else state.buckets.get(id(block))
+    if bucket is None or id(bucket.params[0]) in state.bucket_values:  # forward: the hook gathered them
+        yield
+        return
+    values = regather_for_recompute(bucket, state)
+    state.bucket_values.update(values)
+    try:
+        yield
+    finally:
+        for key in values:
+            state.bucket_values.pop(key, None)
