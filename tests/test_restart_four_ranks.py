@@ -9,7 +9,6 @@ starts a new one (--max-restarts 1), which resumes from step-2 and runs steps 3-
 """
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 from dist_utils import run_distributed
