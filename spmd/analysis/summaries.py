@@ -188,7 +188,7 @@ def accumulated(s: Summary, passes: int, grad_accum: int) -> Summary:
 
 
 def _with_recompute(s: Summary, nbytes: int) -> Summary:
-    memory = {k: v for k, v in s.memory.items() if k != "total"}
+    memory = {k: v for k, v in s.memory.items() if k not in ("total", "peak")}  # peak: the plan's step, not this
     memory["recompute"] = nbytes
     return Summary(s.groups, {**memory, "total": sum(memory.values())})
 
