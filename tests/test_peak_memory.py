@@ -4,11 +4,11 @@ One launch of four gloo processes runs, for each spec in turn, the tiny Llama in
 benchmarks.tensor_memory's LiveTensorBytes (every op's output storage counted once while it lives): the model
 is laid out, AdamW takes a first step (so its moments exist), and the peak of the second step (forward,
 backward, AdamW step) is held against `plan.memory["peak"]`, explain's figure for the same spec made on a
-fake world (spmd.analysis.memory.peak_bytes), within TOL. The peak falls at the end of backward, while the
-gradient reducer's reduce-scatter runs. Measured: explain is 3.0% (fsdp=4), 2.0% (fsdp=2,tp=2,sp) and 2.4%
-(dp=2,fsdp=2) above the real peak. Mutation killed: counting the unreduced gradients once instead of twice in
-peak_bytes (`2 * unreduced` -> `unreduced`: 23% under on fsdp=4). Parts under 10% of the peak (one gathered
-block, the logits) are not resolved one by one at this tolerance.
+fake world (spmd.analysis.memory.peak_bytes), within TOL. The peak falls at the end of backward, as the
+gradient reducer packs its reduce-scatter buffer. Measured: explain within 0.1% of the real peak on each
+spec (fsdp=4 -0.05%, fsdp=2,tp=2,sp +0.10%, dp=2,fsdp=2 -0.04%). Mutation killed: leaving the reducer's chunk
+copies out of peak_bytes (`+ chunk_copies` dropped: fsdp=4 21% under); counting the unreduced gradients once
+instead of twice fails too (26% under).
 """
 import pytest
 import torch

@@ -28,8 +28,7 @@ from ..runtime.state import STATE_ATTR
 from . import record
 from .explain_pipeline import explain_pipeline
 from .fake import fake_world
-from .memory import (activation_bytes, gathered_bytes, largest_activation, local_bytes, memory_per_rank, peak_bytes,
-                     unreduced_bytes)
+from .memory import activation_bytes, local_bytes, memory_per_rank, peak_bytes, unreduced_bytes
 from .optimizer_step import planning_optimizer, record_optimizer_step
 from .plan import Plan
 
@@ -111,23 +110,23 @@ def dry_run(model, rules, sizes, batch_shape, dtype, optimizer, pipeline=None, a
         with fake:
             tokens = torch.zeros(batch // (data_parallel * grad_accum), seq // full["cp"], dtype=torch.long)
             positions = rank_positions(tokens.shape, mesh)
-            activations, unreduced, attention, logits = _run_step(model, recorder, tokens, grad_accum, positions)
+            activations, unreduced, attention = _run_step(model, recorder, tokens, grad_accum, positions)
         record_optimizer_step(model, opt, optimizer, recorder, fake)
         memory = memory_per_rank(model, optimizer, activations)
         if unreduced > memory["gradients"]:  # held until the last micro-batch's backward reduces them
             memory["total"] += unreduced - memory["gradients"]
             memory["gradients"] = unreduced
-        state = getattr(model, STATE_ATTR)
-        memory["peak"] = peak_bytes(memory, unreduced_bytes(model, state), *gathered_bytes(state), logits)
+        buffers = sum(local_bytes(b) for b in model.buffers())
+        memory["peak"] = peak_bytes(memory, *unreduced_bytes(model, getattr(model, STATE_ATTR)), buffers)
         return Plan(**common, collectives=recorder.records,
                     decisions=list(getattr(model, STATE_ATTR).decisions.values()), memory=memory,
                     attention=attention)
 
 
-def _run_step(model: nn.Module, recorder, tokens, grad_accum: int, positions=None) -> tuple[int, int, dict, int]:
+def _run_step(model: nn.Module, recorder, tokens, grad_accum: int, positions=None) -> tuple[int, int, dict]:
     """Forward and backward of `grad_accum` micro-batches, the first ones under no_sync, as the trainer runs
     them. Returns (activation bytes of one micro-batch, bytes of the gradients accumulated unreduced, attention's
-    memory in one micro-batch: bytes it saves for backward and the peak one call holds, the largest activation)."""
+    memory in one micro-batch: bytes it saves for backward and the peak one call holds)."""
     unreduced = 0
     for i in range(grad_accum):
         saved, attention = {}, {}
@@ -135,12 +134,12 @@ def _run_step(model: nn.Module, recorder, tokens, grad_accum: int, positions=Non
         with attention_memory.observe(attention):
             with recorder, observe_saved(saved):
                 loss = training_loss(model, tokens, positions)
-            activations, logits = activation_bytes(saved, model), largest_activation(saved, model)
+            activations = activation_bytes(saved, model)
             with recorder, sync:
                 loss.backward()
         if i == grad_accum - 2:
             unreduced = sum(local_bytes(p.grad) for p in model.parameters() if p.grad is not None)
-    return activations, unreduced, {"saved": sum(attention["saved"].values()), "peak": attention["peak"]}, logits
+    return activations, unreduced, {"saved": sum(attention["saved"].values()), "peak": attention["peak"]}
 
 
 def training_loss(model: nn.Module, tokens: torch.Tensor, positions=None) -> torch.Tensor:

@@ -5,7 +5,7 @@ Each state is counted in its own layout (spmd.Rules: params, grads and optimizer
 as stored; gradients in the parameters' dtype (autograd holds them so); optimizer states in the master's
 dtype, plus the fp32 master copy itself when `master="optimizer"` keeps one beside lower-precision parameters
 (the ZeRO paper's K = 12 for Adam: 4 master + 4 + 4 moments). `peak_bytes` adds what is live on top of
-those at the moment a step's live tensor bytes peak.
+those at the moment a step's live tensor bytes peak, and the model's buffers.
 """
 import math
 
@@ -19,8 +19,8 @@ from ..runtime.experts import EXPERTS
 from ..runtime.reshard import storage_key
 from ..runtime.state import STATE_ATTR
 
-__all__ = ["activation_bytes", "gathered_bytes", "largest_activation", "local_bytes", "memory_per_rank", "peak_bytes",
-           "unreduced_bytes", "OPTIMIZER_STATES"]
+__all__ = ["activation_bytes", "local_bytes", "memory_per_rank", "peak_bytes", "unreduced_bytes",
+           "OPTIMIZER_STATES"]
 
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 0}  # states per parameter element
 
@@ -33,54 +33,38 @@ def activation_bytes(saved: dict, model: nn.Module) -> int:
     return sum(n for key, n in saved.items() if key not in own)
 
 
-def largest_activation(saved: dict, model: nn.Module) -> int:
-    """Bytes of the largest storage autograd saved that is not the model's own: a language model's logits (or
-    their log-softmax), whose gradient of the same size backward makes."""
-    own = {storage_key(t) for t in list(model.parameters()) + list(model.buffers())}
-    return max((n for key, n in saved.items() if key not in own), default=0)
-
-
-def unreduced_bytes(model: nn.Module, state) -> int:
-    """Bytes per rank of every gradient as backward produces it: each parameter's compute layout, in the
-    reduce dtype (what the gradient reducer packs before its collectives)."""
-    total = 0
+def unreduced_bytes(model: nn.Module, state) -> tuple[int, int]:
+    """(every gradient as backward produces it, the part of those the gradient reducer copies when it cuts
+    them into per-rank chunks): bytes per rank, each parameter's compute layout in the reduce dtype. A chunk
+    is a copy when the gradient is reduce-scattered along a dim with a local dim of size > 1 before it (a
+    column shard of a matrix); along the outermost dim it is a view."""
+    total = copied = 0
     for p in {id(p): p for p in model.parameters()}.values():
         size = state.reduce_dtype.itemsize if state is not None and state.reduce_dtype is not None else p.element_size()
-        total += _numel(p, "_spmd_compute") * size
-    return total
+        n = _numel(p, "_spmd_compute") * size
+        total += n
+        if isinstance(p, DTensor) and hasattr(p, "_spmd_compute"):
+            local, _ = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p._spmd_compute)
+            stored = getattr(p, "_spmd_grads", None) or p.placements
+            dims = {s.dim for s, c in zip(stored, p._spmd_compute) if s.is_shard() and not c.is_shard()}
+            copied += n if any(math.prod(local[:d]) > 1 for d in dims) else 0
+    return total, copied
 
 
-def gathered_bytes(state) -> tuple[int, int]:
-    """(the root unit's gathered parameters, the largest block's gathered bucket), bytes per rank in the
-    compute layout and dtype: the first is kept from forward to backward, the second lives while its block runs
-    (and, prefetched, while the block next to it runs)."""
-    if state is None:
-        return 0, 0
-    size = state.param_dtype.itemsize if state.param_dtype is not None else None
-    root, blocks = 0, [0]
-    for bucket in state.buckets.values():
-        n = sum(_numel(p, "_spmd_compute") * (size or p.element_size()) for p in bucket.params)
-        if bucket.keep:
-            root = n
-        else:
-            blocks.append(n)
-    return root, max(blocks)
-
-
-def peak_bytes(memory: dict, unreduced: int, root_gathered: int, block_gathered: int, logits: int) -> int:
-    """The most tensor bytes a rank holds in one step (forward, backward, optimizer step), at the moment it
-    happens: the end of backward, while the gradient reducer's reduce-scatter runs (measured on the tiny Llama
-    under fsdp, fsdp+tp+sp and dp+fsdp; forward's end and the AdamW step stay below it). Live then:
-    - the parameters and optimizer states (`memory`), and the reduced gradient shards (`gradients`);
-    - the gradients in their compute layout twice (`unreduced`): the reducer's flat buffer and as many bytes of
-      per-parameter gradients and their pieces, not yet freed by the engine;
-    - the root unit's gathered parameters, kept from forward (`root_gathered`), and one block's gathered bucket
-      (`block_gathered`: the last regathered block's, still held by the graph);
-    - the logits' gradient (`logits`: the size of the largest activation).
-    Left out: the activations (freed by then), a second prefetched bucket (none is in flight at the end of
-    backward), AdamW's per-tensor step counts, and scratch a kernel or collective frees inside one op."""
-    held = memory["parameters"] + memory["optimizer"] + memory["gradients"]
-    return held + 2 * unreduced + root_gathered + block_gathered + logits
+def peak_bytes(memory: dict, unreduced: int, chunk_copies: int, buffers: int) -> int:
+    """The most tensor bytes a rank holds in one step (forward, backward, optimizer step). Measured on the tiny
+    Llama (fp32; fsdp=4, fsdp=2,tp=2,sp, dp=2,fsdp=2), it falls at the end of backward, as the gradient
+    reducer packs its reduce-scatter buffer; live then:
+    - what lives between steps: parameters, optimizer states (`memory`) and the model's buffers (`buffers`);
+    - every gradient in its compute layout twice (`unreduced`): autograd's per-parameter gradients, and the
+      reducer's flat buffer they are packed into;
+    - the copies of the chunks that are not views (`chunk_copies`, see `unreduced_bytes`);
+    - the reduce-scatter's output: the reduced gradient shards (`memory["gradients"]`).
+    Left out: activations and gathered buckets (all freed by then: backward has finished), a model whose
+    gradients span several reducer buffers (they are reduced while backward runs, so its peak is earlier and
+    holds activations), AdamW's per-tensor step counts, and scratch freed inside one op."""
+    between_steps = memory["parameters"] + memory["optimizer"] + buffers
+    return between_steps + 2 * unreduced + chunk_copies + memory["gradients"]
 
 
 def local_bytes(t) -> int:
