@@ -62,7 +62,8 @@ def peak_bytes(memory: dict, unreduced: int, chunk_copies: int, buffers: int) ->
     - the reduce-scatter's output: the reduced gradient shards (`memory["gradients"]`).
     Left out: activations and gathered buckets (all freed by then: backward has finished), a model whose
     gradients span several reducer buffers (they are reduced while backward runs, so its peak is earlier and
-    holds activations), AdamW's per-tensor step counts, and scratch freed inside one op."""
+    holds activations), AdamW's per-tensor step counts, scratch freed inside one op, and offloaded states
+    (explain gives no peak under `offload`)."""
     between_steps = memory["parameters"] + memory["optimizer"] + buffers
     return between_steps + 2 * unreduced + chunk_copies + memory["gradients"]
 
