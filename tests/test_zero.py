@@ -160,7 +160,7 @@ def _train(spec, zero, offload, planned, reference, accumulate=False):
             got = _measured_memory(model, opt, grads, offload)
             if offload == "params":  # every gather read a device copy, never the shard stored on the host
                 assert recorder.inputs and not recorder.inputs & {_storage(p) for p in model.parameters()}
-            assert set(got) == set(memory) - {"activations", "total"}, (got, memory)
+            assert set(got) == set(memory) - {"activations", "total", "peak"}, (got, memory)
             assert got == {k: memory[k] for k in got}, f"{spec} zero={zero}: measured {got}, plan {memory}"
             measured = _comm([c for c in recorder.records if c.origin == "planned"])
             assert measured == comm, f"{spec} zero={zero}: measured {measured}, plan {comm}"

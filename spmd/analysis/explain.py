@@ -29,7 +29,7 @@ from ..runtime.state import STATE_ATTR
 from . import record
 from .explain_pipeline import explain_pipeline
 from .fake import fake_world
-from .memory import activation_bytes, local_bytes, memory_per_rank
+from .memory import activation_bytes, local_bytes, memory_per_rank, peak_bytes, unreduced_bytes
 from .optimizer_step import planning_optimizer, record_optimizer_step
 from .plan import Plan
 
@@ -57,7 +57,8 @@ def explain(model: nn.Module, rules, mesh_or_sizes, batch_shape=(8, 2048), dtype
     the params map the step includes spmd.shard_optimizer's AdamW step, its all-gathers and, under ZeRO-1, the
     reduce-scatters of the gradients backward left unreduced (phase `optimizer`). `reduce_dtype`, `master`
     and `offload` mean what they mean to `parallelize`; `plan.memory` counts each state in its layout and
-    dtype, host bytes apart (spmd/analysis/memory.py).
+    dtype, host bytes apart (spmd/analysis/memory.py), and `plan.memory["peak"]` is the most tensor bytes a rank
+    holds during the step (memory.peak_bytes; not given under `offload` or with a `pp` axis).
     """
     dtensor.install()
     pipeline = dict(schedule=schedule, microbatches=microbatches, virtual_stages=virtual_stages,
@@ -118,6 +119,9 @@ def dry_run(model, rules, sizes, batch_shape, dtype, optimizer, pipeline=None, a
         if unreduced > memory["gradients"]:  # held until the last micro-batch's backward reduces them
             memory["total"] += unreduced - memory["gradients"]
             memory["gradients"] = unreduced
+        if not (precision or {}).get("offload"):  # offloaded states move through host memory: not modelled
+            buffers = sum(local_bytes(b) for b in model.buffers())
+            memory["peak"] = peak_bytes(memory, *unreduced_bytes(model, getattr(model, STATE_ATTR)), buffers)
         return Plan(**common, collectives=recorder.records,
                     decisions=list(getattr(model, STATE_ATTR).decisions.values()), memory=memory,
                     attention=attention)

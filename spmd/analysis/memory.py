@@ -4,7 +4,8 @@ the activations: the storages autograd keeps for backward that are not the model
 Each state is counted in its own layout (spmd.Rules: params, grads and optimizer maps) and dtype: parameters
 as stored; gradients in the parameters' dtype (autograd holds them so); optimizer states in the master's
 dtype, plus the fp32 master copy itself when `master="optimizer"` keeps one beside lower-precision parameters
-(the ZeRO paper's K = 12 for Adam: 4 master + 4 + 4 moments).
+(the ZeRO paper's K = 12 for Adam: 4 master + 4 + 4 moments). `peak_bytes` adds what is live on top of
+those at the moment a step's live tensor bytes peak, and the model's buffers.
 """
 import math
 
@@ -19,7 +20,8 @@ from ..runtime.parameters.reshard import storage_key
 from ..runtime.state import STATE_ATTR
 from ..runtime.dtensor.wrap import local_of
 
-__all__ = ["activation_bytes", "local_bytes", "memory_per_rank", "OPTIMIZER_STATES"]
+__all__ = ["activation_bytes", "local_bytes", "memory_per_rank", "peak_bytes", "unreduced_bytes",
+           "OPTIMIZER_STATES"]
 
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 0}  # states per parameter element
 
@@ -30,6 +32,41 @@ def activation_bytes(saved: dict, model: nn.Module) -> int:
     under parameters), so it costs no activation memory."""
     own = {storage_key(t) for t in list(model.parameters()) + list(model.buffers())}
     return sum(n for key, n in saved.items() if key not in own)
+
+
+def unreduced_bytes(model: nn.Module, state) -> tuple[int, int]:
+    """(every gradient as backward produces it, the part of those the gradient reducer copies when it cuts
+    them into per-rank chunks): bytes per rank, each parameter's compute layout in the reduce dtype. A chunk
+    is a copy when the gradient is reduce-scattered along a dim with a local dim of size > 1 before it (a
+    column shard of a matrix); along the outermost dim it is a view."""
+    total = copied = 0
+    for p in {id(p): p for p in model.parameters()}.values():
+        size = state.reduce_dtype.itemsize if state is not None and state.reduce_dtype is not None else p.element_size()
+        n = _numel(p, "_spmd_compute") * size
+        total += n
+        if isinstance(p, DTensor) and hasattr(p, "_spmd_compute"):
+            local, _ = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p._spmd_compute)
+            stored = getattr(p, "_spmd_grads", None) or p.placements
+            dims = {s.dim for s, c in zip(stored, p._spmd_compute) if s.is_shard() and not c.is_shard()}
+            copied += n if any(math.prod(local[:d]) > 1 for d in dims) else 0
+    return total, copied
+
+
+def peak_bytes(memory: dict, unreduced: int, chunk_copies: int, buffers: int) -> int:
+    """The most tensor bytes a rank holds in one step (forward, backward, optimizer step). Measured on the tiny
+    Llama (fp32; fsdp=4, fsdp=2,tp=2,sp, dp=2,fsdp=2), it falls at the end of backward, as the gradient
+    reducer packs its reduce-scatter buffer; live then:
+    - what lives between steps: parameters, optimizer states (`memory`) and the model's buffers (`buffers`);
+    - every gradient in its compute layout twice (`unreduced`): autograd's per-parameter gradients, and the
+      reducer's flat buffer they are packed into;
+    - the copies of the chunks that are not views (`chunk_copies`, see `unreduced_bytes`);
+    - the reduce-scatter's output: the reduced gradient shards (`memory["gradients"]`).
+    Left out: activations and gathered buckets (all freed by then: backward has finished), a model whose
+    gradients span several reducer buffers (they are reduced while backward runs, so its peak is earlier and
+    holds activations), AdamW's per-tensor step counts, scratch freed inside one op, and offloaded states
+    (explain gives no peak under `offload`)."""
+    between_steps = memory["parameters"] + memory["optimizer"] + buffers
+    return between_steps + 2 * unreduced + chunk_copies + memory["gradients"]
 
 
 def local_bytes(t) -> int:

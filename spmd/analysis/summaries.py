@@ -109,7 +109,8 @@ def summarize(plan) -> Summary:
         g[0] += 1
         g[1] += c.bytes
         g[2] += ring_steps(c.kind, math.prod(plan.mesh.get(a, 1) for a in c.axes))
-    return Summary(groups, dict(plan.memory))
+    # the peak is the whole step's moment, not a sum of parts: it does not scale with blocks or add a recompute
+    return Summary(groups, {k: v for k, v in plan.memory.items() if k != "peak"})
 
 
 def model_state_bytes(model: nn.Module, sizes: dict, rules: Rules, optimizer_states: int = 2) -> int:
