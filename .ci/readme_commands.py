@@ -2,6 +2,7 @@
 
 CI runs exactly these, so the README and CI cannot drift apart.
 """
+
 import re
 import sys
 from pathlib import Path

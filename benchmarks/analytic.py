@@ -42,21 +42,23 @@ fp32 master parameters, fp32 gradients and two fp32 Adam states per parameter, e
 shards its parameter (fsdp on `embed`, tp on heads/mlp/vocab, norms whole over tp, dp replicates) - in
 bf16 too, since the trainer keeps fp32 masters and casts when it gathers.
 """
+
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
 
 BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}
-REDUCE_BYTES = 4   # gradients are reduced in fp32
+REDUCE_BYTES = 4  # gradients are reduced in fp32
 DEFAULT_BUCKET_MB = 25.0  # spmd.runtime.gradients.reducer's (DDP's) gradient buffer
 FIRST_BUCKET_MB = 1.0  # and its first buffer of a backward (DDP's first bucket)
-LOSS_BYTES = 4     # the loss statistics are fp32
+LOSS_BYTES = 4  # the loss statistics are fp32
 
 
 @dataclass(frozen=True)
 class Spec:
     """Mesh sizes and flags: `Spec.parse("fsdp=2,tp=2,sp")`."""
+
     dp: int = 1
     fsdp: int = 1
     tp: int = 1
@@ -65,7 +67,7 @@ class Spec:
     sp: bool = False
 
     @classmethod
-    def parse(cls, text: str) -> "Spec":
+    def parse(cls, text: str) -> Spec:
         sizes, flags = {}, set()
         for part in (p.strip() for p in text.replace("+", ",").split(",")):
             if not part:
@@ -114,8 +116,8 @@ def ring(kind: str, full_bytes: int, n: int) -> int:
 class Param:
     name: str
     numel: int
-    tp_sharded: bool   # heads/kv_heads/mlp/vocab dim split over tp (norm weights are not)
-    role: str          # "embedding" | "output" | "tied" (an embedding that is also the output) | "block" | "norm"
+    tp_sharded: bool  # heads/kv_heads/mlp/vocab dim split over tp (norm weights are not)
+    role: str  # "embedding" | "output" | "tied" (an embedding that is also the output) | "block" | "norm"
 
 
 def parameters(cfg) -> list[Param]:
@@ -124,15 +126,17 @@ def parameters(cfg) -> list[Param]:
     out = [Param("tok_embeddings.weight", cfg.vocab_size * d, True, "tied" if cfg.tie_embeddings else "embedding")]
     for i in range(cfg.n_layers):
         p = f"layers.{i}."
-        out += [Param(p + "attention_norm.weight", d, False, "norm"),
-                Param(p + "attention.wq.weight", cfg.n_heads * hd * d, True, "block"),
-                Param(p + "attention.wk.weight", cfg.n_kv_heads * hd * d, True, "block"),
-                Param(p + "attention.wv.weight", cfg.n_kv_heads * hd * d, True, "block"),
-                Param(p + "attention.wo.weight", cfg.n_heads * hd * d, True, "block"),
-                Param(p + "ffn_norm.weight", d, False, "norm"),
-                Param(p + "feed_forward.w1.weight", cfg.ffn_dim * d, True, "block"),
-                Param(p + "feed_forward.w3.weight", cfg.ffn_dim * d, True, "block"),
-                Param(p + "feed_forward.w2.weight", cfg.ffn_dim * d, True, "block")]
+        out += [
+            Param(p + "attention_norm.weight", d, False, "norm"),
+            Param(p + "attention.wq.weight", cfg.n_heads * hd * d, True, "block"),
+            Param(p + "attention.wk.weight", cfg.n_kv_heads * hd * d, True, "block"),
+            Param(p + "attention.wv.weight", cfg.n_kv_heads * hd * d, True, "block"),
+            Param(p + "attention.wo.weight", cfg.n_heads * hd * d, True, "block"),
+            Param(p + "ffn_norm.weight", d, False, "norm"),
+            Param(p + "feed_forward.w1.weight", cfg.ffn_dim * d, True, "block"),
+            Param(p + "feed_forward.w3.weight", cfg.ffn_dim * d, True, "block"),
+            Param(p + "feed_forward.w2.weight", cfg.ffn_dim * d, True, "block"),
+        ]
     out.append(Param("norm.weight", d, False, "norm"))
     if not cfg.tie_embeddings:
         out.append(Param("output.weight", cfg.vocab_size * d, True, "output"))
@@ -175,8 +179,9 @@ def gradient_reductions(params: list[Param], spec: Spec) -> dict:
     for p in params:
         if p.role == "tied":
             continue
-        summed = (("dp",) if spec.dp > 1 else ()) + \
-                 (("tp",) if spec.sequence_parallel and spec.tp > 1 and p.role == "norm" else ())
+        summed = (("dp",) if spec.dp > 1 else ()) + (
+            ("tp",) if spec.sequence_parallel and spec.tp > 1 and p.role == "norm" else ()
+        )
         key = ("fsdp" if spec.fsdp > 1 else None, summed)
         if key != (None, ()):
             out.setdefault(key, []).append(p)
@@ -196,13 +201,14 @@ def local_numel(p: Param, spec: Spec) -> int:
 @dataclass
 class Term:
     """One line of the model: which collectives, over which axis, in which phase, how many, how many bytes."""
+
     name: str
     axis: str
     kinds: tuple
     phase: str
     count: int
     bytes: int
-    textbook: bool     # part of the Megatron/ZeRO formulas as DESIGN.md states them
+    textbook: bool  # part of the Megatron/ZeRO formulas as DESIGN.md states them
     formula: str = ""
 
 
@@ -234,13 +240,21 @@ class CommModel:
         return sum(t.count for t in self.terms)
 
     def to_dict(self) -> dict:
-        return {"spec": str(self.spec), "batch": self.batch, "seq": self.seq, "dtype": self.dtype,
-                "total": self.total(), "textbook": self.total(textbook_only=True), "collectives": self.count(),
-                "terms": [t.__dict__ | {"kinds": list(t.kinds)} for t in self.terms if t.count]}
+        return {
+            "spec": str(self.spec),
+            "batch": self.batch,
+            "seq": self.seq,
+            "dtype": self.dtype,
+            "total": self.total(),
+            "textbook": self.total(textbook_only=True),
+            "collectives": self.count(),
+            "terms": [t.__dict__ | {"kinds": list(t.kinds)} for t in self.terms if t.count],
+        }
 
 
-def comm(cfg, spec: Spec | str, batch: int, seq: int, dtype: str = "fp32",
-         bucket_mb: float = DEFAULT_BUCKET_MB) -> CommModel:
+def comm(
+    cfg, spec: Spec | str, batch: int, seq: int, dtype: str = "fp32", bucket_mb: float = DEFAULT_BUCKET_MB
+) -> CommModel:
     """Expected collectives of one training step (forward + backward + gradient reduction) per rank."""
     spec = Spec.parse(spec) if isinstance(spec, str) else spec
     if spec.pp > 1:
@@ -253,67 +267,184 @@ def comm(cfg, spec: Spec | str, batch: int, seq: int, dtype: str = "fp32",
     t, n, d = spec.tp, spec.fsdp, spec.dp
     b = batch // spec.data_parallel
     L, h = cfg.n_layers, cfg.dim
-    S = b * seq * h * e                   # one residual-stream activation of this rank's batch
-    N = b * seq                           # this rank's tokens
+    S = b * seq * h * e  # one residual-stream activation of this rank's batch
+    N = b * seq  # this rank's tokens
     m = CommModel(spec, batch, seq, dtype)
     add = m.terms.append
 
     if t > 1:
         if spec.sequence_parallel:
-            add(Term("TP blocks (Megatron, SP)", "tp", ("all_gather", "reduce_scatter"), "forward+backward",
-                     8 * L, 8 * L * ring("all_gather", S, t), True, "L * 8 * S(t-1)/t as 4 AG + 4 RS"))
-            add(Term("TP embedding + output (SP)", "tp", ("reduce_scatter", "all_gather"), "forward+backward",
-                     4, 4 * ring("all_gather", S, t), False, "embedding RS fwd + AG bwd; output AG fwd + RS bwd"))
+            add(
+                Term(
+                    "TP blocks (Megatron, SP)",
+                    "tp",
+                    ("all_gather", "reduce_scatter"),
+                    "forward+backward",
+                    8 * L,
+                    8 * L * ring("all_gather", S, t),
+                    True,
+                    "L * 8 * S(t-1)/t as 4 AG + 4 RS",
+                )
+            )
+            add(
+                Term(
+                    "TP embedding + output (SP)",
+                    "tp",
+                    ("reduce_scatter", "all_gather"),
+                    "forward+backward",
+                    4,
+                    4 * ring("all_gather", S, t),
+                    False,
+                    "embedding RS fwd + AG bwd; output AG fwd + RS bwd",
+                )
+            )
         else:
-            add(Term("TP blocks (Megatron)", "tp", ("all_reduce",), "forward+backward", 4 * L,
-                     4 * L * ring("all_reduce", S, t), True, "L * 8 * S(t-1)/t as 4 AR"))
-            add(Term("TP embedding + output", "tp", ("all_reduce",), "forward+backward", 2,
-                     2 * ring("all_reduce", S, t), False, "embedding AR fwd + output AR bwd"))
-        add(Term("vocab-parallel loss over tp", "tp", ("all_reduce",), "forward", 2,
-                 ring("all_reduce", N * LOSS_BYTES, t) + ring("all_reduce", 2 * N * LOSS_BYTES, t), False,
-                 "AR of row max (N fp32) + AR of (sum exp, target logit) (2N fp32)"))
+            add(
+                Term(
+                    "TP blocks (Megatron)",
+                    "tp",
+                    ("all_reduce",),
+                    "forward+backward",
+                    4 * L,
+                    4 * L * ring("all_reduce", S, t),
+                    True,
+                    "L * 8 * S(t-1)/t as 4 AR",
+                )
+            )
+            add(
+                Term(
+                    "TP embedding + output",
+                    "tp",
+                    ("all_reduce",),
+                    "forward+backward",
+                    2,
+                    2 * ring("all_reduce", S, t),
+                    False,
+                    "embedding AR fwd + output AR bwd",
+                )
+            )
+        add(
+            Term(
+                "vocab-parallel loss over tp",
+                "tp",
+                ("all_reduce",),
+                "forward",
+                2,
+                ring("all_reduce", N * LOSS_BYTES, t) + ring("all_reduce", 2 * N * LOSS_BYTES, t),
+                False,
+                "AR of row max (N fp32) + AR of (sum exp, target logit) (2N fp32)",
+            )
+        )
     data = [a for a, size in (("dp", d), ("fsdp", n)) if size > 1]
     if data:
-        add(Term("loss mean over the data axes", "+".join(data), ("all_reduce",), "forward", 1,
-                 ring("all_reduce", 2 * LOSS_BYTES, d * n), False,
-                 "AR of (loss sum, count), 2 fp32, over the flattened group of dp and fsdp"))
+        add(
+            Term(
+                "loss mean over the data axes",
+                "+".join(data),
+                ("all_reduce",),
+                "forward",
+                1,
+                ring("all_reduce", 2 * LOSS_BYTES, d * n),
+                False,
+                "AR of (loss sum, count), 2 fp32, over the flattened group of dp and fsdp",
+            )
+        )
 
     params = parameters(cfg)
     units = parameter_units(params, cfg.tie_embeddings)
-    sp_norms = spec.sequence_parallel
     if n > 1:
+
         def gathered(unit):
             return ring("all_gather", sum(tp_local(p, spec) for p in unit) * e, n)
+
         fwd = sum(gathered(u) for u in units.values())
-        add(Term("FSDP all-gather forward", "fsdp", ("all_gather",), "forward", len(units), fwd, True,
-                 "Ψ(n-1)/n, compute dtype, one per unit (each block, the root, a tied weight)"))
-        add(Term("FSDP all-gather backward", "fsdp", ("all_gather",), "backward", len(units), fwd, True,
-                 "Ψ(n-1)/n"))
-        add(Term("FSDP root unit kept gathered for backward", "fsdp", ("all_gather",), "backward", -1,
-                 -gathered(units["root"]), False, "-Ψ_root(n-1)/n (FSDP2's root: embedding, final norm, output)"))
+        add(
+            Term(
+                "FSDP all-gather forward",
+                "fsdp",
+                ("all_gather",),
+                "forward",
+                len(units),
+                fwd,
+                True,
+                "Ψ(n-1)/n, compute dtype, one per unit (each block, the root, a tied weight)",
+            )
+        )
+        add(Term("FSDP all-gather backward", "fsdp", ("all_gather",), "backward", len(units), fwd, True, "Ψ(n-1)/n"))
+        add(
+            Term(
+                "FSDP root unit kept gathered for backward",
+                "fsdp",
+                ("all_gather",),
+                "backward",
+                -1,
+                -gathered(units["root"]),
+                False,
+                "-Ψ_root(n-1)/n (FSDP2's root: embedding, final norm, output)",
+            )
+        )
     sizes = {"dp": d, "fsdp": n, "tp": t}
     for (scatter, summed), members in gradient_reductions(params, spec).items():
         bufs = buffers(members, lambda p: tp_local(p, spec) * REDUCE_BYTES, bucket_mb)
         norms = members[0].role == "norm" and "tp" in summed
         what = ", sequence-parallel norms" if norms else ""
         if scatter:
-            add(Term(f"FSDP gradient reduce-scatter{what}", "fsdp", ("reduce_scatter",), "backward", len(bufs),
-                     sum(ring("reduce_scatter", b, n) for b in bufs), True,
-                     f"Ψ(n-1)/n, fp32, in {bucket_mb:g} MB buffers across blocks"))
+            add(
+                Term(
+                    f"FSDP gradient reduce-scatter{what}",
+                    "fsdp",
+                    ("reduce_scatter",),
+                    "backward",
+                    len(bufs),
+                    sum(ring("reduce_scatter", b, n) for b in bufs),
+                    True,
+                    f"Ψ(n-1)/n, fp32, in {bucket_mb:g} MB buffers across blocks",
+                )
+            )
         if summed:
             group = math.prod(sizes[a] for a in summed)
-            add(Term("SP norm-weight gradients" if norms else "DP gradient all-reduce", "+".join(summed),
-                     ("all_reduce",), "backward", len(bufs), sum(ring("all_reduce", b // n, group) for b in bufs),
-                     not norms, f"2Ψ(g-1)/g over the {' x '.join(summed)} group, fp32"
-                     + (", of the fsdp shard" if scatter else "") + f", in {bucket_mb:g} MB buffers across blocks"))
+            add(
+                Term(
+                    "SP norm-weight gradients" if norms else "DP gradient all-reduce",
+                    "+".join(summed),
+                    ("all_reduce",),
+                    "backward",
+                    len(bufs),
+                    sum(ring("all_reduce", b // n, group) for b in bufs),
+                    not norms,
+                    f"2Ψ(g-1)/g over the {' x '.join(summed)} group, fp32"
+                    + (", of the fsdp shard" if scatter else "")
+                    + f", in {bucket_mb:g} MB buffers across blocks",
+                )
+            )
     for p in params:
         if p.role == "tied":  # used by two modules: reduced on its own, axis by axis
             if n > 1:
-                add(Term("FSDP gradient reduce-scatter, tied weight", "fsdp", ("reduce_scatter",), "backward", 1,
-                         ring("reduce_scatter", tp_local(p, spec) * REDUCE_BYTES, n), True, "fp32"))
+                add(
+                    Term(
+                        "FSDP gradient reduce-scatter, tied weight",
+                        "fsdp",
+                        ("reduce_scatter",),
+                        "backward",
+                        1,
+                        ring("reduce_scatter", tp_local(p, spec) * REDUCE_BYTES, n),
+                        True,
+                        "fp32",
+                    )
+                )
             if d > 1:
-                add(Term("DP gradient all-reduce, tied weight", "dp", ("all_reduce",), "backward", 1,
-                         ring("all_reduce", tp_local(p, spec) * REDUCE_BYTES // n, d), True, "fp32"))
+                add(
+                    Term(
+                        "DP gradient all-reduce, tied weight",
+                        "dp",
+                        ("all_reduce",),
+                        "backward",
+                        1,
+                        ring("all_reduce", tp_local(p, spec) * REDUCE_BYTES // n, d),
+                        True,
+                        "fp32",
+                    )
+                )
     return m
 
 
@@ -325,19 +456,46 @@ def expert_comm(cfg, spec: Spec | str, batch: int, seq: int, dtype: str = "fp32"
     (1 fp32) are all-reduced over every data axis."""
     spec = Spec.parse(spec) if isinstance(spec, str) else spec
     L, E, ep = cfg.n_layers, cfg.n_experts, spec.ep
-    S = cfg.top_k * batch // spec.data_parallel * seq * cfg.dim * BYTES[dtype]   # this rank's routed rows
+    S = cfg.top_k * batch // spec.data_parallel * seq * cfg.dim * BYTES[dtype]  # this rank's routed rows
     m = CommModel(spec, batch, seq, dtype)
     if ep > 1:
-        m.terms += [Term("EP dispatch + combine", "ep", ("all_to_all",), "forward+backward", 4 * L,
-                         4 * L * (S * (ep - 1) // ep), True, "4L * top_k*b*s*h*e (ep-1)/ep"),
-                    Term("EP token counts", "ep", ("all_to_all",), "forward", L, L * (E * 8 * (ep - 1) // ep),
-                         False, "L * E int64 (ep-1)/ep")]
+        m.terms += [
+            Term(
+                "EP dispatch + combine",
+                "ep",
+                ("all_to_all",),
+                "forward+backward",
+                4 * L,
+                4 * L * (S * (ep - 1) // ep),
+                True,
+                "4L * top_k*b*s*h*e (ep-1)/ep",
+            ),
+            Term(
+                "EP token counts",
+                "ep",
+                ("all_to_all",),
+                "forward",
+                L,
+                L * (E * 8 * (ep - 1) // ep),
+                False,
+                "L * E int64 (ep-1)/ep",
+            ),
+        ]
     data = {a: size for a, size in (("dp", spec.dp), ("fsdp", spec.fsdp), ("ep", ep)) if size > 1}
     if data:  # DTensor sums over the flattened group of the axes that split the tokens (spmd.parallelize made it)
         size = math.prod(data.values())
-        m.terms.append(Term("router statistics over the data axes", "+".join(data), ("all_reduce",), "forward",
-                            3 * L, L * (2 * ring("all_reduce", E * LOSS_BYTES, size) + ring("all_reduce", LOSS_BYTES, size)),
-                            False, "L * AR of f_e, P_e (E fp32 each) and of the z-loss (1 fp32)"))
+        m.terms.append(
+            Term(
+                "router statistics over the data axes",
+                "+".join(data),
+                ("all_reduce",),
+                "forward",
+                3 * L,
+                L * (2 * ring("all_reduce", E * LOSS_BYTES, size) + ring("all_reduce", LOSS_BYTES, size)),
+                False,
+                "L * AR of f_e, P_e (E fp32 each) and of the z-loss (1 fp32)",
+            )
+        )
     return m
 
 
@@ -356,9 +514,11 @@ def textbook_comm(cfg, spec: Spec | str, batch: int, seq: int, dtype: str = "fp3
     t, n, d = spec.tp, spec.fsdp, spec.dp
     b = batch // spec.data_parallel
     psi = sum(tp_local(p, spec) for p in parameters(cfg))
-    out = {"tp": cfg.n_layers * 8 * b * seq * cfg.dim * e * (t - 1) / t,
-           "fsdp": (2 * psi * e + psi * REDUCE_BYTES) * (n - 1) / n,
-           "dp": 2 * psi / n * REDUCE_BYTES * (d - 1) / d}
+    out = {
+        "tp": cfg.n_layers * 8 * b * seq * cfg.dim * e * (t - 1) / t,
+        "fsdp": (2 * psi * e + psi * REDUCE_BYTES) * (n - 1) / n,
+        "dp": 2 * psi / n * REDUCE_BYTES * (d - 1) / d,
+    }
     out["total"] = sum(out.values())
     return out
 
@@ -389,13 +549,20 @@ def zero_model_states(psi: int, n: int, stage: int, mixed_precision: bool = True
 def summary(cfg, spec: Spec | str, batch: int, seq: int, dtype: str = "fp32") -> dict:
     spec = Spec.parse(spec) if isinstance(spec, str) else spec
     if getattr(cfg, "n_experts", 0):
-        return {"spec": str(spec), "expert_comm": expert_comm(cfg, spec, batch, seq, dtype).to_dict(),
-                "expert_parameters": expert_states(cfg, spec),
-                "flops_per_rank": cfg.flops_per_token(seq) * batch * seq / spec.world}
+        return {
+            "spec": str(spec),
+            "expert_comm": expert_comm(cfg, spec, batch, seq, dtype).to_dict(),
+            "expert_parameters": expert_states(cfg, spec),
+            "flops_per_rank": cfg.flops_per_token(seq) * batch * seq / spec.world,
+        }
     c = comm(cfg, spec, batch, seq, dtype)
-    return {"spec": str(spec), "comm": c.to_dict(), "textbook": textbook_comm(cfg, spec, batch, seq, dtype),
-            "model_states": model_states(cfg, spec),
-            "flops_per_rank": cfg.flops_per_token(seq) * batch * seq / spec.world}
+    return {
+        "spec": str(spec),
+        "comm": c.to_dict(),
+        "textbook": textbook_comm(cfg, spec, batch, seq, dtype),
+        "model_states": model_states(cfg, spec),
+        "flops_per_rank": cfg.flops_per_token(seq) * batch * seq / spec.world,
+    }
 
 
 if __name__ == "__main__":
@@ -411,5 +578,8 @@ if __name__ == "__main__":
     ap.add_argument("--seq", type=int, default=16)
     ap.add_argument("--dtype", default="fp32")
     a = ap.parse_args()
-    print(json.dumps(summary(models.preset(a.model), a.spec, a.batch, a.seq, a.dtype), indent=1,
-                     default=lambda x: math.nan))
+    print(
+        json.dumps(
+            summary(models.preset(a.model), a.spec, a.batch, a.seq, a.dtype), indent=1, default=lambda x: math.nan
+        )
+    )

@@ -10,6 +10,7 @@ names the checkpoint (for `async`, the benchmark waits for it before the next re
 between saves outlast the writing would find it done).
 Writes benchmarks/results/<date>-<device>-checkpoint-blocking[-T].{json,md}.
 """
+
 import argparse
 import contextlib
 import json
@@ -54,8 +55,13 @@ def _worker(a) -> None:
                 dist.barrier()
                 t0 = time.perf_counter()
                 path = (saver.save if saver else checkpoint.save)(
-                    ckpt_dir, i, checkpoint.model_state(model), checkpoint.optim_state(model, opt),
-                    meta={"repeat": i}, keep=2)
+                    ckpt_dir,
+                    i,
+                    checkpoint.model_state(model),
+                    checkpoint.optim_state(model, opt),
+                    meta={"repeat": i},
+                    keep=2,
+                )
                 blocked_s = time.perf_counter() - t0
                 if saver:
                     saver.wait()
@@ -66,8 +72,12 @@ def _worker(a) -> None:
                     blocked.append(max(b for b, _ in times))
                     committed.append(max(c for _, c in times))
             size = sum(f.stat().st_size for f in path.iterdir())
-            out[mode] = {"blocked_s": statistics.median(blocked), "committed_s": statistics.median(committed),
-                         "blocked_all_s": blocked, "bytes": size}
+            out[mode] = {
+                "blocked_s": statistics.median(blocked),
+                "committed_s": statistics.median(committed),
+                "blocked_all_s": blocked,
+                "bytes": size,
+            }
         dist.barrier()
     if rank == 0:
         print("RESULT " + json.dumps(out), flush=True)
@@ -89,19 +99,34 @@ def main(argv=None) -> int:
         return 0
     rows, report = [], {"environment": common.environment(), "nproc": a.nproc, "repeats": a.repeats, "models": {}}
     for name in a.models:
-        proc = common.run([*common.torchrun(a.nproc), "-m", "benchmarks.checkpoint_blocking", "--worker",
-                           "--model", name, "--repeats", str(a.repeats), "--modes", *a.modes],
-                          env={"OMP_NUM_THREADS": "1"})
+        proc = common.run(
+            [
+                *common.torchrun(a.nproc),
+                "-m",
+                "benchmarks.checkpoint_blocking",
+                "--worker",
+                "--model",
+                name,
+                "--repeats",
+                str(a.repeats),
+                "--modes",
+                *a.modes,
+            ],
+            env={"OMP_NUM_THREADS": "1"},
+        )
         result = json.loads(next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))[7:])
         report["models"][name] = result
         for mode, r in result.items():
             rows.append([name, mode, r["bytes"] / 2**20, r["blocked_s"] * 1e3, r["committed_s"] * 1e3])
-    table = common.md_table(["model", "save", "checkpoint MiB", "loop blocked ms (median)",
-                             "until committed ms (median)"], rows)
+    table = common.md_table(
+        ["model", "save", "checkpoint MiB", "loop blocked ms (median)", "until committed ms (median)"], rows
+    )
     env = report["environment"]
-    markdown = (f"# Checkpoint save: time the training loop is blocked\n\n{env['device']}, {a.nproc} gloo "
-                f"processes (fsdp={a.nproc}), {a.repeats} repeats, slowest rank per repeat; commit "
-                f"{env['commit'][:10]}, load {env.get('loadavg_1m', 0):.1f}\n\n{table}\n")
+    markdown = (
+        f"# Checkpoint save: time the training loop is blocked\n\n{env['device']}, {a.nproc} gloo "
+        f"processes (fsdp={a.nproc}), {a.repeats} repeats, slowest rank per repeat; commit "
+        f"{env['commit'][:10]}, load {env.get('loadavg_1m', 0):.1f}\n\n{table}\n"
+    )
     return common.publish(f"checkpoint-blocking{'-' + a.tag if a.tag else ''}", report, markdown)
 
 

@@ -11,6 +11,7 @@ A launch passes when torchrun exits 0, every rank wrote its loss and, for `async
 Prints one JSON line per launch that fails and a summary; with `--tag` (or `--write`) also writes
 benchmarks/results/<date>-<device>-clean-exits[-T].{json,md}.
 """
+
 import argparse
 import json
 import os
@@ -52,8 +53,9 @@ def worker(case: str, out: Path) -> None:
             opt.step()
             opt.zero_grad()
         if case == "async":  # started, never waited for: the script ends with the writer in flight
-            checkpoint.AsyncSaver().save(out / "ckpt", STEPS, checkpoint.model_state(model),
-                                         checkpoint.optim_state(model, opt))
+            checkpoint.AsyncSaver().save(
+                out / "ckpt", STEPS, checkpoint.model_state(model), checkpoint.optim_state(model, opt)
+            )
         (out / f"rank{dist.get_rank()}.json").write_text(json.dumps({"loss": loss.item()}))
     finally:
         if dist.is_initialized():
@@ -74,12 +76,21 @@ def launch(case: str, timeout_s: float) -> dict:
             proc = subprocess.run(cmd, cwd=common.ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
             rc, output = proc.returncode, proc.stdout + proc.stderr
         except subprocess.TimeoutExpired as e:
-            rc, output = "timeout", (e.stdout or b"").decode(errors="replace") + (e.stderr or b"").decode(errors="replace")
+            rc, output = (
+                "timeout",
+                (e.stdout or b"").decode(errors="replace") + (e.stderr or b"").decode(errors="replace"),
+            )
         wrote = sorted(int(p.stem[4:]) for p in Path(tmp).glob("rank*.json"))
         committed = (Path(tmp) / "ckpt" / "latest").exists() if case == "async" else True
     ok = rc == 0 and wrote == [0, 1, 2, 3] and committed
-    row = {"case": case, "rc": rc, "ranks_wrote": wrote, "committed": committed, "ok": ok,
-           "seconds": round(time.monotonic() - start, 1)}
+    row = {
+        "case": case,
+        "rc": rc,
+        "ranks_wrote": wrote,
+        "committed": committed,
+        "ok": ok,
+        "seconds": round(time.monotonic() - start, 1),
+    }
     if not ok:
         row["aborted"] = "terminate called" in output or "Signal 6" in output or "SIGABRT" in output
         row["output_tail"] = common.portable(output[-3000:].replace(tmp, "<tmp>"))
@@ -125,15 +136,28 @@ def main(argv=None) -> int:
         if not row["ok"]:
             print(json.dumps(row), flush=True)
     counts = summary(rows)
-    report = {"environment": environment, "parallel": a.parallel, "summary": counts,
-              "seconds": round(time.monotonic() - start), "failures": [r for r in rows if not r["ok"]]}
+    report = {
+        "environment": environment,
+        "parallel": a.parallel,
+        "summary": counts,
+        "seconds": round(time.monotonic() - start),
+        "failures": [r for r in rows if not r["ok"]],
+    }
     print(json.dumps({"summary": counts, "seconds": report["seconds"]}))
     if a.tag or a.write:
-        lines = [f"# Clean exits: {a.parallel} launches of 4 processes at once", "",
-                 "| case | launches | failed | aborted |", "|---|---|---|---|"]
+        lines = [
+            f"# Clean exits: {a.parallel} launches of 4 processes at once",
+            "",
+            "| case | launches | failed | aborted |",
+            "|---|---|---|---|",
+        ]
         lines += [f"| {c} | {s['launches']} | {s['failed']} | {s['aborted']} |" for c, s in counts.items()]
-        stem = common.ROOT / "benchmarks" / "results" / "-".join(
-            filter(None, [common.today(), common.device_slug(), "clean-exits", a.tag]))
+        stem = (
+            common.ROOT
+            / "benchmarks"
+            / "results"
+            / "-".join(filter(None, [common.today(), common.device_slug(), "clean-exits", a.tag]))
+        )
         common.write(stem, report, "\n".join(lines))
     return 0 if all(r["ok"] for r in rows) else 1
 

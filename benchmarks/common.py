@@ -1,5 +1,6 @@
 """Shared bits of the benchmarks: where results go, what the device is called, the run's environment,
 torchrun command lines and reading the trainer's JSONL."""
+
 from __future__ import annotations
 
 import datetime
@@ -48,12 +49,14 @@ def git_commit() -> dict:
     if os.environ.get("SPMD_COMMIT"):
         named = os.environ["SPMD_COMMIT"]
         if not re.fullmatch(r"[0-9a-f]{40}", named):  # results name the commit in full (tests/test_results.py)
-            raise ValueError(f"SPMD_COMMIT={named!r}: give the commit's full 40-character hash "
-                             f"(git rev-parse {named or 'HEAD'})")
+            raise ValueError(
+                f"SPMD_COMMIT={named!r}: give the commit's full 40-character hash (git rev-parse {named or 'HEAD'})"
+            )
         return {"commit": named, "dirty": False}
 
     def git(*args):
         return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True).stdout.strip()
+
     try:
         commit = git("rev-parse", "HEAD")
         dirty = bool(git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!benchmarks/results"))
@@ -64,8 +67,14 @@ def git_commit() -> dict:
 
 def environment() -> dict:
     """What a reader needs to weigh timings: the machine, its load, the software and its commit."""
-    env = {"device": device_name(), "torch": torch.__version__, "python": sys.version.split()[0],
-           "cpu_count": os.cpu_count(), "date": today(), **git_commit()}
+    env = {
+        "device": device_name(),
+        "torch": torch.__version__,
+        "python": sys.version.split()[0],
+        "cpu_count": os.cpu_count(),
+        "date": today(),
+        **git_commit(),
+    }
     try:
         env["loadavg_1m"] = os.getloadavg()[0]
     except OSError:
@@ -81,7 +90,9 @@ def torchrun(nproc: int) -> list[str]:
     return base + ["--standalone", f"--nproc-per-node={nproc}"]
 
 
-def run(cmd: list[str], timeout: float = 1800, env: dict | None = None, retries: int = 1) -> subprocess.CompletedProcess:
+def run(
+    cmd: list[str], timeout: float = 1800, env: dict | None = None, retries: int = 1
+) -> subprocess.CompletedProcess:
     """Runs a command from the repository root; a failed run is retried `retries` times (a shared machine
     occasionally kills a gloo process group), then raises with the output's tail."""
     full_env = {**os.environ, **(env or {})}
@@ -105,11 +116,17 @@ def steady(rows: list[dict], warmup: int) -> dict:
     """Summary of the rows after `warmup` steps: medians of step time, tokens/s, MFU; max peak memory."""
     kept = rows[warmup:] or rows[-1:]
     med = lambda k: statistics.median(r[k] for r in kept)  # noqa: E731
-    return {"steps": len(kept), "step_time_s": med("step_time_s"), "tokens_per_s": med("tokens_per_s"),
-            "mfu": med("mfu"), "peak_mem_bytes": max(r["peak_mem_bytes"] for r in kept),
-            "comm_bytes": med("comm_bytes"), "final_loss": kept[-1]["loss"],
-            "step_time_spread": (max(r["step_time_s"] for r in kept) - min(r["step_time_s"] for r in kept)) /
-                                max(med("step_time_s"), 1e-12)}
+    return {
+        "steps": len(kept),
+        "step_time_s": med("step_time_s"),
+        "tokens_per_s": med("tokens_per_s"),
+        "mfu": med("mfu"),
+        "peak_mem_bytes": max(r["peak_mem_bytes"] for r in kept),
+        "comm_bytes": med("comm_bytes"),
+        "final_loss": kept[-1]["loss"],
+        "step_time_spread": (max(r["step_time_s"] for r in kept) - min(r["step_time_s"] for r in kept))
+        / max(med("step_time_s"), 1e-12),
+    }
 
 
 def portable(text: str) -> str:
@@ -143,6 +160,7 @@ def md_table(headers: list[str], rows: list[list]) -> str:
         if isinstance(v, int):
             return f"{v:,}"
         return str(v)
+
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     lines += ["| " + " | ".join(cell(v) for v in r) + " |" for r in rows]
     return "\n".join(lines)
@@ -152,6 +170,7 @@ def trainer_flags() -> set[str]:
     """The flags launch.train accepts, so a benchmark passes --compile and friends only where they exist."""
     try:
         from launch.config import parser
+
         return {s for a in parser()._actions for s in a.option_strings}
     except Exception:  # noqa: BLE001  (a trainer mid-edit must not break the benchmark's own flags)
         return set()
@@ -163,13 +182,19 @@ def median_interval(ratios: list[float], level: float = 0.95) -> dict:
     (the range when too few rounds reach it). "even" when the interval covers 1.0: no ordering is shown then."""
     xs = sorted(ratios)
     n = len(xs)
-    k, below = 1, 1 / 2 ** n  # below: P(Binomial(n, 1/2) < k)
+    k, below = 1, 1 / 2**n  # below: P(Binomial(n, 1/2) < k)
     while k < (n + 1) // 2:
-        nxt = below + math.comb(n, k) / 2 ** n
+        nxt = below + math.comb(n, k) / 2**n
         if 1 - 2 * nxt < level:
             break
         k, below = k + 1, nxt
     lo, hi = xs[k - 1], xs[n - k]
     verdict = "even" if lo <= 1.0 <= hi else ("above 1" if lo > 1.0 else "below 1")
-    return {"median": statistics.median(xs), "low": lo, "high": hi, "coverage": 1 - 2 * below, "rounds": n,
-            "verdict": verdict}
+    return {
+        "median": statistics.median(xs),
+        "low": lo,
+        "high": hi,
+        "coverage": 1 - 2 * below,
+        "rounds": n,
+        "verdict": verdict,
+    }

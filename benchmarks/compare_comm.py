@@ -16,6 +16,7 @@ The trainer's own JSONL `comm_bytes` is checked against recorder + optimizer for
 Fake worlds (explain vs analytic only): larger models and meshes no CPU can run, including a tied-embedding
 model (1b). Writes benchmarks/results/<date>-<device>-compare-comm.{json,md}.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,8 +32,17 @@ import torch
 from benchmarks import analytic as A
 from benchmarks import common
 
-MEASURED_SPECS = ["dp=4", "fsdp=4", "dp=2,fsdp=2", "tp=4", "tp=4,sp", "fsdp=2,tp=2", "fsdp=2,tp=2,sp",
-                  "dp=2,tp=2,sp", "dp=2,tp=2"]
+MEASURED_SPECS = [
+    "dp=4",
+    "fsdp=4",
+    "dp=2,fsdp=2",
+    "tp=4",
+    "tp=4,sp",
+    "fsdp=2,tp=2",
+    "fsdp=2,tp=2,sp",
+    "dp=2,tp=2,sp",
+    "dp=2,tp=2",
+]
 FAKE_CASES = [  # (model, spec, batch, seq, dtype)
     ("8b", "fsdp=8,tp=8,sp", 64, 4096, "bf16"),
     ("8b", "dp=8,fsdp=4,tp=2", 64, 4096, "bf16"),
@@ -41,14 +51,24 @@ FAKE_CASES = [  # (model, spec, batch, seq, dtype)
     ("1b", "dp=2,fsdp=2,tp=2,sp", 16, 2048, "bf16"),
     ("small", "dp=2,fsdp=4,tp=4,sp", 32, 256, "fp32"),
 ]
-_KIND = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
-         "all_reduce": "all_reduce", "all_to_all_single": "all_to_all", "allgather_": "all_gather",
-         "_allgather_base_": "all_gather", "allreduce_": "all_reduce", "_reduce_scatter_base_": "reduce_scatter",
-         "reduce_scatter_": "reduce_scatter", "broadcast_": "broadcast", "broadcast": "broadcast"}
+_KIND = {
+    "all_gather_into_tensor": "all_gather",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "all_reduce": "all_reduce",
+    "all_to_all_single": "all_to_all",
+    "allgather_": "all_gather",
+    "_allgather_base_": "all_gather",
+    "allreduce_": "all_reduce",
+    "_reduce_scatter_base_": "reduce_scatter",
+    "reduce_scatter_": "reduce_scatter",
+    "broadcast_": "broadcast",
+    "broadcast": "broadcast",
+}
 
 
 def model_config(name: str):
     from models.llama import LlamaConfig
+
     return LlamaConfig.preset(name, kernels="torch")
 
 
@@ -65,6 +85,7 @@ def _wchar() -> int:
 
 def _local_bytes(t) -> int:
     from torch.distributed.tensor import DTensor
+
     local = t._local_tensor if isinstance(t, DTensor) else t
     return local.numel() * local.element_size()
 
@@ -95,7 +116,7 @@ def worker(args: dict) -> None:
         tokens = torch.randint(0, cfg.vocab_size, (args["batch"], args["seq"] + 1), generator=g)
         dp_rank = rules.data_parallel_rank(mesh)
         per = args["batch"] // rules.data_parallel_size(mesh)
-        rows = tokens[dp_rank * per:(dp_rank + 1) * per]
+        rows = tokens[dp_rank * per : (dp_rank + 1) * per]
         x, y = rows[:, :-1].contiguous(), rows[:, 1:].contiguous()  # own storage, as explain's inputs have
         recorder, saved = CollectiveRecorder(mesh), {}
         # DTensor treats equal meshes (same shape and names) as one: its cached layouts may still point at an
@@ -119,20 +140,33 @@ def worker(args: dict) -> None:
             norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
             opt.step()
         w3 = _wchar()
-        states = {"parameters": sum(_local_bytes(p) for p in model.parameters()),
-                  "gradients": sum(_local_bytes(p.grad) for p in model.parameters() if p.grad is not None),
-                  "optimizer": sum(_local_bytes(s[k]) for s in opt.state.values() for k in ("exp_avg", "exp_avg_sq"))}
+        states = {
+            "parameters": sum(_local_bytes(p) for p in model.parameters()),
+            "gradients": sum(_local_bytes(p.grad) for p in model.parameters() if p.grad is not None),
+            "optimizer": sum(_local_bytes(s[k]) for s in opt.state.values() for k in ("exp_avg", "exp_avg_sq")),
+        }
         counts = Counter()
         for op, n in comm.get_comm_counts().items():
             counts[_KIND.get(getattr(op, "__name__", str(op)).split(".")[0], str(op))] += n
         gloo_expected = sum(2 * c.bytes if c.kind == "reduce_scatter" else c.bytes for c in recorder.records)
-        out.append({"spec": spec, "rank": rank, "loss": float(loss),
-                    "records": [c.to_dict() for c in recorder.records],
-                    "recorder_bytes": sum(c.bytes for c in recorder.records),
-                    "recorder_count": len(recorder.records),
-                    "comm_debug_counts": dict(counts), "wire_bytes": w1 - w0, "gloo_expected_wire": gloo_expected,
-                    "optimizer_bytes": sum(c.bytes for c in opt_rec.records), "optimizer_count": len(opt_rec.records),
-                    "optimizer_wire": w3 - w2, "states": states, "saved_bytes": activation_bytes(saved, model)})
+        out.append(
+            {
+                "spec": spec,
+                "rank": rank,
+                "loss": float(loss),
+                "records": [c.to_dict() for c in recorder.records],
+                "recorder_bytes": sum(c.bytes for c in recorder.records),
+                "recorder_count": len(recorder.records),
+                "comm_debug_counts": dict(counts),
+                "wire_bytes": w1 - w0,
+                "gloo_expected_wire": gloo_expected,
+                "optimizer_bytes": sum(c.bytes for c in opt_rec.records),
+                "optimizer_count": len(opt_rec.records),
+                "optimizer_wire": w3 - w2,
+                "states": states,
+                "saved_bytes": activation_bytes(saved, model),
+            }
+        )
         del model, opt
         dist.barrier()
     Path(args["out"]).joinpath(f"rank{rank}.json").write_text(json.dumps(out))
@@ -159,11 +193,13 @@ def measure(model: str, dtype: str, specs: list[str], nproc: int, batch: int, se
 def explain_plan(cfg, spec: str, batch: int, seq: int, dtype: str):
     import spmd
     from models.llama import Llama
+
     sizes, flags = spmd.parse_spec(spec)
     with torch.device("meta"):
         model = Llama(cfg)
-    return spmd.explain(model, spmd.Rules.default(sequence_parallel="sp" in flags), sizes, batch_shape=(batch, seq),
-                        dtype=dtype)
+    return spmd.explain(
+        model, spmd.Rules.default(sequence_parallel="sp" in flags), sizes, batch_shape=(batch, seq), dtype=dtype
+    )
 
 
 def _by_axis(records) -> dict:
@@ -181,35 +217,71 @@ def compare_row(model: str, cfg, spec: str, batch: int, seq: int, dtype: str, me
     an = A.comm(cfg, spec, batch, seq, dtype)
     states = A.model_states(cfg, spec)
     plan_states = sum(plan.memory[k] for k in ("parameters", "gradients", "optimizer"))
-    row = {"model": model, "spec": spec, "world": A.Spec.parse(spec).world, "batch": batch, "seq": seq, "dtype": dtype,
-           "analytic": {"bytes": an.total(), "textbook_bytes": an.total(textbook_only=True), "count": an.count(),
-                        "by_axis": an.by_axis(), "terms": an.to_dict()["terms"], "model_states": states["total"]},
-           "explain": {"bytes": plan.comm_bytes(), "count": len(plan.collectives),
-                       "by_axis": _by_axis(plan.collectives), "model_states": plan_states,
-                       "activations": plan.memory["activations"], "seconds": explain_s,
-                       "implicit": sum(1 for c in plan.collectives if c.origin == "implicit")},
-           "ratios": {"explain/analytic": plan.comm_bytes() / an.total(),
-                      "explain/textbook": plan.comm_bytes() / an.total(textbook_only=True),
-                      "explain/analytic states": plan_states / states["total"]}}
+    row = {
+        "model": model,
+        "spec": spec,
+        "world": A.Spec.parse(spec).world,
+        "batch": batch,
+        "seq": seq,
+        "dtype": dtype,
+        "analytic": {
+            "bytes": an.total(),
+            "textbook_bytes": an.total(textbook_only=True),
+            "count": an.count(),
+            "by_axis": an.by_axis(),
+            "terms": an.to_dict()["terms"],
+            "model_states": states["total"],
+        },
+        "explain": {
+            "bytes": plan.comm_bytes(),
+            "count": len(plan.collectives),
+            "by_axis": _by_axis(plan.collectives),
+            "model_states": plan_states,
+            "activations": plan.memory["activations"],
+            "seconds": explain_s,
+            "implicit": sum(1 for c in plan.collectives if c.origin == "implicit"),
+        },
+        "ratios": {
+            "explain/analytic": plan.comm_bytes() / an.total(),
+            "explain/textbook": plan.comm_bytes() / an.total(textbook_only=True),
+            "explain/analytic states": plan_states / states["total"],
+        },
+    }
     if measured is not None:
         m = measured
         planned = Counter((c.module, c.kind, c.axes, c.bytes, c.phase) for c in plan.collectives)
         real = Counter((c["module"], c["kind"], tuple(c["axes"]), c["bytes"], c["phase"]) for c in m["records"])
         by_kind = Counter(c.kind for c in plan.collectives)
         measured_states = sum(m["states"].values())
-        row["measured"] = {k: m[k] for k in ("recorder_bytes", "recorder_count", "comm_debug_counts", "wire_bytes",
-                                             "wire_bytes_per_rank", "gloo_expected_wire", "optimizer_bytes",
-                                             "optimizer_count", "optimizer_wire", "states", "saved_bytes", "loss")}
+        row["measured"] = {
+            k: m[k]
+            for k in (
+                "recorder_bytes",
+                "recorder_count",
+                "comm_debug_counts",
+                "wire_bytes",
+                "wire_bytes_per_rank",
+                "gloo_expected_wire",
+                "optimizer_bytes",
+                "optimizer_count",
+                "optimizer_wire",
+                "states",
+                "saved_bytes",
+                "loss",
+            )
+        }
         row["measured"]["records_equal_plan"] = planned == real
         row["measured"]["comm_debug_equals_plan"] = dict(by_kind) == m["comm_debug_counts"]
-        row["ratios"].update({
-            "measured/explain": m["recorder_bytes"] / plan.comm_bytes(),
-            "measured/analytic": m["recorder_bytes"] / an.total(),
-            "wire/ring convention": m["wire_bytes"] / m["recorder_bytes"],
-            "wire/gloo algorithms": m["wire_bytes"] / m["gloo_expected_wire"],
-            "measured/explain states": measured_states / plan_states,
-            "measured/explain saved": m["saved_bytes"] / plan.memory["activations"],
-        })
+        row["ratios"].update(
+            {
+                "measured/explain": m["recorder_bytes"] / plan.comm_bytes(),
+                "measured/analytic": m["recorder_bytes"] / an.total(),
+                "wire/ring convention": m["wire_bytes"] / m["recorder_bytes"],
+                "wire/gloo algorithms": m["wire_bytes"] / m["gloo_expected_wire"],
+                "measured/explain states": measured_states / plan_states,
+                "measured/explain saved": m["saved_bytes"] / plan.memory["activations"],
+            }
+        )
     return row
 
 
@@ -218,9 +290,26 @@ def trainer_check(model: str, spec: str, nproc: int, batch: int, seq: int, dtype
     sizes = spec.replace(",sp", "")
     with tempfile.TemporaryDirectory() as tmp:
         jsonl = Path(tmp, "m.jsonl")
-        cmd = common.torchrun(nproc) + ["-m", "launch.train", "--model", model, "--mesh", sizes, "--steps", "2",
-                                        "--batch-size", str(batch), "--seq-len", str(seq), "--dtype", dtype,
-                                        "--warmup", "1", "--metrics", str(jsonl)]
+        cmd = common.torchrun(nproc) + [
+            "-m",
+            "launch.train",
+            "--model",
+            model,
+            "--mesh",
+            sizes,
+            "--steps",
+            "2",
+            "--batch-size",
+            str(batch),
+            "--seq-len",
+            str(seq),
+            "--dtype",
+            dtype,
+            "--warmup",
+            "1",
+            "--metrics",
+            str(jsonl),
+        ]
         if ",sp" in spec:
             cmd.append("--sp")
         common.run(cmd)
@@ -230,44 +319,115 @@ def trainer_check(model: str, spec: str, nproc: int, batch: int, seq: int, dtype
 
 def markdown(report: dict) -> str:
     env = report["environment"]
-    lines = ["# Communication and memory per rank per step: analytic vs explain vs measured",
-             "", f"{env['date']}, {env['device']}, torch {env['torch']}, {env['cpu_count']} cores "
-                 f"(load average {env.get('loadavg_1m', float('nan')):.1f} at start)", "",
-             "Bytes per rank per step (forward + backward + gradient reduction), ring convention of spmd.analysis.record. "
-             "`wire` is what each gloo process really wrote to its sockets (/proc/self/io), mean over ranks.", ""]
-    heads = ["model", "spec", "dtype", "analytic B", "explain B", "measured B", "explain/analytic",
-             "measured/explain", "count a/e/m", "CommDebugMode = plan", "records = plan", "wire B",
-             "wire/ring", "wire/gloo", "states a/e/m", "saved m/e"]
+    lines = [
+        "# Communication and memory per rank per step: analytic vs explain vs measured",
+        "",
+        f"{env['date']}, {env['device']}, torch {env['torch']}, {env['cpu_count']} cores "
+        f"(load average {env.get('loadavg_1m', float('nan')):.1f} at start)",
+        "",
+        "Bytes per rank per step (forward + backward + gradient reduction), ring convention of spmd.analysis.record. "
+        "`wire` is what each gloo process really wrote to its sockets (/proc/self/io), mean over ranks.",
+        "",
+    ]
+    heads = [
+        "model",
+        "spec",
+        "dtype",
+        "analytic B",
+        "explain B",
+        "measured B",
+        "explain/analytic",
+        "measured/explain",
+        "count a/e/m",
+        "CommDebugMode = plan",
+        "records = plan",
+        "wire B",
+        "wire/ring",
+        "wire/gloo",
+        "states a/e/m",
+        "saved m/e",
+    ]
     rows = []
     for r in report["measured"]:
         m, a, e, q = r["measured"], r["analytic"], r["explain"], r["ratios"]
-        rows.append([r["model"], r["spec"], r["dtype"], a["bytes"], e["bytes"], m["recorder_bytes"],
-                     q["explain/analytic"], q["measured/explain"], f"{a['count']}/{e['count']}/{m['recorder_count']}",
-                     m["comm_debug_equals_plan"], m["records_equal_plan"], int(m["wire_bytes"]),
-                     q["wire/ring convention"], q["wire/gloo algorithms"],
-                     f"{q['explain/analytic states']:.3g}/{q['measured/explain states']:.3g}",
-                     q["measured/explain saved"]])
+        rows.append(
+            [
+                r["model"],
+                r["spec"],
+                r["dtype"],
+                a["bytes"],
+                e["bytes"],
+                m["recorder_bytes"],
+                q["explain/analytic"],
+                q["measured/explain"],
+                f"{a['count']}/{e['count']}/{m['recorder_count']}",
+                m["comm_debug_equals_plan"],
+                m["records_equal_plan"],
+                int(m["wire_bytes"]),
+                q["wire/ring convention"],
+                q["wire/gloo algorithms"],
+                f"{q['explain/analytic states']:.3g}/{q['measured/explain states']:.3g}",
+                q["measured/explain saved"],
+            ]
+        )
     lines += ["## Real runs (CPU, gloo)", "", common.md_table(heads, rows), ""]
-    lines += ["Rest of the trainer step (clipping + AdamW), measured: "
-              + ", ".join(f"{r['model']} {r['spec']}: {r['measured']['optimizer_count']} all-reduces, "
-                          f"{r['measured']['optimizer_bytes']:,} B" for r in report["measured"][:3]) + ", ...", ""]
+    lines += [
+        "Rest of the trainer step (clipping + AdamW), measured: "
+        + ", ".join(
+            f"{r['model']} {r['spec']}: {r['measured']['optimizer_count']} all-reduces, "
+            f"{r['measured']['optimizer_bytes']:,} B"
+            for r in report["measured"][:3]
+        )
+        + ", ...",
+        "",
+    ]
     if report.get("trainer"):
         lines += ["Trainer JSONL `comm_bytes` vs measured forward+backward+optimizer:", ""]
         for t in report["trainer"]:
-            lines.append(f"- {t['model']} {t['spec']} {t['dtype']}: trainer {t['comm_bytes']} vs measured "
-                         f"{t['expected']:,} (ratio {t['ratio']:.4f})")
+            lines.append(
+                f"- {t['model']} {t['spec']} {t['dtype']}: trainer {t['comm_bytes']} vs measured "
+                f"{t['expected']:,} (ratio {t['ratio']:.4f})"
+            )
         lines.append("")
-    heads = ["model", "spec", "world", "dtype", "batch x seq", "analytic B", "textbook B", "explain B",
-             "explain/analytic", "explain/textbook", "states e/a", "explain s"]
-    rows = [[r["model"], r["spec"], r["world"], r["dtype"], f"{r['batch']}x{r['seq']}", r["analytic"]["bytes"],
-             r["analytic"]["textbook_bytes"], r["explain"]["bytes"], r["ratios"]["explain/analytic"],
-             r["ratios"]["explain/textbook"], r["ratios"]["explain/analytic states"], r["explain"]["seconds"]]
-            for r in report["fake"]]
+    heads = [
+        "model",
+        "spec",
+        "world",
+        "dtype",
+        "batch x seq",
+        "analytic B",
+        "textbook B",
+        "explain B",
+        "explain/analytic",
+        "explain/textbook",
+        "states e/a",
+        "explain s",
+    ]
+    rows = [
+        [
+            r["model"],
+            r["spec"],
+            r["world"],
+            r["dtype"],
+            f"{r['batch']}x{r['seq']}",
+            r["analytic"]["bytes"],
+            r["analytic"]["textbook_bytes"],
+            r["explain"]["bytes"],
+            r["ratios"]["explain/analytic"],
+            r["ratios"]["explain/textbook"],
+            r["ratios"]["explain/analytic states"],
+            r["explain"]["seconds"],
+        ]
+        for r in report["fake"]
+    ]
     lines += ["## Fake worlds (explain vs analytic)", "", common.md_table(heads, rows), ""]
     lines += ["## Findings", ""] + [f"- {f}" for f in report["findings"]]
-    lines += ["", "Terms of the analytic model beyond the textbook formulas (per spec in the JSON): TP embedding + "
-              "output activations, vocab-parallel loss all-reduces, SP norm-weight gradient all-reduces, the input "
-              "embedding's skipped backward gather, fp32 gradient reduction under bf16."]
+    lines += [
+        "",
+        "Terms of the analytic model beyond the textbook formulas (per spec in the JSON): TP embedding + "
+        "output activations, vocab-parallel loss all-reduces, SP norm-weight gradient all-reduces, the input "
+        "embedding's skipped backward gather, fp32 gradient reduction under bf16.",
+    ]
     return "\n".join(lines)
 
 
@@ -275,43 +435,58 @@ def findings(report: dict) -> list[str]:
     out = []
     meas = report["measured"]
     exact = [r for r in meas if r["ratios"]["explain/analytic"] == 1 and r["ratios"]["measured/explain"] == 1]
-    out.append(f"{len(exact)}/{len(meas)} real-run cases: analytic = explain = measured bytes exactly (ratio 1.0000); "
-               f"records equal the plan one to one in {sum(r['measured']['records_equal_plan'] for r in meas)}/{len(meas)}, "
-               f"CommDebugMode's counts by type equal the plan in "
-               f"{sum(r['measured']['comm_debug_equals_plan'] for r in meas)}/{len(meas)}.")
+    out.append(
+        f"{len(exact)}/{len(meas)} real-run cases: analytic = explain = measured bytes exactly (ratio 1.0000); "
+        f"records equal the plan one to one in {sum(r['measured']['records_equal_plan'] for r in meas)}/{len(meas)}, "
+        f"CommDebugMode's counts by type equal the plan in "
+        f"{sum(r['measured']['comm_debug_equals_plan'] for r in meas)}/{len(meas)}."
+    )
     rs = [r for r in meas if "fsdp" in r["spec"] or ",sp" in r["spec"]]  # the specs with reduce-scatters
     if rs:
         wr = [r["ratios"]["wire/ring convention"] for r in rs]
         wg = [r["ratios"]["wire/gloo algorithms"] for r in meas]
-        out.append(f"gloo sends more than the ring convention for specs with reduce-scatters (wire/ring "
-                   f"{min(wr):.2f}-{max(wr):.2f}): gloo's reduce_scatter is an all-reduce followed by a slice, "
-                   f"2S(n-1)/n instead of S(n-1)/n. Counting reduce-scatters as all-reduces, wire/expected is "
-                   f"{min(wg):.3f}-{max(wg):.3f} (the rest is gloo's message headers and small-message algorithms). "
-                   f"NCCL's reduce-scatter is a ring: the convention holds there.")
+        out.append(
+            f"gloo sends more than the ring convention for specs with reduce-scatters (wire/ring "
+            f"{min(wr):.2f}-{max(wr):.2f}): gloo's reduce_scatter is an all-reduce followed by a slice, "
+            f"2S(n-1)/n instead of S(n-1)/n. Counting reduce-scatters as all-reduces, wire/expected is "
+            f"{min(wg):.3f}-{max(wg):.3f} (the rest is gloo's message headers and small-message algorithms). "
+            f"NCCL's reduce-scatter is a ring: the convention holds there."
+        )
     for r in report["fake"]:
         if abs(r["ratios"]["explain/analytic"] - 1) < 1e-12:
             continue
-        extra = {k: v - r["analytic"]["by_axis"].get(k, 0) for k, v in r["explain"]["by_axis"].items()
-                 if v != r["analytic"]["by_axis"].get(k, 0)}
-        text = (f"{r['model']} {r['spec']}: explain/analytic {r['ratios']['explain/analytic']:.4f}, explain has "
-                + ", ".join(f"{v:+,} B over {k}" for k, v in extra.items())
-                + f" and {r['explain']['count'] - r['analytic']['count']:+d} collectives per rank")
+        extra = {
+            k: v - r["analytic"]["by_axis"].get(k, 0)
+            for k, v in r["explain"]["by_axis"].items()
+            if v != r["analytic"]["by_axis"].get(k, 0)
+        }
+        text = (
+            f"{r['model']} {r['spec']}: explain/analytic {r['ratios']['explain/analytic']:.4f}, explain has "
+            + ", ".join(f"{v:+,} B over {k}" for k, v in extra.items())
+            + f" and {r['explain']['count'] - r['analytic']['count']:+d} collectives per rank"
+        )
         if "tie" in r.get("note", ""):
-            text += (": the tied embedding/output weight. spmd gathers it twice in forward (for the embedding and "
-                     "for the output projection) and reduces its two gradient contributions separately (a second "
-                     "reduce-scatter over fsdp, a second all-reduce over dp), where the formula counts the shared "
-                     "weight once (3Ψ). The excess is exactly one more all-gather (compute dtype) plus one more "
-                     "fp32 gradient reduction of the tied weight: an spmd inefficiency, not an accounting error")
+            text += (
+                ": the tied embedding/output weight. spmd gathers it twice in forward (for the embedding and "
+                "for the output projection) and reduces its two gradient contributions separately (a second "
+                "reduce-scatter over fsdp, a second all-reduce over dp), where the formula counts the shared "
+                "weight once (3Ψ). The excess is exactly one more all-gather (compute dtype) plus one more "
+                "fp32 gradient reduction of the tied weight: an spmd inefficiency, not an accounting error"
+            )
         out.append(text + ".")
-    out.append("spmd.analysis.record.CollectiveRecorder(mesh) names axes from that mesh's process groups. After a second "
-               "DeviceMesh of the same shape is made in one process, DTensor's cached layouts can still hold the "
-               "first mesh (equal meshes compare equal), so collectives run on the first mesh's groups and the "
-               "recorder labels them with bare group names. The worker here registers every mesh's groups; a fix "
-               "in the recorder would map groups by their ranks.")
+    out.append(
+        "spmd.analysis.record.CollectiveRecorder(mesh) names axes from that mesh's process groups. After a second "
+        "DeviceMesh of the same shape is made in one process, DTensor's cached layouts can still hold the "
+        "first mesh (equal meshes compare equal), so collectives run on the first mesh's groups and the "
+        "recorder labels them with bare group names. The worker here registers every mesh's groups; a fix "
+        "in the recorder would map groups by their ranks."
+    )
     states_off = [r for r in meas + report["fake"] if abs(r["ratios"]["explain/analytic states"] - 1) > 1e-9]
     if not states_off:
-        out.append("Model-state bytes: analytic = explain in every case; measured (real local shards after an AdamW "
-                   "step) = explain in every real run.")
+        out.append(
+            "Model-state bytes: analytic = explain in every case; measured (real local shards after an AdamW "
+            "step) = explain in every real run."
+        )
     return out
 
 
@@ -332,6 +507,7 @@ def main(argv=None) -> int:
         worker(json.loads(a.worker))
         return 0
     import logging
+
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     report = {"environment": common.environment(), "nproc": a.nproc, "measured": [], "fake": [], "trainer": []}
     for model in a.models:
@@ -347,12 +523,17 @@ def main(argv=None) -> int:
                 row["measured"]["records"] = measured[spec]["records"]
                 report["measured"].append(row)
                 q = row["ratios"]
-                print(f"  {spec:<18} {dtype} explain/analytic {q['explain/analytic']:.4f} measured/explain "
-                      f"{q['measured/explain']:.4f} wire/gloo {q['wire/gloo algorithms']:.3f}", flush=True)
+                print(
+                    f"  {spec:<18} {dtype} explain/analytic {q['explain/analytic']:.4f} measured/explain "
+                    f"{q['measured/explain']:.4f} wire/gloo {q['wire/gloo algorithms']:.3f}",
+                    flush=True,
+                )
         if not a.no_trainer:
             spec = "fsdp=2,tp=2,sp"
             t = trainer_check(model, spec, a.nproc, a.batch, a.seq, "fp32")
-            m = next(r for r in report["measured"] if r["model"] == model and r["spec"] == spec and r["dtype"] == "fp32")
+            m = next(
+                r for r in report["measured"] if r["model"] == model and r["spec"] == spec and r["dtype"] == "fp32"
+            )
             t["dtype"] = "fp32"
             t["expected"] = m["measured"]["recorder_bytes"] + m["measured"]["optimizer_bytes"]
             t["ratio"] = t["comm_bytes"][-1] / t["expected"]
@@ -365,8 +546,11 @@ def main(argv=None) -> int:
             if cfg.tie_embeddings:
                 row["note"] = "tied embeddings"
             report["fake"].append(row)
-            print(f"  fake {model} {spec}: explain/analytic {row['ratios']['explain/analytic']:.4f} "
-                  f"({row['explain']['seconds']:.1f}s)", flush=True)
+            print(
+                f"  fake {model} {spec}: explain/analytic {row['ratios']['explain/analytic']:.4f} "
+                f"({row['explain']['seconds']:.1f}s)",
+                flush=True,
+            )
     for r in report["measured"]:
         r["measured"].pop("records", None)
     report["findings"] = findings({**report, "measured": report["measured"]})
@@ -378,4 +562,5 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     from spmd.layout.mesh import exit_process
+
     exit_process(main())  # not sys.exit: see exit_process

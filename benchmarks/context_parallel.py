@@ -12,6 +12,7 @@ bytes the ring sends per rank. Planned: `spmd.explain` for the same mesh and bat
 ring's formula: per layer, (cp-1) hops of the rank's K and V block (2 · seq/cp · kv_heads · head_dim
 elements), backward twice that. Prints a markdown table.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,14 +36,20 @@ def spec_for(cp: int, nproc: int) -> dict:
 
 
 def ring_sends(records) -> dict:
-    return {ph: sum(c.bytes for c in records if c.kind == "send" and c.phase == ph and "ring" in c.reason)
-            for ph in ("forward", "backward")}
+    return {
+        ph: sum(c.bytes for c in records if c.kind == "send" and c.phase == ph and "ring" in c.reason)
+        for ph in ("forward", "backward")
+    }
 
 
 def planned(cfg: LlamaConfig, sizes: dict, seq: int) -> dict:
     plan = spmd.explain(Llama(cfg), spmd.Rules.default(), sizes, batch_shape=(sizes.get("fsdp", 1), seq))
-    return {"activations": plan.memory["activations"], "attention": plan.attention["saved"],
-            "peak": plan.attention["peak"], **ring_sends(plan.collectives)}
+    return {
+        "activations": plan.memory["activations"],
+        "attention": plan.attention["saved"],
+        "peak": plan.attention["peak"],
+        **ring_sends(plan.collectives),
+    }
 
 
 def worker(args: dict) -> None:
@@ -61,8 +68,9 @@ def worker(args: dict) -> None:
         torch.manual_seed(0)
         rules = spmd.Rules.default()
         model = spmd.parallelize(Llama(cfg), mesh, rules)
-        tokens = torch.randint(0, cfg.vocab_size, (rules.data_parallel_size(mesh), seq + 1),
-                               generator=torch.Generator().manual_seed(1))
+        tokens = torch.randint(
+            0, cfg.vocab_size, (rules.data_parallel_size(mesh), seq + 1), generator=torch.Generator().manual_seed(1)
+        )
         row = tokens[rules.data_parallel_rank(mesh)][None]
         x, y, pos = (spmd.cp_slice(t, mesh) for t in (row[:, :-1], row[:, 1:], torch.arange(seq)[None]))
         recorder, saved, attention = CollectiveRecorder(mesh), {}, {}
@@ -71,8 +79,14 @@ def worker(args: dict) -> None:
             with observe_saved(saved):
                 loss = model(x.contiguous(), y.contiguous(), pos.contiguous())
             loss.backward()
-        out.append({"activations": activation_bytes(saved, model), "peak": attention["peak"],
-                    "attention": sum(attention["saved"].values()), **ring_sends(recorder.records)})
+        out.append(
+            {
+                "activations": activation_bytes(saved, model),
+                "peak": attention["peak"],
+                "attention": sum(attention["saved"].values()),
+                **ring_sends(recorder.records),
+            }
+        )
         del model, loss
         dist.barrier()
     Path(args["out"]).joinpath(f"rank{rank}.json").write_text(json.dumps(out))
@@ -87,20 +101,27 @@ def measure(model: str, meshes: list[dict], seq: int, nproc: int) -> list[dict]:
     return [{k: max(r[i][k] for r in ranks) for k in ranks[0][i]} for i in range(len(meshes))]
 
 
-def table(cfg: LlamaConfig, cps: list[int], meshes: list[dict], measured: list[dict], plans: list[dict],
-          seq: int) -> list[str]:
+def table(
+    cfg: LlamaConfig, cps: list[int], meshes: list[dict], measured: list[dict], plans: list[dict], seq: int
+) -> list[str]:
     def mib(n):
         return f"{n / 2**20:,.2f}"
+
     base, att = measured[0]["activations"], measured[0]["attention"]
-    lines = ["| cp | mesh | activations MiB measured / planned | vs cp=1 | attention saved MiB measured / planned "
-             "| vs cp=1 | attention peak MiB measured / planned | ring sent fwd B measured / planned / formula "
-             "| bwd B measured |", "|---" * 9 + "|"]
+    lines = [
+        "| cp | mesh | activations MiB measured / planned | vs cp=1 | attention saved MiB measured / planned "
+        "| vs cp=1 | attention peak MiB measured / planned | ring sent fwd B measured / planned / formula "
+        "| bwd B measured |",
+        "|---" * 9 + "|",
+    ]
     for cp, sizes, m, p in zip(cps, meshes, measured, plans):
         mesh = ",".join(f"{k}={v}" for k, v in sizes.items())
-        lines.append(f"| {cp} | {mesh} | {mib(m['activations'])} / {mib(p['activations'])} | "
-                     f"{m['activations'] / base:.3f} | {mib(m['attention'])} / {mib(p['attention'])} | "
-                     f"{m['attention'] / att:.3f} | {mib(m['peak'])} / {mib(p['peak'])} | {m['forward']:,} / "
-                     f"{p['forward']:,} / {ring_formula(cfg, 1, seq, cp):,} | {m['backward']:,} |")
+        lines.append(
+            f"| {cp} | {mesh} | {mib(m['activations'])} / {mib(p['activations'])} | "
+            f"{m['activations'] / base:.3f} | {mib(m['attention'])} / {mib(p['attention'])} | "
+            f"{m['attention'] / att:.3f} | {mib(m['peak'])} / {mib(p['peak'])} | {m['forward']:,} / "
+            f"{p['forward']:,} / {ring_formula(cfg, 1, seq, cp):,} | {m['backward']:,} |"
+        )
     return lines
 
 
@@ -118,8 +139,10 @@ def main(argv=None):
     meshes = [spec_for(cp, a.nproc) for cp in a.cp]
     measured = measure(a.model, meshes, a.seq, a.nproc)
     plans = [planned(cfg, sizes, a.seq) for sizes in meshes]
-    print(f"{a.model}, one sequence of {a.seq} tokens per fsdp rank, fp32, bytes per rank per step "
-          f"({a.nproc} gloo processes; planned by spmd.explain)")
+    print(
+        f"{a.model}, one sequence of {a.seq} tokens per fsdp rank, fp32, bytes per rank per step "
+        f"({a.nproc} gloo processes; planned by spmd.explain)"
+    )
     print("\n".join(table(cfg, a.cp, meshes, measured, plans, a.seq)))
 
 

@@ -7,10 +7,11 @@ on the same spec, through the same trainer.
 DIR is written from the preset by `models.llama_hf.hf_config` (config.json only: transformers initialises it
 under the seed, so the two losses differ by their initialisations, not their math). For each spec the two
 models run alternately, `--repeats` times each (ours then theirs, then theirs then ours, ...: a slow drift of a
-shared machine hits both alike); each run's tokens/s is the median of its steps after `--warmup`. The report gives per model the
-median over repeats and the spread (max-min)/median, and transformers / ours as the median of the per-repeat
+shared machine hits both alike); each run's tokens/s is the median of its steps after `--warmup`. The report gives per
+model the median over repeats and the spread (max-min)/median, and transformers / ours as the median of the per-repeat
 ratios. Writes benchmarks/results/<date>-<device>-hf-llama-<model>.{json,md}.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,19 +27,37 @@ from benchmarks import common
 def _write_dir(preset: str, path: Path) -> str:
     from models.llama import LlamaConfig
     from models.llama_hf import hf_config
+
     path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps({**hf_config(LlamaConfig.preset(preset)), "bos_token_id": 0,
-                                                  "eos_token_id": 0}))
+    (path / "config.json").write_text(
+        json.dumps({**hf_config(LlamaConfig.preset(preset)), "bos_token_id": 0, "eos_token_id": 0})
+    )
     return str(path)
 
 
 def _run(a, model: str, spec: str, jsonl: Path) -> dict:
     sizes = ",".join(p for p in spec.split(",") if p.strip() != "sp")
-    cmd = common.torchrun(a.nproc) + ["-m", "launch.train", "--model", model, "--mesh", sizes,
-                                      *(["--sp"] if "sp" in spec.split(",") else []),
-                                      "--steps", str(a.steps), "--batch-size", str(a.batch_size),
-                                      "--seq-len", str(a.seq_len), "--dtype", a.dtype, "--seed", "0",
-                                      "--metrics", str(jsonl)]
+    cmd = common.torchrun(a.nproc) + [
+        "-m",
+        "launch.train",
+        "--model",
+        model,
+        "--mesh",
+        sizes,
+        *(["--sp"] if "sp" in spec.split(",") else []),
+        "--steps",
+        str(a.steps),
+        "--batch-size",
+        str(a.batch_size),
+        "--seq-len",
+        str(a.seq_len),
+        "--dtype",
+        a.dtype,
+        "--seed",
+        "0",
+        "--metrics",
+        str(jsonl),
+    ]
     common.run(cmd, timeout=a.timeout)
     return common.steady(common.read_jsonl(jsonl), a.warmup)
 
@@ -46,22 +65,44 @@ def _run(a, model: str, spec: str, jsonl: Path) -> dict:
 def _summary(runs: list[dict]) -> dict:
     tps = [r["tokens_per_s"] for r in runs]
     med = statistics.median(tps)
-    return {"tokens_per_s": med, "spread": (max(tps) - min(tps)) / med, "runs": tps,
-            "final_losses": [r["final_loss"] for r in runs]}
+    return {
+        "tokens_per_s": med,
+        "spread": (max(tps) - min(tps)) / med,
+        "runs": tps,
+        "final_losses": [r["final_loss"] for r in runs],
+    }
 
 
 def markdown(rep: dict) -> str:
     env, a = rep["environment"], rep["args"]
-    rows = [[r["spec"], f"{r['ours']['tokens_per_s']:,.0f} ({100 * r['ours']['spread']:.0f}%)",
-             f"{r['hf']['tokens_per_s']:,.0f} ({100 * r['hf']['spread']:.0f}%)", f"{r['ratio']:.3f}"]
-            for r in rep["rows"]]
-    return "\n".join([
-        f"# transformers' Llama vs models/llama.py: {a['model']} on {a['nproc']} x {env['device']}", "",
-        f"{env['date']}, torch {env['torch']}, load average {env.get('loadavg_1m', float('nan')):.1f} at start; "
-        f"global batch {a['batch_size']} x {a['seq_len']}, {a['dtype']}; {a['repeats']} alternating repeats of "
-        f"{a['steps']} steps, first {a['warmup']} discarded.", "",
-        common.md_table(["spec", "models/llama.py tok/s (spread)", "transformers tok/s (spread)",
-                         "transformers / ours (median of per-repeat ratios)"], rows)])
+    rows = [
+        [
+            r["spec"],
+            f"{r['ours']['tokens_per_s']:,.0f} ({100 * r['ours']['spread']:.0f}%)",
+            f"{r['hf']['tokens_per_s']:,.0f} ({100 * r['hf']['spread']:.0f}%)",
+            f"{r['ratio']:.3f}",
+        ]
+        for r in rep["rows"]
+    ]
+    return "\n".join(
+        [
+            f"# transformers' Llama vs models/llama.py: {a['model']} on {a['nproc']} x {env['device']}",
+            "",
+            f"{env['date']}, torch {env['torch']}, load average {env.get('loadavg_1m', float('nan')):.1f} at start; "
+            f"global batch {a['batch_size']} x {a['seq_len']}, {a['dtype']}; {a['repeats']} alternating repeats of "
+            f"{a['steps']} steps, first {a['warmup']} discarded.",
+            "",
+            common.md_table(
+                [
+                    "spec",
+                    "models/llama.py tok/s (spread)",
+                    "transformers tok/s (spread)",
+                    "transformers / ours (median of per-repeat ratios)",
+                ],
+                rows,
+            ),
+        ]
+    )
 
 
 def main(argv=None) -> int:
@@ -91,8 +132,11 @@ def main(argv=None) -> int:
                     runs[kind].append(_run(a, model, spec, Path(tmp, f"{kind}-{i}.jsonl")))
             ratio = statistics.median(h["tokens_per_s"] / o["tokens_per_s"] for o, h in zip(runs["ours"], runs["hf"]))
             row = {"spec": spec, "ours": _summary(runs["ours"]), "hf": _summary(runs["hf"]), "ratio": ratio}
-            print(f"[hf_llama] {spec}: ours {row['ours']['tokens_per_s']:,.0f} tok/s, transformers "
-                  f"{row['hf']['tokens_per_s']:,.0f} tok/s, ratio {ratio:.3f}", flush=True)
+            print(
+                f"[hf_llama] {spec}: ours {row['ours']['tokens_per_s']:,.0f} tok/s, transformers "
+                f"{row['hf']['tokens_per_s']:,.0f} tok/s, ratio {ratio:.3f}",
+                flush=True,
+            )
             rep["rows"].append(row)
     stem = Path(a.out) / f"{common.today()}-{common.device_slug()}-hf-llama-{a.model}"
     stem.parent.mkdir(parents=True, exist_ok=True)

@@ -4,9 +4,10 @@ On CUDA: forward+backward time of each Triton kernel against the eager reference
 reference, at Llama-3-8B shapes (8192 tokens, hidden 4096, vocab 128256, bf16), and the peak memory of the
 chunked linear cross-entropy against F.cross_entropy(h @ W.T); its row states the target (LCE_TARGET: at
 least eager's speed with at least 2x less peak memory) and whether it is met. On CPU: the linear
-cross-entropy alone, plain-torch chunked against eager, time (interleaved rounds, median) and peak memory. Writes benchmarks/results/<date>-<device>-kernels.{json,md}.
-All ratios come from one run on one machine.
+cross-entropy alone, plain-torch chunked against eager, time (interleaved rounds, median) and peak memory. Writes
+benchmarks/results/<date>-<device>-kernels.{json,md}. All ratios come from one run on one machine.
 """
+
 import argparse
 import json
 import statistics
@@ -47,20 +48,36 @@ def _cases(tokens: int, hidden: int, ffn: int, vocab: int, heads: int, kv_heads:
         return t
 
     return {
-        "rms_norm": (lambda x, w: kernels.rms_norm(x, w, 1e-5, impl="triton"),
-                     lambda x, w: reference.rms_norm(x, w, 1e-5),
-                     lambda: (rand(tokens, hidden), rand(hidden)), f"x [{tokens}, {hidden}]"),
-        "swiglu": (lambda g, u: kernels.swiglu(g, u, impl="triton"), reference.swiglu,
-                   lambda: (rand(tokens, ffn), rand(tokens, ffn)), f"gate, up [{tokens}, {ffn}]"),
-        "rope": (lambda q, k, c, s: kernels.apply_rope(q, k, c, s, impl="triton"), reference.apply_rope,
-                 lambda: (rand(batch, seq, heads, head_dim), rand(batch, seq, kv_heads, head_dim), *rope_tables()),
-                 f"q [{batch}, {seq}, {heads}, {head_dim}], k [{batch}, {seq}, {kv_heads}, {head_dim}]"),
-        "cross_entropy": (lambda x, t: kernels.cross_entropy(x, t, impl="triton"), reference.cross_entropy,
-                          lambda: (rand(tokens, vocab), targets(tokens)), f"logits [{tokens}, {vocab}]"),
-        "linear_cross_entropy": (lambda h, w, t: kernels.linear_cross_entropy(h, w, t, impl="triton"),
-                                 reference.linear_cross_entropy,
-                                 lambda: (rand(tokens, hidden), rand(vocab, hidden), targets(tokens)),
-                                 f"hidden [{tokens}, {hidden}], weight [{vocab}, {hidden}]"),
+        "rms_norm": (
+            lambda x, w: kernels.rms_norm(x, w, 1e-5, impl="triton"),
+            lambda x, w: reference.rms_norm(x, w, 1e-5),
+            lambda: (rand(tokens, hidden), rand(hidden)),
+            f"x [{tokens}, {hidden}]",
+        ),
+        "swiglu": (
+            lambda g, u: kernels.swiglu(g, u, impl="triton"),
+            reference.swiglu,
+            lambda: (rand(tokens, ffn), rand(tokens, ffn)),
+            f"gate, up [{tokens}, {ffn}]",
+        ),
+        "rope": (
+            lambda q, k, c, s: kernels.apply_rope(q, k, c, s, impl="triton"),
+            reference.apply_rope,
+            lambda: (rand(batch, seq, heads, head_dim), rand(batch, seq, kv_heads, head_dim), *rope_tables()),
+            f"q [{batch}, {seq}, {heads}, {head_dim}], k [{batch}, {seq}, {kv_heads}, {head_dim}]",
+        ),
+        "cross_entropy": (
+            lambda x, t: kernels.cross_entropy(x, t, impl="triton"),
+            reference.cross_entropy,
+            lambda: (rand(tokens, vocab), targets(tokens)),
+            f"logits [{tokens}, {vocab}]",
+        ),
+        "linear_cross_entropy": (
+            lambda h, w, t: kernels.linear_cross_entropy(h, w, t, impl="triton"),
+            reference.linear_cross_entropy,
+            lambda: (rand(tokens, hidden), rand(vocab, hidden), targets(tokens)),
+            f"hidden [{tokens}, {hidden}], weight [{vocab}, {hidden}]",
+        ),
     }
 
 
@@ -104,8 +121,9 @@ def _cuda_peak_bytes(fn, inputs) -> int:
 
 
 def _max_rel_diff(a, b) -> float:
-    return max(((x.float() - y.float()).abs().max() / y.float().abs().max().clamp_min(1e-30)).item()
-               for x, y in zip(a, b))
+    return max(
+        ((x.float() - y.float()).abs().max() / y.float().abs().max().clamp_min(1e-30)).item() for x, y in zip(a, b)
+    )
 
 
 def run_cuda(iters: int) -> dict:
@@ -114,8 +132,13 @@ def run_cuda(iters: int) -> dict:
     for name, (tri, ref, make, shape) in _cases(**shapes).items():
         inputs = make()
         (t_out, t_grad), (r_out, r_grad) = _fwd_bwd(tri, inputs), _fwd_bwd(ref, inputs)
-        row = dict(kernel=name, shape=shape, dtype="bf16",
-                   max_rel_diff_out=_max_rel_diff(t_out, r_out), max_rel_diff_grad=_max_rel_diff(t_grad, r_grad))
+        row = dict(
+            kernel=name,
+            shape=shape,
+            dtype="bf16",
+            max_rel_diff_out=_max_rel_diff(t_out, r_out),
+            max_rel_diff_grad=_max_rel_diff(t_grad, r_grad),
+        )
         del t_out, t_grad, r_out, r_grad
         row["triton_ms"] = _cuda_ms(tri, inputs, iters)
         row["eager_ms"] = _cuda_ms(ref, inputs, iters)
@@ -156,7 +179,8 @@ class LiveBytes(TorchDispatchMode):
 
 
 def run_cpu(tokens: int = 2048, hidden: int = 512, vocab: int = 32000, rounds: int = 5) -> dict:
-    from kernels.linear_cross_entropy import default_chunk_size, linear_cross_entropy as chunked
+    from kernels.linear_cross_entropy import default_chunk_size
+    from kernels.linear_cross_entropy import linear_cross_entropy as chunked
 
     gen = torch.Generator().manual_seed(0)
     h = torch.randn(tokens, hidden, generator=gen).requires_grad_()
@@ -164,12 +188,19 @@ def run_cpu(tokens: int = 2048, hidden: int = 512, vocab: int = 32000, rounds: i
     t = torch.randint(0, vocab, (tokens,), generator=gen)
     t[::16] = -100
     chunk = max(1, tokens // 4)  # four chunks: the default would take all tokens in one at this size
-    variants = {"naive": lambda: reference.linear_cross_entropy(h, w, t),
-                "chunked": lambda: chunked(h, w, t, chunk_size=chunk, use_triton=False)}
-    row = dict(kernel="linear_cross_entropy", shape=f"hidden [{tokens}, {hidden}], weight [{vocab}, {hidden}]",
-               dtype="fp32", chunk=chunk, default_chunk=default_chunk_size(tokens, hidden, vocab),
-               measure="peak bytes of live tensors created during forward+backward (TorchDispatchMode); "
-                       f"forward+backward seconds, median of {rounds} interleaved rounds")
+    variants = {
+        "naive": lambda: reference.linear_cross_entropy(h, w, t),
+        "chunked": lambda: chunked(h, w, t, chunk_size=chunk, use_triton=False),
+    }
+    row = dict(
+        kernel="linear_cross_entropy",
+        shape=f"hidden [{tokens}, {hidden}], weight [{vocab}, {hidden}]",
+        dtype="fp32",
+        chunk=chunk,
+        default_chunk=default_chunk_size(tokens, hidden, vocab),
+        measure="peak bytes of live tensors created during forward+backward (TorchDispatchMode); "
+        f"forward+backward seconds, median of {rounds} interleaved rounds",
+    )
     times = {name: [] for name in variants}
     for _ in range(rounds):
         for name, fn in variants.items():
@@ -201,8 +232,12 @@ def _markdown(report: dict) -> str:
         keys += [k for k in r if k not in keys and k not in ("shape", "measure")]
     fmt = lambda v: f"{v:.4g}" if isinstance(v, float) else ("" if v is None else str(v))
     env = report["environment"]
-    lines = [f"# Kernel benchmarks: {report['device']}", "", f"{env['date']}, torch {env['torch']}, "
-             f"triton {env.get('triton', '-')}, commit {env['commit'][:12]}", ""]
+    lines = [
+        f"# Kernel benchmarks: {report['device']}",
+        "",
+        f"{env['date']}, torch {env['torch']}, triton {env.get('triton', '-')}, commit {env['commit'][:12]}",
+        "",
+    ]
     lines += [f"- {r['kernel']}: {r['shape']}" + (f" ({r['measure']})" if "measure" in r else "") for r in rows]
     lines += ["", "| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
     lines += ["| " + " | ".join(fmt(r.get(k)) for k in keys) + " |" for r in rows]
@@ -212,8 +247,14 @@ def _markdown(report: dict) -> str:
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iters", type=int, default=20, help="timed iterations per kernel (CUDA)")
-    parser.add_argument("--cpu-shape", type=int, nargs=3, default=(2048, 512, 32000),
-                        metavar=("TOKENS", "HIDDEN", "VOCAB"), help="linear_cross_entropy shape without CUDA")
+    parser.add_argument(
+        "--cpu-shape",
+        type=int,
+        nargs=3,
+        default=(2048, 512, 32000),
+        metavar=("TOKENS", "HIDDEN", "VOCAB"),
+        help="linear_cross_entropy shape without CUDA",
+    )
     parser.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds (CPU)")
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     args = parser.parse_args(argv)
@@ -226,11 +267,13 @@ def main(argv=None):
     report["environment"] = common.environment()
     try:
         import triton
+
         report["environment"]["triton"] = triton.__version__
     except ImportError:
         pass
-    js, md = common.write(Path(args.out) / f"{common.today()}-{common.device_slug()}-kernels", report,
-                          _markdown(report))
+    js, md = common.write(
+        Path(args.out) / f"{common.today()}-{common.device_slug()}-kernels", report, _markdown(report)
+    )
     print(f"wrote {js} and {md}")
 
 

@@ -23,6 +23,7 @@ per block for native) and adds an eager spmd row per spec, so compiled / eager i
 default, stage 3), with its tokens/s and peak memory from the same run; `--offload optimizer` runs those rows
 offloaded.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,9 +37,24 @@ from benchmarks import common
 
 
 def trainer_args(a, spec: str | None) -> list[str]:
-    out = ["--model", a.model, "--steps", str(a.steps), "--batch-size", str(a.batch_size),
-           "--seq-len", str(a.seq_len), "--dtype", a.dtype, "--seed", "0", "--lr", str(a.lr),
-           "--warmup", str(a.lr_warmup)]
+    out = [
+        "--model",
+        a.model,
+        "--steps",
+        str(a.steps),
+        "--batch-size",
+        str(a.batch_size),
+        "--seq-len",
+        str(a.seq_len),
+        "--dtype",
+        a.dtype,
+        "--seed",
+        "0",
+        "--lr",
+        str(a.lr),
+        "--warmup",
+        str(a.lr_warmup),
+    ]
     if spec is not None:
         sizes = ",".join(p for p in spec.split(",") if p.strip() != "sp")
         out += ["--mesh", sizes] + (["--sp"] if "sp" in [p.strip() for p in spec.split(",")] else [])
@@ -85,11 +101,17 @@ def planned_collectives(a, spec: str) -> int:
 
     import spmd
     from models.llama import Llama, LlamaConfig
+
     sizes, flags = spmd.parse_spec(spec)
     with torch.device("meta"):
         model = Llama(LlamaConfig.preset(a.model))
-    plan = spmd.explain(model, spmd.Rules.default(sequence_parallel="sp" in flags), sizes,
-                        batch_shape=(a.batch_size, a.seq_len), dtype=a.dtype)
+    plan = spmd.explain(
+        model,
+        spmd.Rules.default(sequence_parallel="sp" in flags),
+        sizes,
+        batch_shape=(a.batch_size, a.seq_len),
+        dtype=a.dtype,
+    )
     return len(plan.collectives)
 
 
@@ -110,13 +132,14 @@ def _zero_stages(a, spec: str) -> list[int]:
     """The ZeRO stages with rows of their own on `spec` (stage 3 is the trainer's default: the spmd row); none
     on a mesh without an fsdp axis, where every stage is plain data parallelism."""
     from spmd.layout.mesh import parse_spec
+
     return [z for z in a.zero if z != 3] if "fsdp" in parse_spec(spec)[0] else []
 
 
 def _zero_flags(a, kind: str) -> list[str]:
     if not kind.startswith("zero"):
         return []
-    return ["--zero", kind[len("zero"):]] + (["--offload", a.offload] if a.offload else [])
+    return ["--zero", kind[len("zero") :]] + (["--offload", a.offload] if a.offload else [])
 
 
 def _median_run(summaries: list[dict]) -> dict:
@@ -129,8 +152,14 @@ def ratio_stats(ratios: list[float]) -> dict:
     """Median and range of per-round ratios; "even" when the range covers 1.0, as no ordering is shown then."""
     lo, hi = min(ratios), max(ratios)
     verdict = "even" if lo <= 1.0 <= hi else ("faster" if lo > 1.0 else "slower")
-    return {"median": statistics.median(ratios), "min": lo, "max": hi, "rounds": len(ratios), "verdict": verdict,
-            "per_round": ratios}
+    return {
+        "median": statistics.median(ratios),
+        "min": lo,
+        "max": hi,
+        "rounds": len(ratios),
+        "verdict": verdict,
+        "per_round": ratios,
+    }
 
 
 def summarize(result: dict, warmup: int) -> dict:
@@ -144,48 +173,68 @@ def summarize(result: dict, warmup: int) -> dict:
 def markdown(rep: dict) -> str:
     env = rep["environment"]
     a = rep["args"]
-    lines = [f"# MFU per spec: {a['model']} on {a['nproc']} x {env['device']}", "",
-             f"{env['date']}, torch {env['torch']}, {env['cpu_count']} cores, load average "
-             f"{env.get('loadavg_1m', float('nan')):.1f} at start, {rep.get('loadavg_1m_at_end') or float('nan'):.1f} "
-             f"at the end; one CPU device = one process with one thread (the single-device baseline too); global batch {a['batch_size']} x {a['seq_len']}, "
-             f"{a['dtype']}{', --compile' if a['compile'] else ''}; {a['steps']} steps, first {a['warmup']} discarded; "
-             f"medians of the rest; {a['rounds']} interleaved rounds. Peak FLOP/s per device: {rep.get('peak', 'n/a')}.", "",
-             "| spec | impl | tokens/s | MFU | step time s | peak mem/rank MiB | comm bytes/rank/step | collectives/step | spmd / native tok/s: median [range] over rounds | spmd / single tok/s |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# MFU per spec: {a['model']} on {a['nproc']} x {env['device']}",
+        "",
+        f"{env['date']}, torch {env['torch']}, {env['cpu_count']} cores, load average "
+        f"{env.get('loadavg_1m', float('nan')):.1f} at start, {rep.get('loadavg_1m_at_end') or float('nan'):.1f} "
+        f"at the end; one CPU device = one process with one thread (the single-device baseline too); "
+        f"global batch {a['batch_size']} x {a['seq_len']}, "
+        f"{a['dtype']}{', --compile' if a['compile'] else ''}; {a['steps']} steps, first {a['warmup']} discarded; "
+        f"medians of the rest; {a['rounds']} interleaved rounds. Peak FLOP/s per device: {rep.get('peak', 'n/a')}.",
+        "",
+        "| spec | impl | tokens/s | MFU | step time s | peak mem/rank MiB | comm bytes/rank/step | collectives/step "
+        "| spmd / native tok/s: median [range] over rounds | spmd / single tok/s |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     single = rep.get("single")
     if single:
-        lines.append(f"| 1 device | plain PyTorch | {single['tokens_per_s']:,.0f} | {100 * single['mfu']:.3f}% | "
-                     f"{single['step_time_s']:.4f} | {single['peak_mem_bytes'] / 2**20:,.0f} | 0 | 0 | | |")
+        lines.append(
+            f"| 1 device | plain PyTorch | {single['tokens_per_s']:,.0f} | {100 * single['mfu']:.3f}% | "
+            f"{single['step_time_s']:.4f} | {single['peak_mem_bytes'] / 2**20:,.0f} | 0 | 0 | | |"
+        )
     for r in rep["rows"]:
         ours, nat = r["spmd"], r.get("native")
         v = r.get("vs_native")
         ratio_n = f"{v['median']:.3f} [{v['min']:.3f}, {v['max']:.3f}] {v['verdict']}" if v else "n/a"
         ratio_s = f"{ours['tokens_per_s'] / single['tokens_per_s']:.3f}" if single else "n/a"
         note = f" ({'; '.join(ours['notes'])})" if ours["notes"] else ""
-        lines.append(f"| {r['spec']} | spmd{note} | {ours['tokens_per_s']:,.0f} | {100 * ours['mfu']:.3f}% | "
-                     f"{ours['step_time_s']:.4f} | {ours['peak_mem_bytes'] / 2**20:,.0f} | {ours['comm_bytes']:,.0f} | "
-                     f"{r.get('planned_collectives', '')}+ | {ratio_n} | {ratio_s} |")
+        lines.append(
+            f"| {r['spec']} | spmd{note} | {ours['tokens_per_s']:,.0f} | {100 * ours['mfu']:.3f}% | "
+            f"{ours['step_time_s']:.4f} | {ours['peak_mem_bytes'] / 2**20:,.0f} | {ours['comm_bytes']:,.0f} | "
+            f"{r.get('planned_collectives', '')}+ | {ratio_n} | {ratio_s} |"
+        )
         for stage, z in r.get("zero", {}).items():
-            lines.append(f"| {r['spec']} | spmd --zero {stage}{' --offload ' + a['offload'] if a['offload'] else ''} | "
-                         f"{z['tokens_per_s']:,.0f} | {100 * z['mfu']:.3f}% | {z['step_time_s']:.4f} | "
-                         f"{z['peak_mem_bytes'] / 2**20:,.0f} | {z['comm_bytes']:,.0f} | | | "
-                         f"zero {stage} / 3: {z['tokens_per_s'] / ours['tokens_per_s']:.3f} |")
+            lines.append(
+                f"| {r['spec']} | spmd --zero {stage}{' --offload ' + a['offload'] if a['offload'] else ''} | "
+                f"{z['tokens_per_s']:,.0f} | {100 * z['mfu']:.3f}% | {z['step_time_s']:.4f} | "
+                f"{z['peak_mem_bytes'] / 2**20:,.0f} | {z['comm_bytes']:,.0f} | | | "
+                f"zero {stage} / 3: {z['tokens_per_s'] / ours['tokens_per_s']:.3f} |"
+            )
         eager = r.get("spmd_eager")
         if eager:
-            lines.append(f"| {r['spec']} | spmd eager | {eager['tokens_per_s']:,.0f} | {100 * eager['mfu']:.3f}% | "
-                         f"{eager['step_time_s']:.4f} | {eager['peak_mem_bytes'] / 2**20:,.0f} | "
-                         f"{eager['comm_bytes']:,.0f} | | compiled / eager: "
-                         f"{ours['tokens_per_s'] / eager['tokens_per_s']:.3f} | |")
+            lines.append(
+                f"| {r['spec']} | spmd eager | {eager['tokens_per_s']:,.0f} | {100 * eager['mfu']:.3f}% | "
+                f"{eager['step_time_s']:.4f} | {eager['peak_mem_bytes'] / 2**20:,.0f} | "
+                f"{eager['comm_bytes']:,.0f} | | compiled / eager: "
+                f"{ours['tokens_per_s'] / eager['tokens_per_s']:.3f} | |"
+            )
         if nat:
-            lines.append(f"| {r['spec']} | native | {nat['tokens_per_s']:,.0f} | {100 * nat['mfu']:.3f}% | "
-                         f"{nat['step_time_s']:.4f} | {nat['peak_mem_bytes'] / 2**20:,.0f} | "
-                         f"{nat['comm_bytes']:,.0f}* | {nat.get('collectives') or ''}* | | |")
-    lines += ["", f"Largest loss difference between spmd, native and single over all steps: {rep['max_loss_diff']:.2e}.",
-              "", "*native: what spmd's dispatch-mode recorder sees of the step (DTensor's, FSDP2's flat all-gathers and "
-              "reduce-scatters, DDP's bucket all-reduces), by the same ring convention. +spmd: collectives of forward "
-              "+ backward planned by spmd.explain, plus 0-2 small all-reduces of the gradient-norm clipping.",
-              "On CPU, peak memory is each process's peak resident set (the whole interpreter), not tensors alone.",
-              f"Spread of step times after warmup (max-min)/median, worst row: {rep['max_spread']:.2f}."]
+            lines.append(
+                f"| {r['spec']} | native | {nat['tokens_per_s']:,.0f} | {100 * nat['mfu']:.3f}% | "
+                f"{nat['step_time_s']:.4f} | {nat['peak_mem_bytes'] / 2**20:,.0f} | "
+                f"{nat['comm_bytes']:,.0f}* | {nat.get('collectives') or ''}* | | |"
+            )
+    lines += [
+        "",
+        f"Largest loss difference between spmd, native and single over all steps: {rep['max_loss_diff']:.2e}.",
+        "",
+        "*native: what spmd's dispatch-mode recorder sees of the step (DTensor's, FSDP2's flat all-gathers and "
+        "reduce-scatters, DDP's bucket all-reduces), by the same ring convention. +spmd: collectives of forward "
+        "+ backward planned by spmd.explain, plus 0-2 small all-reduces of the gradient-norm clipping.",
+        "On CPU, peak memory is each process's peak resident set (the whole interpreter), not tensors alone.",
+        f"Spread of step times after warmup (max-min)/median, worst row: {rep['max_spread']:.2f}.",
+    ]
     if rep.get("png"):
         lines += ["", f"![MFU per spec]({Path(rep['png']).name})"]
     return "\n".join(lines)
@@ -194,6 +243,7 @@ def markdown(rep: dict) -> str:
 def plot(rep: dict, path: Path) -> str | None:
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
@@ -211,8 +261,11 @@ def plot(rep: dict, path: Path) -> str | None:
     ax.set_xticks(list(xs), specs)
     ax.set_ylabel("MFU (%)")
     a = rep["args"]
-    ax.set_title(f"{a['model']}, {a['nproc']} x {rep['environment']['device'][:28]}, {a['dtype']}, "
-                 f"batch {a['batch_size']}x{a['seq_len']}", fontsize=9)
+    ax.set_title(
+        f"{a['model']}, {a['nproc']} x {rep['environment']['device'][:28]}, {a['dtype']}, "
+        f"batch {a['batch_size']}x{a['seq_len']}",
+        fontsize=9,
+    )
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -234,8 +287,12 @@ def main(argv=None) -> int:
     ap.add_argument("--kernels", default="", help="auto|torch|triton, passed where supported")
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--batch-size", type=int, default=8)
-    ap.add_argument("--rounds", type=int, default=5,
-                    help="interleaved rounds: each round runs every implementation of every spec once")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=5,
+        help="interleaved rounds: each round runs every implementation of every spec once",
+    )
     ap.add_argument("--zero", type=int, nargs="*", default=[], help="ZeRO stages with a row each (3: the spmd row)")
     ap.add_argument("--offload", default="", help="optimizer: the --zero rows offload AdamW to the host")
     ap.add_argument("--no-native", action="store_true")
@@ -247,6 +304,7 @@ def main(argv=None) -> int:
     if a.warmup >= a.steps:
         ap.error(f"--warmup {a.warmup} must be smaller than --steps {a.steps}")
     import torch
+
     if torch.cuda.is_available() and torch.cuda.device_count() < a.nproc:
         ap.error(f"--nproc {a.nproc} but only {torch.cuda.device_count()} GPUs")
     flags = common.trainer_flags()
@@ -260,8 +318,11 @@ def main(argv=None) -> int:
             for kind, spec in _schedule(a):
                 print(f"[mfu] round {round_ + 1}/{a.rounds}: {spec or 'single device'}: {kind}", flush=True)
                 path = Path(tmp, f"{kind}-{round_}.jsonl")
-                res = run_native(a, spec, path) if kind == "native" else \
-                    run_spmd(a, spec, path, flags, False if kind == "eager" else None, _zero_flags(a, kind))
+                res = (
+                    run_native(a, spec, path)
+                    if kind == "native"
+                    else run_spmd(a, spec, path, flags, False if kind == "eager" else None, _zero_flags(a, kind))
+                )
                 runs.setdefault((kind, spec), []).append(summarize(res, a.warmup))
     if not a.no_single:
         rep["single"] = _median_run(runs[("single", None)])
@@ -272,21 +333,30 @@ def main(argv=None) -> int:
         for stage in _zero_stages(a, row["spec"]):
             row.setdefault("zero", {})[stage] = _median_run(runs[(f"zero{stage}", row["spec"])])
         if "native" in row:
-            row["vs_native"] = ratio_stats([o["tokens_per_s"] / n["tokens_per_s"] for o, n in
-                                            zip(runs[("spmd", row["spec"])], runs[("native", row["spec"])])])
+            row["vs_native"] = ratio_stats(
+                [
+                    o["tokens_per_s"] / n["tokens_per_s"]
+                    for o, n in zip(runs[("spmd", row["spec"])], runs[("native", row["spec"])])
+                ]
+            )
             v = row["vs_native"]
-            print(f"[mfu] {row['spec']}: spmd / native tokens/s {v['median']:.3f} "
-                  f"[{v['min']:.3f}, {v['max']:.3f}] over {v['rounds']} rounds: {v['verdict']}", flush=True)
+            print(
+                f"[mfu] {row['spec']}: spmd / native tokens/s {v['median']:.3f} "
+                f"[{v['min']:.3f}, {v['max']:.3f}] over {v['rounds']} rounds: {v['verdict']}",
+                flush=True,
+            )
     losses = [r[k]["losses"] for r in rep["rows"] for k in ("spmd", "spmd_eager", "native") if k in r]
     losses += [z["losses"] for r in rep["rows"] for z in r.get("zero", {}).values()]
     if rep.get("single"):
         losses.append(rep["single"]["losses"])
     rep["max_loss_diff"] = max((abs(x - y) for l1 in losses for l2 in losses for x, y in zip(l1, l2)), default=0.0)
-    rep["max_spread"] = max([r[k]["step_time_spread"] for r in rep["rows"] for k in ("spmd", "spmd_eager", "native")
-                             if k in r]
-                            + ([rep["single"]["step_time_spread"]] if rep.get("single") else []))
+    rep["max_spread"] = max(
+        [r[k]["step_time_spread"] for r in rep["rows"] for k in ("spmd", "spmd_eager", "native") if k in r]
+        + ([rep["single"]["step_time_spread"]] if rep.get("single") else [])
+    )
     try:
         from launch.metrics import peak_flops
+
         if not torch.cuda.is_available():
             torch.set_num_threads(1)  # one CPU device = one single-threaded process, as the runs' own MFU uses
         peak, source = peak_flops(a.dtype, "cuda" if torch.cuda.is_available() else "cpu")

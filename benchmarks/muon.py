@@ -10,6 +10,7 @@ and what Muon's step costs per spec.
    of each, their difference (the orthogonalisation and its gathers/scatters) and its ratio to AdamW's, the
    spread of Muon's time, and the bytes each rank receives per Muon step (spmd.optim.muon_comm_bytes).
 """
+
 import argparse
 import json
 import os
@@ -23,11 +24,32 @@ from benchmarks.common import environment, md_table, publish, read_jsonl, run, t
 
 def _train(model, spec, steps, optimizer, nproc, out):
     metrics = os.path.join(out, f"{optimizer}.jsonl")
-    run(torchrun(nproc) + ["-m", "launch.train", "--model", model, "--mesh", spec, "--steps", str(steps),
-                           "--optimizer", optimizer, "--metrics", metrics, "--warmup", str(max(1, steps // 20)),
-                           "--seq-len", "128", "--batch-size", "16"], timeout=24 * 3600)
+    run(
+        torchrun(nproc)
+        + [
+            "-m",
+            "launch.train",
+            "--model",
+            model,
+            "--mesh",
+            spec,
+            "--steps",
+            str(steps),
+            "--optimizer",
+            optimizer,
+            "--metrics",
+            metrics,
+            "--warmup",
+            str(max(1, steps // 20)),
+            "--seq-len",
+            "128",
+            "--batch-size",
+            "16",
+        ],
+        timeout=24 * 3600,
+    )
     losses = [r["loss"] for r in read_jsonl(metrics)]
-    tail = losses[-max(1, len(losses) // 10):]
+    tail = losses[-max(1, len(losses) // 10) :]
     return {"first": losses[0], "last": losses[-1], "tail_mean": statistics.fmean(tail), "losses": losses}
 
 
@@ -48,8 +70,9 @@ def _worker(model_name, specs, rounds, out):
         sizes, flags = spmd.parse_spec(spec)
         mesh = spmd.make_mesh(sizes)
         torch.manual_seed(0)
-        model = spmd.parallelize(preset(model_name, kernels="torch").build(), mesh,
-                                 spmd.Rules.default(sequence_parallel="sp" in flags))
+        model = spmd.parallelize(
+            preset(model_name, kernels="torch").build(), mesh, spmd.Rules.default(sequence_parallel="sp" in flags)
+        )
         tokens = torch.randint(0, 512, (16 // (sizes.get("dp", 1) * sizes.get("fsdp", 1)), 129))
         model(tokens[:, :-1], tokens[:, 1:]).backward()
         cfg = argparse.Namespace(lr=1e-3, weight_decay=0.1)
@@ -61,8 +84,14 @@ def _worker(model_name, specs, rounds, out):
                 start = time.perf_counter()
                 opt.step()
                 times[name].append(time.perf_counter() - start)
-        rows.append({"spec": spec, "adamw_s": times["adamw"], "muon_s": times["muon"],
-                     "muon_bytes_per_rank": muon_comm_bytes(model)})
+        rows.append(
+            {
+                "spec": spec,
+                "adamw_s": times["adamw"],
+                "muon_s": times["muon"],
+                "muon_bytes_per_rank": muon_comm_bytes(model),
+            }
+        )
     if dist.get_rank() == 0:
         with open(out, "w") as f:
             json.dump(rows, f)
@@ -85,8 +114,23 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         losses = {o: _train(args.model, args.specs[0], args.steps, o, args.nproc, tmp) for o in ("adamw", "muon")}
         out = os.path.join(tmp, "steps.json")
-        run(torchrun(args.nproc) + ["-m", "benchmarks.muon", "--worker", "--out", out, "--model", args.model,
-                                    "--rounds", str(args.rounds), "--specs", *args.specs], timeout=3600)
+        run(
+            torchrun(args.nproc)
+            + [
+                "-m",
+                "benchmarks.muon",
+                "--worker",
+                "--out",
+                out,
+                "--model",
+                args.model,
+                "--rounds",
+                str(args.rounds),
+                "--specs",
+                *args.specs,
+            ],
+            timeout=3600,
+        )
         with open(out) as f:
             steps = json.load(f)
     return publish(f"muon-{args.model}", *_report(args, losses, steps))
@@ -98,14 +142,38 @@ def _report(args, losses, steps):
     for r in steps:
         a, m = statistics.median(r["adamw_s"]), statistics.median(r["muon_s"])
         spread = (max(r["muon_s"]) - min(r["muon_s"])) / m
-        step_rows.append([r["spec"], 1e3 * a, 1e3 * m, 1e3 * (m - a), m / a, spread,
-                          max(r["muon_bytes_per_rank"]), min(r["muon_bytes_per_rank"])])
-    md = "\n\n".join([
-        f"# Muon vs AdamW, {args.model}, {args.nproc} processes",
-        md_table(["optimizer", "spec", "steps", "first loss", "last loss", "mean of last 10%"], loss_rows),
-        md_table(["spec", "AdamW step ms", "Muon step ms", "orthogonalisation ms", "Muon / AdamW",
-                  "Muon spread", "max bytes/rank", "min bytes/rank"], step_rows),
-        f"Step times: medians of {args.rounds} interleaved rounds on the same gradients; spread (max-min)/median."])
+        step_rows.append(
+            [
+                r["spec"],
+                1e3 * a,
+                1e3 * m,
+                1e3 * (m - a),
+                m / a,
+                spread,
+                max(r["muon_bytes_per_rank"]),
+                min(r["muon_bytes_per_rank"]),
+            ]
+        )
+    md = "\n\n".join(
+        [
+            f"# Muon vs AdamW, {args.model}, {args.nproc} processes",
+            md_table(["optimizer", "spec", "steps", "first loss", "last loss", "mean of last 10%"], loss_rows),
+            md_table(
+                [
+                    "spec",
+                    "AdamW step ms",
+                    "Muon step ms",
+                    "orthogonalisation ms",
+                    "Muon / AdamW",
+                    "Muon spread",
+                    "max bytes/rank",
+                    "min bytes/rank",
+                ],
+                step_rows,
+            ),
+            f"Step times: medians of {args.rounds} interleaved rounds on the same gradients; spread (max-min)/median.",
+        ]
+    )
     report = {"environment": environment(), "args": vars(args), "losses": losses, "steps": steps}
     return report, md
 

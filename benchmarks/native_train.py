@@ -19,6 +19,7 @@ The JSONL rows have the trainer's keys; `FILE.jsonl.comm.json` holds the last st
 pay its per-op cost); it sees the collectives that go through the dispatcher (FSDP2's flat all-gathers and
 reduce-scatters, DDP's bucket all-reduces, DTensor's), by the same ring convention.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,6 +35,7 @@ import torch.nn.functional as F
 
 def parse(argv=None):
     from launch.config import TrainConfig
+
     d = TrainConfig()  # the trainer's defaults, whatever they are today
     ap = argparse.ArgumentParser(prog="torchrun ... -m benchmarks.native_train", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="tiny")
@@ -59,46 +61,69 @@ def _local_attention_cfg(model, tp: int):
     (head_dim stays the same)."""
     for block in model.layers:
         cfg = block.attention.cfg
-        block.attention.cfg = dataclasses.replace(cfg, dim=cfg.dim // tp, n_heads=cfg.n_heads // tp,
-                                                  n_kv_heads=cfg.n_kv_heads // tp)
+        block.attention.cfg = dataclasses.replace(
+            cfg, dim=cfg.dim // tp, n_heads=cfg.n_heads // tp, n_kv_heads=cfg.n_kv_heads // tp
+        )
 
 
 def apply_tp(model, tp_mesh, sp: bool):
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                                   SequenceParallel, parallelize_module)
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
     seq = Shard(1) if sp else Replicate()
-    root = {"tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
-            "output": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False)}
+    root = {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
+        "output": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False),
+    }
     if sp:
         root["norm"] = SequenceParallel()
     parallelize_module(model, tp_mesh, root)
     for block in model.layers:
-        plan = {"attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel(),
-                "attention.wo": RowwiseParallel(output_layouts=seq),
-                "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
-                "feed_forward.w2": RowwiseParallel(output_layouts=seq)}
+        plan = {
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=seq),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w3": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=seq),
+        }
         if sp:
-            plan.update({"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel(),
-                         "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None),
-                                                         desired_input_layouts=(Replicate(), None, None)),
-                         "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),),
-                                                            desired_input_layouts=(Replicate(),))})
+            plan.update(
+                {
+                    "attention_norm": SequenceParallel(),
+                    "ffn_norm": SequenceParallel(),
+                    "attention": PrepareModuleInput(
+                        input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
+                    ),
+                    "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                }
+            )
         parallelize_module(block, tp_mesh, plan)
     _local_attention_cfg(model, tp_mesh.size())
     if sp and hasattr(model, "block_inputs"):
         # the residual stream is sequence-sharded here; RoPE tables cover the whole sequence (torchtitan
         # slices freqs_cis by the full length too)
-        model.block_inputs = lambda h, positions=None: (model.rope_cos[:h.shape[1] * tp_mesh.size()],
-                                                        model.rope_sin[:h.shape[1] * tp_mesh.size()])
+        model.block_inputs = lambda h, positions=None: (
+            model.rope_cos[: h.shape[1] * tp_mesh.size()],
+            model.rope_sin[: h.shape[1] * tp_mesh.size()],
+        )
 
 
 def apply_fsdp(model, mesh, bf16: bool) -> None:
     """FSDP2 as torchtitan applies it: `fully_shard` on each block, then on the root (kept gathered after
     forward); bf16 computes in bf16 and reduces in fp32."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
-        else MixedPrecisionPolicy()
+
+    mp = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+    )
     for block in model.layers:
         fully_shard(block, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
@@ -108,9 +133,20 @@ def build(args, world: int, device: torch.device):
     from launch.config import TrainConfig
     from models.llama import Llama
     from spmd.layout.mesh import parse_spec
-    cfg = TrainConfig(model=args.model, mesh=args.mesh, sp=args.sp, steps=args.steps, batch_size=args.batch_size,
-                      seq_len=args.seq_len, lr=args.lr, warmup=args.warmup, dtype=args.dtype, data=args.data,
-                      seed=args.seed)
+
+    cfg = TrainConfig(
+        model=args.model,
+        mesh=args.mesh,
+        sp=args.sp,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        seq_len=args.seq_len,
+        lr=args.lr,
+        warmup=args.warmup,
+        dtype=args.dtype,
+        data=args.data,
+        seed=args.seed,
+    )
     model_cfg = cfg.model_config()
     if args.kernels:
         model_cfg = dataclasses.replace(model_cfg, kernels=args.kernels)
@@ -123,6 +159,7 @@ def build(args, world: int, device: torch.device):
     layout, mesh, dp_rank, autocast = "plain", None, 0, bf16
     if world > 1:
         from torch.distributed.device_mesh import init_device_mesh
+
         mesh = init_device_mesh(device.type, (dp, fsdp, tp), mesh_dim_names=("dp", "fsdp", "tp"))
         dp_rank = mesh["dp"].get_local_rank() * fsdp + mesh["fsdp"].get_local_rank()
         parts = []
@@ -138,6 +175,7 @@ def build(args, world: int, device: torch.device):
             autocast = False
         elif dp > 1:
             from torch.nn.parallel import DistributedDataParallel
+
             model = DistributedDataParallel(model)
             parts.append("DDP")
         layout = " + ".join(parts)
@@ -150,6 +188,7 @@ def build(args, world: int, device: torch.device):
 def clip_(params, max_norm: float):
     """Global-norm clipping over DTensor and plain gradients alike (TP without sp leaves norms plain)."""
     from torch.distributed.tensor import DTensor
+
     grads = [p.grad for p in params if p.grad is not None]
     by_mesh: dict = {}
     for g in grads:
@@ -172,6 +211,7 @@ def clip_(params, max_norm: float):
 
 def main(argv=None) -> int:
     import logging
+
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     args = parse(argv)
     rank, world, local = (int(os.environ.get(k, d)) for k, d in (("RANK", 0), ("WORLD_SIZE", 1), ("LOCAL_RANK", 0)))
@@ -183,28 +223,41 @@ def main(argv=None) -> int:
     from launch.metrics import MetricsLogger, flops_per_token, peak_flops, peak_mem_bytes
     from launch.setup import adamw
     from spmd.analysis.record import CollectiveRecorder
+
     cfg, model_cfg, model, mesh, dp_rank, dp_size, tp, layout, autocast = build(args, world, device)
     opt = adamw(model, cfg)
     loader, _ = build_loader(cfg, dp_rank, dp_size, model_cfg.vocab_size, device)
     peak, source = peak_flops(cfg.dtype, device) if rank == 0 else (0.0, "")
-    metrics = MetricsLogger(cfg.steps, cfg.batch_size * cfg.seq_len, flops_per_token(model_cfg, cfg.seq_len), peak,
-                            world, args.metrics, enabled=rank == 0, console=False)
+    metrics = MetricsLogger(
+        cfg.steps,
+        cfg.batch_size * cfg.seq_len,
+        flops_per_token(model_cfg, cfg.seq_len),
+        peak,
+        world,
+        args.metrics,
+        enabled=rank == 0,
+        console=False,
+    )
     if rank == 0:
-        print(f"[native_train] {args.model} {layout or 'plain'} on {world} {device.type} process(es), "
-              f"{cfg.batch_size}x{cfg.seq_len}, {cfg.dtype}{', compiled blocks' if args.compile else ''}", flush=True)
+        print(
+            f"[native_train] {args.model} {layout or 'plain'} on {world} {device.type} process(es), "
+            f"{cfg.batch_size}x{cfg.seq_len}, {cfg.dtype}{', compiled blocks' if args.compile else ''}",
+            flush=True,
+        )
     params = [p for p in model.parameters() if p.requires_grad]
     for step in range(cfg.steps):
         schedule.set_lr(opt, schedule.lr_at(step, cfg.lr, cfg.warmup, cfg.steps))
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         t0 = time.perf_counter()
-        (x, y), = loader.next()
+        ((x, y),) = loader.next()
         recorder = CollectiveRecorder(mesh) if (mesh is not None and not args.no_record_comm) else None
         amp = torch.autocast(device.type, dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
         with recorder or contextlib.nullcontext():
             with amp:
                 if tp > 1:
                     from torch.distributed.tensor.parallel import loss_parallel
+
                     with loss_parallel():
                         logits = model(x)
                         loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
@@ -230,9 +283,16 @@ def main(argv=None) -> int:
         # sidecar: how many collectives the last step issued (that the dispatch-mode recorder sees), by kind
         import json
         from collections import Counter
+
         with open(args.metrics + ".comm.json", "w") as f:
-            json.dump({"collectives_per_step": len(recorder.records), "bytes_per_step": comm,
-                       "by_kind": Counter(r.kind for r in recorder.records)}, f)
+            json.dump(
+                {
+                    "collectives_per_step": len(recorder.records),
+                    "bytes_per_step": comm,
+                    "by_kind": Counter(r.kind for r in recorder.records),
+                },
+                f,
+            )
     if dist.is_initialized():
         dist.destroy_process_group()
     return 0
@@ -240,4 +300,5 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     from spmd.layout.mesh import exit_process
+
     exit_process(main())  # not sys.exit: see exit_process

@@ -3,6 +3,7 @@ step time and the device's peak (launch.metrics.peak_flops), printed one line pe
 
     python -m benchmarks.overhead_mfu benchmarks/results/<date>-<device>-overhead-per-block-8x2048.json
 """
+
 import json
 import sys
 
@@ -18,8 +19,10 @@ def mfu_lines(report: dict, peak: float) -> list[str]:
             lines.append(f"{run['model']} {run['dtype']} compile={run['compile']}: {run['error'][:200]}")
             continue
         for variant, step_s in run["step_s"].items():
-            lines.append(f"{run['model']} {run['dtype']} batch {run['batch']} compile={run['compile']} {variant}: "
-                         f"{step_s * 1e3:.1f} ms/step, MFU {run['flops_per_step'] / step_s / peak:.1%}")
+            lines.append(
+                f"{run['model']} {run['dtype']} batch {run['batch']} compile={run['compile']} {variant}: "
+                f"{step_s * 1e3:.1f} ms/step, MFU {run['flops_per_step'] / step_s / peak:.1%}"
+            )
     return lines
 
 

@@ -14,6 +14,7 @@ Per round the slowest rank's time counts. exposed = variant - no reduction (the 
 waits for); overlap = 1 - exposed(overlapped) / exposed(serialized): the share of the reduction time hidden
 behind backward, with its range over rounds. Writes benchmarks/results/<date>-<device>-overlap.{json,md}.
 """
+
 import argparse
 import json
 import statistics
@@ -37,6 +38,7 @@ def _serialized(reducer_type):
             super()._issue(key)
             self.issued[-1].advance(self.mesh)
             self.issued[-1].pending.results()
+
     return Serialized
 
 
@@ -60,12 +62,27 @@ def _worker(a) -> None:
     device = torch.device("cuda", rank % torch.cuda.device_count()) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    cfg = load_config(["--model", a.model, "--mesh", f"dp={world}", "--batch-size", str(a.batch * world),
-                       "--seq-len", str(a.seq), "--dtype", a.dtype])
+    cfg = load_config(
+        [
+            "--model",
+            a.model,
+            "--mesh",
+            f"dp={world}",
+            "--batch-size",
+            str(a.batch * world),
+            "--seq-len",
+            str(a.seq),
+            "--dtype",
+            a.dtype,
+        ]
+    )
     model, *_ = build_model(cfg, cfg.model_config(), world, device)
     state = getattr(model, STATE_ATTR)
-    reducers = {"overlapped": GradientReducer(state.mesh, a.bucket_mb),
-                "serialized": _serialized(GradientReducer)(state.mesh, a.bucket_mb), "no reduction": None}
+    reducers = {
+        "overlapped": GradientReducer(state.mesh, a.bucket_mb),
+        "serialized": _serialized(GradientReducer)(state.mesh, a.bucket_mb),
+        "no reduction": None,
+    }
     grad_bytes = sum(p.numel() * 4 for p in model.parameters())
     gen = torch.Generator().manual_seed(rank)
     x = torch.randint(0, cfg.model_config().vocab_size, (a.batch, a.seq), generator=gen).to(device)
@@ -101,11 +118,14 @@ def summarize(times: dict) -> dict:
     exposed = {v: [times[v][r] - times["no reduction"][r] for r in rounds] for v in ("overlapped", "serialized")}
     hidden = [1 - o / s for o, s in zip(exposed["overlapped"], exposed["serialized"]) if s > 0]
     ratio = [times["overlapped"][r] / times["serialized"][r] for r in rounds]
-    return {"median_s": {v: statistics.median(t) for v, t in times.items()},
-            "exposed_s": {v: statistics.median(e) for v, e in exposed.items()},
-            "overlap": statistics.median(hidden) if hidden else None,
-            "overlap_range": [min(hidden), max(hidden)] if hidden else None,
-            "overlapped_over_serialized": statistics.median(ratio), "ratio_range": [min(ratio), max(ratio)]}
+    return {
+        "median_s": {v: statistics.median(t) for v, t in times.items()},
+        "exposed_s": {v: statistics.median(e) for v, e in exposed.items()},
+        "overlap": statistics.median(hidden) if hidden else None,
+        "overlap_range": [min(hidden), max(hidden)] if hidden else None,
+        "overlapped_over_serialized": statistics.median(ratio),
+        "ratio_range": [min(ratio), max(ratio)],
+    }
 
 
 def main(argv=None) -> int:
@@ -117,33 +137,68 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=2, help="sequences per rank")
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--dtype", default="fp32", help="compute dtype (the trainer's --dtype)")
-    ap.add_argument("--bucket-mb", type=float, default=4.0,
-                    help="gradient buffer size: several buffers fill during backward (default 4; DDP's is 25)")
+    ap.add_argument(
+        "--bucket-mb",
+        type=float,
+        default=4.0,
+        help="gradient buffer size: several buffers fill during backward (default 4; DDP's is 25)",
+    )
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.worker:
         _worker(a)
         return 0
-    proc = common.run([*common.torchrun(a.nproc), "-m", "benchmarks.overlap", "--worker", "--model", a.model,
-                       "--rounds", str(a.rounds), "--steps", str(a.steps), "--batch", str(a.batch),
-                       "--seq", str(a.seq), "--dtype", a.dtype, "--bucket-mb", str(a.bucket_mb)],
-                      env={"OMP_NUM_THREADS": "1"})
+    proc = common.run(
+        [
+            *common.torchrun(a.nproc),
+            "-m",
+            "benchmarks.overlap",
+            "--worker",
+            "--model",
+            a.model,
+            "--rounds",
+            str(a.rounds),
+            "--steps",
+            str(a.steps),
+            "--batch",
+            str(a.batch),
+            "--seq",
+            str(a.seq),
+            "--dtype",
+            a.dtype,
+            "--bucket-mb",
+            str(a.bucket_mb),
+        ],
+        env={"OMP_NUM_THREADS": "1"},
+    )
     result = json.loads(next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))[7:])
     s = summarize(result["times_s"])
     env = common.environment()
-    report = {"environment": env, "model": a.model, "nproc": a.nproc, "rounds": a.rounds, "steps": a.steps,
-              "batch_per_rank": a.batch, "seq": a.seq, "bucket_mb": a.bucket_mb, **result, "summary": s}
+    report = {
+        "environment": env,
+        "model": a.model,
+        "nproc": a.nproc,
+        "rounds": a.rounds,
+        "steps": a.steps,
+        "batch_per_rank": a.batch,
+        "seq": a.seq,
+        "bucket_mb": a.bucket_mb,
+        **result,
+        "summary": s,
+    }
     rows = [[v, s["median_s"][v] * 1e3, (s["exposed_s"].get(v, 0.0)) * 1e3] for v in VARIANTS]
     table = common.md_table(["variant", "forward + backward ms (median)", "reduction time exposed ms"], rows)
     lo, hi = s["overlap_range"]
-    markdown = (f"# Gradient reductions overlapped with backward: {a.model} on dp={a.nproc}\n\n"
-                f"{env['device']}, {a.nproc} processes, {a.batch} x {a.seq} tokens per rank, {a.dtype}, "
-                f"{result['gradient_bytes'] / 2**20:.1f} MiB of gradients (fp32) in {a.bucket_mb:g} MB buffers; "
-                f"{a.rounds} interleaved rounds of {a.steps} steps, slowest rank; commit {env['commit'][:10]}, "
-                f"load {env.get('loadavg_1m', 0):.1f}\n\n{table}\n\n"
-                f"Overlap (share of the reduction time hidden behind backward): {s['overlap']:.2f} "
-                f"[{lo:.2f}, {hi:.2f}] over rounds. Overlapped / serialized forward + backward time: "
-                f"{s['overlapped_over_serialized']:.3f} [{s['ratio_range'][0]:.3f}, {s['ratio_range'][1]:.3f}].\n")
+    markdown = (
+        f"# Gradient reductions overlapped with backward: {a.model} on dp={a.nproc}\n\n"
+        f"{env['device']}, {a.nproc} processes, {a.batch} x {a.seq} tokens per rank, {a.dtype}, "
+        f"{result['gradient_bytes'] / 2**20:.1f} MiB of gradients (fp32) in {a.bucket_mb:g} MB buffers; "
+        f"{a.rounds} interleaved rounds of {a.steps} steps, slowest rank; commit {env['commit'][:10]}, "
+        f"load {env.get('loadavg_1m', 0):.1f}\n\n{table}\n\n"
+        f"Overlap (share of the reduction time hidden behind backward): {s['overlap']:.2f} "
+        f"[{lo:.2f}, {hi:.2f}] over rounds. Overlapped / serialized forward + backward time: "
+        f"{s['overlapped_over_serialized']:.3f} [{s['ratio_range'][0]:.3f}, {s['ratio_range'][1]:.3f}].\n"
+    )
     return common.publish("overlap", report, markdown)
 
 

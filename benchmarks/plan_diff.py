@@ -6,6 +6,7 @@ A change to the runtime that must not change behaviour leaves this output identi
     python -m benchmarks.plan_diff > /tmp/plan_after.txt    # on the new tree
     diff /tmp/plan_before.txt /tmp/plan_after.txt
 """
+
 import argparse
 
 import torch
@@ -44,8 +45,10 @@ CASES = {
     "dp=2,fsdp=2 zero=1 bf16": _case("dp=2,fsdp=2", zero=1, dtype=torch.bfloat16),
     "fsdp=4 offload=optimizer": _case("fsdp=4", offload="optimizer"),
     "fsdp=4 grad_accum=2": _case("fsdp=4", grad_accum=2),
-    **{f"pp=2,{s} zero={z}": _case(f"pp=2,{s}", model=lambda: _llama(4), zero=z)
-       for s, z in (("fsdp=2", 3), ("fsdp=2", 1), ("tp=2,sp", 2))},
+    **{
+        f"pp=2,{s} zero={z}": _case(f"pp=2,{s}", model=lambda: _llama(4), zero=z)
+        for s, z in (("fsdp=2", 3), ("fsdp=2", 1), ("tp=2,sp", 2))
+    },
     "pp=4 interleaved": _case("pp=4", model=lambda: _llama(8), schedule="interleaved-1f1b", virtual_stages=2),
     "fsdp=2,cp=2": _case("fsdp=2,cp=2"),
     "cp=4": _case("cp=4"),

@@ -9,6 +9,7 @@ shared).
 96 GB at 500 W) and writes results/<date>-search-vs-published.{json,md} with the error of each prediction
 (predicted / published - 1: positive means the planner is optimistic).
 """
+
 import argparse
 import os
 import resource
@@ -22,10 +23,28 @@ from spmd.analysis.devices import DEVICES
 
 # (label, model, world, spec, global batch shape, ac, published tokens/s per GPU, published GiB, how they ran)
 PUBLISHED = [
-    ("8B on 8 H100, FSDP", "8b", 8, "fsdp=8", (16, 8192), "selective:2", 5762, 82.4,
-     "local batch 2 x 8192, selective (op) AC, bf16, eager (Table 1)"),
-    ("70B on 256 H100, FSDP 32 x TP 8", "70b", 256, "fsdp=32,tp=8,sp", (512, 8192), "full", 829, 71.9,
-     "local batch 16 x 8192, full AC, torch.compile + Float8 linears (Table 4)"),
+    (
+        "8B on 8 H100, FSDP",
+        "8b",
+        8,
+        "fsdp=8",
+        (16, 8192),
+        "selective:2",
+        5762,
+        82.4,
+        "local batch 2 x 8192, selective (op) AC, bf16, eager (Table 1)",
+    ),
+    (
+        "70B on 256 H100, FSDP 32 x TP 8",
+        "70b",
+        256,
+        "fsdp=32,tp=8,sp",
+        (512, 8192),
+        "full",
+        829,
+        71.9,
+        "local batch 16 x 8192, full AC, torch.compile + Float8 linears (Table 4)",
+    ),
 ]
 
 
@@ -43,22 +62,53 @@ def timed_search(*args, **kwargs):
 
 def published(out: str) -> int:
     device = DEVICES["h100"].replace(name="H100 SXM 96GB", memory_bytes=96 * 2**30)
-    results, lines = [], ["| run | published tok/s/GPU | predicted | error | published GiB | predicted GiB | "
-                          "error | planned as | how they ran |", "|---|---|---|---|---|---|---|---|---|"]
+    results, lines = (
+        [],
+        [
+            "| run | published tok/s/GPU | predicted | error | published GiB | predicted GiB | "
+            "error | planned as | how they ran |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ],
+    )
     for label, model, world, spec, shape, ac, tps, gib, how in PUBLISHED:
-        rows, took = timed_search(models.preset(model), world, device, batch_shape=shape, dtype="bf16",
-                                  specs=[spec], ac=ac, zero=3, grad_accum=1, memory_budget_bytes=96 * 2**30)
+        rows, took = timed_search(
+            models.preset(model),
+            world,
+            device,
+            batch_shape=shape,
+            dtype="bf16",
+            specs=[spec],
+            ac=ac,
+            zero=3,
+            grad_accum=1,
+            memory_budget_bytes=96 * 2**30,
+        )
         row = (list(rows) + list(rows.dropped))[0]
         per_gpu, mem = row.tokens_per_s / world, row.memory["total"] / 2**30
-        results.append({"run": label, "published_tps": tps, "predicted_tps": per_gpu, "tps_error": per_gpu / tps - 1,
-                        "published_gib": gib, "predicted_gib": mem, "memory_error": mem / gib - 1,
-                        "row": row.to_dict(), "search": took, "how": how})
-        lines.append(f"| {label} | {tps:,} | {per_gpu:,.0f} | {per_gpu / tps - 1:+.1%} | {gib} | {mem:.1f} | "
-                     f"{mem / gib - 1:+.1%} | `{row.flags}` | {how} |")
+        results.append(
+            {
+                "run": label,
+                "published_tps": tps,
+                "predicted_tps": per_gpu,
+                "tps_error": per_gpu / tps - 1,
+                "published_gib": gib,
+                "predicted_gib": mem,
+                "memory_error": mem / gib - 1,
+                "row": row.to_dict(),
+                "search": took,
+                "how": how,
+            }
+        )
+        lines.append(
+            f"| {label} | {tps:,} | {per_gpu:,.0f} | {per_gpu / tps - 1:+.1%} | {gib} | {mem:.1f} | "
+            f"{mem / gib - 1:+.1%} | `{row.flags}` | {how} |"
+        )
     report = {"environment": common.environment(), "device": device.name, "published": results}
-    markdown = (f"# spmd.search against torchtitan's published H100 runs\n\nAt commit "
-                f"{report['environment']['commit'][:12]}; device model `h100` with 96 GB (their H100s), "
-                f"efficiency {device.efficiency}. Error = predicted / published - 1.\n\n" + "\n".join(lines))
+    markdown = (
+        f"# spmd.search against torchtitan's published H100 runs\n\nAt commit "
+        f"{report['environment']['commit'][:12]}; device model `h100` with 96 GB (their H100s), "
+        f"efficiency {device.efficiency}. Error = predicted / published - 1.\n\n" + "\n".join(lines)
+    )
     js, md = common.write(Path(out) / f"{common.today()}-search-vs-published", report, markdown)
     print(markdown, f"\nwrote {js} and {md}", sep="\n")
     return 0
@@ -83,21 +133,25 @@ def main(argv=None) -> int:
     rows, took = timed_search(cfg, a.world, a.device, batch_shape=batch_shape, dtype=a.dtype, workers=a.workers)
     report = {"environment": common.environment(), "args": vars(a), "search": took, **rows.to_dict()}
     name = a.model.replace(":", "-")
-    markdown = (f"# spmd.search: {name} on {a.world} x {a.device} (prediction, not a measurement)\n\n"
-                f"`python -m benchmarks.search_report --model {a.model} --world {a.world} --device {a.device} "
-                f"--batch {batch_shape[0]} --seq {batch_shape[1]} --workers {a.workers}` at commit "
-                f"{report['environment']['commit'][:12]}: the search took {took['wall_s']:.1f} s wall clock, "
-                f"{took['cpu_s']:.1f} CPU s (load average {report['environment'].get('loadavg_1m')} at start); "
-                f"spmd/analysis/search.py says how compute, each collective and memory are modelled.\n\n"
-                f"```\n{rows.table()}\n```")
+    markdown = (
+        f"# spmd.search: {name} on {a.world} x {a.device} (prediction, not a measurement)\n\n"
+        f"`python -m benchmarks.search_report --model {a.model} --world {a.world} --device {a.device} "
+        f"--batch {batch_shape[0]} --seq {batch_shape[1]} --workers {a.workers}` at commit "
+        f"{report['environment']['commit'][:12]}: the search took {took['wall_s']:.1f} s wall clock, "
+        f"{took['cpu_s']:.1f} CPU s (load average {report['environment'].get('loadavg_1m')} at start); "
+        f"spmd/analysis/search.py says how compute, each collective and memory are modelled.\n\n"
+        f"```\n{rows.table()}\n```"
+    )
     js, md = common.write(Path(out_name(a, batch_shape)), report, markdown)
     print(f"wrote {js} and {md}")
     return 0
 
 
 def out_name(a, batch_shape) -> str:
-    return str(Path(a.out) / f"{common.today()}-search-{a.model.replace(':', '-')}-{a.world}x{a.device}-"
-               f"{batch_shape[0]}x{batch_shape[1]}")
+    return str(
+        Path(a.out) / f"{common.today()}-search-{a.model.replace(':', '-')}-{a.world}x{a.device}-"
+        f"{batch_shape[0]}x{batch_shape[1]}"
+    )
 
 
 if __name__ == "__main__":

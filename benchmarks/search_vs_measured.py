@@ -17,6 +17,7 @@ Writes benchmarks/results/<date>-<device>-search-vs-measured.{json,md}. `--reuse
 it ranks the specs of a committed report again with today's search (same device figures) and prints the
 correlations with that report's measurements, the planner's and the collective count's (writes no file).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,6 +32,7 @@ from benchmarks import common
 
 def spearman(xs: list[float], ys: list[float]) -> float:
     """Spearman's rho with average ranks for ties (Pearson correlation of the ranks)."""
+
     def ranks(v):
         order = sorted(range(len(v)), key=lambda i: v[i])
         r = [0.0] * len(v)
@@ -43,6 +45,7 @@ def spearman(xs: list[float], ys: list[float]) -> float:
                 r[order[k]] = (i + j) / 2 + 1
             i = j + 1
         return r
+
     if len(xs) < 2:
         return float("nan")
     rx, ry = ranks(xs), ranks(ys)
@@ -56,7 +59,9 @@ def spearman(xs: list[float], ys: list[float]) -> float:
 def gloo_worker(out: str) -> None:
     import torch
     import torch.distributed as dist
+
     from spmd.analysis.record import wire_bytes
+
     dist.init_process_group("gloo")
     world = dist.get_world_size()
     groups, n = [(None, world)], world
@@ -70,7 +75,7 @@ def gloo_worker(out: str) -> None:
                 x = torch.ones(numel)
                 buf = torch.empty(numel * n)
                 samples = []
-                for i in range(12):
+                for _i in range(12):
                     dist.barrier()
                     t0 = time.perf_counter()
                     if kind == "all_reduce":
@@ -79,8 +84,15 @@ def gloo_worker(out: str) -> None:
                         dist.all_gather_into_tensor(buf, x, group=group)
                     samples.append(time.perf_counter() - t0)
                 full = numel * 4 * (n if kind == "all_gather" else 1)
-                rows.append({"kind": kind, "ranks": n, "full_bytes": full, "wire_bytes": wire_bytes(kind, full, n),
-                             "seconds": statistics.median(samples[2:])})
+                rows.append(
+                    {
+                        "kind": kind,
+                        "ranks": n,
+                        "full_bytes": full,
+                        "wire_bytes": wire_bytes(kind, full, n),
+                        "seconds": statistics.median(samples[2:]),
+                    }
+                )
     if dist.get_rank() == 0:
         Path(out).write_text(json.dumps(rows))
     dist.destroy_process_group()
@@ -91,7 +103,9 @@ def fit_link(rows: list[dict], nproc: int) -> dict:
     step latency + wire / bandwidth, none negative. A sample without `ranks` (reports before the per-step
     term) was timed over all `nproc` processes."""
     import torch
+
     from spmd.analysis.record import ring_steps
+
     steps = [ring_steps(r["kind"], r.get("ranks", nproc)) for r in rows]
     x = torch.tensor([[1.0, s, r["wire_bytes"]] for s, r in zip(steps, rows)], dtype=torch.float64)
     t = torch.tensor([r["seconds"] for r in rows], dtype=torch.float64)
@@ -119,9 +133,28 @@ def run_spec(model: str, spec: str, nproc: int, batch: int, seq: int, steps: int
     sizes = ",".join(p for p in spec.split(",") if p != "sp")
     with tempfile.TemporaryDirectory() as tmp:
         jsonl = Path(tmp, "m.jsonl")
-        cmd = common.torchrun(nproc) + ["-m", "launch.train", "--model", model, "--mesh", sizes, "--steps", str(steps),
-                                        "--batch-size", str(batch), "--seq-len", str(seq), "--dtype", "fp32",
-                                        "--metrics", str(jsonl)] + (["--sp"] if spec.endswith(",sp") else [])
+        cmd = (
+            common.torchrun(nproc)
+            + [
+                "-m",
+                "launch.train",
+                "--model",
+                model,
+                "--mesh",
+                sizes,
+                "--steps",
+                str(steps),
+                "--batch-size",
+                str(batch),
+                "--seq-len",
+                str(seq),
+                "--dtype",
+                "fp32",
+                "--metrics",
+                str(jsonl),
+            ]
+            + (["--sp"] if spec.endswith(",sp") else [])
+        )
         common.run(cmd)
         return common.steady(common.read_jsonl(jsonl), warmup)
 
@@ -146,51 +179,80 @@ def main(argv=None) -> int:
         return 0
     if a.reuse:
         return rerank(json.loads(Path(a.reuse).read_text()))
+    import torch
+
     import spmd
     from models.llama import LlamaConfig
     from spmd.analysis.devices import cpu_device, measure_gemm_flops
-    import torch
+
     rep = {"environment": common.environment(), "args": vars(a), "models": []}
     per_thread = measure_gemm_flops(torch.float32, threads=1, budget_s=0.6, sizes=(256, 512, 1024))
     link = measure_link(a.nproc)
-    dev = cpu_device(a.nproc, 1, per_thread, bandwidth=link["bandwidth_Bps"], latency=link["latency_s"],
-                     step_latency=link["step_latency_s"])
+    dev = cpu_device(
+        a.nproc,
+        1,
+        per_thread,
+        bandwidth=link["bandwidth_Bps"],
+        latency=link["latency_s"],
+        step_latency=link["step_latency_s"],
+    )
     rep["device"] = {"peak_per_thread": per_thread, "peak_per_rank": dev.peak("fp32"), **link}
     print(f"[search_vs_measured] GEMM {per_thread / 1e9:.1f} GFLOP/s per thread; gloo {_link_words(link)}", flush=True)
     for model in a.models:
         cfg = LlamaConfig.preset(model)
-        rows = spmd.search(cfg, a.nproc, device=dev, batch_shape=(a.batch, a.seq), dtype="fp32", ac="none",
-                           grad_accum=1, zero=3)  # as run_spec trains
-        chosen = list(rows[:a.top]) + [r for r in rows[max(a.top, len(rows) - a.bottom):]]
-        print(f"[search_vs_measured] {model}: {len(rows)} specs ranked; running "
-              f"{', '.join(r.spec for r in chosen)}", flush=True)
+        rows = spmd.search(
+            cfg, a.nproc, device=dev, batch_shape=(a.batch, a.seq), dtype="fp32", ac="none", grad_accum=1, zero=3
+        )  # as run_spec trains
+        chosen = list(rows[: a.top]) + [r for r in rows[max(a.top, len(rows) - a.bottom) :]]
+        print(
+            f"[search_vs_measured] {model}: {len(rows)} specs ranked; running {', '.join(r.spec for r in chosen)}",
+            flush=True,
+        )
         measured = {r.spec: [] for r in chosen}
         for i in range(a.repeats):
-            for r in (chosen if i % 2 == 0 else chosen[::-1]):
+            for r in chosen if i % 2 == 0 else chosen[::-1]:
                 measured[r.spec].append(run_spec(model, r.spec, a.nproc, a.batch, a.seq, a.steps, a.warmup))
-                print(f"  {r.spec:<18} predicted {r.step_s:.4f}s measured {measured[r.spec][-1]['step_time_s']:.4f}s",
-                      flush=True)
+                print(
+                    f"  {r.spec:<18} predicted {r.step_s:.4f}s measured {measured[r.spec][-1]['step_time_s']:.4f}s",
+                    flush=True,
+                )
         out_rows = []
         for r in chosen:
             m = statistics.median(x["step_time_s"] for x in measured[r.spec])
-            out_rows.append({"spec": r.spec, "predicted_rank": rows.index(r) + 1, "predicted_s": r.step_s,
-                             "compute_s": r.compute_s, "activation_comm_s": r.activation_comm_s,
-                             "param_comm_s": r.param_comm_s, "comm_bytes": r.comm_bytes, "collectives": r.collectives,
-                             "measured_s": m, "measured_runs": [x["step_time_s"] for x in measured[r.spec]],
-                             "spread": max(x["step_time_spread"] for x in measured[r.spec])})
+            out_rows.append(
+                {
+                    "spec": r.spec,
+                    "predicted_rank": rows.index(r) + 1,
+                    "predicted_s": r.step_s,
+                    "compute_s": r.compute_s,
+                    "activation_comm_s": r.activation_comm_s,
+                    "param_comm_s": r.param_comm_s,
+                    "comm_bytes": r.comm_bytes,
+                    "collectives": r.collectives,
+                    "measured_s": m,
+                    "measured_runs": [x["step_time_s"] for x in measured[r.spec]],
+                    "spread": max(x["step_time_spread"] for x in measured[r.spec]),
+                }
+            )
         pred = [x["predicted_s"] for x in out_rows]
         meas = [x["measured_s"] for x in out_rows]
         order = sorted(range(len(meas)), key=lambda i: meas[i])
         for rank, i in enumerate(order, 1):
             out_rows[i]["measured_rank_among_run"] = rank
-        entry = {"model": model, "ranked": len(rows), "rows": out_rows,
-                 "spearman_predicted": spearman(pred, meas),
-                 "spearman_comm_bytes": spearman([x["comm_bytes"] for x in out_rows], meas),
-                 "spearman_collectives": spearman([x["collectives"] for x in out_rows], meas),
-                 "all_predictions": [{"spec": r.spec, "step_s": r.step_s} for r in rows]}
+        entry = {
+            "model": model,
+            "ranked": len(rows),
+            "rows": out_rows,
+            "spearman_predicted": spearman(pred, meas),
+            "spearman_comm_bytes": spearman([x["comm_bytes"] for x in out_rows], meas),
+            "spearman_collectives": spearman([x["collectives"] for x in out_rows], meas),
+            "all_predictions": [{"spec": r.spec, "step_s": r.step_s} for r in rows],
+        }
         rep["models"].append(entry)
-        print(f"[search_vs_measured] {model}: Spearman predicted vs measured {entry['spearman_predicted']:.3f}",
-              flush=True)
+        print(
+            f"[search_vs_measured] {model}: Spearman predicted vs measured {entry['spearman_predicted']:.3f}",
+            flush=True,
+        )
     stem = Path(a.out) / f"{common.today()}-{common.device_slug()}-search-vs-measured"
     js, md = common.write(stem, rep, markdown(rep))
     print(f"[search_vs_measured] wrote {js} and {md}")
@@ -203,27 +265,50 @@ def rerank(rep: dict) -> int:
     import spmd
     from models.llama import LlamaConfig
     from spmd.analysis.devices import cpu_device
+
     args, d = rep["args"], rep["device"]
     link = fit_link(d["samples"], args["nproc"])
-    dev = cpu_device(args["nproc"], 1, d["peak_per_thread"], bandwidth=link["bandwidth_Bps"], latency=link["latency_s"],
-                     step_latency=link["step_latency_s"])
-    print(f"re-ranked {rep['environment']['commit'][:12]}'s measurements with today's spmd.search; gloo refitted "
-          f"to the report's samples: {_link_words(link)}")
+    dev = cpu_device(
+        args["nproc"],
+        1,
+        d["peak_per_thread"],
+        bandwidth=link["bandwidth_Bps"],
+        latency=link["latency_s"],
+        step_latency=link["step_latency_s"],
+    )
+    print(
+        f"re-ranked {rep['environment']['commit'][:12]}'s measurements with today's spmd.search; gloo refitted "
+        f"to the report's samples: {_link_words(link)}"
+    )
     for m in rep["models"]:
-        rows = {r.spec: r for r in spmd.search(LlamaConfig.preset(m["model"]), args["nproc"], device=dev, dtype="fp32",
-                                               batch_shape=(args["batch"], args["seq"]), ac="none", grad_accum=1,
-                                               zero=3)}
+        rows = {
+            r.spec: r
+            for r in spmd.search(
+                LlamaConfig.preset(m["model"]),
+                args["nproc"],
+                device=dev,
+                dtype="fp32",
+                batch_shape=(args["batch"], args["seq"]),
+                ac="none",
+                grad_accum=1,
+                zero=3,
+            )
+        }
         measured = [x["measured_s"] for x in m["rows"]]
         ours = spearman([rows[x["spec"]].step_s for x in m["rows"]], measured)
         count = spearman([rows[x["spec"]].collectives for x in m["rows"]], measured)
-        print(f"{m['model']}: over {len(measured)} measured specs, Spearman rho predicted {ours:.3f} (report's "
-              f"{m['spearman_predicted']:.3f}), collective count {count:.3f}: the planner {_verdict(ours, count)} it")
+        print(
+            f"{m['model']}: over {len(measured)} measured specs, Spearman rho predicted {ours:.3f} (report's "
+            f"{m['spearman_predicted']:.3f}), collective count {count:.3f}: the planner {_verdict(ours, count)} it"
+        )
     return 0
 
 
 def _link_words(link: dict) -> str:
-    return (f"fitted latency {1e6 * link['latency_s']:.0f} us + {1e6 * link['step_latency_s']:.0f} us "
-            f"per ring step, bandwidth {link['bandwidth_Bps'] / 1e9:.2f} GB/s")
+    return (
+        f"fitted latency {1e6 * link['latency_s']:.0f} us + {1e6 * link['step_latency_s']:.0f} us "
+        f"per ring step, bandwidth {link['bandwidth_Bps'] / 1e9:.2f} GB/s"
+    )
 
 
 def _group_sizes(d: dict) -> str:
@@ -236,31 +321,43 @@ def _verdict(planner: float, trivial: float) -> str:
 
 def markdown(rep: dict) -> str:
     env, d, a = rep["environment"], rep["device"], rep["args"]
-    lines = ["# spmd.search: predicted vs measured step times", "",
-             f"{env['date']}, {env['device']}, torch {env['torch']}, {env['cpu_count']} cores, load average "
-             f"{env.get('loadavg_1m', float('nan')):.1f} at start; {a['nproc']} processes (1 thread each), batch "
-             f"{a['batch']} x {a['seq']}, fp32, {a['steps']} steps, median after {a['warmup']}.", "",
-             f"Device model: GEMM peak {d['peak_per_thread'] / 1e9:.1f} GFLOP/s per thread "
-             f"({d['peak_per_rank'] / 1e9:.1f} per rank with {a['nproc']} processes on {env['cpu_count']} cores); "
-             f"gloo {_link_words(d)} (collectives over {_group_sizes(d)} ranks).", ""]
+    lines = [
+        "# spmd.search: predicted vs measured step times",
+        "",
+        f"{env['date']}, {env['device']}, torch {env['torch']}, {env['cpu_count']} cores, load average "
+        f"{env.get('loadavg_1m', float('nan')):.1f} at start; {a['nproc']} processes (1 thread each), batch "
+        f"{a['batch']} x {a['seq']}, fp32, {a['steps']} steps, median after {a['warmup']}.",
+        "",
+        f"Device model: GEMM peak {d['peak_per_thread'] / 1e9:.1f} GFLOP/s per thread "
+        f"({d['peak_per_rank'] / 1e9:.1f} per rank with {a['nproc']} processes on {env['cpu_count']} cores); "
+        f"gloo {_link_words(d)} (collectives over {_group_sizes(d)} ranks).",
+        "",
+    ]
     for m in rep["models"]:
-        lines += [f"## {m['model']}: Spearman rho (predicted, measured) = {m['spearman_predicted']:.3f} "
-                  f"over {len(m['rows'])} specs", "",
-                  f"Naive predictors on the same runs: bytes moved rho = {m['spearman_comm_bytes']:.3f}, "
-                  f"number of collectives rho = {m['spearman_collectives']:.3f}: the planner "
-                  f"{_verdict(m['spearman_predicted'], m['spearman_collectives'])} the collective count.", "",
-                  "| spec | predicted rank (of %d) | measured rank (of run) | predicted s | compute s | act comm s | "
-                  "param comm s | collectives | comm bytes | measured s | measured / predicted |" % m["ranked"],
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            f"## {m['model']}: Spearman rho (predicted, measured) = {m['spearman_predicted']:.3f} "
+            f"over {len(m['rows'])} specs",
+            "",
+            f"Naive predictors on the same runs: bytes moved rho = {m['spearman_comm_bytes']:.3f}, "
+            f"number of collectives rho = {m['spearman_collectives']:.3f}: the planner "
+            f"{_verdict(m['spearman_predicted'], m['spearman_collectives'])} the collective count.",
+            "",
+            f"| spec | predicted rank (of {m['ranked']}) | measured rank (of run) | predicted s | compute s | "
+            "act comm s | param comm s | collectives | comm bytes | measured s | measured / predicted |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
         for r in m["rows"]:
-            lines.append(f"| {r['spec']} | {r['predicted_rank']} | {r['measured_rank_among_run']} | "
-                         f"{r['predicted_s']:.4f} | {r['compute_s']:.4f} | {r['activation_comm_s']:.4f} | "
-                         f"{r['param_comm_s']:.4f} | {r['collectives']} | {r['comm_bytes']:,} | {r['measured_s']:.4f} | "
-                         f"{r['measured_s'] / r['predicted_s']:.2f} |")
+            lines.append(
+                f"| {r['spec']} | {r['predicted_rank']} | {r['measured_rank_among_run']} | "
+                f"{r['predicted_s']:.4f} | {r['compute_s']:.4f} | {r['activation_comm_s']:.4f} | "
+                f"{r['param_comm_s']:.4f} | {r['collectives']} | {r['comm_bytes']:,} | {r['measured_s']:.4f} | "
+                f"{r['measured_s'] / r['predicted_s']:.2f} |"
+            )
         lines.append("")
     return "\n".join(lines)
 
 
 if __name__ == "__main__":
     from spmd.layout.mesh import exit_process
+
     exit_process(main())  # not sys.exit: see exit_process

@@ -15,6 +15,7 @@ frees inside one op, the same for both trainers. Step times under the mode mean 
 
 Writes benchmarks/results/<date>-<device>-<model>-tensor-memory.{json,md}.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,8 +28,11 @@ import weakref
 from pathlib import Path
 
 import torch
-from torch.utils._python_dispatch import (TorchDispatchMode, is_traceable_wrapper_subclass,
-                                          is_traceable_wrapper_subclass_type)
+from torch.utils._python_dispatch import (
+    TorchDispatchMode,
+    is_traceable_wrapper_subclass,
+    is_traceable_wrapper_subclass_type,
+)
 from torch.utils._pytree import tree_leaves
 
 from benchmarks import common
@@ -71,6 +75,7 @@ class LiveTensorBytes(TorchDispatchMode):
 def worker(out_dir: str, module: str, argv: list[str]) -> None:
     """One rank: the trainer `module`'s main(argv) under the tracker; writes its peak to out_dir/rank<R>.json."""
     from spmd.layout.mesh import exit_process
+
     tracker = LiveTensorBytes()
     with tracker:
         code = importlib.import_module(module).main(argv)
@@ -92,11 +97,15 @@ def measure(a, impl: str, spec: str | None, out: Path) -> dict:
 
 def markdown(rep: dict) -> str:
     env, a = rep["environment"], rep["args"]
-    lines = [f"# Peak tensor memory per rank: {a['model']} on {a['nproc']} x {env['device']}", "",
-             f"{env['date']}, torch {env['torch']}, commit {env['commit'][:12]}; global batch "
-             f"{a['batch_size']} x {a['seq_len']}, {a['dtype']}, AdamW, {a['steps']} steps. Bytes of the storages "
-             f"alive at once, counted from every op's output on each rank (benchmarks/tensor_memory.py says what is "
-             f"and is not seen); the largest rank.", ""]
+    lines = [
+        f"# Peak tensor memory per rank: {a['model']} on {a['nproc']} x {env['device']}",
+        "",
+        f"{env['date']}, torch {env['torch']}, commit {env['commit'][:12]}; global batch "
+        f"{a['batch_size']} x {a['seq_len']}, {a['dtype']}, AdamW, {a['steps']} steps. Bytes of the storages "
+        f"alive at once, counted from every op's output on each rank (benchmarks/tensor_memory.py says what is "
+        f"and is not seen); the largest rank.",
+        "",
+    ]
     rows = []
     if "single" in rep:
         rows.append(["1 device", "plain PyTorch", f"{max(rep['single'].values()) / 2**20:,.2f}", ""])
@@ -131,10 +140,14 @@ def main(argv=None) -> int:
         if not a.no_single:
             report["single"] = measure(a, "single", None, Path(tmp, "single"))
         for i, spec in enumerate(a.specs):
-            report["specs"][spec] = {impl: measure(a, impl, spec, Path(tmp, f"{i}-{impl}"))
-                                     for impl in ("spmd", "native")}
-            print(f"[tensor_memory] {spec}: " + ", ".join(f"{k} {max(v.values()) / 2**20:,.2f} MiB"
-                                                          for k, v in report["specs"][spec].items()), flush=True)
+            report["specs"][spec] = {
+                impl: measure(a, impl, spec, Path(tmp, f"{i}-{impl}")) for impl in ("spmd", "native")
+            }
+            print(
+                f"[tensor_memory] {spec}: "
+                + ", ".join(f"{k} {max(v.values()) / 2**20:,.2f} MiB" for k, v in report["specs"][spec].items()),
+                flush=True,
+            )
     stem = Path(a.out) / f"{common.today()}-{common.device_slug()}-{a.model}-tensor-memory"
     js, md = common.write(stem, report, markdown(report))
     print(f"wrote {js} and {md}")

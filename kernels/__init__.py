@@ -9,6 +9,7 @@ The Triton modules (kernels/rms_norm.py, ...) are imported on first use, so `imp
 triton and TRITON_INTERPRET may be set any time before the first Triton call. They share their names with
 the functions below; the package keeps the functions (see _Package).
 """
+
 import importlib
 import sys
 import types
@@ -76,8 +77,10 @@ def linear_cross_entropy(hidden, weight, targets, ignore_index: int = -100, impl
     if not use_triton:
         return reference.linear_cross_entropy(hidden, weight, targets, ignore_index)
     if isinstance(hidden, DTensor) or isinstance(weight, DTensor):
-        raise ValueError("the chunked linear_cross_entropy runs on plain tensors only; with DTensors use "
-                         "impl='torch' (a DTensor matmul, then vocab-parallel cross-entropy)")
+        raise ValueError(
+            "the chunked linear_cross_entropy runs on plain tensors only; with DTensors use "
+            "impl='torch' (a DTensor matmul, then vocab-parallel cross-entropy)"
+        )
     return _triton("linear_cross_entropy").linear_cross_entropy(hidden, weight, targets, ignore_index)
 
 

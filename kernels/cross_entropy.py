@@ -5,6 +5,7 @@ ignore_index, in fp32.
 `ce_rows_forward` / `ce_rows_backward` are the two kernels as functions; linear_cross_entropy reuses them
 per token chunk, writing the gradient over the chunk's logits in place.
 """
+
 import torch
 import triton
 import triton.language as tl
@@ -33,8 +34,19 @@ def _ce_fwd(LOGITS, TARGETS, LOSS, ROW_MAX, LOG_SUM, n_cols, stride_row, ignore_
 
 
 @triton.jit
-def _ce_bwd(LOGITS, TARGETS, ROW_MAX, LOG_SUM, SCALE, DLOGITS, n_cols, stride_row, dstride_row, ignore_index,
-            BLOCK: tl.constexpr):
+def _ce_bwd(
+    LOGITS,
+    TARGETS,
+    ROW_MAX,
+    LOG_SUM,
+    SCALE,
+    DLOGITS,
+    n_cols,
+    stride_row,
+    dstride_row,
+    ignore_index,
+    BLOCK: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     target = tl.load(TARGETS + row)
     m = tl.load(ROW_MAX + row)
@@ -59,8 +71,17 @@ def ce_rows_forward(logits, targets, ignore_index: int, block: int | None = None
     loss = torch.empty(n, dtype=torch.float32, device=logits.device)
     stats = torch.empty(2, n, dtype=torch.float32, device=logits.device)
     if n > 0:
-        _ce_fwd[(n,)](logits, targets, loss, stats[0], stats[1], logits.shape[1], logits.stride(0), ignore_index,
-                      BLOCK=_block(logits.shape[1], block))
+        _ce_fwd[(n,)](
+            logits,
+            targets,
+            loss,
+            stats[0],
+            stats[1],
+            logits.shape[1],
+            logits.stride(0),
+            ignore_index,
+            BLOCK=_block(logits.shape[1], block),
+        )
     return loss, stats
 
 
@@ -70,8 +91,19 @@ def ce_rows_backward(logits, targets, stats, scale, ignore_index: int, out=None,
     out = torch.empty_like(logits) if out is None else out
     n = logits.shape[0]
     if n > 0:
-        _ce_bwd[(n,)](logits, targets, stats[0], stats[1], scale, out, logits.shape[1], logits.stride(0), out.stride(0),
-                      ignore_index, BLOCK=_block(logits.shape[1], block))
+        _ce_bwd[(n,)](
+            logits,
+            targets,
+            stats[0],
+            stats[1],
+            scale,
+            out,
+            logits.shape[1],
+            logits.stride(0),
+            out.stride(0),
+            ignore_index,
+            BLOCK=_block(logits.shape[1], block),
+        )
     return out
 
 
@@ -91,12 +123,14 @@ class CrossEntropyFunction(torch.autograd.Function):
         return ce_rows_backward(logits, targets, stats, scale, ctx.ignore_index, block=ctx.block), None, None, None
 
 
-def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100,
-                  block: int | None = None) -> torch.Tensor:
+def cross_entropy(
+    logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100, block: int | None = None
+) -> torch.Tensor:
     """Mean cross-entropy of [N, V] logits against [N] targets; `block` overrides the vocab tile width."""
     if logits.ndim != 2 or targets.shape != logits.shape[:1]:
-        raise ValueError(f"cross_entropy needs logits [N, V] and targets [N], got {tuple(logits.shape)}, "
-                         f"{tuple(targets.shape)}")
+        raise ValueError(
+            f"cross_entropy needs logits [N, V] and targets [N], got {tuple(logits.shape)}, {tuple(targets.shape)}"
+        )
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     return CrossEntropyFunction.apply(logits, targets.contiguous(), ignore_index, block)

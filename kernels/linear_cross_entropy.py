@@ -16,9 +16,10 @@ With use_triton the per-chunk softmax/gradient pass runs the Triton row kernels 
 (one read for the statistics, one read and in-place write for the gradient); without, plain torch does the
 same per chunk (CPU, and memory comparisons).
 """
+
 import torch
 
-CHUNK_ELEMENTS = 2 ** 29  # largest [chunk, vocab] logits block the default chunk size allows
+CHUNK_ELEMENTS = 2**29  # largest [chunk, vocab] logits block the default chunk size allows
 
 
 def _ce_chunk_torch(logits, targets, ignore_index, scale):
@@ -40,6 +41,7 @@ def _ce_chunk_torch(logits, targets, ignore_index, scale):
 
 def _ce_chunk_triton(logits, targets, ignore_index, scale):
     from .cross_entropy import ce_rows_backward, ce_rows_forward
+
     loss, stats = ce_rows_forward(logits, targets, ignore_index)
     ce_rows_backward(logits, targets, stats, scale.reshape(1), ignore_index, out=logits)
     return loss
@@ -98,12 +100,12 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         ce_chunk = _ce_chunk_triton if use_triton else _ce_chunk_torch
         loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for start in range(0, n_tokens, chunk_size):
-            h = hidden[start:start + chunk_size]
+            h = hidden[start : start + chunk_size]
             logits = h @ weight.t()
-            loss_sum += ce_chunk(logits, targets[start:start + chunk_size], ignore_index, scale).sum()
+            loss_sum += ce_chunk(logits, targets[start : start + chunk_size], ignore_index, scale).sum()
             dlogits = logits  # ce_chunk left d(mean loss)/d(logits) in the buffer
             if need_h:
-                torch.mm(dlogits, weight, out=grad_h[start:start + chunk_size])
+                torch.mm(dlogits, weight, out=grad_h[start : start + chunk_size])
             if need_w:
                 _accumulate(grad_w, dlogits.t(), h, first=start == 0)
             del logits, dlogits
@@ -121,16 +123,23 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         return dh, dw, None, None, None, None
 
 
-def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                         ignore_index: int = -100, chunk_size: int | None = None,
-                         use_triton: bool = True) -> torch.Tensor:
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    ignore_index: int = -100,
+    chunk_size: int | None = None,
+    use_triton: bool = True,
+) -> torch.Tensor:
     """Mean cross-entropy of (hidden @ weight.T) against targets over the tokens whose target is not
     ignore_index; hidden [..., H], weight [V, H], targets [...]. chunk_size: tokens per logits block."""
     H = hidden.shape[-1]
     hidden, targets = hidden.reshape(-1, H), targets.reshape(-1)
     if weight.ndim != 2 or weight.shape[1] != H or targets.shape[0] != hidden.shape[0]:
-        raise ValueError(f"linear_cross_entropy needs hidden [N, H], weight [V, H], targets [N]; got "
-                         f"{tuple(hidden.shape)}, {tuple(weight.shape)}, {tuple(targets.shape)}")
+        raise ValueError(
+            f"linear_cross_entropy needs hidden [N, H], weight [V, H], targets [N]; got "
+            f"{tuple(hidden.shape)}, {tuple(weight.shape)}, {tuple(targets.shape)}"
+        )
     if chunk_size is not None and chunk_size < 1:
         raise ValueError(f"linear_cross_entropy chunk_size must be a positive number of tokens, got {chunk_size}")
     chunk = chunk_size or default_chunk_size(hidden.shape[0], H, weight.shape[0])

@@ -4,6 +4,7 @@ Each wrapper checks the placements, calls the kernel on `to_local()` tensors and
 the input's placements. A replicated weight used by token-sharded activations gets a Partial gradient
 (each rank holds the sum over its own tokens), which is what autograd through DTensor ops gives too.
 """
+
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 
@@ -13,8 +14,10 @@ def _shard_dims(t: DTensor, name: str) -> set[int]:
         if isinstance(p, Shard):
             dims.add(p.dim % t.ndim)
         elif not isinstance(p, Replicate):
-            raise ValueError(f"the triton {name} kernel takes Shard/Replicate DTensors, got {t.placements}; "
-                             f"use impl='torch' or redistribute")
+            raise ValueError(
+                f"the triton {name} kernel takes Shard/Replicate DTensors, got {t.placements}; "
+                f"use impl='torch' or redistribute"
+            )
     return dims
 
 
@@ -27,8 +30,9 @@ def _replicated(t, like: DTensor, name: str, what: str) -> DTensor:
 
 
 def _wrap(local, like: DTensor) -> DTensor:
-    return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False,
-                              shape=like.shape, stride=like.stride())
+    return DTensor.from_local(
+        local, like.device_mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride()
+    )
 
 
 def rms_norm(fn, x: DTensor, weight, eps: float) -> DTensor:
@@ -53,8 +57,10 @@ def apply_rope(fn, q: DTensor, k, cos, sin):
     for t, name in ((q, "q"), (k, "k")):
         bad = _shard_dims(t, "rope") & {1, 3}
         if bad:
-            raise ValueError(f"the triton rope kernel cannot take {name} sharded on the sequence or head_dim "
-                             f"dim (placements {t.placements}); only batch and heads may be sharded")
+            raise ValueError(
+                f"the triton rope kernel cannot take {name} sharded on the sequence or head_dim "
+                f"dim (placements {t.placements}); only batch and heads may be sharded"
+            )
     cos = _replicated(cos, q, "rope", "cos").to_local() if isinstance(cos, DTensor) else cos
     sin = _replicated(sin, q, "rope", "sin").to_local() if isinstance(sin, DTensor) else sin
     q_out, k_out = fn(q.to_local(), k.to_local(), cos, sin)

@@ -1,5 +1,6 @@
 """Plain-torch reference implementations of every kernel: the ground truth the Triton kernels are tested
 against, and the implementation used on CPU and on DTensor inputs."""
+
 import torch
 import torch.nn.functional as F
 
@@ -35,6 +36,7 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int
     return F.cross_entropy(logits.float(), targets, ignore_index=ignore_index)
 
 
-def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                         ignore_index: int = -100) -> torch.Tensor:
+def linear_cross_entropy(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100
+) -> torch.Tensor:
     return cross_entropy(hidden @ weight.t(), targets, ignore_index)

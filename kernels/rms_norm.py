@@ -3,6 +3,7 @@
 Forward: one program per row, saves 1/rms per row. Backward: each program walks a band of rows, writes dx
 and accumulates its partial dweight in fp32; the partials are summed in torch.
 """
+
 import torch
 import triton
 import triton.language as tl
@@ -72,8 +73,18 @@ class RMSNormFunction(torch.autograd.Function):
         programs = max(_num_programs(n_rows, x2.device), 1)
         dw_partial = torch.zeros(programs, n_cols, dtype=torch.float32, device=x2.device)
         if n_rows > 0:
-            _rms_norm_bwd[(programs,)](dy, x2, weight, rstd, dx, dw_partial, n_rows, n_cols,
-                                       triton.cdiv(n_rows, programs), BLOCK=triton.next_power_of_2(n_cols))
+            _rms_norm_bwd[(programs,)](
+                dy,
+                x2,
+                weight,
+                rstd,
+                dx,
+                dw_partial,
+                n_rows,
+                n_cols,
+                triton.cdiv(n_rows, programs),
+                BLOCK=triton.next_power_of_2(n_cols),
+            )
         return dx.view(ctx.shape), dw_partial.sum(0).to(weight.dtype), None
 
 

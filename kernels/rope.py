@@ -4,14 +4,16 @@ out[:h] = x[:h]*cos[:h] - x[h:]*sin[:h] and out[h:] = x[h:]*cos[h:] + x[:h]*sin[
 One program per (batch, position) rotates every head of that token, loading cos/sin once. The backward is
 the transposed rotation, the same kernel with BACKWARD=True. cos and sin are tables, not differentiated.
 """
+
 import torch
 import triton
 import triton.language as tl
 
 
 @triton.jit
-def _rope_kernel(X, COS, SIN, Y, seq_len, n_heads, head_dim,
-                 BACKWARD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+def _rope_kernel(
+    X, COS, SIN, Y, seq_len, n_heads, head_dim, BACKWARD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr
+):
     token = tl.program_id(0).to(tl.int64)  # flat (batch, position) index
     pos = token % seq_len
     half = head_dim // 2
@@ -41,8 +43,18 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: boo
     x = x.contiguous()
     y = torch.empty_like(x)
     if x.numel() > 0:
-        _rope_kernel[(B * T,)](x, cos, sin, y, T, H, D, BACKWARD=backward,
-                               BLOCK_H=triton.next_power_of_2(H), BLOCK_D=triton.next_power_of_2(D // 2))
+        _rope_kernel[(B * T,)](
+            x,
+            cos,
+            sin,
+            y,
+            T,
+            H,
+            D,
+            BACKWARD=backward,
+            BLOCK_H=triton.next_power_of_2(H),
+            BLOCK_D=triton.next_power_of_2(D // 2),
+        )
     return y
 
 
@@ -68,6 +80,7 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
         raise ValueError(f"rope needs q [B, T, H, D] and k [B, T, Hkv, D], got {tuple(q.shape)}, {tuple(k.shape)}")
     T, D = q.shape[1], q.shape[-1]
     if D % 2 or cos.shape != (T, D) or sin.shape != (T, D):
-        raise ValueError(f"rope needs an even head_dim and cos/sin of shape {(T, D)}, got "
-                         f"{tuple(cos.shape)}, {tuple(sin.shape)}")
+        raise ValueError(
+            f"rope needs an even head_dim and cos/sin of shape {(T, D)}, got {tuple(cos.shape)}, {tuple(sin.shape)}"
+        )
     return RoPEFunction.apply(q, k, cos, sin)

@@ -2,6 +2,7 @@
 
 The backward recomputes silu from the saved inputs instead of keeping the activation.
 """
+
 import torch
 import triton
 import triton.language as tl
@@ -56,6 +57,8 @@ class SwiGLUFunction(torch.autograd.Function):
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     if gate.shape != up.shape or gate.dtype != up.dtype:
-        raise ValueError(f"swiglu needs gate and up of one shape and dtype, got {tuple(gate.shape)} {gate.dtype} "
-                         f"and {tuple(up.shape)} {up.dtype}")
+        raise ValueError(
+            f"swiglu needs gate and up of one shape and dtype, got {tuple(gate.shape)} {gate.dtype} "
+            f"and {tuple(up.shape)} {up.dtype}"
+        )
     return SwiGLUFunction.apply(gate, up)

@@ -9,6 +9,7 @@ all-reduce the loss sum and the count of non-ignored tokens. The backward (softm
 the local vocab slice) needs no communication. Logits with the whole vocab on every rank take torch's fused
 cross-entropy on the local tokens and the one all-reduce over the token dims.
 """
+
 import torch
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
@@ -78,7 +79,8 @@ def _placement_dims(logits: DTensor):
         else:
             raise ValueError(
                 f"vocab-parallel cross-entropy takes logits placed Shard(dim) or Replicate on each mesh "
-                f"dim; got {p} on mesh dim {mesh_dim} ({logits.placements}). Redistribute Partial logits first.")
+                f"dim; got {p} on mesh dim {mesh_dim} ({logits.placements}). Redistribute Partial logits first."
+            )
     return vocab_dims, token_dims
 
 
@@ -127,8 +129,10 @@ def vocab_parallel_cross_entropy(logits: DTensor, targets, ignore_index: int = -
     if logits.ndim < 2:
         raise ValueError(f"logits must be [N, V] or [B, T, V], got shape {tuple(logits.shape)}")
     if any(p.is_partial() for p in logits.placements):
-        raise ValueError(f"vocab-parallel cross-entropy cannot take Partial logits ({logits.placements}); "
-                         "reduce them first, e.g. logits.redistribute(mesh, [Shard(1)])")
+        raise ValueError(
+            f"vocab-parallel cross-entropy cannot take Partial logits ({logits.placements}); "
+            "reduce them first, e.g. logits.redistribute(mesh, [Shard(1)])"
+        )
     # the body runs on local tensors and DTensor's own dispatch, with torch-function modes off: a mode above
     # (a framework's view of the model) has nothing to do here, and under one every op costs about twice
     with torch._C.DisableTorchFunction():
@@ -141,8 +145,14 @@ def _loss(logits: DTensor, targets, ignore_index: int) -> DTensor:
     local_logits = _Local.apply(logits).flatten(0, -2)
     local_targets = _local_targets(targets, logits, token_dims).flatten()
     if vocab_dims:
-        loss = _VocabParallelCE.apply(local_logits, local_targets, _vocab_start(logits.shape[-1], mesh, vocab_dims),
-                                      ignore_index, _groups(mesh, vocab_dims), _groups(mesh, token_dims))
+        loss = _VocabParallelCE.apply(
+            local_logits,
+            local_targets,
+            _vocab_start(logits.shape[-1], mesh, vocab_dims),
+            ignore_index,
+            _groups(mesh, vocab_dims),
+            _groups(mesh, token_dims),
+        )
     else:
         loss = _token_parallel_ce(local_logits, local_targets, ignore_index, _groups(mesh, token_dims))
     return _Replicated.apply(loss, mesh)
@@ -151,6 +161,7 @@ def _loss(logits: DTensor, targets, ignore_index: int) -> DTensor:
 # The loss's two edges run once per step, on every rank. DTensor's to_local and from_local build a DTensorSpec
 # for the gradient and for the loss at each call, several times the loss's own cost at a small batch; these
 # reuse the logits' spec and one spec per mesh for the scalar.
+
 
 class _Local(torch.autograd.Function):
     """`x.to_local()`: its gradient comes back in `x`'s layout (its spec, when the strides agree)."""
@@ -168,8 +179,14 @@ class _Local(torch.autograd.Function):
             return None
         spec = ctx.spec
         if g.stride() != ctx.local_stride:
-            return DTensor.from_local(g, spec.mesh, spec.placements, run_check=False, shape=spec.shape,
-                                      stride=tuple(compute_global_tensor_info(g, spec.mesh, spec.placements)[1]))
+            return DTensor.from_local(
+                g,
+                spec.mesh,
+                spec.placements,
+                run_check=False,
+                shape=spec.shape,
+                stride=tuple(compute_global_tensor_info(g, spec.mesh, spec.placements)[1]),
+            )
         return DTensor.__new__(DTensor, g, spec, requires_grad=False)
 
 
@@ -184,8 +201,10 @@ class _Replicated(torch.autograd.Function):
         key = (id(mesh), loss.dtype)
         hit = _SCALAR_SPECS.get(key)
         if hit is None or hit[0] is not mesh:
-            hit = _SCALAR_SPECS[key] = (mesh, DTensorSpec(mesh, (Replicate(),) * mesh.ndim,
-                                                          tensor_meta=TensorMeta(torch.Size(()), (), loss.dtype)))
+            hit = _SCALAR_SPECS[key] = (
+                mesh,
+                DTensorSpec(mesh, (Replicate(),) * mesh.ndim, tensor_meta=TensorMeta(torch.Size(()), (), loss.dtype)),
+            )
         return DTensor.__new__(DTensor, loss.view_as(loss), hit[1], requires_grad=loss.requires_grad)
 
     @staticmethod

@@ -9,6 +9,7 @@ TOML files hold the same keys as the dataclass (`batch_size = 16`); flags are th
 short CPU run of the tiny model on the Python standard library that shows the loss falling from 6.2 to about
 2 in 15-20 s on two idle cores (longer on a busy machine).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,57 +31,57 @@ CONFIG_DIR = Path(__file__).parent / "configs"
 @dataclass
 class TrainConfig:
     # model and layout
-    model: str = "tiny"            # tiny | small | 1b | 8b | 70b | moe-tiny | moe-small | moe-8x7b, or MODEL:PRESET
-    mesh: str = ""                 # "fsdp=2,tp=2" (may end in ",sp"); empty: fsdp over every process
-    sp: bool = False               # sequence parallelism (activations sharded over tp along seq)
+    model: str = "tiny"  # tiny | small | 1b | 8b | 70b | moe-tiny | moe-small | moe-8x7b, or MODEL:PRESET
+    mesh: str = ""  # "fsdp=2,tp=2" (may end in ",sp"); empty: fsdp over every process
+    sp: bool = False  # sequence parallelism (activations sharded over tp along seq)
     # optimisation
     steps: int = 150
-    batch_size: int = 16           # global batch, in sequences
+    batch_size: int = 16  # global batch, in sequences
     seq_len: int = 128
-    grad_accum: int = 1            # micro-batches per step (the global batch stays batch_size)
-    lr: float = 3e-3               # peak learning rate
-    warmup: int = 15               # linear warmup steps, then cosine decay to 10% of lr at `steps`
+    grad_accum: int = 1  # micro-batches per step (the global batch stays batch_size)
+    lr: float = 3e-3  # peak learning rate
+    warmup: int = 15  # linear warmup steps, then cosine decay to 10% of lr at `steps`
     weight_decay: float = 0.1
-    optimizer: str = "adamw"       # adamw | muon (spmd.Muon on hidden matrices at --muon-lr, AdamW at --lr on the rest)
-    muon_lr: float = 0.02          # Muon's peak lr (its update is scaled to unit spectral norm, not AdamW's)
-    max_grad_norm: float = 1.0     # global-norm clipping; 0 disables
-    max_bad_steps: int = 5         # stop after this many consecutive non-finite steps (skipped); 0: never stop
-    dtype: str = "fp32"            # fp32 | bf16 | fp16 (compute dtype; master weights stay fp32)
-    ac: str = "none"               # activation checkpointing: none | full | selective:N (every N-th block)
-    zero: int = 3                  # ZeRO stage: 1 shards optimizer states over fsdp, 2 + gradients, 3 + parameters
-    master: str = "params"         # fp32 master weights with --dtype bf16/fp16: params | optimizer (spmd.parallelize)
-    offload: str = ""              # "" | optimizer | params | nvme:DIR: AdamW states and fp32 masters on the host
-                                   # (params: stage-3 parameter shards too; nvme: states in files)
-    compile: bool = False          # torch.compile each block (spmd.compile_blocks), checkpointed ones too
-    kernels: str = "auto"          # auto | torch | triton: the model's RMSNorm/SwiGLU/RoPE/CE implementation
+    optimizer: str = "adamw"  # adamw | muon (spmd.Muon on hidden matrices at --muon-lr, AdamW at --lr on the rest)
+    muon_lr: float = 0.02  # Muon's peak lr (its update is scaled to unit spectral norm, not AdamW's)
+    max_grad_norm: float = 1.0  # global-norm clipping; 0 disables
+    max_bad_steps: int = 5  # stop after this many consecutive non-finite steps (skipped); 0: never stop
+    dtype: str = "fp32"  # fp32 | bf16 | fp16 (compute dtype; master weights stay fp32)
+    ac: str = "none"  # activation checkpointing: none | full | selective:N (every N-th block)
+    zero: int = 3  # ZeRO stage: 1 shards optimizer states over fsdp, 2 + gradients, 3 + parameters
+    master: str = "params"  # fp32 master weights with --dtype bf16/fp16: params | optimizer (spmd.parallelize)
+    offload: str = ""  # "" | optimizer | params | nvme:DIR: AdamW states and fp32 masters on the host
+    # (params: stage-3 parameter shards too; nvme: states in files)
+    compile: bool = False  # torch.compile each block (spmd.compile_blocks), checkpointed ones too
+    kernels: str = "auto"  # auto | torch | triton: the model's RMSNorm/SwiGLU/RoPE/CE implementation
     # data
-    data: str = "stdlib"           # stdlib | PATH_OR_GLOB of text/.jsonl/.parquet files | datasets dir | FILE.bin
-    data_field: str = "text"       # the text field of .jsonl/.parquet/datasets records
-    tokenizer: str = "bytes"       # bytes | path/to/tokenizer.json
+    data: str = "stdlib"  # stdlib | PATH_OR_GLOB of text/.jsonl/.parquet files | datasets dir | FILE.bin
+    data_field: str = "text"  # the text field of .jsonl/.parquet/datasets records
+    tokenizer: str = "bytes"  # bytes | path/to/tokenizer.json
     seed: int = 0
     # validation (launch/validate.py)
-    val_data: str = ""             # like --data; empty: a held-out tail of --data that training never reads
-    val_every: int = 0             # steps between validations (and after the last step); 0: no validation
-    val_batches: int = 10          # batches of batch_size x seq_len tokens each validation evaluates
+    val_data: str = ""  # like --data; empty: a held-out tail of --data that training never reads
+    val_every: int = 0  # steps between validations (and after the last step); 0: no validation
+    val_batches: int = 10  # batches of batch_size x seq_len tokens each validation evaluates
     # checkpoints
-    ckpt_dir: str = ""             # empty: no checkpoints
-    ckpt_every: int = 0            # steps between checkpoints; 0: only at the end (and on SIGTERM/SIGINT)
-    ckpt_keep: int = 3             # newest checkpoints kept; 0 keeps all
-    ckpt_async: bool = True        # the loop waits for the copy to host memory only; a thread writes and commits
-    resume: bool = False           # continue from ckpt_dir/latest when there is one
-    init_from_hf: str = ""         # Hugging Face directory to initialise weights from
+    ckpt_dir: str = ""  # empty: no checkpoints
+    ckpt_every: int = 0  # steps between checkpoints; 0: only at the end (and on SIGTERM/SIGINT)
+    ckpt_keep: int = 3  # newest checkpoints kept; 0 keeps all
+    ckpt_async: bool = True  # the loop waits for the copy to host memory only; a thread writes and commits
+    resume: bool = False  # continue from ckpt_dir/latest when there is one
+    init_from_hf: str = ""  # Hugging Face directory to initialise weights from
     # metrics
-    metrics: str = ""              # JSONL file, one line per step
-    tensorboard: str = ""          # tensorboard log directory
-    log_every: int = 1             # steps between JSONL/tensorboard/W&B records
-    wandb: str = ""                # Weights & Biases project (offline unless WANDB_MODE is set)
+    metrics: str = ""  # JSONL file, one line per step
+    tensorboard: str = ""  # tensorboard log directory
+    log_every: int = 1  # steps between JSONL/tensorboard/W&B records
+    wandb: str = ""  # Weights & Biases project (offline unless WANDB_MODE is set)
     # profiling (launch/profile.py)
-    profile_steps: str = ""        # "A:B": torch.profiler trace (+ CUDA memory snapshot) of steps A..B
-    profile_dir: str = "profile"   # where the rank-tagged trace files go
+    profile_steps: str = ""  # "A:B": torch.profiler trace (+ CUDA memory snapshot) of steps A..B
+    profile_dir: str = "profile"  # where the rank-tagged trace files go
     # pipeline parallelism (a pp axis in --mesh)
-    pp_schedule: str = "1f1b"      # gpipe | 1f1b | interleaved-1f1b | zero-bubble | zbv
-    microbatches: int = 0          # pipeline micro-batches per step (per --grad-accum micro-batch); 0: a default
-    virtual_stages: int = 1        # stages per pp rank (interleaved schedules)
+    pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved-1f1b | zero-bubble | zbv
+    microbatches: int = 0  # pipeline micro-batches per step (per --grad-accum micro-batch); 0: a default
+    virtual_stages: int = 1  # stages per pp rank (interleaved schedules)
     # failures
     collective_timeout: float = 600.0  # seconds a collective waits for a dead or stuck rank before failing
     # the TOML file's [rules.*] tables (no flag): when set, they are the layout instead of Rules.default
@@ -121,7 +122,7 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
     # ------------------------------------------------------------------ checks
-    def validate(self, world_size: int = 1, model_cfg=None) -> "TrainConfig":
+    def validate(self, world_size: int = 1, model_cfg=None) -> TrainConfig:
         """Raise ValueError (problem and fix) for anything that would fail later. No collectives."""
         problems = config_problems(self, world_size, model_cfg)
         if problems:
@@ -142,8 +143,7 @@ def _check_type(name: str, value, default, source: str):
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if kind is int and isinstance(value, bool) or not isinstance(value, kind):
-        raise ValueError(f"{source}: {name} = {value!r} should be a {kind.__name__} "
-                         f"(like {name} = {default!r})")
+        raise ValueError(f"{source}: {name} = {value!r} should be a {kind.__name__} (like {name} = {default!r})")
     return value
 
 
@@ -169,9 +169,12 @@ def _apply(path: Path, data: dict, base: TrainConfig | None) -> TrainConfig:
             continue
         if key not in known:
             import difflib
+
             hint = difflib.get_close_matches(key, known, n=1)
-            raise ValueError(f"config file {path}: unknown key {key!r}"
-                             + (f"; did you mean {hint[0]!r}?" if hint else f"; known keys: {', '.join(known)}"))
+            raise ValueError(
+                f"config file {path}: unknown key {key!r}"
+                + (f"; did you mean {hint[0]!r}?" if hint else f"; known keys: {', '.join(known)}")
+            )
         setattr(cfg, key, _check_type(key, value, known[key].default, f"config file {path}"))
     return cfg
 
@@ -180,21 +183,35 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="torchrun --standalone --nproc-per-node N -m launch.train",
         description="Train a model of models.MODELS with spmd. Defaults < --config TOML < command-line flags.",
-        argument_default=argparse.SUPPRESS)
+        argument_default=argparse.SUPPRESS,
+    )
     p.add_argument("--config", help="TOML file with the keys below (underscores: batch_size = 16)")
     helps = {
-        "model": "model preset: tiny|small|1b|8b|70b, moe-tiny|moe-small|moe-8x7b (or MODEL:PRESET)", "mesh": "mesh spec, e.g. fsdp=2,tp=2 or fsdp=2,cp=2 (default: fsdp=N)",
-        "sp": "sequence parallelism", "steps": "optimizer steps", "batch_size": "global batch in sequences",
-        "seq_len": "tokens per sequence", "grad_accum": "micro-batches per step", "lr": "peak learning rate",
-        "warmup": "warmup steps", "dtype": "fp32|bf16|fp16", "ac": "none|full|selective:N",
+        "model": "model preset: tiny|small|1b|8b|70b, moe-tiny|moe-small|moe-8x7b (or MODEL:PRESET)",
+        "mesh": "mesh spec, e.g. fsdp=2,tp=2 or fsdp=2,cp=2 (default: fsdp=N)",
+        "sp": "sequence parallelism",
+        "steps": "optimizer steps",
+        "batch_size": "global batch in sequences",
+        "seq_len": "tokens per sequence",
+        "grad_accum": "micro-batches per step",
+        "lr": "peak learning rate",
+        "warmup": "warmup steps",
+        "dtype": "fp32|bf16|fp16",
+        "ac": "none|full|selective:N",
         "data": "stdlib | PATH_OR_GLOB (text, .jsonl, .parquet) | datasets.save_to_disk DIR | FILE.bin",
-        "data_field": "text field of .jsonl/.parquet/datasets records", "tokenizer": "bytes | tokenizer.json",
-        "ckpt_dir": "checkpoint directory", "ckpt_every": "checkpoint every N steps (0: at the end)",
+        "data_field": "text field of .jsonl/.parquet/datasets records",
+        "tokenizer": "bytes | tokenizer.json",
+        "ckpt_dir": "checkpoint directory",
+        "ckpt_every": "checkpoint every N steps (0: at the end)",
         "ckpt_async": "write checkpoints in a background thread (--no-ckpt-async: the loop waits for the files)",
-        "resume": "resume from CKPT_DIR/latest if present", "init_from_hf": "initialise from a Hugging Face directory",
-        "metrics": "JSONL metrics file", "tensorboard": "tensorboard log directory", "seed": "data/init seed",
+        "resume": "resume from CKPT_DIR/latest if present",
+        "init_from_hf": "initialise from a Hugging Face directory",
+        "metrics": "JSONL metrics file",
+        "tensorboard": "tensorboard log directory",
+        "seed": "data/init seed",
         "wandb": "Weights & Biases project (offline unless WANDB_MODE is set; needs spmd[wandb])",
-        "pp_schedule": "gpipe|1f1b|interleaved-1f1b|zero-bubble|zbv", "microbatches": "pipeline micro-batches (0: 1 or 2 per pp rank)",
+        "pp_schedule": "gpipe|1f1b|interleaved-1f1b|zero-bubble|zbv",
+        "microbatches": "pipeline micro-batches (0: 1 or 2 per pp rank)",
         "virtual_stages": "pipeline stages per pp rank",
         "profile_steps": "A:B: profiler trace (+ CUDA memory snapshot) of steps A..B, counted from 1",
         "profile_dir": "directory for the profiler's rank-tagged files",
@@ -208,7 +225,7 @@ def parser() -> argparse.ArgumentParser:
         "val_every": "validate every N steps and after the last (0: never)",
         "val_batches": "batches each validation evaluates",
         "offload": "optimizer | params | nvme:DIR: AdamW states and fp32 masters in host memory (params: stage-3 "
-                   "parameter shards too; nvme: files under DIR), the step on the CPU",
+        "parameter shards too; nvme: files under DIR), the step on the CPU",
     }
     for f in fields(TrainConfig):
         if f.name == "rules_table":  # TOML only

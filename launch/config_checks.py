@@ -3,6 +3,7 @@ it and its fix, and `TrainConfig.validate` raises them all at once.
 
     problems = config_problems(cfg, world_size, model_cfg)   # [] when the config can run
 """
+
 from __future__ import annotations
 
 from kernels import IMPLS
@@ -11,8 +12,8 @@ from spmd.layout.mesh import format_sizes
 from spmd.layout.rules import ZERO_STAGES
 from spmd.layout.sequence import check_seq_len
 from spmd.pipeline.runtime import validate_pipeline
-from spmd.runtime.transforms.checkpointing import parse_mode as parse_ac_mode
 from spmd.runtime.state import MASTERS
+from spmd.runtime.transforms.checkpointing import parse_mode as parse_ac_mode
 
 from .profile import parse_steps as parse_profile_steps
 
@@ -39,11 +40,16 @@ def config_problems(cfg, world_size: int = 1, model_cfg=None) -> list[str]:
 
 
 def _scalar_problems(cfg) -> list[str]:
-    problems = [f"--{flag_name(n)} must be >= 1, got {getattr(cfg, n)}"
-                for n in ("steps", "batch_size", "seq_len", "grad_accum", "log_every") if getattr(cfg, n) < 1]
-    problems += [f"--{flag_name(n)} must be >= 0, got {getattr(cfg, n)}"
-                 for n in ("warmup", "ckpt_every", "ckpt_keep", "max_grad_norm", "weight_decay", "seed",
-                           "max_bad_steps") if getattr(cfg, n) < 0]
+    problems = [
+        f"--{flag_name(n)} must be >= 1, got {getattr(cfg, n)}"
+        for n in ("steps", "batch_size", "seq_len", "grad_accum", "log_every")
+        if getattr(cfg, n) < 1
+    ]
+    problems += [
+        f"--{flag_name(n)} must be >= 0, got {getattr(cfg, n)}"
+        for n in ("warmup", "ckpt_every", "ckpt_keep", "max_grad_norm", "weight_decay", "seed", "max_bad_steps")
+        if getattr(cfg, n) < 0
+    ]
     if not cfg.lr > 0:
         problems.append(f"--lr must be positive, got {cfg.lr}")
     if not cfg.collective_timeout > 0:
@@ -61,11 +67,15 @@ def _optimizer_problems(cfg, sizes) -> list[str]:
         return []
     problems = [] if cfg.muon_lr > 0 else [f"--muon-lr must be positive, got {cfg.muon_lr}"]
     if sizes.get("pp", 1) > 1:
-        problems.append("--optimizer muon exchanges whole matrices over the whole mesh, which a pipeline's stages "
-                        "do not share: use a mesh without pp, or --optimizer adamw")
+        problems.append(
+            "--optimizer muon exchanges whole matrices over the whole mesh, which a pipeline's stages "
+            "do not share: use a mesh without pp, or --optimizer adamw"
+        )
     if cfg.offload:
-        problems.append(f"--optimizer muon steps on the device; --offload {cfg.offload} moves the step to the host: "
-                        f"leave --offload out, or use --optimizer adamw")
+        problems.append(
+            f"--optimizer muon steps on the device; --offload {cfg.offload} moves the step to the host: "
+            f"leave --offload out, or use --optimizer adamw"
+        )
     return problems
 
 
@@ -73,21 +83,33 @@ def _zero_problems(cfg) -> list[str]:
     """--zero, --master and --offload problems (names and fixes)."""
     problems = []
     if cfg.zero not in ZERO_STAGES:
-        problems.append(f"--zero {cfg.zero} is not a ZeRO stage; use 1 (optimizer states sharded over fsdp), 2 "
-                        f"(+ gradients), 3 (+ parameters: FSDP, the default), or 0 (none)")
+        problems.append(
+            f"--zero {cfg.zero} is not a ZeRO stage; use 1 (optimizer states sharded over fsdp), 2 "
+            f"(+ gradients), 3 (+ parameters: FSDP, the default), or 0 (none)"
+        )
     if cfg.master not in MASTERS:
-        problems.append(f"--master {cfg.master!r} is not one of {'|'.join(MASTERS)}: 'params' keeps fp32 parameters, "
-                        f"'optimizer' keeps --dtype parameters and the fp32 master with the optimizer states")
+        problems.append(
+            f"--master {cfg.master!r} is not one of {'|'.join(MASTERS)}: 'params' keeps fp32 parameters, "
+            f"'optimizer' keeps --dtype parameters and the fp32 master with the optimizer states"
+        )
     if cfg.offload == "params" and cfg.zero != 3:
-        problems.append(f"--offload params keeps stage-3 parameter shards on the host; --zero {cfg.zero} keeps "
-                        f"parameters whole on the device: use --zero 3, or --offload optimizer")
+        problems.append(
+            f"--offload params keeps stage-3 parameter shards on the host; --zero {cfg.zero} keeps "
+            f"parameters whole on the device: use --zero 3, or --offload optimizer"
+        )
     if cfg.offload == "params" and cfg.compile:
-        problems.append("--offload params with --compile is not supported (compiled blocks gather parameters "
-                        "where they are stored); leave --compile out, or use --offload optimizer")
-    elif cfg.offload not in ("", "optimizer", "params") and not (cfg.offload.startswith("nvme:") and len(cfg.offload) > 5):
-        problems.append(f"--offload {cfg.offload!r} is not supported; use --offload optimizer (AdamW states and "
-                        f"fp32 masters in host memory, the step on the CPU), --offload params (stage-3 parameter "
-                        f"shards too), --offload nvme:DIR (states in files under DIR) or leave it out")
+        problems.append(
+            "--offload params with --compile is not supported (compiled blocks gather parameters "
+            "where they are stored); leave --compile out, or use --offload optimizer"
+        )
+    elif cfg.offload not in ("", "optimizer", "params") and not (
+        cfg.offload.startswith("nvme:") and len(cfg.offload) > 5
+    ):
+        problems.append(
+            f"--offload {cfg.offload!r} is not supported; use --offload optimizer (AdamW states and "
+            f"fp32 masters in host memory, the step on the CPU), --offload params (stage-3 parameter "
+            f"shards too), --offload nvme:DIR (states in files under DIR) or leave it out"
+        )
     return problems
 
 
@@ -97,11 +119,14 @@ def _run_problems(cfg) -> list[str]:
     try:
         parse_ac_mode(cfg.ac)
     except ValueError:
-        problems.append(f"--ac {cfg.ac!r} is not valid; use none, full, or selective:N with N >= 1 "
-                        f"(checkpoint every N-th block)")
+        problems.append(
+            f"--ac {cfg.ac!r} is not valid; use none, full, or selective:N with N >= 1 (checkpoint every N-th block)"
+        )
     if cfg.kernels not in IMPLS:
-        problems.append(f"--kernels {cfg.kernels!r} is not one of {'|'.join(IMPLS)}; pick one "
-                        f"(triton on CPU needs TRITON_INTERPRET=1)")
+        problems.append(
+            f"--kernels {cfg.kernels!r} is not one of {'|'.join(IMPLS)}; pick one "
+            f"(triton on CPU needs TRITON_INTERPRET=1)"
+        )
     if cfg.resume and not cfg.ckpt_dir:
         problems.append("--resume needs --ckpt-dir DIR to resume from")
     if cfg.ckpt_every and not cfg.ckpt_dir:
@@ -109,8 +134,10 @@ def _run_problems(cfg) -> list[str]:
     try:
         profiled = parse_profile_steps(cfg.profile_steps)
         if profiled and profiled[1] > cfg.steps:
-            problems.append(f"--profile-steps {cfg.profile_steps} ends after the last step ({cfg.steps}); end at "
-                            f"step {cfg.steps} or before")
+            problems.append(
+                f"--profile-steps {cfg.profile_steps} ends after the last step ({cfg.steps}); end at "
+                f"step {cfg.steps} or before"
+            )
     except ValueError as e:
         problems.append(str(e))
     return problems
@@ -120,13 +147,16 @@ def _validation_problems(cfg) -> list[str]:
     """--val-every, --val-batches and --val-data (launch/validate.py)."""
     problems = []
     if cfg.val_every < 0:
-        problems.append(f"--val-every must be >= 0 (steps between validations; 0 turns validation off), got "
-                        f"{cfg.val_every}")
+        problems.append(
+            f"--val-every must be >= 0 (steps between validations; 0 turns validation off), got {cfg.val_every}"
+        )
     if cfg.val_batches < 1:
         problems.append(f"--val-batches must be >= 1 (batches each validation evaluates), got {cfg.val_batches}")
     if cfg.val_data and not cfg.val_every:
-        problems.append(f"--val-data {cfg.val_data} is never read without --val-every N; add --val-every N "
-                        f"(e.g. --val-every {max(1, cfg.steps // 10)}) or drop --val-data")
+        problems.append(
+            f"--val-data {cfg.val_data} is never read without --val-every N; add --val-every N "
+            f"(e.g. --val-every {max(1, cfg.steps // 10)}) or drop --val-data"
+        )
     return problems
 
 
@@ -137,9 +167,11 @@ def _mesh_problems(cfg, world_size: int, sizes: dict, flags) -> list[str]:
     for s in sizes.values():
         product *= s
     if product != world_size:
-        problems.append(f"--mesh {format_sizes(sizes)} has {product} devices but {world_size} processes were "
-                        f"started; make the product of the axis sizes equal the process count (e.g. "
-                        f"--nproc-per-node {product})")
+        problems.append(
+            f"--mesh {format_sizes(sizes)} has {product} devices but {world_size} processes were "
+            f"started; make the product of the axis sizes equal the process count (e.g. "
+            f"--nproc-per-node {product})"
+        )
     try:
         rules = cfg.rules()
     except ValueError as e:
@@ -147,14 +179,17 @@ def _mesh_problems(cfg, world_size: int, sizes: dict, flags) -> list[str]:
     dp = rules.data_parallel_size(sizes)
     if cfg.batch_size % (dp * cfg.grad_accum):
         step = dp * cfg.grad_accum
-        problems.append(f"--batch-size {cfg.batch_size} must divide by the data-parallel size "
-                        f"({'*'.join(rules.batch_axes())} = {dp}) times --grad-accum {cfg.grad_accum} = {step}; use "
-                        f"a batch size that is a multiple of {step}, e.g. {max(1, round(cfg.batch_size / step)) * step}")
+        problems.append(
+            f"--batch-size {cfg.batch_size} must divide by the data-parallel size "
+            f"({'*'.join(rules.batch_axes())} = {dp}) times --grad-accum {cfg.grad_accum} = {step}; use "
+            f"a batch size that is a multiple of {step}, e.g. {max(1, round(cfg.batch_size / step)) * step}"
+        )
     tp, cp = sizes.get("tp", 1), sizes.get("cp", 1)
     sp = cfg.sp or "sp" in flags
     if sp and tp > 1 and cfg.seq_len % tp:
-        problems.append(f"--seq-len {cfg.seq_len} must divide by tp={tp} with sequence parallelism; pick a "
-                        f"multiple of {tp}")
+        problems.append(
+            f"--seq-len {cfg.seq_len} must divide by tp={tp} with sequence parallelism; pick a multiple of {tp}"
+        )
     if cp > 1:
         try:
             check_seq_len(cfg.seq_len, cp)
@@ -163,12 +198,16 @@ def _mesh_problems(cfg, world_size: int, sizes: dict, flags) -> list[str]:
         if sp and cfg.seq_len % (cp * tp):
             problems.append(f"--seq-len {cfg.seq_len} must divide by cp*tp={cp * tp} with sequence parallelism")
         if cfg.compile:
-            problems.append("--compile with cp is not supported yet (ring attention exchanges K/V blocks point to "
-                            "point, outside the compiled graph); drop --compile or cp")
+            problems.append(
+                "--compile with cp is not supported yet (ring attention exchanges K/V blocks point to "
+                "point, outside the compiled graph); drop --compile or cp"
+            )
         if cfg.model.startswith("hf:") and sizes.get("pp", 1) > 1:
-            problems.append("pp with cp is not supported for hf: models yet (their pipeline stages cut "
-                            "transformers' forward, which does not take the data path's positions there); use a "
-                            "mesh without pp or without cp")
+            problems.append(
+                "pp with cp is not supported for hf: models yet (their pipeline stages cut "
+                "transformers' forward, which does not take the data path's positions there); use a "
+                "mesh without pp or without cp"
+            )
     return problems
 
 
@@ -180,15 +219,19 @@ def _model_problems(cfg, world_size: int, sizes: dict, model_cfg) -> list[str]:
         if problem is not None:
             problems.append(f"--init-from-hf {cfg.init_from_hf}: {problem}")
     if model_cfg is not None and cfg.compile and getattr(model_cfg, "n_experts", 0):
-        problems.append("--compile with a mixture of experts is not supported (the token dispatch's split sizes "
-                        "depend on the routing, so torch.compile recompiles for every step); leave --compile out")
+        problems.append(
+            "--compile with a mixture of experts is not supported (the token dispatch's split sizes "
+            "depend on the routing, so torch.compile recompiles for every step); leave --compile out"
+        )
     if model_cfg is not None:
         problem = model_cfg.mesh_problem(sizes)
         if problem is not None:
             problems.append(f"--mesh {format_sizes(sizes)}: {problem}")
         if cfg.seq_len > model_cfg.max_seq_len:
-            problems.append(f"--seq-len {cfg.seq_len} exceeds the model's max_seq_len {model_cfg.max_seq_len}; "
-                            f"use --seq-len {model_cfg.max_seq_len} or less")
+            problems.append(
+                f"--seq-len {cfg.seq_len} exceeds the model's max_seq_len {model_cfg.max_seq_len}; "
+                f"use --seq-len {model_cfg.max_seq_len} or less"
+            )
     pp = sizes.get("pp", 1)
     if world_size == 1 and cfg.offload:
         problems.append("--offload needs a mesh (torchrun with 2+ processes); one process trains plain PyTorch")
@@ -200,16 +243,27 @@ def _model_problems(cfg, world_size: int, sizes: dict, model_cfg) -> list[str]:
 def _pipeline_problems(cfg, world_size: int, sizes: dict, model_cfg) -> list[str]:
     problems = []
     try:
-        validate_pipeline(sizes["pp"], cfg.pp_schedule, cfg.pipeline_microbatches(world_size), cfg.virtual_stages,
-                          n_blocks=model_cfg.n_layers, batch_size=cfg.batch_size // cfg.grad_accum,
-                          data_parallel=cfg.rules().data_parallel_size(sizes), world=world_size)
+        validate_pipeline(
+            sizes["pp"],
+            cfg.pp_schedule,
+            cfg.pipeline_microbatches(world_size),
+            cfg.virtual_stages,
+            n_blocks=model_cfg.n_layers,
+            batch_size=cfg.batch_size // cfg.grad_accum,
+            data_parallel=cfg.rules().data_parallel_size(sizes),
+            world=world_size,
+        )
     except ValueError as e:
         problems.append(str(e))
     if getattr(model_cfg, "pipeline_ties", False):  # the first and last stage both hold the tied weight
         if model_cfg.tie_embeddings and cfg.pp_schedule == "zbv":
-            problems.append("--pp-schedule zbv puts the first and last stage on one rank, which a tied head (one "
-                            "weight in both) does not allow; use interleaved-1f1b or zero-bubble")
+            problems.append(
+                "--pp-schedule zbv puts the first and last stage on one rank, which a tied head (one "
+                "weight in both) does not allow; use interleaved-1f1b or zero-bubble"
+            )
     elif model_cfg.tie_embeddings:
-        problems.append("pipeline parallelism needs untied embeddings (the first and last stage would share one "
-                        "weight); use a model without tied embeddings")
+        problems.append(
+            "pipeline parallelism needs untied embeddings (the first and last stage would share one "
+            "weight); use a model without tied embeddings"
+        )
     return problems

@@ -10,11 +10,12 @@
 
 Parquet needs `pyarrow` and saved datasets need `datasets`: `pip install 'spmd[data]'`.
 """
+
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 STRUCTURED = (".jsonl", ".parquet")
 _ROWS = 1024  # rows read at a time from Parquet files and datasets
@@ -24,8 +25,10 @@ def _need(module: str, what: str):
     try:
         return __import__(module, fromlist=["_"])
     except ImportError:
-        raise ImportError(f"{what} needs the `{module.split('.')[0]}` package: pip install 'spmd[data]' "
-                          f"(or pip install {module.split('.')[0]})") from None
+        raise ImportError(
+            f"{what} needs the `{module.split('.')[0]}` package: pip install 'spmd[data]' "
+            f"(or pip install {module.split('.')[0]})"
+        ) from None
 
 
 def saved_dataset(path: str | Path) -> Path | None:
@@ -34,8 +37,10 @@ def saved_dataset(path: str | Path) -> Path | None:
     if (path / "dataset_dict.json").is_file():
         splits = json.loads((path / "dataset_dict.json").read_text()).get("splits", [])
         if "train" not in splits:
-            raise ValueError(f"--data {str(path)!r} is a datasets.DatasetDict without a 'train' split; pass one "
-                             f"of its splits as --data {path}/SPLIT (splits: {', '.join(splits) or 'none'})")
+            raise ValueError(
+                f"--data {str(path)!r} is a datasets.DatasetDict without a 'train' split; pass one "
+                f"of its splits as --data {path}/SPLIT (splits: {', '.join(splits) or 'none'})"
+            )
         path = path / "train"
     if (path / "state.json").is_file() and (path / "dataset_info.json").is_file():
         return path
@@ -44,11 +49,14 @@ def saved_dataset(path: str | Path) -> Path | None:
 
 def _check(value, field: str, where: str, keys) -> str:
     if value is None and field not in keys:
-        raise ValueError(f"{where} has no field {field!r} (it has: {', '.join(map(str, keys)) or 'none'}); "
-                         f"name the text field with --data-field")
+        raise ValueError(
+            f"{where} has no field {field!r} (it has: {', '.join(map(str, keys)) or 'none'}); "
+            f"name the text field with --data-field"
+        )
     if not isinstance(value, str):
-        raise ValueError(f"{where}: field {field!r} is {type(value).__name__}, not text; name the text field "
-                         f"with --data-field")
+        raise ValueError(
+            f"{where}: field {field!r} is {type(value).__name__}, not text; name the text field with --data-field"
+        )
     return value
 
 
@@ -60,18 +68,19 @@ def _jsonl(path: Path, field: str) -> Iterator[str]:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{n} is not valid JSON ({e}); a .jsonl file holds one JSON object "
-                                 f"per line") from None
+                raise ValueError(
+                    f"{path}:{n} is not valid JSON ({e}); a .jsonl file holds one JSON object per line"
+                ) from None
             if not isinstance(record, dict):
-                raise ValueError(f"{path}:{n} is a JSON {type(record).__name__}, not an object with a "
-                                 f"{field!r} field")
+                raise ValueError(f"{path}:{n} is a JSON {type(record).__name__}, not an object with a {field!r} field")
             yield _check(record.get(field), field, f"{path}:{n}", record.keys())
 
 
 def _column(names: list[str], field: str, where: str) -> None:
     if field not in names:
-        raise ValueError(f"{where} has no column {field!r} (it has: {', '.join(names)}); name the text column "
-                         f"with --data-field")
+        raise ValueError(
+            f"{where} has no column {field!r} (it has: {', '.join(names)}); name the text column with --data-field"
+        )
 
 
 def _parquet(path: Path, field: str) -> Iterator[str]:

@@ -26,6 +26,7 @@ consecutive pieces. Ranks that differ only in tp/pp coordinates have the same da
 identical batches; so do ranks that differ only in cp, and `model_inputs` then gives each its zigzag share
 of the sequence with the tokens' positions. The loader's position (`state_dict()`) is the next step number.
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -68,13 +69,18 @@ def text_files(spec: str) -> list[Path]:
     if path.is_file():
         return [path]
     if path.is_dir():
-        files = [p for p in path.rglob("*") if p.is_file() and not any(part.startswith(".") for part in
-                                                                        p.relative_to(path).parts)]
+        files = [
+            p
+            for p in path.rglob("*")
+            if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts)
+        ]
     else:
         files = [Path(p) for p in globlib.glob(str(path), recursive=True) if Path(p).is_file()]
     if not files:
-        raise ValueError(f"--data {spec!r} matches no files; pass 'stdlib', a text/.jsonl/.parquet file, a "
-                         f"directory, a glob like 'corpus/**/*.txt', or a pre-tokenised FILE.bin")
+        raise ValueError(
+            f"--data {spec!r} matches no files; pass 'stdlib', a text/.jsonl/.parquet file, a "
+            f"directory, a glob like 'corpus/**/*.txt', or a pre-tokenised FILE.bin"
+        )
     return sorted(files)
 
 
@@ -85,11 +91,11 @@ def _bin_dtype(path: Path, tokenizer) -> np.dtype:
         if name not in ("uint16", "uint32"):
             raise ValueError(f"{sidecar}: dtype must be 'uint16' or 'uint32', got {name!r}")
         return np.dtype(name)
-    return np.dtype(np.uint16 if tokenizer.vocab_size <= 2 ** 16 else np.uint32)
+    return np.dtype(np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32)
 
 
 def _build_stream(docs, n_files: int, tokenizer, out: Path) -> None:
-    dtype = np.uint16 if tokenizer.vocab_size <= 2 ** 16 else np.uint32
+    dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32
     eos = np.asarray([tokenizer.eos_id if tokenizer.eos_id is not None else 0], dtype=dtype)
     tmp = out.with_suffix(f".tmp{os.getpid()}")
     n = n_docs = 0
@@ -114,8 +120,17 @@ def _build_stream(docs, n_files: int, tokenizer, out: Path) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    out.with_suffix(".json").write_text(json.dumps({"dtype": np.dtype(dtype).name, "tokens": n, "files": n_files,
-                                                    "documents": n_docs, "tokenizer": tokenizer.identity}))
+    out.with_suffix(".json").write_text(
+        json.dumps(
+            {
+                "dtype": np.dtype(dtype).name,
+                "tokens": n,
+                "files": n_files,
+                "documents": n_docs,
+                "tokenizer": tokenizer.identity,
+            }
+        )
+    )
     os.replace(tmp, out)
 
 
@@ -128,8 +143,10 @@ def token_stream(data: str, tokenizer, field: str = "text") -> tuple[np.ndarray,
             raise ValueError(f"--data {data!r}: no such file; pass an existing pre-tokenised .bin file")
         dtype = _bin_dtype(path, tokenizer)
         if path.stat().st_size % dtype.itemsize:
-            raise ValueError(f"{path} has {path.stat().st_size} bytes, not a whole number of {dtype.name} ids; "
-                             f"write a {path}.json sidecar with the right dtype")
+            raise ValueError(
+                f"{path} has {path.stat().st_size} bytes, not a whole number of {dtype.name} ids; "
+                f"write a {path}.json sidecar with the right dtype"
+            )
         tokens = np.memmap(path, dtype=dtype, mode="r")
         st = path.stat()
         return tokens, f"bin:{path.resolve()}:{st.st_size}:{int(st.st_mtime)}"
@@ -166,16 +183,28 @@ class DataLoader:
     [batch_size / (dp_size * K), seq_len], int64 on `device`.
     """
 
-    def __init__(self, tokens: np.ndarray, batch_size: int, seq_len: int, dp_rank: int = 0, dp_size: int = 1,
-                 grad_accum: int = 1, seed: int = 0, vocab_size: int | None = None, device="cpu",
-                 fingerprint: str = ""):
+    def __init__(
+        self,
+        tokens: np.ndarray,
+        batch_size: int,
+        seq_len: int,
+        dp_rank: int = 0,
+        dp_size: int = 1,
+        grad_accum: int = 1,
+        seed: int = 0,
+        vocab_size: int | None = None,
+        device="cpu",
+        fingerprint: str = "",
+    ):
         if batch_size % (dp_size * grad_accum):
             raise ValueError(f"batch size {batch_size} must divide by dp_size*grad_accum = {dp_size * grad_accum}")
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank {dp_rank} is outside [0, {dp_size})")
         if len(tokens) < seq_len + 2:
-            raise ValueError(f"the corpus has {len(tokens)} tokens, fewer than one sequence of {seq_len + 1}; "
-                             f"use more data or a shorter --seq-len")
+            raise ValueError(
+                f"the corpus has {len(tokens)} tokens, fewer than one sequence of {seq_len + 1}; "
+                f"use more data or a shorter --seq-len"
+            )
         self.tokens, self.B, self.T = tokens, batch_size, seq_len
         self.rank, self.R, self.K = dp_rank, dp_size, grad_accum
         self.seed, self.vocab_size, self.device = seed, vocab_size, device
@@ -195,9 +224,11 @@ class DataLoader:
         if self.vocab_size is not None and window.numel():
             top = int(window.max())
             if top >= self.vocab_size:
-                raise ValueError(f"the data holds token id {top} but the model's vocabulary has {self.vocab_size} "
-                                 f"entries; tokenise with a tokenizer that fits the model (or a model whose "
-                                 f"vocab_size covers it)")
+                raise ValueError(
+                    f"the data holds token id {top} but the model's vocabulary has {self.vocab_size} "
+                    f"entries; tokenise with a tokenizer that fits the model (or a model whose "
+                    f"vocab_size covers it)"
+                )
         return window[:, :-1].to(self.device), window[:, 1:].to(self.device)
 
     def global_batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -208,7 +239,7 @@ class DataLoader:
         per_rank, per_micro = self.B // self.R, self.B // (self.R * self.K)
         base = self.rank * per_rank
         x, y = self.rows(step, base, base + per_rank)
-        return [(x[j * per_micro:(j + 1) * per_micro], y[j * per_micro:(j + 1) * per_micro]) for j in range(self.K)]
+        return [(x[j * per_micro : (j + 1) * per_micro], y[j * per_micro : (j + 1) * per_micro]) for j in range(self.K)]
 
     def next(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         out = self.micro_batches(self.step)
@@ -216,17 +247,21 @@ class DataLoader:
         return out
 
     def state_dict(self) -> dict:
-        return {"step": self.step, "seed": self.seed, "fingerprint": self.fingerprint,
-                "tokens": int(len(self.tokens))}
+        return {"step": self.step, "seed": self.seed, "fingerprint": self.fingerprint, "tokens": int(len(self.tokens))}
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("seed", self.seed) != self.seed:
-            raise ValueError(f"the checkpoint's data seed is {state['seed']} but --seed is {self.seed}; "
-                             f"resume with --seed {state['seed']} to continue the same data order")
+            raise ValueError(
+                f"the checkpoint's data seed is {state['seed']} but --seed is {self.seed}; "
+                f"resume with --seed {state['seed']} to continue the same data order"
+            )
         if state.get("fingerprint") and self.fingerprint and state["fingerprint"] != self.fingerprint:
-            print(f"warning: the corpus differs from the one the checkpoint was trained on "
-                  f"({state['fingerprint']} vs {self.fingerprint}); continuing at step {state['step']} "
-                  f"on the new data", file=sys.stderr)
+            print(
+                f"warning: the corpus differs from the one the checkpoint was trained on "
+                f"({state['fingerprint']} vs {self.fingerprint}); continuing at step {state['step']} "
+                f"on the new data",
+                file=sys.stderr,
+            )
         self.step = int(state["step"])
 
 
@@ -234,17 +269,37 @@ def build_loader(cfg, dp_rank: int, dp_size: int, vocab_size: int, device="cpu")
     """(loader, tokenizer) for a TrainConfig."""
     tokenizer = load_tokenizer(cfg.tokenizer)
     if tokenizer.vocab_size > vocab_size:
-        raise ValueError(f"--tokenizer {cfg.tokenizer} has {tokenizer.vocab_size} tokens but the model's "
-                         f"vocabulary has {vocab_size}; use a model preset with a larger vocab_size (for "
-                         f"--model hf:DIR, vocab_size in DIR/config.json), or a --tokenizer with fewer tokens")
+        raise ValueError(
+            f"--tokenizer {cfg.tokenizer} has {tokenizer.vocab_size} tokens but the model's "
+            f"vocabulary has {vocab_size}; use a model preset with a larger vocab_size (for "
+            f"--model hf:DIR, vocab_size in DIR/config.json), or a --tokenizer with fewer tokens"
+        )
     tokens, fingerprint = token_stream(cfg.data, tokenizer, cfg.data_field)
-    loader = DataLoader(tokens, cfg.batch_size, cfg.seq_len, dp_rank, dp_size, cfg.grad_accum, cfg.seed,
-                        vocab_size=vocab_size, device=device, fingerprint=fingerprint)
+    loader = DataLoader(
+        tokens,
+        cfg.batch_size,
+        cfg.seq_len,
+        dp_rank,
+        dp_size,
+        cfg.grad_accum,
+        cfg.seed,
+        vocab_size=vocab_size,
+        device=device,
+        fingerprint=fingerprint,
+    )
     return loader, tokenizer
 
 
-__all__ = ["ByteTokenizer", "DataLoader", "build_loader", "token_stream", "stdlib_files", "text_files",
-           "cache_dir", "load_tokenizer"]
+__all__ = [
+    "ByteTokenizer",
+    "DataLoader",
+    "build_loader",
+    "token_stream",
+    "stdlib_files",
+    "text_files",
+    "cache_dir",
+    "load_tokenizer",
+]
 
 
 def model_inputs(tokens: torch.Tensor, targets: torch.Tensor, mesh) -> tuple:

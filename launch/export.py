@@ -5,6 +5,7 @@
 Reads the model config from the checkpoint's meta.json, assembles each tensor from its shards one at a time
 (memory: one tensor plus one output shard), and writes config.json and safetensors under HF names.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,12 +20,13 @@ from spmd.layout.dtypes import DTYPES
 
 from .hf import save_hf
 
+
 def parse_size(text: str) -> int:
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]?i?B?)\s*", text, re.I)
     if not m:
         raise ValueError(f"size {text!r} is not like 5GB, 500MB or 1000000")
     unit = m.group(2).upper().rstrip("B").rstrip("I")
-    return int(float(m.group(1)) * {"": 1, "K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30}[unit])
+    return int(float(m.group(1)) * {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}[unit])
 
 
 class _CheckpointTensors(dict):
@@ -35,7 +37,7 @@ class _CheckpointTensors(dict):
         self.path = path
         for key, entry in checkpoint.tensor_names(path).items():
             if key.startswith("model."):
-                self[key[len("model."):]] = (entry["shape"], getattr(torch, entry["dtype"]))
+                self[key[len("model.") :]] = (entry["shape"], getattr(torch, entry["dtype"]))
 
     def fetch(self, name):
         return checkpoint.read_full(self.path, "model." + name)
@@ -48,8 +50,9 @@ def export(ckpt: str, out: str, dtype: str | None = None, max_shard_size: str = 
     model_cfg = models.config_from_dict(meta["model_config"], meta.get("model", models.DEFAULT))
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"--dtype {dtype!r} is not one of {tuple(DTYPES)}")
-    return save_hf(_CheckpointTensors(ckpt), model_cfg, out, parse_size(max_shard_size),
-                   DTYPES[dtype] if dtype else None)
+    return save_hf(
+        _CheckpointTensors(ckpt), model_cfg, out, parse_size(max_shard_size), DTYPES[dtype] if dtype else None
+    )
 
 
 def main(argv=None):

@@ -5,6 +5,7 @@ models/llama_hf.py). `load_hf(model, hf_dir)` fills the model's parameters (plai
 mesh) reading only the slice each rank holds; `save_hf(tensors, model_cfg, out_dir)` writes config.json +
 safetensors, sharded with `model.safetensors.index.json` past `max_shard_bytes`.
 """
+
 from __future__ import annotations
 
 import json
@@ -36,16 +37,20 @@ def config_from_hf(hf: dict | str | Path):
         path = path / "config.json" if path.is_dir() else path
         where = path.parent
         if not path.is_file():
-            raise ValueError(f"{path} does not exist; --init-from-hf needs a Hugging Face directory "
-                             "with config.json and *.safetensors")
+            raise ValueError(
+                f"{path} does not exist; --init-from-hf needs a Hugging Face directory "
+                "with config.json and *.safetensors"
+            )
         hf = json.loads(path.read_text())
     known = [e.hf for e in models.MODELS.values() if e.hf is not None]
     match = next((a for a in known if a.MODEL_TYPE == hf.get("model_type")), None)
     if match is None and hf.get("model_type") is not None:
-        raise ValueError(f"no registered model has model_type {hf['model_type']!r} (those with an adapter: "
-                         f"{sorted(a.MODEL_TYPE for a in known if a.MODEL_TYPE)}); train transformers' own class "
-                         f"with --model hf:{where}, or --model hf:DIR2 --init-from-hf {where} to start a model "
-                         f"of the same architecture from these weights")
+        raise ValueError(
+            f"no registered model has model_type {hf['model_type']!r} (those with an adapter: "
+            f"{sorted(a.MODEL_TYPE for a in known if a.MODEL_TYPE)}); train transformers' own class "
+            f"with --model hf:{where}, or --model hf:DIR2 --init-from-hf {where} to start a model "
+            f"of the same architecture from these weights"
+        )
     return (match or models.entry(models.DEFAULT).hf).config_from_hf(hf)
 
 
@@ -58,8 +63,10 @@ def _weight_map(hf_dir: Path) -> dict[str, str]:
     if single.is_file():
         with safe_open(str(single), framework="pt") as f:
             return {k: single.name for k in f.keys()}
-    raise ValueError(f"{hf_dir} holds neither model.safetensors nor model.safetensors.index.json; "
-                     "export weights as safetensors (pytorch_model.bin is not read: it is a pickle)")
+    raise ValueError(
+        f"{hf_dir} holds neither model.safetensors nor model.safetensors.index.json; "
+        "export weights as safetensors (pytorch_model.bin is not read: it is a pickle)"
+    )
 
 
 def load_hf(model: torch.nn.Module, hf_dir: str | Path, strict: bool = True) -> list[str]:
@@ -88,20 +95,29 @@ def load_hf(model: torch.nn.Module, hf_dir: str | Path, strict: bool = True) -> 
             continue
         f = open_file(weights[key])
         shape = list(f.get_slice(key).get_shape())
-        checkpoint.read_into(target, key, [{"file": weights[key], "offsets": [0] * len(shape), "lengths": shape}],
-                             open_file, shape, name=f"{key} -> {name}")
+        checkpoint.read_into(
+            target,
+            key,
+            [{"file": weights[key], "offsets": [0] * len(shape), "lengths": shape}],
+            open_file,
+            shape,
+            name=f"{key} -> {name}",
+        )
         read.append(key)
     if strict:
         used = set(read) | {hf.to_hf_name(n) for n in hf.tied(model.cfg)}
         unused = [k for k in weights if k not in used and not k.endswith("rotary_emb.inv_freq")]
         if missing or unused:
-            raise KeyError(f"{hf_dir} does not match the model: missing {missing[:8]}, unused {unused[:8]}; "
-                           "build the model from the directory's config.json (launch.hf.config_from_hf)")
+            raise KeyError(
+                f"{hf_dir} does not match the model: missing {missing[:8]}, unused {unused[:8]}; "
+                "build the model from the directory's config.json (launch.hf.config_from_hf)"
+            )
     return read
 
 
-def save_hf(tensors, model_cfg, out_dir: str | Path, max_shard_bytes: int = 5 * 2 ** 30,
-            dtype: torch.dtype | None = None) -> list[Path]:
+def save_hf(
+    tensors, model_cfg, out_dir: str | Path, max_shard_bytes: int = 5 * 2**30, dtype: torch.dtype | None = None
+) -> list[Path]:
     """Write config.json and weights under HF names.
 
     `tensors`: {our name: (global shape, dtype)} with a `fetch(name) -> full tensor` attribute, or simply a
@@ -124,8 +140,9 @@ def save_hf(tensors, model_cfg, out_dir: str | Path, max_shard_bytes: int = 5 * 
         current.append(n)
         used += sizes[n]
     groups.append(current)
-    out_dtype = dtype or next((tensors[n].dtype if isinstance(tensors[n], torch.Tensor) else tensors[n][1])
-                              for n in names)
+    out_dtype = dtype or next(
+        (tensors[n].dtype if isinstance(tensors[n], torch.Tensor) else tensors[n][1]) for n in names
+    )
     (out / "config.json").write_text(json.dumps(hf.hf_config(model_cfg, out_dtype), indent=2))
     written, weight_map = [], {}
     for i, group in enumerate(groups):
@@ -138,8 +155,9 @@ def save_hf(tensors, model_cfg, out_dir: str | Path, max_shard_bytes: int = 5 * 
         save_file(shard, str(out / fname), metadata={"format": "pt"})
         written.append(out / fname)
     if len(groups) > 1:
-        (out / "model.safetensors.index.json").write_text(json.dumps(
-            {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}, indent=2))
+        (out / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}, indent=2)
+        )
     else:
         (out / "model.safetensors.index.json").unlink(missing_ok=True)
     return written

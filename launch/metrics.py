@@ -24,6 +24,7 @@ the run that stopped), so the file holds each step once.
 machines often have no network): the run lands in `./wandb/offline-run-*` (or under $WANDB_DIR), and
 `wandb sync` uploads it later; WANDB_MODE=online streams it live.
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -39,8 +40,18 @@ import torch
 from spmd.analysis.devices import gpu_peaks, measure_gemm_flops
 from spmd.layout.dtypes import DTYPES
 
-KEYS = ("step", "loss", "grad_norm", "lr", "tokens_per_s", "mfu", "step_time_s", "peak_mem_bytes", "comm_bytes",
-        "skipped_steps")
+KEYS = (
+    "step",
+    "loss",
+    "grad_norm",
+    "lr",
+    "tokens_per_s",
+    "mfu",
+    "step_time_s",
+    "peak_mem_bytes",
+    "comm_bytes",
+    "skipped_steps",
+)
 
 
 VAL_KEYS = ("val_loss", "val_perplexity")  # added to the rows of the steps validation ran after (launch.validate)
@@ -118,10 +129,22 @@ class MetricsLogger:
     """Rank 0 (`enabled`) writes JSONL/tensorboard/W&B and, with `console`, shows a tqdm bar and messages;
     other ranks only compute the row."""
 
-    def __init__(self, total_steps: int, tokens_per_step: int, flops_per_token: int, peak: float,
-                 n_devices: int, jsonl: str = "", tensorboard: str = "", log_every: int = 1,
-                 enabled: bool = True, start_step: int = 0, console: bool = True, wandb: str = "",
-                 run_config: dict | None = None):
+    def __init__(
+        self,
+        total_steps: int,
+        tokens_per_step: int,
+        flops_per_token: int,
+        peak: float,
+        n_devices: int,
+        jsonl: str = "",
+        tensorboard: str = "",
+        log_every: int = 1,
+        enabled: bool = True,
+        start_step: int = 0,
+        console: bool = True,
+        wandb: str = "",
+        run_config: dict | None = None,
+    ):
         self.tokens_per_step, self.flops_per_token = tokens_per_step, flops_per_token
         self.peak, self.n_devices, self.log_every, self.enabled = peak, n_devices, log_every, enabled
         self.jsonl = self.tb = self.bar = self.wandb = None
@@ -133,8 +156,9 @@ class MetricsLogger:
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError:
-                raise ImportError("--tensorboard needs the tensorboard package: pip install tensorboard "
-                                  "(or drop --tensorboard)") from None
+                raise ImportError(
+                    "--tensorboard needs the tensorboard package: pip install tensorboard (or drop --tensorboard)"
+                ) from None
             self.tb = SummaryWriter(tensorboard)
         if wandb:
             self.wandb = wandb_run(wandb, run_config)
@@ -147,17 +171,44 @@ class MetricsLogger:
         if not console:
             return
         from tqdm import tqdm
-        self.bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True,
-                        mininterval=0.5 if sys.stdout.isatty() else 10.0, file=sys.stdout)
 
-    def record(self, step: int, loss: float, grad_norm: float, lr: float, step_time_s: float,
-               peak_mem_bytes: int, comm_bytes: int, skipped_steps: int = 0, extra: dict | None = None) -> dict:
+        self.bar = tqdm(
+            total=total_steps,
+            initial=start_step,
+            desc="train",
+            unit="step",
+            dynamic_ncols=True,
+            mininterval=0.5 if sys.stdout.isatty() else 10.0,
+            file=sys.stdout,
+        )
+
+    def record(
+        self,
+        step: int,
+        loss: float,
+        grad_norm: float,
+        lr: float,
+        step_time_s: float,
+        peak_mem_bytes: int,
+        comm_bytes: int,
+        skipped_steps: int = 0,
+        extra: dict | None = None,
+    ) -> dict:
         tokens_per_s = self.tokens_per_step / step_time_s if step_time_s > 0 else 0.0
         mfu = tokens_per_s * self.flops_per_token / (self.peak * self.n_devices) if self.peak else 0.0
-        row = dict(step=step, loss=float(loss), grad_norm=float(grad_norm), lr=float(lr),
-                   tokens_per_s=tokens_per_s, mfu=mfu, step_time_s=step_time_s,
-                   peak_mem_bytes=int(peak_mem_bytes), comm_bytes=int(comm_bytes), skipped_steps=int(skipped_steps),
-                   **(extra or {}))  # the model's own figures, e.g. a mixture of experts' router load
+        row = dict(
+            step=step,
+            loss=float(loss),
+            grad_norm=float(grad_norm),
+            lr=float(lr),
+            tokens_per_s=tokens_per_s,
+            mfu=mfu,
+            step_time_s=step_time_s,
+            peak_mem_bytes=int(peak_mem_bytes),
+            comm_bytes=int(comm_bytes),
+            skipped_steps=int(skipped_steps),
+            **(extra or {}),
+        )  # the model's own figures, e.g. a mixture of experts' router load
         if not self.enabled:
             return row
         if self.first_loss is None:
@@ -165,8 +216,9 @@ class MetricsLogger:
         self.last_loss, self.steps_done = row["loss"], self.steps_done + 1
         if self.bar is not None:
             self.bar.update(1)
-            self.bar.set_postfix_str(f"loss {row['loss']:.4f}  {tokens_per_s:,.0f} tok/s  MFU {100 * mfu:.1f}%",
-                                     refresh=False)
+            self.bar.set_postfix_str(
+                f"loss {row['loss']:.4f}  {tokens_per_s:,.0f} tok/s  MFU {100 * mfu:.1f}%", refresh=False
+            )
         if step % self.log_every == 0 or VAL_KEYS[0] in row:  # a validation's row is always kept
             if self.jsonl:
                 self.jsonl.write(json.dumps(row) + "\n")

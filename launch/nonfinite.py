@@ -6,6 +6,7 @@ every rank takes the same decision without another collective. Under fp16 loss s
 inf/nan gradient norm is an overflow that the scaler answers by halving the scale: skipped and counted, but
 it neither extends nor resets the run of bad steps.
 """
+
 from __future__ import annotations
 
 import math
@@ -18,9 +19,9 @@ class Diverged(RuntimeError):
 class BadSteps:
     def __init__(self, limit: int, loss_scaling: bool = False):
         self.limit, self.loss_scaling = limit, loss_scaling
-        self.skipped = 0        # steps skipped over the whole run
-        self.streak = 0         # consecutive bad steps up to now
-        self.last_good = 0      # the last step whose update was applied (0: none yet)
+        self.skipped = 0  # steps skipped over the whole run
+        self.streak = 0  # consecutive bad steps up to now
+        self.last_good = 0  # the last step whose update was applied (0: none yet)
 
     def check(self, step: int, loss: float, grad_norm: float) -> bool:
         """True when step `step`'s update may be applied."""
@@ -37,27 +38,35 @@ class BadSteps:
         return self.limit > 0 and self.streak >= self.limit
 
     def message(self, step: int, saved: str | None) -> str:
-        return (f"steps {step - self.streak + 1}..{step} had a non-finite loss or gradient norm "
-                f"({self.streak} in a row, --max-bad-steps {self.limit}); training stopped. The parameters and "
-                f"optimizer state are those after step {self.last_good}, the last good step"
-                + (f", saved in {saved} (resuming continues after the skipped batches)" if saved
-                   else " (no --ckpt-dir: nothing saved)")
-                + ". Fix: lower --lr or --max-grad-norm, use --dtype fp32 or bf16 instead of fp16, or look for "
-                  "bad data in those steps")
+        return (
+            f"steps {step - self.streak + 1}..{step} had a non-finite loss or gradient norm "
+            f"({self.streak} in a row, --max-bad-steps {self.limit}); training stopped. The parameters and "
+            f"optimizer state are those after step {self.last_good}, the last good step"
+            + (
+                f", saved in {saved} (resuming continues after the skipped batches)"
+                if saved
+                else " (no --ckpt-dir: nothing saved)"
+            )
+            + ". Fix: lower --lr or --max-grad-norm, use --dtype fp32 or bf16 instead of fp16, or look for "
+            "bad data in those steps"
+        )
 
     def state_dict(self) -> dict:
         return {"skipped": self.skipped, "streak": self.streak, "last_good": self.last_good}
 
     def load_state_dict(self, state: dict | None) -> None:
         if state:
-            self.skipped, self.streak, self.last_good = int(state["skipped"]), int(state["streak"]), \
-                int(state["last_good"])
+            self.skipped, self.streak, self.last_good = (
+                int(state["skipped"]),
+                int(state["streak"]),
+                int(state["last_good"]),
+            )
 
 
 class LossScaler:
     """Dynamic loss scaling for fp16 (state is JSON, kept in checkpoint meta)."""
 
-    def __init__(self, enabled: bool, scale: float = 2.0 ** 16, interval: int = 1000):
+    def __init__(self, enabled: bool, scale: float = 2.0**16, interval: int = 1000):
         self.enabled, self.scale, self.interval, self.good = enabled, scale if enabled else 1.0, interval, 0
 
     def update(self, finite: bool) -> None:

@@ -5,6 +5,7 @@ one panel each, every run a line labelled by its file name. A run that validated
 validation loss to the loss panel: dashed, with a marker per validation, labelled `NAME val`.
 Needs matplotlib (`pip install 'spmd[bench]'`).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,23 +48,33 @@ def _validation_curve(ax, label: str, rows: list[dict], color) -> None:
     """The run's val_loss at the steps it validated after, if any, in its training line's color."""
     val = [r for r in rows if "val_loss" in r]
     if val:
-        ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], label=f"{label} val", color=color,
-                ls="--", marker="o", ms=3, lw=1.2)
+        ax.plot(
+            [r["step"] for r in val],
+            [r["val_loss"] for r in val],
+            label=f"{label} val",
+            color=color,
+            ls="--",
+            marker="o",
+            ms=3,
+            lw=1.2,
+        )
 
 
 def draw(runs: dict[str, list[dict]]):
     """A figure with one panel per metric and one line per run."""
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise ImportError("launch.plot needs matplotlib: pip install 'spmd[bench]' (or pip install matplotlib)") \
-            from None
+        raise ImportError(
+            "launch.plot needs matplotlib: pip install 'spmd[bench]' (or pip install matplotlib)"
+        ) from None
     fig, axes = plt.subplots(len(PANELS), 1, sharex=True, figsize=(7, 7.5))
     for ax, (key, ylabel, scale) in zip(axes, PANELS):
         for label, rows in runs.items():
-            line, = ax.plot([r["step"] for r in rows], [scale * r[key] for r in rows], label=label, lw=1.2)
+            (line,) = ax.plot([r["step"] for r in rows], [scale * r[key] for r in rows], label=label, lw=1.2)
             if key == "loss":
                 _validation_curve(ax, label, rows, line.get_color())
         ax.set_ylabel(ylabel)

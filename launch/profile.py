@@ -8,6 +8,7 @@ Each rank writes into `--profile-dir` (default `profile/`):
 - `rank00003-steps5-7.memory.pickle` (CUDA only): the allocator's history from
   `torch.cuda.memory._record_memory_history`; drop it on https://pytorch.org/memory_viz.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -22,8 +23,9 @@ def parse_steps(spec: str) -> tuple[int, int] | None:
     try:
         a, b = (int(x) for x in spec.split(":"))
     except ValueError:
-        raise ValueError(f"--profile-steps {spec!r} is not A:B; write e.g. --profile-steps 5:7 to profile "
-                         f"steps 5, 6 and 7") from None
+        raise ValueError(
+            f"--profile-steps {spec!r} is not A:B; write e.g. --profile-steps 5:7 to profile steps 5, 6 and 7"
+        ) from None
     if not 1 <= a <= b:
         raise ValueError(f"--profile-steps {spec!r}: need 1 <= A <= B (steps count from 1); e.g. 5:7")
     return a, b

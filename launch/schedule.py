@@ -4,6 +4,7 @@
 sets exactly the learning rate an uninterrupted one would; `scheduler(optimizer, ...)` wraps it in a
 `torch.optim.lr_scheduler.LambdaLR` for those who prefer one.
 """
+
 import math
 
 import torch

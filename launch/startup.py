@@ -10,6 +10,7 @@ latest (gloo reports a dead peer's closed connection sooner), so no rank waits f
 The code version is a SHA-256 of the Python sources of the packages a run executes (spmd, launch, models,
 kernels), not the git commit: it is known without git and changes with uncommitted edits too.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -42,10 +43,17 @@ def start_process_group(timeout_s: float, device: torch.device) -> None:
     # dead workers' addresses from the previous attempt and cannot connect
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # else rank 0 serves the store
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
-                          is_master=not agent and rank == 0, timeout=timeout, multi_tenant=not agent)
-    dist.init_process_group(backend, store=dist.PrefixStore(f"spmd/attempt-{attempt}", store), rank=rank,
-                            world_size=world, timeout=timeout)
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world,
+        is_master=not agent and rank == 0,
+        timeout=timeout,
+        multi_tenant=not agent,
+    )
+    dist.init_process_group(
+        backend, store=dist.PrefixStore(f"spmd/attempt-{attempt}", store), rank=rank, world_size=world, timeout=timeout
+    )
 
 
 def code_version() -> str:
@@ -85,8 +93,9 @@ def describe(diff: dict[str, list]) -> str:
         groups: dict[str, list[int]] = {}
         for r, v in enumerate(values):
             groups.setdefault(repr(v), []).append(r)
-        lines.append(f"{key}: " + ", ".join(f"{v} on rank{'s' if len(rs) > 1 else ''} {_ranks(rs)}"
-                                            for v, rs in groups.items()))
+        lines.append(
+            f"{key}: " + ", ".join(f"{v} on rank{'s' if len(rs) > 1 else ''} {_ranks(rs)}" for v, rs in groups.items())
+        )
     return "\n  - ".join(lines)
 
 
@@ -107,7 +116,8 @@ def agree(cfg, model_cfg=None) -> str:
             fixes.append("start every rank with the same flags and config file")
         if set(diff) & _VERSIONS:
             fixes.append("install the same code (spmd, launch, models, kernels) and torch on every node")
-        raise ValueError(f"the {len(everyone)} ranks were started with different configs, so none of them "
-                         f"trains:\n  - {describe(diff)}\nfix: {'; '.join(fixes)}")
+        raise ValueError(
+            f"the {len(everyone)} ranks were started with different configs, so none of them "
+            f"trains:\n  - {describe(diff)}\nfix: {'; '.join(fixes)}"
+        )
     return hashlib.sha256(repr(sorted(mine.items())).encode()).hexdigest()[:16]
-

@@ -1,5 +1,6 @@
 """A clean stop: the first SIGTERM/SIGINT asks the trainer to finish its step, checkpoint and exit; a second one
 interrupts at once. Every rank stops after the same step, whichever of them got the signal."""
+
 import signal
 import sys
 
@@ -24,8 +25,11 @@ class StopRequest:
         if self.requested:
             raise KeyboardInterrupt
         self.requested = True
-        print(f"\n[launch.train] got {signal.Signals(signum).name}: finishing the step, then checkpoint and exit",
-              file=sys.stderr, flush=True)
+        print(
+            f"\n[launch.train] got {signal.Signals(signum).name}: finishing the step, then checkpoint and exit",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def uninstall(self):
         for sig, handler in self.previous.items():

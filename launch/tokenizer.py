@@ -5,6 +5,7 @@ so it fits any model whose vocabulary has at least 259 entries (the tiny model h
 Both expose `vocab_size`, `eos_id`, `encode_batch(list[bytes]) -> list[np.ndarray]`, `decode(ids)` and
 `identity` (a string that changes whenever the token ids would, used to key the token cache).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -39,7 +40,9 @@ class HFTokenizer:
         try:
             from tokenizers import Tokenizer
         except ImportError:
-            raise ImportError("--tokenizer tokenizer.json needs the `tokenizers` package: pip install tokenizers") from None
+            raise ImportError(
+                "--tokenizer tokenizer.json needs the `tokenizers` package: pip install tokenizers"
+            ) from None
         path = Path(path)
         if not path.is_file():
             raise ValueError(f"--tokenizer {str(path)!r}: no such file; pass 'bytes' or a tokenizer.json file")

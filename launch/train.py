@@ -35,6 +35,7 @@ for it; its failure stops every rank at the next step.
 SIGTERM/SIGINT: the step in flight finishes, a checkpoint is written (with --ckpt-dir) and the process
 exits 0. A second signal interrupts at once.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -76,8 +77,10 @@ def _router_metrics(model) -> dict:
     if not hasattr(model, "router_stats"):
         return {}
     stats = model.router_stats()
-    return {"aux_loss": float(_full(stats["aux_loss"])),
-            "tokens_per_expert": _full(stats["tokens_per_expert"]).tolist()}
+    return {
+        "aux_loss": float(_full(stats["aux_loss"])),
+        "tokens_per_expert": _full(stats["tokens_per_expert"]).tolist(),
+    }
 
 
 # --------------------------------------------------------------------------------------------- loop
@@ -86,6 +89,7 @@ def train(cfg: TrainConfig, log=True) -> list[dict]:
     rank, world, local_rank = ranks()
     if cfg.init_from_hf and not cfg.model.startswith("hf:"):
         from .hf import config_from_hf
+
         model_cfg = config_from_hf(cfg.init_from_hf)
         model_cfg.kernels = cfg.kernels
     else:
@@ -105,6 +109,7 @@ def train(cfg: TrainConfig, log=True) -> list[dict]:
     resuming = resume_from is not None
     if cfg.init_from_hf and not resuming:  # a checkpoint, when there is one, overrides the HF weights
         from .hf import load_hf
+
         load_hf(model, cfg.init_from_hf, **({"strict": False} if pipe else {}))
     # a pipeline checkpoints inside its stages (build_pipeline's ac)
     ac_blocks = [] if pipe else spmd.apply_activation_checkpointing(model, cfg.ac)
@@ -119,8 +124,13 @@ def train(cfg: TrainConfig, log=True) -> list[dict]:
     start = 0
     if resuming:
         # under pp this rank holds only its stages' tensors of the global checkpoint
-        meta = checkpoint.load(resume_from, checkpoint.model_state(model),
-                               checkpoint.optim_state(model, opt, init=True), rng=True, strict=pipe is None)
+        meta = checkpoint.load(
+            resume_from,
+            checkpoint.model_state(model),
+            checkpoint.optim_state(model, opt, init=True),
+            rng=True,
+            strict=pipe is None,
+        )
         start = int(meta["step"])
         refresh_masters(opt)
         loader.load_state_dict(meta["data"])
@@ -131,23 +141,39 @@ def train(cfg: TrainConfig, log=True) -> list[dict]:
     single_autocast = world == 1 and cfg.dtype != "fp32"
     fpt = flops_per_token(model_cfg, cfg.seq_len)
     peak, peak_source = peak_flops(cfg.dtype, device) if rank == 0 else (0.0, "")
-    metrics = MetricsLogger(cfg.steps, cfg.batch_size * cfg.seq_len, fpt, peak, world, cfg.metrics,
-                            cfg.tensorboard, cfg.log_every, enabled=rank == 0, start_step=start, console=log,
-                            wandb=cfg.wandb, run_config=cfg.to_dict())
+    metrics = MetricsLogger(
+        cfg.steps,
+        cfg.batch_size * cfg.seq_len,
+        fpt,
+        peak,
+        world,
+        cfg.metrics,
+        cfg.tensorboard,
+        cfg.log_every,
+        enabled=rank == 0,
+        start_step=start,
+        console=log,
+        wandb=cfg.wandb,
+        run_config=cfg.to_dict(),
+    )
     if rank == 0:
         n = model_cfg.num_params()
-        metrics.write(f"[launch.train] model {cfg.model if not cfg.init_from_hf else cfg.init_from_hf}: "
-                      f"{n / 1e6:.2f}M params, {fpt / 1e6:.2f} MFLOP/token | "
-                      f"mesh {cfg.mesh_sizes(world)}{' +sp' if cfg.sequence_parallel() else ''} on {world} "
-                      f"{device.type} process(es) | batch {cfg.batch_size}x{cfg.seq_len} in {cfg.grad_accum} "
-                      f"micro-batch(es) | {cfg.dtype} | ac {cfg.ac}{ac_blocks if ac_blocks else ''} | "
-                      f"compiled blocks {compiled if cfg.compile else 'none'} | kernels {model_cfg.kernels} | "
-                      f"data {cfg.data} ({len(loader.tokens):,} tokens, {cfg.tokenizer}) | "
-                      f"peak {peak / 1e12:.3g} TFLOP/s per device ({peak_source}) | code {code}"
-                      f"{f' | config {agreed} on every rank' if agreed else ''}")
+        metrics.write(
+            f"[launch.train] model {cfg.model if not cfg.init_from_hf else cfg.init_from_hf}: "
+            f"{n / 1e6:.2f}M params, {fpt / 1e6:.2f} MFLOP/token | "
+            f"mesh {cfg.mesh_sizes(world)}{' +sp' if cfg.sequence_parallel() else ''} on {world} "
+            f"{device.type} process(es) | batch {cfg.batch_size}x{cfg.seq_len} in {cfg.grad_accum} "
+            f"micro-batch(es) | {cfg.dtype} | ac {cfg.ac}{ac_blocks if ac_blocks else ''} | "
+            f"compiled blocks {compiled if cfg.compile else 'none'} | kernels {model_cfg.kernels} | "
+            f"data {cfg.data} ({len(loader.tokens):,} tokens, {cfg.tokenizer}) | "
+            f"peak {peak / 1e12:.3g} TFLOP/s per device ({peak_source}) | code {code}"
+            f"{f' | config {agreed} on every rank' if agreed else ''}"
+        )
         if start:
-            metrics.write(f"[launch.train] resumed from {resume_from} at step {start}"
-                          + (f" (torchrun restart {os.environ['TORCHELASTIC_RESTART_COUNT']})" if restarted else ""))
+            metrics.write(
+                f"[launch.train] resumed from {resume_from} at step {start}"
+                + (f" (torchrun restart {os.environ['TORCHELASTIC_RESTART_COUNT']})" if restarted else "")
+            )
 
     validator = Validator(cfg, val_set, model, mesh, pipe, world, say=metrics.write)  # says what it evaluates
     comm = 0
@@ -179,12 +205,20 @@ def train(cfg: TrainConfig, log=True) -> list[dict]:
                     last = j == len(micro) - 1
                     if pipe is not None:  # forward and backward of every pipeline micro-batch
                         x, y, *positions = model_inputs(x, y, mesh)
-                        loss_sum += pipe.step(x, y, loss_scale=scaler.scale / len(micro), sync=last,
-                                              positions=positions[0] if positions else None).float() / len(micro)
+                        loss_sum += pipe.step(
+                            x,
+                            y,
+                            loss_scale=scaler.scale / len(micro),
+                            sync=last,
+                            positions=positions[0] if positions else None,
+                        ).float() / len(micro)
                         continue
                     sync = contextlib.nullcontext() if (last or mesh is None) else spmd.no_sync(model)
-                    amp = torch.autocast(device.type, dtype=DTYPES[cfg.dtype]) if single_autocast \
+                    amp = (
+                        torch.autocast(device.type, dtype=DTYPES[cfg.dtype])
+                        if single_autocast
                         else contextlib.nullcontext()
+                    )
                     with sync:  # no_sync covers the backward: that is where gradients are reduced
                         with amp:
                             loss = model(*model_inputs(x, y, mesh)) / len(micro)
@@ -211,9 +245,19 @@ def train(cfg: TrainConfig, log=True) -> list[dict]:
                 comm = sum(r.bytes for r in recorder.records)
             step += 1
             extra = {**_router_metrics(model), **validator.metrics(step)}  # in this order: eval replaces the first
-            rows.append(metrics.record(step, loss_value, float(grad_norm), lr, step_time,
-                                       peak_mem_bytes(device), comm, skipped_steps=bad.skipped,
-                                       extra=extra))
+            rows.append(
+                metrics.record(
+                    step,
+                    loss_value,
+                    float(grad_norm),
+                    lr,
+                    step_time,
+                    peak_mem_bytes(device),
+                    comm,
+                    skipped_steps=bad.skipped,
+                    extra=extra,
+                )
+            )
             for path in profiler.after(step):
                 metrics.write(f"[launch.train] profile: {path}" + (" (one per rank)" if world > 1 else ""))
             # one all-reduce: a stop asked on any rank, a background save failed on any rank
@@ -221,26 +265,40 @@ def train(cfg: TrainConfig, log=True) -> list[dict]:
             if save_failed:
                 saver.wait()  # raises the writer's error, on every rank at this same step
             diverged = bad.exhausted
-            due = cfg.ckpt_dir and (step == cfg.steps or stopping or diverged
-                                    or (cfg.ckpt_every and step % cfg.ckpt_every == 0))
+            due = cfg.ckpt_dir and (
+                step == cfg.steps or stopping or diverged or (cfg.ckpt_every and step % cfg.ckpt_every == 0)
+            )
             path = None
             if due:
                 path = (saver.save if saver else checkpoint.save)(
-                    cfg.ckpt_dir, step, checkpoint.model_state(model), checkpoint.optim_state(model, opt),
-                    meta={"config": cfg.to_dict(), "model_config": model_cfg.to_dict(),
-                          "model": models.entry(model_cfg).name, "data": loader.state_dict(),
-                          "loss_scale": scaler.state_dict(), "bad_steps": bad.state_dict(),
-                          "mesh": cfg.mesh_sizes(world), "code_version": code},
-                    keep=cfg.ckpt_keep or None)
-                metrics.write(f"[launch.train] step {step}: checkpoint {path}"
-                              + (" (writing in the background)" if saver else ""))
+                    cfg.ckpt_dir,
+                    step,
+                    checkpoint.model_state(model),
+                    checkpoint.optim_state(model, opt),
+                    meta={
+                        "config": cfg.to_dict(),
+                        "model_config": model_cfg.to_dict(),
+                        "model": models.entry(model_cfg).name,
+                        "data": loader.state_dict(),
+                        "loss_scale": scaler.state_dict(),
+                        "bad_steps": bad.state_dict(),
+                        "mesh": cfg.mesh_sizes(world),
+                        "code_version": code,
+                    },
+                    keep=cfg.ckpt_keep or None,
+                )
+                metrics.write(
+                    f"[launch.train] step {step}: checkpoint {path}" + (" (writing in the background)" if saver else "")
+                )
             if diverged:
                 if saver:
                     saver.wait()  # the message names the checkpoint: it must be there
                 raise Diverged(bad.message(step, str(path) if path else None))
             if stopping:
-                metrics.write(f"[launch.train] stopped by signal after step {step}"
-                              + ("" if cfg.ckpt_dir else " (no --ckpt-dir: nothing saved)"))
+                metrics.write(
+                    f"[launch.train] stopped by signal after step {step}"
+                    + ("" if cfg.ckpt_dir else " (no --ckpt-dir: nothing saved)")
+                )
                 break
         if saver:
             saver.close()  # the end of training waits for the last checkpoint (and raises its error)
@@ -257,8 +315,18 @@ EXIT_BAD_INPUT, EXIT_RANK_LOST, EXIT_DIVERGED = 2, 3, 4
 def _rank_lost(e: BaseException) -> bool:
     """A collective failed because another rank is gone or stuck (closed connection or timeout)."""
     text = str(e).lower()
-    return isinstance(e, dist.DistError) or any(s in text for s in (
-        "connection closed by peer", "connection reset", "timed out", "timeout", "broken pipe", "gloo", "nccl"))
+    return isinstance(e, dist.DistError) or any(
+        s in text
+        for s in (
+            "connection closed by peer",
+            "connection reset",
+            "timed out",
+            "timeout",
+            "broken pipe",
+            "gloo",
+            "nccl",
+        )
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -282,11 +350,14 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:
         if world == 1 or not _rank_lost(e):
             raise
-        print(f"{prefix} a collective failed ({type(e).__name__}: {str(e).strip().splitlines()[0][:300]}): another "
-              f"rank died, was killed or stopped responding (collectives wait at most --collective-timeout "
-              f"{cfg.collective_timeout:g} s), so this rank stops too. The rank that failed first says why in "
-              f"its own output; with --ckpt-dir, --resume continues from the last checkpoint", file=sys.stderr,
-              flush=True)
+        print(
+            f"{prefix} a collective failed ({type(e).__name__}: {str(e).strip().splitlines()[0][:300]}): another "
+            f"rank died, was killed or stopped responding (collectives wait at most --collective-timeout "
+            f"{cfg.collective_timeout:g} s), so this rank stops too. The rank that failed first says why in "
+            f"its own output; with --ckpt-dir, --resume continues from the last checkpoint",
+            file=sys.stderr,
+            flush=True,
+        )
         sys.stdout.flush()
         os._exit(EXIT_RANK_LOST)  # not destroy_process_group: tearing down a group with a lost peer can block
     finally:
@@ -297,4 +368,5 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     from spmd.layout.mesh import exit_process
+
     exit_process(main())  # not sys.exit: see exit_process

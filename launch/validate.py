@@ -16,6 +16,7 @@ all data-parallel ranks' tokens (spmd's vocab-parallel cross-entropy sums the lo
 and batches are weighed by their token counts. Evaluation runs the model in eval mode under no_grad; a
 pipeline runs its schedule's forwards only (`Pipeline.evaluate`).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -41,13 +42,26 @@ def held_out_tokens(n_tokens: int, batch_size: int, seq_len: int, val_batches: i
 class ValSet:
     """The K validation batches of a token stream, this data-parallel rank's micro-batches of each."""
 
-    def __init__(self, tokens: np.ndarray, batch_size: int, seq_len: int, val_batches: int, dp_rank: int = 0,
-                 dp_size: int = 1, grad_accum: int = 1, device="cpu", offset: int = 0, source: str = ""):
+    def __init__(
+        self,
+        tokens: np.ndarray,
+        batch_size: int,
+        seq_len: int,
+        val_batches: int,
+        dp_rank: int = 0,
+        dp_size: int = 1,
+        grad_accum: int = 1,
+        device="cpu",
+        offset: int = 0,
+        source: str = "",
+    ):
         need = val_batches * batch_size * seq_len + 1
         if len(tokens) < need:
-            raise ValueError(f"{source or 'the validation data'} holds {len(tokens):,} tokens but --val-batches "
-                             f"{val_batches} of --batch-size {batch_size} x --seq-len {seq_len} need {need:,}; "
-                             f"use fewer --val-batches or more validation data")
+            raise ValueError(
+                f"{source or 'the validation data'} holds {len(tokens):,} tokens but --val-batches "
+                f"{val_batches} of --batch-size {batch_size} x --seq-len {seq_len} need {need:,}; "
+                f"use fewer --val-batches or more validation data"
+            )
         self.tokens, self.B, self.T, self.K = tokens, batch_size, seq_len, val_batches
         self.rank, self.R, self.accum, self.device = dp_rank, dp_size, grad_accum, device
         self.offset = offset  # where `tokens` starts in the stream it was cut from (for reports and tests)
@@ -59,11 +73,12 @@ class ValSet:
     def micro_batches(self, batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """This rank's rows of batch `batch` as (tokens, targets) micro-batches, cut as training cuts them."""
         per_rank, per_micro = self.B // self.R, self.B // (self.R * self.accum)
-        starts = self.window_starts(batch)[self.rank * per_rank:(self.rank + 1) * per_rank]
+        starts = self.window_starts(batch)[self.rank * per_rank : (self.rank + 1) * per_rank]
         window = torch.from_numpy(np.asarray(self.tokens[starts[:, None] + np.arange(self.T + 1)], dtype=np.int64))
         x, y = window[:, :-1].to(self.device), window[:, 1:].to(self.device)
-        return [(x[j * per_micro:(j + 1) * per_micro], y[j * per_micro:(j + 1) * per_micro])
-                for j in range(self.accum)]
+        return [
+            (x[j * per_micro : (j + 1) * per_micro], y[j * per_micro : (j + 1) * per_micro]) for j in range(self.accum)
+        ]
 
 
 def build_loaders(cfg, dp_rank: int, dp_size: int, vocab_size: int, device="cpu"):
@@ -78,22 +93,50 @@ def build_loaders(cfg, dp_rank: int, dp_size: int, vocab_size: int, device="cpu"
             tokens, _ = token_stream(cfg.val_data, tokenizer, cfg.data_field)
         except ValueError as e:
             raise ValueError(f"--val-data: {e}") from None
-        read = tokens[:cfg.val_batches * cfg.batch_size * cfg.seq_len + 1]  # what validation reads
+        read = tokens[: cfg.val_batches * cfg.batch_size * cfg.seq_len + 1]  # what validation reads
         if len(read) and int(read.max()) >= vocab_size:
-            raise ValueError(f"--val-data holds token id {int(read.max())} but the model's vocabulary has "
-                             f"{vocab_size} entries; tokenise it with --tokenizer {cfg.tokenizer}")
-        return loader, tokenizer, ValSet(tokens, cfg.batch_size, cfg.seq_len, cfg.val_batches, **common,
-                                         source=f"--val-data {cfg.val_data}")
+            raise ValueError(
+                f"--val-data holds token id {int(read.max())} but the model's vocabulary has "
+                f"{vocab_size} entries; tokenise it with --tokenizer {cfg.tokenizer}"
+            )
+        return (
+            loader,
+            tokenizer,
+            ValSet(tokens, cfg.batch_size, cfg.seq_len, cfg.val_batches, **common, source=f"--val-data {cfg.val_data}"),
+        )
     n = len(loader.tokens)
     lo = n - held_out_tokens(n, cfg.batch_size, cfg.seq_len, cfg.val_batches)
     if lo < n // 2:
-        raise ValueError(f"--data {cfg.data} holds {n:,} tokens; holding out --val-batches {cfg.val_batches} of "
-                         f"{cfg.batch_size}x{cfg.seq_len} tokens would leave training less than half; use fewer "
-                         f"--val-batches, a smaller --batch-size, more data, or a separate --val-data")
-    head = DataLoader(loader.tokens[:lo], cfg.batch_size, cfg.seq_len, dp_rank, dp_size, cfg.grad_accum, cfg.seed,
-                      vocab_size=vocab_size, device=device, fingerprint=f"{loader.fingerprint}:head{lo}")
-    return head, tokenizer, ValSet(loader.tokens[lo:], cfg.batch_size, cfg.seq_len, cfg.val_batches, **common,
-                                   offset=lo, source=f"the held-out split of --data {cfg.data}")
+        raise ValueError(
+            f"--data {cfg.data} holds {n:,} tokens; holding out --val-batches {cfg.val_batches} of "
+            f"{cfg.batch_size}x{cfg.seq_len} tokens would leave training less than half; use fewer "
+            f"--val-batches, a smaller --batch-size, more data, or a separate --val-data"
+        )
+    head = DataLoader(
+        loader.tokens[:lo],
+        cfg.batch_size,
+        cfg.seq_len,
+        dp_rank,
+        dp_size,
+        cfg.grad_accum,
+        cfg.seed,
+        vocab_size=vocab_size,
+        device=device,
+        fingerprint=f"{loader.fingerprint}:head{lo}",
+    )
+    return (
+        head,
+        tokenizer,
+        ValSet(
+            loader.tokens[lo:],
+            cfg.batch_size,
+            cfg.seq_len,
+            cfg.val_batches,
+            **common,
+            offset=lo,
+            source=f"the held-out split of --data {cfg.data}",
+        ),
+    )
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -138,10 +181,15 @@ class Validator:
     def describe(self, data: str) -> str:
         if self.val is None:
             return "validation off (--val-every 0)"
-        where = (f"the last {len(self.val.tokens):,} tokens of --data {data} (never read by training)"
-                 if self.val.offset else "--val-data")
-        return (f"validation every {self.every} steps and after the last: {self.val.K} batch(es) of "
-                f"{self.val.B}x{self.val.T} tokens from {where}")
+        where = (
+            f"the last {len(self.val.tokens):,} tokens of --data {data} (never read by training)"
+            if self.val.offset
+            else "--val-data"
+        )
+        return (
+            f"validation every {self.every} steps and after the last: {self.val.K} batch(es) of "
+            f"{self.val.B}x{self.val.T} tokens from {where}"
+        )
 
     def due(self, step: int) -> bool:
         return self.val is not None and (step % self.every == 0 or step == self.last)

@@ -5,6 +5,7 @@ A model is one file here plus one entry in `MODELS`. Its config class carries wh
 (why a mesh cannot lay it out, or None), `num_params()`, `max_seq_len`, `vocab_size`, `to_dict()`.
 `hf` is the module that maps it to and from Hugging Face checkpoints, if there is one.
 """
+
 from dataclasses import dataclass
 
 import torch.nn as nn
@@ -17,10 +18,10 @@ __all__ = ["ModelEntry", "MODELS", "DEFAULT", "entry", "preset", "config_from_di
 @dataclass(frozen=True)
 class ModelEntry:
     name: str
-    config: type        # the config dataclass (see the module docstring)
-    model: type         # the nn.Module class, built from a config
-    hf: object = None   # Hugging Face adapter module (MODEL_TYPE, to_hf_name, from_hf_name, hf_config,
-                        # config_from_hf, tied, TIED_SOURCE), or None
+    config: type  # the config dataclass (see the module docstring)
+    model: type  # the nn.Module class, built from a config
+    hf: object = None  # Hugging Face adapter module (MODEL_TYPE, to_hf_name, from_hf_name, hf_config,
+    # config_from_hf, tied, TIED_SOURCE), or None
 
 
 MODELS = {

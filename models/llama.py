@@ -4,8 +4,9 @@ No distributed code lives here. Parameters carry logical axis names (`spmd.annot
 stream carries layout constraints (`spmd.constrain`); both do nothing until `spmd.parallelize` lays
 the model out on a mesh, so this file runs as plain PyTorch on one device.
 """
+
 import zlib
-from dataclasses import dataclass, asdict
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn as nn
@@ -196,8 +197,7 @@ class Llama(nn.Module):
 
         return init
 
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None,
-                positions: torch.Tensor | None = None):
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None, positions: torch.Tensor | None = None):
         """`positions` [B, T]: each token's position, when the sequence is given in another order than
         0..T-1 (context parallelism gives each rank a zigzag share of it); RoPE rotates by these."""
         h = self.embed(tokens)

@@ -9,6 +9,7 @@ Names (ours -> HF):
     output.weight                                lm_head.weight (absent when embeddings are tied)
 Our RoPE uses HF's rotate-half layout, so q/k need no permutation.
 """
+
 import re
 
 import torch
@@ -37,8 +38,11 @@ _LAYER = [
     ("attention_norm.weight", "input_layernorm.weight"),
     ("ffn_norm.weight", "post_attention_layernorm.weight"),
 ]
-_TOP = [("tok_embeddings.weight", "model.embed_tokens.weight"), ("norm.weight", "model.norm.weight"),
-        ("output.weight", "lm_head.weight")]
+_TOP = [
+    ("tok_embeddings.weight", "model.embed_tokens.weight"),
+    ("norm.weight", "model.norm.weight"),
+    ("output.weight", "lm_head.weight"),
+]
 _TO_HF = dict(_LAYER)
 _FROM_HF = {v: k for k, v in _LAYER}
 
@@ -67,14 +71,28 @@ def hf_config(cfg: LlamaConfig, dtype: torch.dtype = torch.float32) -> dict:
     """config.json for transformers' LlamaForCausalLM from a LlamaConfig."""
     dt = str(dtype).removeprefix("torch.")
     return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "hidden_size": cfg.dim, "intermediate_size": cfg.ffn_dim, "num_hidden_layers": cfg.n_layers,
-        "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
-        "vocab_size": cfg.vocab_size, "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps,
-        "rope_theta": cfg.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-        "rope_scaling": None, "tie_word_embeddings": cfg.tie_embeddings, "hidden_act": "silu",
-        "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0, "initializer_range": 0.02,
-        "torch_dtype": dt, "dtype": dt,
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": cfg.dim,
+        "intermediate_size": cfg.ffn_dim,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads,
+        "head_dim": cfg.head_dim,
+        "vocab_size": cfg.vocab_size,
+        "max_position_embeddings": cfg.max_seq_len,
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "rope_scaling": None,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "attention_dropout": 0.0,
+        "initializer_range": 0.02,
+        "torch_dtype": dt,
+        "dtype": dt,
     }
 
 
@@ -85,8 +103,10 @@ def config_from_hf(hf: dict) -> LlamaConfig:
     rope = hf.get("rope_parameters") or {}
     scaling = hf.get("rope_scaling") or ({} if rope.get("rope_type", "default") == "default" else rope)
     if scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
-        raise ValueError(f"rope scaling {scaling} is not implemented by models/llama.py; "
-                         "use a checkpoint with plain RoPE (no rope_scaling)")
+        raise ValueError(
+            f"rope scaling {scaling} is not implemented by models/llama.py; "
+            "use a checkpoint with plain RoPE (no rope_scaling)"
+        )
     unsupported = [k for k in ("attention_bias", "mlp_bias") if hf.get(k)]
     if hf.get("hidden_act", "silu") != "silu":
         unsupported.append(f"hidden_act={hf['hidden_act']}")
@@ -95,9 +115,15 @@ def config_from_hf(hf: dict) -> LlamaConfig:
         unsupported.append(f"head_dim={hf['head_dim']} != hidden_size/heads")
     if unsupported:
         raise ValueError(f"the Hugging Face config uses {unsupported}, which models/llama.py does not implement")
-    return LlamaConfig(dim=dim, n_layers=hf["num_hidden_layers"], n_heads=heads,
-                       n_kv_heads=hf.get("num_key_value_heads") or heads, vocab_size=hf["vocab_size"],
-                       ffn_dim=hf["intermediate_size"], max_seq_len=hf.get("max_position_embeddings", 2048),
-                       norm_eps=hf.get("rms_norm_eps", 1e-6),
-                       rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
-                       tie_embeddings=bool(hf.get("tie_word_embeddings", False)))
+    return LlamaConfig(
+        dim=dim,
+        n_layers=hf["num_hidden_layers"],
+        n_heads=heads,
+        n_kv_heads=hf.get("num_key_value_heads") or heads,
+        vocab_size=hf["vocab_size"],
+        ffn_dim=hf["intermediate_size"],
+        max_seq_len=hf.get("max_position_embeddings", 2048),
+        norm_eps=hf.get("rms_norm_eps", 1e-6),
+        rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+    )

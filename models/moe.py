@@ -13,6 +13,7 @@ Expert weights are stacked tensors `[experts, mlp, embed]` (`w2`: `[experts, emb
 sorts, calls it and combines, treating every token on its own, so spmd can run it on each rank's tokens
 and dispatch them to the experts' ranks (spmd.runtime.experts). No distributed code lives here.
 """
+
 from dataclasses import asdict, dataclass
 from typing import ClassVar
 
@@ -37,8 +38,8 @@ class MoEConfig:
     vocab_size: int = 512
     n_experts: int = 8
     top_k: int = 2
-    expert_dim: int = 64          # hidden size of each routed expert
-    shared_expert_dim: int = 0    # hidden size of the shared expert; 0: none
+    expert_dim: int = 64  # hidden size of each routed expert
+    shared_expert_dim: int = 0  # hidden size of the shared expert; 0: none
     aux_loss_coef: float = 0.01
     z_loss_coef: float = 0.001
     max_seq_len: int = 256
@@ -70,7 +71,10 @@ class MoEConfig:
 
     def flops_per_token(self, seq_len: int) -> int:
         """6 N_active_non_embedding + 12 L H Q T: the parameters a token passes through (k experts)."""
-        return 6 * self.num_params(non_embedding=True, active=True) + 12 * self.n_layers * self.n_heads * self.head_dim * seq_len
+        return (
+            6 * self.num_params(non_embedding=True, active=True)
+            + 12 * self.n_layers * self.n_heads * self.head_dim * seq_len
+        )
 
     def mesh_problem(self, sizes: dict) -> str | None:
         """Why a mesh cannot lay this model out, or None: tp splits whole heads, ep whole experts."""
@@ -80,7 +84,9 @@ class MoEConfig:
         ep = sizes.get("ep", 1)
         if ep > 1 and self.n_experts % ep:
             fits = [d for d in range(1, self.n_experts + 1) if self.n_experts % d == 0]
-            return f"ep={ep} does not divide n_experts={self.n_experts}; every rank holds whole experts: use ep in {fits}"
+            return (
+                f"ep={ep} does not divide n_experts={self.n_experts}; every rank holds whole experts: use ep in {fits}"
+            )
         return None
 
     def num_params(self, non_embedding: bool = False, active: bool = False) -> int:
@@ -94,13 +100,42 @@ class MoEConfig:
 
 
 PRESETS = {
-    "moe-tiny": dict(dim=64, n_layers=2, n_heads=8, n_kv_heads=4, vocab_size=512, n_experts=8, top_k=2,
-                     expert_dim=64, shared_expert_dim=64, max_seq_len=256),
-    "moe-small": dict(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=512, n_experts=8, top_k=2,
-                      expert_dim=512, max_seq_len=1024),
+    "moe-tiny": dict(
+        dim=64,
+        n_layers=2,
+        n_heads=8,
+        n_kv_heads=4,
+        vocab_size=512,
+        n_experts=8,
+        top_k=2,
+        expert_dim=64,
+        shared_expert_dim=64,
+        max_seq_len=256,
+    ),
+    "moe-small": dict(
+        dim=256,
+        n_layers=4,
+        n_heads=8,
+        n_kv_heads=4,
+        vocab_size=512,
+        n_experts=8,
+        top_k=2,
+        expert_dim=512,
+        max_seq_len=1024,
+    ),
     # Mixtral 8x7B's shape
-    "moe-8x7b": dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=32000, n_experts=8, top_k=2,
-                     expert_dim=14336, max_seq_len=32768, rope_theta=1e6),
+    "moe-8x7b": dict(
+        dim=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        vocab_size=32000,
+        n_experts=8,
+        top_k=2,
+        expert_dim=14336,
+        max_seq_len=32768,
+        rope_theta=1e6,
+    ),
 }
 MoEConfig.PRESETS = PRESETS
 
@@ -140,7 +175,9 @@ class RoutedExperts(nn.Module):
         ids = chosen.reshape(-1)
         order = ids.argsort(stable=True)  # (token, choice) pairs grouped by expert
         # a scatter rather than bincount: its shape does not depend on the data, so fake tensors run it
-        counts = torch.zeros(self.n_experts, dtype=ids.dtype, device=ids.device).scatter_add_(0, ids, torch.ones_like(ids))
+        counts = torch.zeros(self.n_experts, dtype=ids.dtype, device=ids.device).scatter_add_(
+            0, ids, torch.ones_like(ids)
+        )
         y = self.experts(flat[order // k], counts) * weights.reshape(-1)[order].unsqueeze(-1)
         return torch.zeros_like(flat).index_add(0, order // k, y).view(x.shape)
 
@@ -168,8 +205,8 @@ class MoEFeedForward(nn.Module):
         if self.shared is not None:
             out = out + self.shared(x)
         picks = (chosen.unsqueeze(-1) == torch.arange(cfg.n_experts, device=chosen.device)).sum(-2)
-        share = constrain(picks.float().mean((0, 1)), None)        # f_e, summing to k
-        mean_prob = constrain(probs.mean((0, 1)), None)             # P_e
+        share = constrain(picks.float().mean((0, 1)), None)  # f_e, summing to k
+        mean_prob = constrain(probs.mean((0, 1)), None)  # P_e
         balance = (share * mean_prob).sum() * (cfg.n_experts / cfg.top_k)
         z = constrain(torch.logsumexp(logits, -1).square().mean())
         self.aux_loss = cfg.aux_loss_coef * balance + cfg.z_loss_coef * z
@@ -207,8 +244,7 @@ class MoE(Llama):
 
         return init
 
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None,
-                positions: torch.Tensor | None = None):
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None, positions: torch.Tensor | None = None):
         out = super().forward(tokens, targets, positions)
         if targets is None:
             return out
@@ -222,5 +258,7 @@ class MoE(Llama):
     def router_stats(self) -> dict:
         """The last forward's router losses (summed over layers) and tokens per expert ([layers, experts])."""
         moes = [layer.feed_forward for layer in self.layers]
-        return {"aux_loss": sum(m.aux_loss.detach() for m in moes),
-                "tokens_per_expert": torch.stack([m.tokens_per_expert for m in moes])}
+        return {
+            "aux_loss": sum(m.aux_loss.detach() for m in moes),
+            "tokens_per_expert": torch.stack([m.tokens_per_expert for m in moes]),
+        }

@@ -8,6 +8,7 @@ model's Hugging Face adapter (launch.hf): its names are transformers' own, so ex
 and `--init-from-hf DIR2` loads another directory of the same architecture into it, each rank reading
 its slices.
 """
+
 import contextlib
 import json
 import math
@@ -21,13 +22,21 @@ from safetensors import safe_open
 
 import kernels
 from spmd import annotate_hf, checkpoint
-from spmd.layout.heads import config_problem
 from spmd.layout.annotate import get_axes
+from spmd.layout.heads import config_problem
 
-__all__ = ["TransformersConfig", "MODEL_TYPE", "TIED_SOURCE", "tied", "to_hf_name", "from_hf_name", "hf_config",
-           "config_from_hf"]
+__all__ = [
+    "TransformersConfig",
+    "MODEL_TYPE",
+    "TIED_SOURCE",
+    "tied",
+    "to_hf_name",
+    "from_hf_name",
+    "hf_config",
+    "config_from_hf",
+]
 
-MODEL_TYPE = None   # matches no config.json by type: a directory is named with --model hf:DIR
+MODEL_TYPE = None  # matches no config.json by type: a directory is named with --model hf:DIR
 TIED_SOURCE: dict = {}
 
 
@@ -41,8 +50,10 @@ class TransformersConfig:
     @classmethod
     def preset(cls, name: str, **overrides) -> "TransformersConfig":
         if not (Path(name) / "config.json").is_file():
-            raise ValueError(f"hf:{name}: {name} has no config.json; --model hf:DIR takes a local Hugging Face "
-                             f"directory (config.json, optional *.safetensors); nothing is downloaded")
+            raise ValueError(
+                f"hf:{name}: {name} has no config.json; --model hf:DIR takes a local Hugging Face "
+                f"directory (config.json, optional *.safetensors); nothing is downloaded"
+            )
         problem = _config_problem(Path(name) / "config.json")
         if problem:
             raise ValueError(f"hf:{name}: {name}/config.json {problem}")
@@ -75,13 +86,16 @@ class TransformersConfig:
     def build(self) -> nn.Module:
         """The transformers model (weights from DIR when it has them and the build is not on meta)."""
         import transformers
+
         on_meta = torch.empty(()).device.type == "meta"
         if _has_weights(self.path) and not on_meta:
-            model = transformers.AutoModelForCausalLM.from_pretrained(self.path, local_files_only=True,
-                                                                      dtype=torch.float32)
+            model = transformers.AutoModelForCausalLM.from_pretrained(
+                self.path, local_files_only=True, dtype=torch.float32
+            )
         else:
             model = transformers.AutoModelForCausalLM.from_config(
-                transformers.AutoConfig.from_pretrained(self.path, local_files_only=True))
+                transformers.AutoConfig.from_pretrained(self.path, local_files_only=True)
+            )
         annotate_hf(model)
         model.cfg, model.initializer = self, self.initializer  # what the trainer asks of a registered model
         model.forward = types.MethodType(_train_forward, model)
@@ -128,12 +142,16 @@ class TransformersConfig:
         return 6 * self.num_params(non_embedding=True, active=True) + attention
 
     def mesh_problem(self, sizes: dict) -> str | None:
-        drop = {k: v for k in ("attn_pdrop", "attention_dropout") if isinstance(v := self.hf.get(k), (int, float)) and v}
+        drop = {
+            k: v for k in ("attn_pdrop", "attention_dropout") if isinstance(v := self.hf.get(k), (int, float)) and v
+        }
         if drop and math.prod(sizes.values()) > 1 and not torch.cuda.is_available():
             # SDPA's CPU kernel has no dropout: its math fallback adds a plain dropout mask to sharded scores
-            return (f"attention dropout {drop} (config.json of {self.path}) runs inside "
-                    f"scaled_dot_product_attention, which DTensor cannot apply on CPU; set it to 0.0 in config.json "
-                    f"(other dropouts work)")
+            return (
+                f"attention dropout {drop} (config.json of {self.path}) runs inside "
+                f"scaled_dot_product_attention, which DTensor cannot apply on CPU; set it to 0.0 in config.json "
+                f"(other dropouts work)"
+            )
         if sizes.get("cp", 1) > 1 and (problem := _window_problem(self.hf)):
             return f"{problem} (config.json of {self.path})"
         problem = config_problem(self.hf, sizes, self.hf.get("model_type", "the model"))
@@ -147,8 +165,10 @@ class TransformersConfig:
             return f"{hf_dir} needs config.json and *.safetensors weights (nothing is downloaded)"
         theirs, ours = json.loads((path / "config.json").read_text()).get("model_type"), self.hf.get("model_type")
         if theirs != ours:
-            return (f"{hf_dir} holds a {theirs!r} model but --model hf:{self.path} is {ours!r}; pass a directory "
-                    f"of the same architecture, or train --model hf:{hf_dir} itself")
+            return (
+                f"{hf_dir} holds a {theirs!r} model but --model hf:{self.path} is {ours!r}; pass a directory "
+                f"of the same architecture, or train --model hf:{hf_dir} itself"
+            )
         shapes = {}
         for f in sorted(path.glob("*.safetensors")):
             with safe_open(str(f), framework="pt") as h:
@@ -158,8 +178,10 @@ class TransformersConfig:
         wrong = [f"{n} {shapes.get(n, 'missing')} (model {s})" for n, s in want.items() if shapes.get(n) != s]
         wrong += [f"{n} (not in the model)" for n in shapes if n not in want and not n.endswith("inv_freq")]
         if wrong:
-            return (f"its tensors do not fit --model hf:{self.path}: {wrong[:6]}; pass a directory whose "
-                    f"config.json has the same sizes as {self.path}/config.json")
+            return (
+                f"its tensors do not fit --model hf:{self.path}: {wrong[:6]}; pass a directory whose "
+                f"config.json has the same sizes as {self.path}/config.json"
+            )
         return None
 
     def to_dict(self) -> dict:
@@ -168,8 +190,16 @@ class TransformersConfig:
 
 # each entry: one field under its alternative names; each must be a positive integer
 _REQUIRED = (("vocab_size",), ("num_hidden_layers", "n_layer"), ("max_position_embeddings", "n_positions"))
-_SIZES = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "n_embd", "n_head",
-          "n_inner", "head_dim")
+_SIZES = (
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "n_embd",
+    "n_head",
+    "n_inner",
+    "head_dim",
+)
 
 
 def _config_problem(path: Path) -> str | None:
@@ -224,6 +254,7 @@ def _causal_sdpa(config):
     sequences packed in a row and mask each from the others; the rows here are whole sequences, reordered."""
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
     if problem := _window_problem(config.to_dict()):
         raise ValueError(problem)
     AttentionInterface.register(CAUSAL_SDPA, sdpa_attention_forward)
@@ -236,10 +267,19 @@ def _causal_sdpa(config):
 
 def _window_problem(hf: dict) -> str | None:
     """Why this config's attention cannot run as a causal ring over cp (it attends within windows), or None."""
-    windows = {k: v for k in ("sliding_window", "attention_chunk_size") if (v := hf.get(k))
-               and hf.get("use_sliding_window") is not False}
-    return (f"attention within windows {windows} needs a mask, and ring attention over cp takes only the causal "
-            f"one; use a mesh without cp") if windows else None
+    windows = {
+        k: v
+        for k in ("sliding_window", "attention_chunk_size")
+        if (v := hf.get(k)) and hf.get("use_sliding_window") is not False
+    }
+    return (
+        (
+            f"attention within windows {windows} needs a mask, and ring attention over cp takes only the causal "
+            f"one; use a mesh without cp"
+        )
+        if windows
+        else None
+    )
 
 
 # ------------------------------------------------------------------------------ Hugging Face adapter
@@ -261,5 +301,7 @@ def hf_config(cfg: TransformersConfig, dtype: torch.dtype = torch.float32) -> di
 
 
 def config_from_hf(hf: dict) -> TransformersConfig:
-    raise ValueError("a transformers directory is trained with --model hf:DIR (and --init-from-hf DIR2 loads "
-                     "the weights of DIR2 into it)")
+    raise ValueError(
+        "a transformers directory is trained with --model hf:DIR (and --init-from-hf DIR2 loads "
+        "the weights of DIR2 into it)"
+    )

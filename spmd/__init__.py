@@ -8,6 +8,7 @@
 Four rooms that import downward only: `layout` (mesh, rules, annotations), `runtime` (the pass),
 `pipeline` (stages and schedules), `analysis` (explain, search); plus `checkpoint`.
 """
+
 from .analysis.explain import explain
 from .analysis.plan import Plan
 from .layout.annotate import P, annotate, annotate_by_name
@@ -19,20 +20,47 @@ from .layout.sequence import cp_slice, zigzag_positions
 from .optim import Muon
 from .pipeline import Pipeline, build_pipeline, build_traced_pipeline, split_stages, validate_pipeline
 from .runtime.activations.moves import constrain
-from .runtime.transforms.checkpointing import apply_activation_checkpointing
-from .runtime.transforms.compile import compile_blocks
 from .runtime.optimizer.shard import reduce_gradients, shard_optimizer
 from .runtime.parallelize import no_sync, parallelize
+from .runtime.transforms.checkpointing import apply_activation_checkpointing
+from .runtime.transforms.compile import compile_blocks
 
-__all__ = ["explain", "Plan", "P", "annotate", "annotate_by_name", "find_blocks", "MESH_AXES", "make_mesh",
-           "mesh_sizes", "parse_spec", "annotate_hf", "Rules", "cp_slice", "zigzag_positions", "Pipeline", "build_pipeline", "build_traced_pipeline",
-           "split_stages", "validate_pipeline", "constrain", "apply_activation_checkpointing", "compile_blocks",
-           "no_sync", "parallelize", "reduce_gradients", "shard_optimizer", "search", "Muon"]
+__all__ = [
+    "explain",
+    "Plan",
+    "P",
+    "annotate",
+    "annotate_by_name",
+    "find_blocks",
+    "MESH_AXES",
+    "make_mesh",
+    "mesh_sizes",
+    "parse_spec",
+    "annotate_hf",
+    "Rules",
+    "cp_slice",
+    "zigzag_positions",
+    "Pipeline",
+    "build_pipeline",
+    "build_traced_pipeline",
+    "split_stages",
+    "validate_pipeline",
+    "constrain",
+    "apply_activation_checkpointing",
+    "compile_blocks",
+    "no_sync",
+    "parallelize",
+    "reduce_gradients",
+    "shard_optimizer",
+    "search",
+    "Muon",
+]
 
 
 def __getattr__(name):  # spmd.search (spmd.analysis.search's function) loads on first use
     if name == "search":
         from .analysis.search import search
+
         return search
     raise AttributeError(f"module 'spmd' has no attribute {name!r}")
 
@@ -41,11 +69,15 @@ def _warn_if_untested_torch(tested=(2, 13)):
     import warnings
 
     import torch
+
     if tuple(int(x) for x in torch.__version__.split(".")[:2]) < tested:
         need = ".".join(map(str, tested))
-        warnings.warn(f"spmd is tested on torch >= {need}; this is torch {torch.__version__}, whose DTensor and "
-                      f"checkpoint internals differ: one-process training, compiled blocks and offload run, other "
-                      f"paths may fail. Upgrade: pip install 'torch>={need}'", stacklevel=3)
+        warnings.warn(
+            f"spmd is tested on torch >= {need}; this is torch {torch.__version__}, whose DTensor and "
+            f"checkpoint internals differ: one-process training, compiled blocks and offload run, other "
+            f"paths may fail. Upgrade: pip install 'torch>={need}'",
+            stacklevel=3,
+        )
 
 
 _warn_if_untested_torch()

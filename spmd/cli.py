@@ -1,6 +1,7 @@
 """The commands `python -m spmd.explain` and `python -m spmd.search` (`explain_main`, `search_main`): their model
 flags, how a result is printed and saved. The package's `spmd.explain` and `spmd.search` are the functions
 (spmd.analysis); the command modules are scripts that run these."""
+
 import argparse
 import importlib
 import json
@@ -14,26 +15,58 @@ from .layout.mesh import parse_spec
 from .layout.rules import Rules
 from .layout.rules_table import check_rules_flags, ordered_maps, read_toml, rules_from_table
 
-__all__ = ["add_model_args", "model_config", "batch_shape", "write_json", "report", "parse_args", "config_rules",
-           "explain_parser", "plan_from_args", "explain_main", "search_main", "run_command"]
+__all__ = [
+    "add_model_args",
+    "model_config",
+    "batch_shape",
+    "write_json",
+    "report",
+    "parse_args",
+    "config_rules",
+    "explain_parser",
+    "plan_from_args",
+    "explain_main",
+    "search_main",
+    "run_command",
+]
 
 # launch.train's TOML keys -> the flags of explain and search that mean the same
-_CONFIG_KEYS = {"model": "model", "mesh": "mesh", "batch_size": "batch", "seq_len": "seq", "dtype": "dtype",
-                "ac": "ac", "grad_accum": "grad_accum", "zero": "zero", "master": "master", "offload": "offload",
-                "pp_schedule": "pp_schedule", "microbatches": "microbatches", "virtual_stages": "virtual_stages"}
+_CONFIG_KEYS = {
+    "model": "model",
+    "mesh": "mesh",
+    "batch_size": "batch",
+    "seq_len": "seq",
+    "dtype": "dtype",
+    "ac": "ac",
+    "grad_accum": "grad_accum",
+    "zero": "zero",
+    "master": "master",
+    "offload": "offload",
+    "pp_schedule": "pp_schedule",
+    "microbatches": "microbatches",
+    "virtual_stages": "virtual_stages",
+}
 
 
 def add_model_args(ap: argparse.ArgumentParser, batch_default: str) -> None:
-    ap.add_argument("--model", default="8b", help="PRESET of the registry's default model (Llama: "
-                    "tiny|small|1b|8b|70b), MODEL:PRESET, or hf:DIR (a local Hugging Face directory with "
-                    "config.json: transformers' own model, built on the meta device)")
+    ap.add_argument(
+        "--model",
+        default="8b",
+        help="PRESET of the registry's default model (Llama: "
+        "tiny|small|1b|8b|70b), MODEL:PRESET, or hf:DIR (a local Hugging Face directory with "
+        "config.json: transformers' own model, built on the meta device)",
+    )
     ap.add_argument("--registry", default="models", help="the module whose preset(name) gives model configs")
     ap.add_argument("--batch", type=int, default=None, help=f"global batch in sequences (default: {batch_default})")
     ap.add_argument("--seq", type=int, default=None, help="sequence length (default: min(max_seq_len, 4096))")
     ap.add_argument("--dtype", default="bf16", help="compute dtype: fp32|bf16|fp16")
     ap.add_argument("--json", default="", help="also write the result to this JSON file")
-    ap.add_argument("--config", default=None, help="launch.train's TOML file: its model, mesh, batch, dtype, ... "
-                    "as defaults (flags override) and its [rules.*] tables as the layout")
+    ap.add_argument(
+        "--config",
+        default=None,
+        help="launch.train's TOML file: its model, mesh, batch, dtype, ... "
+        "as defaults (flags override) and its [rules.*] tables as the layout",
+    )
 
 
 def parse_args(ap: argparse.ArgumentParser, argv, prog: str) -> argparse.Namespace | None:
@@ -47,8 +80,13 @@ def parse_args(ap: argparse.ArgumentParser, argv, prog: str) -> argparse.Namespa
             print(f"{prog}: error: {e}", file=sys.stderr)
             return None
         dests = {a.dest for a in ap._actions}
-        ap.set_defaults(**{_CONFIG_KEYS[k]: v for k, v in data.items() if _CONFIG_KEYS.get(k) in dests
-                           and (k == "zero" or v not in ("", 0))})
+        ap.set_defaults(
+            **{
+                _CONFIG_KEYS[k]: v
+                for k, v in data.items()
+                if _CONFIG_KEYS.get(k) in dests and (k == "zero" or v not in ("", 0))
+            }
+        )
     return ap.parse_args(argv)
 
 
@@ -71,8 +109,9 @@ def model_config(a: argparse.Namespace):
     try:
         registry = importlib.import_module(a.registry)
     except ImportError as e:
-        raise ValueError(f"--registry {a.registry!r} cannot be imported ({e}); pass a module with preset(name), "
-                         f"such as models") from None
+        raise ValueError(
+            f"--registry {a.registry!r} cannot be imported ({e}); pass a module with preset(name), such as models"
+        ) from None
     return registry.preset(a.model)
 
 
@@ -100,9 +139,12 @@ def report(prog: str, path: str, produce) -> int:
 
 
 def explain_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m spmd.explain", description="Prints the plan of one training "
-                                 "step (collectives, layout decisions, memory per rank) of a registry model on a "
-                                 "mesh of any size, without devices.")
+    ap = argparse.ArgumentParser(
+        prog="python -m spmd.explain",
+        description="Prints the plan of one training "
+        "step (collectives, layout decisions, memory per rank) of a registry model on a "
+        "mesh of any size, without devices.",
+    )
     ap.add_argument("--mesh", default="fsdp=8,tp=8,sp", help="mesh spec, e.g. fsdp=8,tp=8,sp or pp=2,fsdp=4,tp=8")
     add_model_args(ap, batch_default="the mesh's size")
     ap.add_argument("--ac", default="none", help="activation checkpointing: none|full|selective:N")
@@ -110,12 +152,20 @@ def explain_parser() -> argparse.ArgumentParser:
     ap.add_argument("--pp-schedule", default="1f1b", help="with a pp axis: gpipe|1f1b|interleaved-1f1b|zero-bubble|zbv")
     ap.add_argument("--microbatches", type=int, default=None, help="pipeline micro-batches (default: the schedule's)")
     ap.add_argument("--virtual-stages", type=int, default=1, help="pipeline stages per pp rank")
-    ap.add_argument("--zero", type=int, default=None, help="ZeRO stage: 1 optimizer states, 2 + gradients, 3 + "
-                    "parameters sharded over fsdp (Rules.default(zero=...); default 3)")
+    ap.add_argument(
+        "--zero",
+        type=int,
+        default=None,
+        help="ZeRO stage: 1 optimizer states, 2 + gradients, 3 + "
+        "parameters sharded over fsdp (Rules.default(zero=...); default 3)",
+    )
     ap.add_argument("--master", default="params", help="params|optimizer: where fp32 master weights live")
     ap.add_argument("--reduce-dtype", default="fp32", help="gradient reduction dtype: fp32|bf16")
-    ap.add_argument("--offload", default=None,
-                    help="optimizer|params|nvme:DIR: optimizer states (params: stage-3 parameter shards too) off the device")
+    ap.add_argument(
+        "--offload",
+        default=None,
+        help="optimizer|params|nvme:DIR: optimizer states (params: stage-3 parameter shards too) off the device",
+    )
     return ap
 
 
@@ -130,10 +180,21 @@ def plan_from_args(a: argparse.Namespace):
     rules = config_rules(a, True if "sp" in flags else None)
     if rules is None:
         rules = Rules.default(sequence_parallel="sp" in flags, zero=3 if a.zero is None else a.zero)
-    return explain(model, rules, sizes,
-                   batch_shape(a, cfg, world), a.dtype, ac=a.ac, grad_accum=a.grad_accum, schedule=a.pp_schedule,
-                   microbatches=a.microbatches, virtual_stages=a.virtual_stages, reduce_dtype=a.reduce_dtype,
-                   master=a.master, offload=a.offload)
+    return explain(
+        model,
+        rules,
+        sizes,
+        batch_shape(a, cfg, world),
+        a.dtype,
+        ac=a.ac,
+        grad_accum=a.grad_accum,
+        schedule=a.pp_schedule,
+        microbatches=a.microbatches,
+        virtual_stages=a.virtual_stages,
+        reduce_dtype=a.reduce_dtype,
+        master=a.master,
+        offload=a.offload,
+    )
 
 
 def explain_main(argv=None) -> int:
@@ -147,22 +208,41 @@ def search_main(argv=None) -> int:
     from .analysis.search import search
     from .analysis.search_pipeline import Pipeline
     from .analysis.search_pool import stop_on_term
-    ap = argparse.ArgumentParser(prog="python -m spmd.search", description=sys.modules["spmd.analysis.search"].__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+
+    ap = argparse.ArgumentParser(
+        prog="python -m spmd.search",
+        description=sys.modules["spmd.analysis.search"].__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--world", type=int, default=64, help="number of devices")
     ap.add_argument("--device", default="h100", help="h100|h200|a100|cpu")
     add_model_args(ap, batch_default="world")
     ap.add_argument("--budget-gib", type=float, default=None, help="memory budget per rank (default 90%% of device)")
-    ap.add_argument("--ac", default=None, help="assume this activation checkpointing (none|full|selective:N) "
-                    "instead of the least that fits")
-    ap.add_argument("--grad-accum", type=int, default=None, help="assume this many micro-batches per step instead "
-                    "of the fewest that fit")
-    ap.add_argument("--zero", type=int, default=None, help="assume this ZeRO stage (1|2|3) on meshes with an fsdp "
-                    "axis instead of trying each")
+    ap.add_argument(
+        "--ac",
+        default=None,
+        help="assume this activation checkpointing (none|full|selective:N) instead of the least that fits",
+    )
+    ap.add_argument(
+        "--grad-accum",
+        type=int,
+        default=None,
+        help="assume this many micro-batches per step instead of the fewest that fit",
+    )
+    ap.add_argument(
+        "--zero",
+        type=int,
+        default=None,
+        help="assume this ZeRO stage (1|2|3) on meshes with an fsdp axis instead of trying each",
+    )
     ap.add_argument("--max-pp", type=int, default=1, help="also try pipelines of up to this many stages")
     ap.add_argument("--pp-schedule", default="1f1b", help="the pipelines' schedule (launch.train's --pp-schedule)")
-    ap.add_argument("--microbatches", type=int, default=0, help="pipeline micro-batches per step (0: the "
-                    "schedule's default, pp or 2 pp)")
+    ap.add_argument(
+        "--microbatches",
+        type=int,
+        default=0,
+        help="pipeline micro-batches per step (0: the schedule's default, pp or 2 pp)",
+    )
     ap.add_argument("--top", type=int, default=None)
     ap.add_argument("--workers", type=int, default=min(os.cpu_count() or 1, 8), help="planning processes")
     a = parse_args(ap, argv, "spmd.search")
@@ -173,10 +253,24 @@ def search_main(argv=None) -> int:
     def ranked():
         cfg = model_config(a)
         zero, sp = _pinned_by_rules(a)
-        return search(cfg, a.world, a.device, None if a.budget_gib is None else a.budget_gib * 2**30,
-                      batch_shape(a, cfg, a.world), a.dtype, a.top, workers=a.workers, ac=a.ac,
-                      grad_accum=a.grad_accum, zero=zero, sequence_parallel=sp, progress=True, max_pp=a.max_pp,
-                      pipeline=Pipeline(a.pp_schedule, a.microbatches))
+        return search(
+            cfg,
+            a.world,
+            a.device,
+            None if a.budget_gib is None else a.budget_gib * 2**30,
+            batch_shape(a, cfg, a.world),
+            a.dtype,
+            a.top,
+            workers=a.workers,
+            ac=a.ac,
+            grad_accum=a.grad_accum,
+            zero=zero,
+            sequence_parallel=sp,
+            progress=True,
+            max_pp=a.max_pp,
+            pipeline=Pipeline(a.pp_schedule, a.microbatches),
+        )
+
     return report("spmd.search", a.json, ranked)
 
 
@@ -187,9 +281,11 @@ def _pinned_by_rules(a):
     if rules is None:
         return a.zero, (False, True)
     if ordered_maps(rules) != ordered_maps(Rules.default(rules.sequence_parallel, rules.zero_stage)):
-        raise ValueError(f"config file {a.config}: spmd.search ranks meshes under Rules.default's tables; plan "
-                         f"these [rules.*] tables on a mesh with `python -m spmd.explain --config {a.config} --mesh "
-                         f"SPEC`, or state a default table (docs/layouts-and-rules.md)")
+        raise ValueError(
+            f"config file {a.config}: spmd.search ranks meshes under Rules.default's tables; plan "
+            f"these [rules.*] tables on a mesh with `python -m spmd.explain --config {a.config} --mesh "
+            f"SPEC`, or state a default table (docs/layouts-and-rules.md)"
+        )
     return rules.zero_stage, (rules.sequence_parallel,)
 
 
@@ -197,6 +293,8 @@ def run_command(module_name: str, main) -> None:
     """The body of a command module (spmd/explain.py, spmd/search.py): runs `main` as `python -m module_name`.
     Imported instead, the module would take the place of the package's function of the same name."""
     if module_name != "__main__":
-        raise ImportError(f"spmd.{main.__name__.split('_')[0]} is a command (python -m); its code is "
-                          f"spmd.cli.{main.__name__}, and the function of that name is the package's")
+        raise ImportError(
+            f"spmd.{main.__name__.split('_')[0]} is a command (python -m); its code is "
+            f"spmd.cli.{main.__name__}, and the function of that name is the package's"
+        )
     raise SystemExit(main())

@@ -6,9 +6,11 @@
     python -m spmd.explain --config launch/configs/tiny_rules.toml [flags]   # the trainer's file and its rules
 
 prints `plan.table()` of a registry model (meta tensors, no devices) laid out by the default rules of ZeRO
-stage `--zero`, or by the [rules.*] tables of `--config FILE`; `--model hf:DIR` plans the transformers model of a local Hugging Face directory (config.json
-is enough). In code, `spmd.explain(model, rules, {"fsdp": 8, "tp": 8}, batch_shape=(8, 4096))`.
+stage `--zero`, or by the [rules.*] tables of `--config FILE`; `--model hf:DIR` plans the transformers model of a local
+Hugging Face directory (config.json is enough). In code, `spmd.explain(model, rules, {"fsdp": 8, "tp": 8},
+batch_shape=(8, 4096))`.
 """
+
 from spmd.cli import explain_main, run_command
 
 __all__: list[str] = []

@@ -8,6 +8,7 @@
 Each ranked row ends in the launch.train flags it assumes: --mesh SPEC [--zero K] --ac MODE --grad-accum K
 (--zero where the mesh has an fsdp axis: each stage is a row of its own unless --zero pins one).
 """
+
 from spmd.cli import run_command, search_main
 
 __all__: list[str] = []

@@ -1,4 +1,5 @@
 """Test-session settings that must hold before any test module is imported."""
+
 import os
 
 # Triton reads TRITON_INTERPRET when it is first imported, and torch imports it early (CommDebugMode does), so

@@ -9,6 +9,7 @@ launch costs a fork instead of four fresh interpreters importing them (about 8 s
 server's environment is the session's at its start, so each worker takes the caller's environment as it is
 at the launch.
 """
+
 import datetime
 import io
 import os
@@ -20,19 +21,31 @@ import torch.multiprocessing as mp
 
 from spmd.layout.mesh import exit_process
 
-
-PRELOAD = ["torch", "torch._dynamo", "torch.distributed.tensor", "torch.distributed.checkpoint", "torch.distributed.pipelining",
-           "torch.distributed.fsdp", "spmd", "models", "transformers", "tests.dist_utils",
-           *(f"transformers.models.{m}.modeling_{m}" for m in ("llama", "mistral", "qwen2", "gemma", "phi3", "gpt2",
-                                                                "gpt_neox", "opt"))]
+PRELOAD = [
+    "torch",
+    "torch._dynamo",
+    "torch.distributed.tensor",
+    "torch.distributed.checkpoint",
+    "torch.distributed.pipelining",
+    "torch.distributed.fsdp",
+    "spmd",
+    "models",
+    "transformers",
+    "tests.dist_utils",
+    *(
+        f"transformers.models.{m}.modeling_{m}"
+        for m in ("llama", "mistral", "qwen2", "gemma", "phi3", "gpt2", "gpt_neox", "opt")
+    ),
+]
 
 
 def _worker(rank: int, fn, world_size: int, port: int, packed: bytes, timeout_s: float, env: dict):
     args = torch.load(io.BytesIO(packed), weights_only=False)
     os.environ.clear()
     os.environ.update(env)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank)
+    )
     torch.set_num_threads(1)  # N processes share a few cores
     timeout = datetime.timedelta(seconds=timeout_s)
     store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timeout)
@@ -48,13 +61,24 @@ def _worker(rank: int, fn, world_size: int, port: int, packed: bytes, timeout_s:
 def run_distributed(fn, world_size: int, *args, timeout_s: float = 120.0):
     # the store's server listens here, on a port the OS picks and holds: a port probed free and bound later
     # by rank 0 could be taken in between by another test run on the machine
-    server = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
-                           timeout=datetime.timedelta(seconds=timeout_s))
+    server = dist.TCPStore(
+        "127.0.0.1",
+        0,
+        world_size,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
     mp.set_forkserver_preload(PRELOAD)  # a module that fails to import is skipped (and imported by the worker)
     packed = io.BytesIO()
     torch.save(args, packed)  # by value: shared-memory tensors would pass a descriptor each, past the server's limit
-    ctx = mp.start_processes(_worker, args=(fn, world_size, server.port, packed.getvalue(), timeout_s, dict(os.environ)),
-                             nprocs=world_size, join=False, start_method="forkserver")
+    ctx = mp.start_processes(
+        _worker,
+        args=(fn, world_size, server.port, packed.getvalue(), timeout_s, dict(os.environ)),
+        nprocs=world_size,
+        join=False,
+        start_method="forkserver",
+    )
     deadline = time.monotonic() + timeout_s
     try:
         while not ctx.join(timeout=1.0):

@@ -17,6 +17,7 @@ and the checkpoint writer's own functions: the product code holds no test branch
 Each takes `patch(obj, name, value)`: pytest's `monkeypatch.setattr` in a test, `setattr` in a child
 process (tests/fault_train.py).
 """
+
 from __future__ import annotations
 
 import importlib
@@ -41,6 +42,7 @@ def _before_each_step(patch, action) -> None:
     def before(self, step):
         action(step)
         original(self, step)
+
     patch(StepProfiler, "before", before)
 
 
@@ -53,6 +55,7 @@ def before_step(patch, rank: int, step: int, kind: str) -> None:
     def save(self, *args, **kwargs):
         savers[:] = [self]
         return original_save(self, *args, **kwargs)
+
     patch(AsyncSaver, "save", save)
 
     def fire(now: int) -> None:
@@ -68,6 +71,7 @@ def before_step(patch, rank: int, step: int, kind: str) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         while True:
             time.sleep(3600)
+
     _before_each_step(patch, fire)
 
 
@@ -86,6 +90,7 @@ def nan_steps(patch, steps, rank: int | None = None, micro: int | None = None) -
         built = build_model(*args, **kwargs)
         built[0].register_forward_hook(poison)
         return built
+
     patch(launch.train, "build_model", build)
 
 
@@ -99,6 +104,8 @@ def kill_after_files(patch, files: int) -> None:
             if written[0] == files:
                 os.kill(os.getpid(), signal.SIGKILL)
             return out
+
         return counted
+
     patch(_save, "_write_rank_file", count(_save._write_rank_file))
     patch(_save, "_write_json", count(_save._write_json))

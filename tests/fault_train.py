@@ -5,9 +5,11 @@
 
 FLAGS go to launch.train unchanged; every rank installs the same fault, which fires where it names.
 """
+
 import argparse
 
 import fault_injection
+
 import launch.train
 from spmd.layout.mesh import exit_process
 

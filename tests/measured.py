@@ -7,6 +7,7 @@ context is open, counted where they are kept. The count wraps every saved-tensor
 pack hook returns: a tensor is kept, a handle (a regather, a checkpoint's recompute holder) is not. Those
 kept while an attention call runs (spmd.runtime.activations.attention_memory scopes each one) are attention's part.
 """
+
 import contextlib
 
 import torch
@@ -28,9 +29,11 @@ def _nbytes(t: torch.Tensor) -> int:
 
 def state_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict:
     params = list(model.parameters())
-    return {"parameters": sum(_nbytes(p) for p in params),
-            "gradients": sum(_nbytes(p.grad) for p in params),
-            "optimizer": sum(_nbytes(opt.state[p][k]) for p in params for k in ("exp_avg", "exp_avg_sq"))}
+    return {
+        "parameters": sum(_nbytes(p) for p in params),
+        "gradients": sum(_nbytes(p.grad) for p in params),
+        "optimizer": sum(_nbytes(opt.state[p][k]) for p in params for k in ("exp_avg", "exp_avg_sq")),
+    }
 
 
 @contextlib.contextmanager

@@ -10,6 +10,7 @@ PYTHONPATH set to the copy. Exit status 1 if one survives (its test passed) or i
 Keep the list as data: when code moves, edit the paths and texts (`--check`, run by tests/test_mutants.py,
 says which no longer match).
 """
+
 import argparse
 import os
 import shutil
@@ -31,42 +32,56 @@ class Mutant(NamedTuple):
 
 MUTANTS = [
     # the bf16 gather writes its rounded values back into the fp32 parameters: the masters are destroyed
-    Mutant("spmd/runtime/parameters/buckets.py",
-           "                locals_ = cast_locals(locals_, dtype)\n",
-           "                locals_ = cast_locals(locals_, dtype)\n"
-           "                for p, low in zip(self.params, locals_):\n"
-           "                    p._local_tensor.copy_(low)\n",
-           "tests/test_mixed_precision.py::test_bf16_with_fp32_masters_trains_as_the_recipe_on_one_process[specs]"),
+    Mutant(
+        "spmd/runtime/parameters/buckets.py",
+        "                locals_ = cast_locals(locals_, dtype)\n",
+        "                locals_ = cast_locals(locals_, dtype)\n"
+        "                for p, low in zip(self.params, locals_):\n"
+        "                    p._local_tensor.copy_(low)\n",
+        "tests/test_mixed_precision.py::test_bf16_with_fp32_masters_trains_as_the_recipe_on_one_process[specs]",
+    ),
     # the per-block path is never taken: both runs of the bit-for-bit comparison take the whole-model path
-    Mutant("spmd/runtime/local/whole_model.py",
-           "    if state is not None:\n        state.local_members.pop(id(model), None)\n",
-           "    return\n",
-           "tests/test_local_model.py::test_one_rank_in_bf16_with_accumulation_is_the_per_block_path_bit_for_bit"),
+    Mutant(
+        "spmd/runtime/local/whole_model.py",
+        "    if state is not None:\n        state.local_members.pop(id(model), None)\n",
+        "    return\n",
+        "tests/test_local_model.py::test_one_rank_in_bf16_with_accumulation_is_the_per_block_path_bit_for_bit",
+    ),
     # heads split by the tp rule no more: each rank holds every head, though the mesh splits them
-    Mutant("spmd/layout/rules.py",
-           '"heads": "tp", "kv_heads": "tp",',
-           '"heads": "tp", "kv_heads": (),',
-           "tests/test_heads.py::test_heads_that_divide_or_stay_whole_pass"),
+    Mutant(
+        "spmd/layout/rules.py",
+        '            "kv_heads": "tp",\n',
+        '            "kv_heads": (),\n',
+        "tests/test_heads.py::test_heads_that_divide_or_stay_whole_pass",
+    ),
     # a traced detach takes the eager shortcut instead of DTensor's dispatch
-    Mutant("spmd/runtime/dtensor/detach.py",
-           "    if type(x._local_tensor) is not torch.Tensor:",
-           "    if False:",
-           "tests/test_lean_path.py::test_compiled_blocks_trace_detach_through_dtensor_dispatch"),
+    Mutant(
+        "spmd/runtime/dtensor/detach.py",
+        "    if type(x._local_tensor) is not torch.Tensor:",
+        "    if False:",
+        "tests/test_lean_path.py::test_compiled_blocks_trace_detach_through_dtensor_dispatch",
+    ),
     # explain's activation bytes 4% high
-    Mutant("spmd/analysis/explain.py",
-           "            activations = activation_bytes(saved, model)\n",
-           "            activations = activation_bytes(saved, model) * 104 // 100\n",
-           "tests/test_spmd_numerics.py::test_spec_matches_one_device_and_its_plan[fsdp=4]"),
+    Mutant(
+        "spmd/analysis/explain.py",
+        "            activations = activation_bytes(saved, model)\n",
+        "            activations = activation_bytes(saved, model) * 104 // 100\n",
+        "tests/test_spmd_numerics.py::test_spec_matches_one_device_and_its_plan[fsdp=4]",
+    ),
     # the fp32 master copy beside bf16 parameters counted in the parameters' dtype
-    Mutant("spmd/analysis/memory.py",
-           "        master_size = 4 if separate else p.element_size()\n",
-           "        master_size = p.element_size()\n",
-           "tests/test_zero_table.py::test_explain_reproduces_zero_paper_table_1_for_64_devices"),
+    Mutant(
+        "spmd/analysis/memory.py",
+        "        master_size = 4 if separate else p.element_size()\n",
+        "        master_size = p.element_size()\n",
+        "tests/test_zero_table.py::test_explain_reproduces_zero_paper_table_1_for_64_devices",
+    ),
     # fp16's loss scale does not back off after an overflow
-    Mutant("launch/nonfinite.py",
-           "            self.scale, self.good = max(self.scale / 2, 1.0), 0\n",
-           "            self.scale, self.good = max(self.scale, 1.0), 0\n",
-           "tests/test_train.py::test_fp16_on_four_processes_skips_an_overflowing_step_on_every_rank"),
+    Mutant(
+        "launch/nonfinite.py",
+        "            self.scale, self.good = max(self.scale / 2, 1.0), 0\n",
+        "            self.scale, self.good = max(self.scale, 1.0), 0\n",
+        "tests/test_train.py::test_fp16_on_four_processes_skips_an_overflowing_step_on_every_rank",
+    ),
 ]
 
 
@@ -89,8 +104,9 @@ def check(mutants=MUTANTS) -> list[str]:
 
 
 def _copy_tree(dest: Path) -> None:
-    shutil.copytree(ROOT, dest, ignore=shutil.ignore_patterns(".git", "__pycache__", ".pytest_cache", "*.pyc"),
-                    symlinks=True)
+    shutil.copytree(
+        ROOT, dest, ignore=shutil.ignore_patterns(".git", "__pycache__", ".pytest_cache", "*.pyc"), symlinks=True
+    )
 
 
 def run(m: Mutant, timeout_s: float) -> str:
@@ -131,8 +147,10 @@ def main(argv=None) -> int:
     for m in chosen:
         rows.append((run(m, args.timeout), m.path, m.test))
         print(f"{rows[-1][0]:<10} {m.path:<32} {m.test}", flush=True)
-    print(f"\n{sum(r[0].startswith('killed') for r in rows)} killed, "
-          f"{sum(not r[0].startswith('killed') for r in rows)} not killed, of {len(rows)}")
+    print(
+        f"\n{sum(r[0].startswith('killed') for r in rows)} killed, "
+        f"{sum(not r[0].startswith('killed') for r in rows)} not killed, of {len(rows)}"
+    )
     return 0 if all(r[0].startswith("killed") for r in rows) else 1
 
 

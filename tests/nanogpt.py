@@ -1,6 +1,7 @@
 """A GPT-2 written the way nanoGPT writes it: learned positions from `arange`, LayerNorm with biases, one
 fused qkv projection, and the output head tied to the token embedding through `F.linear`. It knows
 nothing of spmd: the tests annotate it from outside."""
+
 from dataclasses import dataclass
 
 import torch

@@ -1,6 +1,7 @@
 """Test-only entry point giving ranks different arguments: `torchrun ... tests/rank_args.py FLAGS` runs
 launch.train with FLAGS plus, on rank R, the flags in $SPMD_TEST_RANK<R>_ARGS; $SPMD_TEST_RANK<R>_CODE_VERSION
 replaces that rank's code version (as if it ran other sources)."""
+
 import os
 import runpy
 import shlex

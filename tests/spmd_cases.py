@@ -1,5 +1,6 @@
 """Shared pieces of the SPMD tests: the tiny model, its deterministic batches, the data-parallel slice, and
 explain's plan for the tiny model."""
+
 import functools
 
 import torch
@@ -15,13 +16,14 @@ def tiny_model(seed: int = 0, **overrides) -> Llama:
     return Llama(LlamaConfig.preset("tiny", kernels="torch", **overrides))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def plan_for(spec: str, ac: str = "none") -> spmd.Plan:
     """explain's plan for the tiny model and batch on a fake world of `spec` (cached: a fake world takes
     seconds, and several tests hold real runs against the same plan). Read it, never change it."""
     sizes, flags = spmd.parse_spec(spec)
-    return spmd.explain(tiny_model(), spmd.Rules.default(sequence_parallel="sp" in flags), sizes,
-                        batch_shape=(BATCH, SEQ), ac=ac)
+    return spmd.explain(
+        tiny_model(), spmd.Rules.default(sequence_parallel="sp" in flags), sizes, batch_shape=(BATCH, SEQ), ac=ac
+    )
 
 
 def global_batch(step: int, vocab: int = 512):
@@ -40,7 +42,7 @@ def data_parallel_rank(mesh) -> tuple[int, int]:
 def local_slice(t: torch.Tensor, mesh) -> torch.Tensor:
     r, n = data_parallel_rank(mesh)
     b = t.shape[0] // n
-    return t[r * b:(r + 1) * b]
+    return t[r * b : (r + 1) * b]
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -3,17 +3,27 @@ on the tiny model (fake worlds): bytes per rank per step, collective counts and 
 
 Each comparison prints explain/analytic; where a formula applies the assertion demands exactly 1.
 """
+
 import pytest
 import torch
 
+import models
 import spmd
 from benchmarks import analytic as A
-import models
 from models.llama import Llama, LlamaConfig
 
 B, T = 8, 16
-SPECS = ["dp=4", "fsdp=4", "dp=2,fsdp=2", "tp=4", "tp=4,sp", "fsdp=2,tp=2", "fsdp=2,tp=2,sp", "dp=2,tp=2,sp",
-         "dp=2,fsdp=2,tp=2,sp"]
+SPECS = [
+    "dp=4",
+    "fsdp=4",
+    "dp=2,fsdp=2",
+    "tp=4",
+    "tp=4,sp",
+    "fsdp=2,tp=2",
+    "fsdp=2,tp=2,sp",
+    "dp=2,tp=2,sp",
+    "dp=2,fsdp=2,tp=2,sp",
+]
 
 
 def tiny(**overrides):
@@ -23,8 +33,9 @@ def tiny(**overrides):
 
 def plan_for(model, spec, dtype="fp32"):
     sizes, flags = spmd.parse_spec(spec)
-    return spmd.explain(model, spmd.Rules.default(sequence_parallel="sp" in flags), sizes, batch_shape=(B, T),
-                        dtype=dtype)
+    return spmd.explain(
+        model, spmd.Rules.default(sequence_parallel="sp" in flags), sizes, batch_shape=(B, T), dtype=dtype
+    )
 
 
 def ratio(name, got, want):
@@ -90,7 +101,12 @@ def test_bad_specs_are_errors():
 
 
 # ------------------------------------------------------------------ the analytic model against explain
-BF16_SPECS = ["fsdp=4", "dp=2,fsdp=2", "tp=4,sp", "fsdp=2,tp=2,sp"]  # gathers and TP/SP activations in the compute dtype
+BF16_SPECS = [
+    "fsdp=4",
+    "dp=2,fsdp=2",
+    "tp=4,sp",
+    "fsdp=2,tp=2,sp",
+]  # gathers and TP/SP activations in the compute dtype
 
 
 @pytest.mark.parametrize("spec, dtype", [(s, "fp32") for s in SPECS] + [(s, "bf16") for s in BF16_SPECS])
@@ -137,6 +153,8 @@ def test_expert_traffic_and_memory_match_explain_at_balanced_routing(spec):
     assert got == want
     ep = A.Spec.parse(spec).ep
     dispatch = [t for t in m.terms if t.textbook]  # DESIGN.md: 4 per layer of top_k*b*s*h*e (ep-1)/ep
-    assert sum(t.bytes for t in dispatch) == 4 * cfg.n_layers * cfg.top_k * B // (A.Spec.parse(spec).data_parallel) \
-        * T * cfg.dim * 4 * (ep - 1) // ep
+    assert (
+        sum(t.bytes for t in dispatch)
+        == 4 * cfg.n_layers * cfg.top_k * B // (A.Spec.parse(spec).data_parallel) * T * cfg.dim * 4 * (ep - 1) // ep
+    )
     assert ratio(f"{spec} expert parameters", plan.memory["expert_parameters"], A.expert_states(cfg, spec)) == 1

@@ -10,11 +10,12 @@ and a Llama through a padding mask whose padded tokens the loss ignores, rows un
 
 Each model trains 3 AdamW steps on 4 gloo processes, next to the same model in one process: loss, every
 gradient and every parameter agree within 1e-5, norm-relative (the tolerance and its reasoning are those of
-test_spmd_numerics; OPT, the Llama-like families and four more compare in float64, see `_in_float64`). transformers' Llama and the nanoGPT run every
-spec; the other families the three that take every path a family's annotations feed (data axes only, on
-local tensors with a replica group; heads and mlp split 4 ways; fsdp x tp with the sequence-parallel
+test_spmd_numerics; OPT, the Llama-like families and four more compare in float64, see `_in_float64`). transformers'
+Llama and the nanoGPT run every spec; the other families the three that take every path a family's annotations feed
+(data axes only, on local tensors with a replica group; heads and mlp split 4 ways; fsdp x tp with the sequence-parallel
 regions). One launch per model runs all its specs.
 """
+
 import pytest
 import torch
 from torch.distributed.tensor import DTensor
@@ -33,12 +34,25 @@ SPECS = ["dp=4", "fsdp=4", "dp=2,fsdp=2", "tp=4", "tp=4,sp", "fsdp=2,tp=2,sp"]
 FAMILY_SPECS = ["dp=2,fsdp=2", "tp=4", "fsdp=2,tp=2,sp"]
 BATCH, SEQ, VOCAB = 8, 16, 256
 _GQA = dict(num_attention_heads=8, num_key_value_heads=4)  # head_dim 8: 2 query heads share a key/value head
-_TINY = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=4, max_position_embeddings=64, attn_implementation="sdpa", bos_token_id=0, eos_token_id=0)
+_TINY = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    max_position_embeddings=64,
+    attn_implementation="sdpa",
+    bos_token_id=0,
+    eos_token_id=0,
+)
 NANOGPT = {
-    "wte.weight": ("vocab", "embed"), "wpe.weight": (None, "embed"),
-    "*.attn.c_attn.weight": (None, "embed"), "*.attn.c_proj.weight": ("embed", "heads"),
-    "*.mlp.c_fc.weight": ("mlp", "embed"), "*.mlp.c_proj.weight": ("embed", "mlp"),
+    "wte.weight": ("vocab", "embed"),
+    "wpe.weight": (None, "embed"),
+    "*.attn.c_attn.weight": (None, "embed"),
+    "*.attn.c_proj.weight": ("embed", "heads"),
+    "*.mlp.c_fc.weight": ("mlp", "embed"),
+    "*.mlp.c_proj.weight": ("embed", "mlp"),
 }
 
 
@@ -50,13 +64,24 @@ def build(kind: str):
     torch.manual_seed(0)
     if kind == "nanogpt":
         from tests.nanogpt import GPT, GPTConfig
+
         model = GPT(GPTConfig(vocab_size=VOCAB))
         spmd.annotate_by_name(model, NANOGPT)
         return model, lambda m, tokens: m(tokens[:, :-1], tokens[:, 1:])[1]
     if kind == "gpt2":
-        config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64,
-                                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                                         attn_implementation="sdpa", bos_token_id=0, eos_token_id=0)
+        config = transformers.GPT2Config(
+            vocab_size=VOCAB,
+            n_embd=64,
+            n_layer=2,
+            n_head=4,
+            n_positions=64,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            attn_implementation="sdpa",
+            bos_token_id=0,
+            eos_token_id=0,
+        )
         model = transformers.GPT2LMHeadModel(config)
     elif kind in HF_FAMILIES:
         model = _tiny_hf(kind)
@@ -76,10 +101,11 @@ def build(kind: str):
     elif kind == "mistral":  # a sliding window shorter than the sequence: attention under a mask
         model = transformers.MistralForCausalLM(transformers.MistralConfig(**{**_TINY, **_GQA, "sliding_window": 6}))
     else:
-        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**(_TINY if kind == "llama" else
-                                                                          {**_TINY, **_GQA})))
+        model = transformers.LlamaForCausalLM(
+            transformers.LlamaConfig(**(_TINY if kind == "llama" else {**_TINY, **_GQA}))
+        )
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for p in model.parameters():
             if p.dim() == 1:
                 p.add_(0.1 * torch.randn(p.shape))
     if how == "by_name":
@@ -108,7 +134,7 @@ def _local(t, mesh):
     sizes = spmd.mesh_sizes(mesh)
     n = sizes["dp"] * sizes["fsdp"]
     r = coords.get("dp", 0) * sizes["fsdp"] + coords.get("fsdp", 0)
-    return t[r * (t.shape[0] // n):(r + 1) * (t.shape[0] // n)]
+    return t[r * (t.shape[0] // n) : (r + 1) * (t.shape[0] // n)]
 
 
 def _matches_one_device(rank, world, kind, specs, tol=TOL):
@@ -134,8 +160,10 @@ def _matches_one_device(rank, world, kind, specs, tol=TOL):
                     continue
                 err = norm_rel_err(p.grad.full_tensor(), ref_params[name].grad)
                 assert err <= tol, f"{kind} {spec} step {step}: gradient of {name} off by {err:.2e}"
-            opt.step(); ref_opt.step()
-            opt.zero_grad(); ref_opt.zero_grad()
+            opt.step()
+            ref_opt.step()
+            opt.zero_grad()
+            ref_opt.zero_grad()
         for name, p in model.named_parameters():
             err = norm_rel_err(p.full_tensor(), ref_params[name].detach())
             assert err <= tol, f"{kind} {spec}: parameter {name} off by {err:.2e} after 3 steps"
@@ -144,8 +172,25 @@ def _matches_one_device(rank, world, kind, specs, tol=TOL):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["llama", "llama_padded", "mistral", "gpt2", "nanogpt", "qwen2", "qwen3", "gemma",
-                                  "granite", "stablelm", "cohere", "phi", "phi3", "gpt_neox"])
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "llama",
+        "llama_padded",
+        "mistral",
+        "gpt2",
+        "nanogpt",
+        "qwen2",
+        "qwen3",
+        "gemma",
+        "granite",
+        "stablelm",
+        "cohere",
+        "phi",
+        "phi3",
+        "gpt_neox",
+    ],
+)
 def test_model_matches_one_device(kind):
     specs = SPECS if kind in ("llama", "nanogpt") else FAMILY_SPECS
     run_distributed(_matches_one_device, 4, kind, specs, timeout_s=600)
@@ -155,10 +200,9 @@ def test_model_matches_one_device(kind):
 # Nemotron (LayerNorm1P, squared ReLU), Seed-OSS, Arcee, SmolLM3, GLM and GLM-4 (gate and up fused, as
 # Phi-3's), Gemma 2 (eager attention with soft-capped scores and logits), Helium, and Falcon (its fused
 # query_key_value kept whole, as GPT-NeoX's; attention and MLP side by side)
-LLAMA_LIKE = ("smollm3", "olmo", "olmo3", "nemotron", "seed_oss", "arcee", "glm", "glm4", "gemma2", "helium",
-              "falcon")
-# transformers' mixtures of experts (spmd.runtime.experts.whole_experts, spmd.runtime.experts.routed_dispatch under ep), the
-# load-balancing loss in the loss where the family has one
+LLAMA_LIKE = ("smollm3", "olmo", "olmo3", "nemotron", "seed_oss", "arcee", "glm", "glm4", "gemma2", "helium", "falcon")
+# transformers' mixtures of experts (spmd.runtime.experts.whole_experts, spmd.runtime.experts.routed_dispatch under ep),
+# the load-balancing loss in the loss where the family has one
 MIXTURES = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "gpt_oss", "glm4_moe", "ernie4_5_moe", "deepseek_v3")
 # on ep: one of each form (a plain top-k router; a shared expert; experts called by keyword, with biases; a
 # router with a score-correction bias and grouped top-k), and ranks whose experts get no token in a step
@@ -166,9 +210,15 @@ ON_EP = ("mixtral", "qwen2_moe", "gpt_oss", "deepseek_v3", "mixtral_one_sided")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kinds, specs, float64", [(LLAMA_LIKE, FAMILY_SPECS, True), (MIXTURES, FAMILY_SPECS, False),
-                                                   (ON_EP, ["ep=4", "dp=2,ep=2", "ep=2,tp=2"], False)],
-                         ids=["llama_like", "mixtures_of_experts", "experts_over_ep"])
+@pytest.mark.parametrize(
+    "kinds, specs, float64",
+    [
+        (LLAMA_LIKE, FAMILY_SPECS, True),
+        (MIXTURES, FAMILY_SPECS, False),
+        (ON_EP, ["ep=4", "dp=2,ep=2", "ep=2,tp=2"], False),
+    ],
+    ids=["llama_like", "mixtures_of_experts", "experts_over_ep"],
+)
 def test_families_match_one_device(kinds, specs, float64):
     """One launch runs every family of the group on the group's specs. The Llama-like families compare in
     float64: in float32 Gemma 2's and OLMo 3's gradients land at 1.0-1.6e-5 on an AVX-512 machine, roundoff."""
@@ -197,6 +247,7 @@ def test_constraint_points_are_hints(spec, monkeypatch):
     count, bytes, and none implicit) as with them: the pass decides where partial sums are reduced."""
     import models.llama
     from tests.spmd_cases import tiny_model
+
     sizes, flags = spmd.parse_spec(spec)
     rules = spmd.Rules.default(sequence_parallel="sp" in flags)
     batch = (16, 32)
@@ -207,14 +258,56 @@ def test_constraint_points_are_hints(spec, monkeypatch):
     assert not [c for c in bare.collectives if c.origin == "implicit"]
     if sizes.get("tp", 1) > 1:  # the partial sums of wo, w2 and the embedding are reduced over tp
         kind = "reduce_scatter" if "sp" in flags else "all_reduce"
-        assert len([c for c in bare.collectives if c.kind == kind and c.phase == "forward"
-                    and c.axes == ("tp",) and c.reason.startswith("reduce partial sums")]) == 1 + 2 * 2
+        assert (
+            len(
+                [
+                    c
+                    for c in bare.collectives
+                    if c.kind == kind
+                    and c.phase == "forward"
+                    and c.axes == ("tp",)
+                    and c.reason.startswith("reduce partial sums")
+                ]
+            )
+            == 1 + 2 * 2
+        )
 
 
-HF_FAMILIES = ("opt", "qwen2", "qwen3", "gemma", "gemma3_text", "granite", "stablelm", "cohere", "olmo2", "starcoder2",
-               "phi", "phi3", "gpt_neox", "mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "gpt_oss", "glm4_moe",
-               "ernie4_5_moe", "deepseek_v3", "smollm3", "olmo", "olmo3", "nemotron", "seed_oss", "arcee", "exaone4",
-               "glm", "glm4", "gemma2", "helium", "falcon")
+HF_FAMILIES = (
+    "opt",
+    "qwen2",
+    "qwen3",
+    "gemma",
+    "gemma3_text",
+    "granite",
+    "stablelm",
+    "cohere",
+    "olmo2",
+    "starcoder2",
+    "phi",
+    "phi3",
+    "gpt_neox",
+    "mixtral",
+    "qwen3_moe",
+    "qwen2_moe",
+    "olmoe",
+    "gpt_oss",
+    "glm4_moe",
+    "ernie4_5_moe",
+    "deepseek_v3",
+    "smollm3",
+    "olmo",
+    "olmo3",
+    "nemotron",
+    "seed_oss",
+    "arcee",
+    "exaone4",
+    "glm",
+    "glm4",
+    "gemma2",
+    "helium",
+    "falcon",
+)
 
 
 # 2 experts per token, and the router's load-balancing loss in the loss (a global mean over the tokens)
@@ -222,8 +315,16 @@ _MOE = dict(num_experts_per_tok=2, output_router_logits=True, router_aux_loss_co
 
 
 def _tiny_hf(model_type: str):
-    c = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=4, max_position_embeddings=64, attn_implementation="sdpa")
+    c = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=64,
+        attn_implementation="sdpa",
+    )
     gqa = {**c, **_GQA}
     configs = {
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, c),
@@ -233,61 +334,157 @@ def _tiny_hf(model_type: str):
         "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM, {**c, "pad_token_id": 0}),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, {**gqa, "head_dim": 8}),
         "gemma3_text": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM, {**gqa, "head_dim": 8}),
-        "granite": (transformers.GraniteConfig, transformers.GraniteForCausalLM,
-                    {**gqa, "embedding_multiplier": 2.0, "residual_multiplier": 0.5, "logits_scaling": 4.0,
-                     "attention_multiplier": 0.2}),
+        "granite": (
+            transformers.GraniteConfig,
+            transformers.GraniteForCausalLM,
+            {
+                **gqa,
+                "embedding_multiplier": 2.0,
+                "residual_multiplier": 0.5,
+                "logits_scaling": 4.0,
+                "attention_multiplier": 0.2,
+            },
+        ),
         "stablelm": (transformers.StableLmConfig, transformers.StableLmForCausalLM, gqa),
         "cohere": (transformers.CohereConfig, transformers.CohereForCausalLM, gqa),
         "olmo2": (transformers.Olmo2Config, transformers.Olmo2ForCausalLM, gqa),
-        "starcoder2": (transformers.Starcoder2Config, transformers.Starcoder2ForCausalLM,
-                       {**gqa, "residual_dropout": 0.0, "embedding_dropout": 0.0}),
+        "starcoder2": (
+            transformers.Starcoder2Config,
+            transformers.Starcoder2ForCausalLM,
+            {**gqa, "residual_dropout": 0.0, "embedding_dropout": 0.0},
+        ),
         "phi": (transformers.PhiConfig, transformers.PhiForCausalLM, {**gqa, "resid_pdrop": 0.0, "embd_pdrop": 0.0}),
         "smollm3": (transformers.SmolLM3Config, transformers.SmolLM3ForCausalLM, {**gqa, "pad_token_id": 0}),
         "olmo": (transformers.OlmoConfig, transformers.OlmoForCausalLM, gqa),
         "olmo3": (transformers.Olmo3Config, transformers.Olmo3ForCausalLM, gqa),
         "nemotron": (transformers.NemotronConfig, transformers.NemotronForCausalLM, gqa),
-        "seed_oss": (transformers.SeedOssConfig, transformers.SeedOssForCausalLM,
-                     {**gqa, "attention_dropout": 0.0, "residual_dropout": 0.0}),
+        "seed_oss": (
+            transformers.SeedOssConfig,
+            transformers.SeedOssForCausalLM,
+            {**gqa, "attention_dropout": 0.0, "residual_dropout": 0.0},
+        ),
         "arcee": (transformers.ArceeConfig, transformers.ArceeForCausalLM, gqa),
         "exaone4": (transformers.Exaone4Config, transformers.Exaone4ForCausalLM, gqa),
         "glm": (transformers.GlmConfig, transformers.GlmForCausalLM, {**gqa, "pad_token_id": 0}),
         "glm4": (transformers.Glm4Config, transformers.Glm4ForCausalLM, {**gqa, "pad_token_id": 0}),
-        "helium": (transformers.HeliumConfig, transformers.HeliumForCausalLM,
-                   {**gqa, "head_dim": 8, "pad_token_id": 0}),
-        "falcon": (transformers.FalconConfig, transformers.FalconForCausalLM,
-                   dict(vocab_size=VOCAB, hidden_size=64, ffn_hidden_size=128, num_hidden_layers=2,
-                        num_attention_heads=8, num_kv_heads=4, new_decoder_architecture=True, bias=False,
-                        attn_implementation="sdpa", pad_token_id=0)),
-        "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM,
-                   {**gqa, "head_dim": 8, "attn_implementation": "eager"}),
-        "gpt2": (transformers.GPT2Config, transformers.GPT2LMHeadModel,
-                 dict(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64, attn_implementation="sdpa")),
-        "gpt_neox": (transformers.GPTNeoXConfig, transformers.GPTNeoXForCausalLM,
-                     {k: v for k, v in c.items() if k != "num_key_value_heads"}),
-        "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM,
-                    {**gqa, "num_local_experts": 4, **_MOE}),
-        "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM,
-                      {**gqa, "num_experts": 4, "moe_intermediate_size": 32, "head_dim": 8, **_MOE}),
-        "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM,
-                      {**gqa, "num_experts": 4, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 64,
-                       **_MOE}),
+        "helium": (
+            transformers.HeliumConfig,
+            transformers.HeliumForCausalLM,
+            {**gqa, "head_dim": 8, "pad_token_id": 0},
+        ),
+        "falcon": (
+            transformers.FalconConfig,
+            transformers.FalconForCausalLM,
+            dict(
+                vocab_size=VOCAB,
+                hidden_size=64,
+                ffn_hidden_size=128,
+                num_hidden_layers=2,
+                num_attention_heads=8,
+                num_kv_heads=4,
+                new_decoder_architecture=True,
+                bias=False,
+                attn_implementation="sdpa",
+                pad_token_id=0,
+            ),
+        ),
+        "gemma2": (
+            transformers.Gemma2Config,
+            transformers.Gemma2ForCausalLM,
+            {**gqa, "head_dim": 8, "attn_implementation": "eager"},
+        ),
+        "gpt2": (
+            transformers.GPT2Config,
+            transformers.GPT2LMHeadModel,
+            dict(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64, attn_implementation="sdpa"),
+        ),
+        "gpt_neox": (
+            transformers.GPTNeoXConfig,
+            transformers.GPTNeoXForCausalLM,
+            {k: v for k, v in c.items() if k != "num_key_value_heads"},
+        ),
+        "mixtral": (
+            transformers.MixtralConfig,
+            transformers.MixtralForCausalLM,
+            {**gqa, "num_local_experts": 4, **_MOE},
+        ),
+        "qwen3_moe": (
+            transformers.Qwen3MoeConfig,
+            transformers.Qwen3MoeForCausalLM,
+            {**gqa, "num_experts": 4, "moe_intermediate_size": 32, "head_dim": 8, **_MOE},
+        ),
+        "qwen2_moe": (
+            transformers.Qwen2MoeConfig,
+            transformers.Qwen2MoeForCausalLM,
+            {**gqa, "num_experts": 4, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 64, **_MOE},
+        ),
         "olmoe": (transformers.OlmoeConfig, transformers.OlmoeForCausalLM, {**gqa, "num_experts": 4, **_MOE}),
-        "glm4_moe": (transformers.Glm4MoeConfig, transformers.Glm4MoeForCausalLM,
-                     {**gqa, "n_routed_experts": 4, "moe_intermediate_size": 32, "first_k_dense_replace": 1,
-                      "n_group": 1, "topk_group": 1, "head_dim": 8, **_MOE}),
-        "ernie4_5_moe": (transformers.Ernie4_5_MoeConfig, transformers.Ernie4_5_MoeForCausalLM,
-                         {**gqa, "moe_num_experts": 4, "moe_k": 2, "moe_intermediate_size": 32, **_MOE}),
-        "deepseek_v3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM,
-                        {**c, "moe_intermediate_size": 32, "n_routed_experts": 4, "n_group": 1, "topk_group": 1,
-                         "first_k_dense_replace": 1, "q_lora_rank": 32, "kv_lora_rank": 16, "qk_rope_head_dim": 8,
-                         "qk_nope_head_dim": 8, "v_head_dim": 8, "pad_token_id": 0, **_MOE}),
-        "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM,
-                    {**gqa, "head_dim": 8, "num_local_experts": 4, "sliding_window": 6, **_MOE,
-                     "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
-                     "attn_implementation": "eager"}),
-        "opt": (transformers.OPTConfig, transformers.OPTForCausalLM,
-                dict(vocab_size=VOCAB, hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4,
-                     max_position_embeddings=64, word_embed_proj_dim=64, dropout=0.0, attn_implementation="sdpa")),
+        "glm4_moe": (
+            transformers.Glm4MoeConfig,
+            transformers.Glm4MoeForCausalLM,
+            {
+                **gqa,
+                "n_routed_experts": 4,
+                "moe_intermediate_size": 32,
+                "first_k_dense_replace": 1,
+                "n_group": 1,
+                "topk_group": 1,
+                "head_dim": 8,
+                **_MOE,
+            },
+        ),
+        "ernie4_5_moe": (
+            transformers.Ernie4_5_MoeConfig,
+            transformers.Ernie4_5_MoeForCausalLM,
+            {**gqa, "moe_num_experts": 4, "moe_k": 2, "moe_intermediate_size": 32, **_MOE},
+        ),
+        "deepseek_v3": (
+            transformers.DeepseekV3Config,
+            transformers.DeepseekV3ForCausalLM,
+            {
+                **c,
+                "moe_intermediate_size": 32,
+                "n_routed_experts": 4,
+                "n_group": 1,
+                "topk_group": 1,
+                "first_k_dense_replace": 1,
+                "q_lora_rank": 32,
+                "kv_lora_rank": 16,
+                "qk_rope_head_dim": 8,
+                "qk_nope_head_dim": 8,
+                "v_head_dim": 8,
+                "pad_token_id": 0,
+                **_MOE,
+            },
+        ),
+        "gpt_oss": (
+            transformers.GptOssConfig,
+            transformers.GptOssForCausalLM,
+            {
+                **gqa,
+                "head_dim": 8,
+                "num_local_experts": 4,
+                "sliding_window": 6,
+                **_MOE,
+                "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+                "attn_implementation": "eager",
+            },
+        ),
+        "opt": (
+            transformers.OPTConfig,
+            transformers.OPTForCausalLM,
+            dict(
+                vocab_size=VOCAB,
+                hidden_size=64,
+                ffn_dim=128,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                max_position_embeddings=64,
+                word_embed_proj_dim=64,
+                dropout=0.0,
+                attn_implementation="sdpa",
+            ),
+        ),
     }
     config_cls, model_cls, kwargs = configs[model_type]
     torch.manual_seed(0)
@@ -327,9 +524,9 @@ def test_opt_flattening_its_tokens_matches_one_device_under_sequence_parallel():
 @pytest.mark.parametrize("kind", ["gemma3_text", "olmo2", "starcoder2", "exaone4"])
 def test_model_matches_one_device_in_float64(kind):
     """Gemma 3 (an embedding scaled by a 0-d buffer, whose vocab-parallel partial sums stay partial), OLMo 2
-    (one norm over all key heads, split over tp), Starcoder2 (a bias on every projection) and EXAONE 4 (per-head q/k norms after the projections), with grouped key/value heads,
-    on the family specs: loss, gradients and parameters after 3 steps within 4e-6 of one process in float64
-    (transformers' norms stay float32, see `_in_float64`)."""
+    (one norm over all key heads, split over tp), Starcoder2 (a bias on every projection) and EXAONE 4 (per-head q/k
+    norms after the projections), with grouped key/value heads, on the family specs: loss, gradients and parameters
+    after 3 steps within 4e-6 of one process in float64 (transformers' norms stay float32, see `_in_float64`)."""
     run_distributed(_in_float64, 4, kind, FAMILY_SPECS, timeout_s=600)
 
 
@@ -344,11 +541,17 @@ def _in_float64(rank, world, kind, specs):
     _matches_one_device(rank, world, kind, specs, tol=4e-6)
 
 
-@pytest.mark.parametrize("sizes, table, expected", [
-    ({"ep": 3, "fsdp": 2}, None, "model.layers.0.mlp.experts: 4 experts do not divide by ep=3"),
-    ({"fsdp": 2, "tp": 2}, {"*.mlp.experts.down_proj": ("experts", "embed", "mlp")},
-     "model.layers.0.mlp.experts.down_proj: its axis 'mlp' splits over tp"),
-])
+@pytest.mark.parametrize(
+    "sizes, table, expected",
+    [
+        ({"ep": 3, "fsdp": 2}, None, "model.layers.0.mlp.experts: 4 experts do not divide by ep=3"),
+        (
+            {"fsdp": 2, "tp": 2},
+            {"*.mlp.experts.down_proj": ("experts", "embed", "mlp")},
+            "model.layers.0.mlp.experts.down_proj: its axis 'mlp' splits over tp",
+        ),
+    ],
+)
 def test_experts_that_route_themselves_are_refused_a_split(sizes, table, expected):
     """transformers' experts sort the tokens themselves, so they compute whole experts on each rank (E/ep of
     them under ep): a mesh or an annotation that would split an expert is refused before anything is laid out,
@@ -385,6 +588,7 @@ def test_annotate_hf_errors_name_the_problem():
             super().__init__()
             self.config = transformers.PretrainedConfig()
             self.proj = torch.nn.Linear(4, 4)
+
     with pytest.raises(ValueError, match=r"no annotation preset for Unknown .*annotate_hf\(model, table="):
         spmd.annotate_hf(Unknown())
     model = _tiny_hf("llama")
@@ -400,8 +604,11 @@ def _checkpointing_the_spmd_way(rank, world):
     mesh = spmd.make_mesh({"dp": 2})
     model, loss_fn = build("llama")
     model.activation_checkpointing_enable()
-    with pytest.raises(ValueError, match=r"activation checkpointing on \(in 3 modules, model\.layers\.1 among them\).*"
-                                         r"activation_checkpointing_disable\(\).*apply_activation_checkpointing"):
+    with pytest.raises(
+        ValueError,
+        match=r"activation checkpointing on \(in 3 modules, model\.layers\.1 among them\).*"
+        r"activation_checkpointing_disable\(\).*apply_activation_checkpointing",
+    ):
         spmd.parallelize(model, mesh, spmd.Rules.default())
     assert not any(isinstance(p, DTensor) for p in model.parameters())  # refused before anything changed
     ref, _ = build("llama")
@@ -430,13 +637,24 @@ def test_transformers_llama_moves_what_models_llama_moves(spec):
     collectives (phase, kind, axes, count, bytes per rank), the loss's included: the same layout at the same
     cost, transformers' cross-entropy running vocab-parallel as models/llama.py's does."""
     from tests.spmd_cases import tiny_model
+
     ours = tiny_model()
     cfg = ours.cfg
     torch.manual_seed(0)
-    theirs = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.dim, intermediate_size=cfg.ffn_dim, num_hidden_layers=cfg.n_layers,
-        num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads, max_position_embeddings=cfg.max_seq_len,
-        attn_implementation="sdpa", bos_token_id=0, eos_token_id=0))
+    theirs = transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            vocab_size=cfg.vocab_size,
+            hidden_size=cfg.dim,
+            intermediate_size=cfg.ffn_dim,
+            num_hidden_layers=cfg.n_layers,
+            num_attention_heads=cfg.n_heads,
+            num_key_value_heads=cfg.n_kv_heads,
+            max_position_embeddings=cfg.max_seq_len,
+            attn_implementation="sdpa",
+            bos_token_id=0,
+            eos_token_id=0,
+        )
+    )
     spmd.annotate_hf(theirs)
     sizes, flags = spmd.parse_spec(spec)
     rules = spmd.Rules.default(sequence_parallel="sp" in flags)
@@ -444,13 +662,16 @@ def test_transformers_llama_moves_what_models_llama_moves(spec):
     def moved(model):
         plan = spmd.explain(model, rules, sizes, batch_shape=(8, 32))
         return sorted((c.phase, c.kind, c.axes, c.bytes) for c in plan.collectives)
+
     expected = moved(ours)
     assert expected and moved(theirs) == expected
 
 
 def _real_step_records(rank, world, spec, expected):
     from collections import Counter
+
     from spmd.analysis.record import CollectiveRecorder
+
     sizes, flags = spmd.parse_spec(spec)
     mesh = spmd.make_mesh(sizes)
     model, loss_fn = build("llama")
@@ -467,6 +688,7 @@ def test_plan_lists_the_collectives_of_a_real_step_of_transformers_llama():
     """explain on a fake world and a real 4-process step of transformers' LlamaForCausalLM issue the same
     collectives, record for record (module, kind, mesh axes, bytes, phase, origin)."""
     from collections import Counter
+
     spec = "fsdp=2,tp=2,sp"
     sizes, flags = spmd.parse_spec(spec)
     model, _ = build("llama")
@@ -483,8 +705,10 @@ def test_trainer_loss_of_a_mixture_of_experts_adds_its_load_balancing_loss(tmp_p
     import torch.nn.functional as F
 
     import models
-    config = transformers.MixtralConfig(**{**_TINY, **_GQA, **_MOE, "num_local_experts": 4,
-                                           "output_router_logits": router_logits})
+
+    config = transformers.MixtralConfig(
+        **{**_TINY, **_GQA, **_MOE, "num_local_experts": 4, "output_router_logits": router_logits}
+    )
     config.save_pretrained(tmp_path)
     cfg = models.preset(f"hf:{tmp_path}")
     torch.manual_seed(0)

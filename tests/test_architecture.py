@@ -3,6 +3,7 @@ counted), never import models/ or launch/, and stay small: files of at most 300 
 in the runtime), a docstring saying what each module owns and an explicit `__all__`. The runtime lives in rooms by
 concern of at most ten files, DTensor's internals in one of them, and its measured counts cannot creep back.
 Models are found through their registry."""
+
 import ast
 from pathlib import Path
 
@@ -57,7 +58,7 @@ def test_no_import_cycles():
             if _related(u, v):
                 continue
             if color.get(v) == 1:
-                cycles.append(" -> ".join(stack[stack.index(v):] + [v]))
+                cycles.append(" -> ".join(stack[stack.index(v) :] + [v]))
             elif not color.get(v):
                 visit(v)
         stack.pop()
@@ -74,14 +75,22 @@ def test_rooms_import_downward_only():
         part = m.split(".")[1] if m.count(".") else ""
         return ROOMS.index(part) if part in ROOMS else None
 
-    upward = [f"{m} imports {t}" for m, targets in EDGES.items() for t in targets
-              if room(m) is not None and room(t) is not None and room(t) > room(m)]
+    upward = [
+        f"{m} imports {t}"
+        for m, targets in EDGES.items()
+        for t in targets
+        if room(m) is not None and room(t) is not None and room(t) > room(m)
+    ]
     assert not upward, "\n".join(upward)
 
 
 def test_spmd_never_imports_models_or_launch():
-    bad = [f"{m} imports {t}" for m, f in MODULES.items() for t in _imports(m, f)
-           if t.split(".")[0] in ("models", "launch")]
+    bad = [
+        f"{m} imports {t}"
+        for m, f in MODULES.items()
+        for t in _imports(m, f)
+        if t.split(".")[0] in ("models", "launch")
+    ]
     assert not bad, "\n".join(bad)
 
 
@@ -92,17 +101,26 @@ def test_module_is_small_and_says_what_it_owns(name):
     tree = ast.parse(text)
     assert len(text.splitlines()) <= MAX_FILE_LINES, f"{path} has {len(text.splitlines())} lines"
     limit = MAX_RUNTIME_FUNCTION_LINES if name.startswith("spmd.runtime") else MAX_FUNCTION_LINES
-    long = [(f.name, f.end_lineno - f.lineno + 1) for f in ast.walk(tree)
-            if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)) and f.end_lineno - f.lineno + 1 > limit]
+    long = [
+        (f.name, f.end_lineno - f.lineno + 1)
+        for f in ast.walk(tree)
+        if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)) and f.end_lineno - f.lineno + 1 > limit
+    ]
     assert not long, f"{path}: functions over {limit} lines: {long}"
     assert ast.get_docstring(tree), f"{path} has no module docstring"
-    names = [t.id for node in tree.body if isinstance(node, (ast.Assign, ast.AnnAssign))
-             for t in (node.targets if isinstance(node, ast.Assign) else [node.target]) if isinstance(t, ast.Name)]
+    names = [
+        t.id
+        for node in tree.body
+        if isinstance(node, (ast.Assign, ast.AnnAssign))
+        for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
+        if isinstance(t, ast.Name)
+    ]
     assert "__all__" in names, f"{path} has no __all__"
 
 
 def test_all_names_exist():
     import importlib
+
     for name in MODULES:
         if name.endswith("explain_child") or name in COMMANDS:
             continue
@@ -113,6 +131,7 @@ def test_all_names_exist():
 
 def test_models_are_found_through_the_registry():
     import models
+
     for entry in models.MODELS.values():
         for method in ("preset", "build", "flops_per_token", "mesh_problem", "num_params", "to_dict"):
             assert hasattr(entry.config, method), f"{entry.name}: its config lacks {method}"
@@ -144,8 +163,8 @@ def test_importing_spmd_changes_nothing_in_torch():
     import json
     import subprocess
     import sys
-    out = subprocess.run([sys.executable, "-c", _TORCH_TABLES], capture_output=True, text=True, cwd=ROOT,
-                         timeout=300)
+
+    out = subprocess.run([sys.executable, "-c", _TORCH_TABLES], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["tables"] >= 3 and not result["changed"], result["changed"]
@@ -153,8 +172,12 @@ def test_importing_spmd_changes_nothing_in_torch():
 
 def test_no_module_swaps_a_class_or_an_entry_in_sys_modules():
     """spmd.explain and spmd.search are the package's functions; their commands are scripts (spmd.cli)."""
-    found = [f"{name}: {line.strip()}" for name, path in MODULES.items() for line in path.read_text().splitlines()
-             if "sys.modules[" in line and ("__class__" in line or "] =" in line)]
+    found = [
+        f"{name}: {line.strip()}"
+        for name, path in MODULES.items()
+        for line in path.read_text().splitlines()
+        if "sys.modules[" in line and ("__class__" in line or "] =" in line)
+    ]
     assert not found, found
 
 
@@ -164,14 +187,21 @@ MAX_FILES_PER_ROOM = 10
 # _local_tensor 50 times in 18 files), plus transformers' KV cache in training calls (activations/kv_cache.py):
 # the ceilings only come down
 MAX_RUNTIME_LINES, MAX_IS_COMPILING_FILES, MAX_LOCAL_TENSOR_FILES = 4_860, 7, 4
-DTENSOR_INTERNALS = (r"\._local_tensor\b", r"_op_dispatcher", r"_execution_engine", r"torch_function_stack",
-                     r"DTensor\.__new__", r"register_sharding")
+DTENSOR_INTERNALS = (
+    r"\._local_tensor\b",
+    r"_op_dispatcher",
+    r"_execution_engine",
+    r"torch_function_stack",
+    r"DTensor\.__new__",
+    r"register_sharding",
+)
 # outside the dtensor room: explain's fake worlds clear DTensor's sharding cache between worlds
 INTERNALS_ALLOWED = {"spmd/analysis/fake.py": ("_op_dispatcher",)}
 
 
 def _files_matching(pattern: str, where: Path) -> list[str]:
     import re
+
     return sorted(str(f.relative_to(ROOT)) for f in where.rglob("*.py") if re.search(pattern, f.read_text()))
 
 
@@ -186,8 +216,12 @@ def test_runtime_rooms_are_small_and_say_what_they_own():
 
 def test_dtensor_internals_live_in_one_room():
     room = str((RUNTIME / "dtensor").relative_to(ROOT))
-    outside = [(f, pattern) for pattern in DTENSOR_INTERNALS for f in _files_matching(pattern, ROOT / "spmd")
-               if not f.startswith(room) and pattern not in INTERNALS_ALLOWED.get(f, ())]
+    outside = [
+        (f, pattern)
+        for pattern in DTENSOR_INTERNALS
+        for f in _files_matching(pattern, ROOT / "spmd")
+        if not f.startswith(room) and pattern not in INTERNALS_ALLOWED.get(f, ())
+    ]
     assert not outside, outside
 
 

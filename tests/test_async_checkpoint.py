@@ -5,6 +5,7 @@ raises on every rank while `latest` keeps the previous checkpoint.
 One 4-process gloo launch (the tiny Llama on fsdp=2,tp=2) holds every distributed spec. The writer thread is
 held on a threading.Event, so "the loop took steps before the save committed" is an ordering, not a timing.
 """
+
 import importlib
 import json
 import threading
@@ -12,9 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
-
 from dist_utils import run_distributed
+from safetensors import safe_open
 
 import spmd
 from models.llama import Llama, LlamaConfig
@@ -27,8 +27,7 @@ def _tiny_model(world: int):
     """The tiny Llama on fsdp=2,tp=2 (each rank building its own shards) with AdamW."""
     with torch.device("meta"):
         model = Llama(LlamaConfig.preset("tiny"))
-    spmd.parallelize(model, spmd.make_mesh({"fsdp": 2, "tp": 2}), spmd.Rules.default(),
-                     param_init=model.initializer(0))
+    spmd.parallelize(model, spmd.make_mesh({"fsdp": 2, "tp": 2}), spmd.Rules.default(), param_init=model.initializer(0))
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 
@@ -47,6 +46,7 @@ def _held_writer(module, release: threading.Event, started: threading.Event):
         started.set()
         release.wait()
         return real(job, group)
+
     module.write = write
     return real
 
@@ -120,6 +120,7 @@ def test_the_trainer_stops_on_a_failed_background_save_and_keeps_the_previous_ch
     training on, and `latest` still names step-1. With --no-ckpt-async the same checkpoint is written."""
     import launch.train as T
     from launch.config import load_config
+
     save_module = importlib.import_module("spmd.checkpoint.save")
     real_save_file, calls = save_module.save_file, []
 
@@ -128,6 +129,7 @@ def test_the_trainer_stops_on_a_failed_background_save_and_keeps_the_previous_ch
         if len(calls) > 1:
             raise OSError("No space left on device")
         return real_save_file(*args, **kwargs)
+
     monkeypatch.setattr(save_module, "save_file", save_file)
     flags = ["--batch-size", "2", "--seq-len", "16", "--steps", "4", "--ckpt-every", "1", "--warmup", "1"]
     with pytest.raises(RuntimeError, match=r"background checkpoint save to .*step-2 failed: .*No space left"):

@@ -10,6 +10,7 @@ verify.py and load.py (the `../x` row: reads the file outside the directory and 
 `_config_problem` in models/transformers_lm.py (StopIteration from `_get`; a negative size reaches torch).
 The four-rank faults test (tests/test_faults_four_ranks.py) covers reading a checkpoint of several files.
 """
+
 import hashlib
 import json
 import shutil
@@ -28,8 +29,11 @@ KEY = "model.tok_embeddings.weight"
 
 
 def _snapshot(root: Path) -> dict:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
 
 
 def _rewrite(step: Path, change) -> None:
@@ -80,10 +84,19 @@ def _no_index(ck):
 
 def _hf_config(**fields):
     def write(root):
-        hf = {"model_type": "llama", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
-              "num_attention_heads": 4, "num_hidden_layers": 2, "max_position_embeddings": 128, **fields}
+        hf = {
+            "model_type": "llama",
+            "vocab_size": 256,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_attention_heads": 4,
+            "num_hidden_layers": 2,
+            "max_position_embeddings": 128,
+            **fields,
+        }
         (root / "hf").mkdir()
         (root / "hf" / "config.json").write_text(json.dumps({k: v for k, v in hf.items() if v is not None}))
+
     return write
 
 
@@ -99,13 +112,28 @@ ROWS = [  # (name, damage(dir), flags, exit code, message fragment)
     ("wrong dtype", _wrong_dtype, RESUME, 2, f"{RANK_FILE} holds torch.float64 where the index says float32"),
     ("index names ../x", _outside, RESUME, 2, "names file '../x', which is not a file inside the checkpoint"),
     ("missing index", _no_index, RESUME, 2, "'latest' points at it but it has no index.json"),
-    ("hf field missing", _hf_config(max_position_embeddings=None), ["--model", "hf:{root}/hf"], 2,
-     "config.json has no 'max_position_embeddings' or 'n_positions'"),
-    ("hf field absurd", _hf_config(hidden_size=-64), ["--model", "hf:{root}/hf"], 2,
-     "config.json has hidden_size = -64; it must be a positive integer"),
+    (
+        "hf field missing",
+        _hf_config(max_position_embeddings=None),
+        ["--model", "hf:{root}/hf"],
+        2,
+        "config.json has no 'max_position_embeddings' or 'n_positions'",
+    ),
+    (
+        "hf field absurd",
+        _hf_config(hidden_size=-64),
+        ["--model", "hf:{root}/hf"],
+        2,
+        "config.json has hidden_size = -64; it must be a positive integer",
+    ),
     ("toml wrong type", _toml('steps = "ten"\n'), ["--config", "{root}/c.toml"], 2, "steps = 'ten' should be a int"),
-    ("toml unknown key", _toml("stepz = 10\n"), ["--config", "{root}/c.toml"], 2,
-     "unknown key 'stepz'; did you mean 'steps'?"),
+    (
+        "toml unknown key",
+        _toml("stepz = 10\n"),
+        ["--config", "{root}/c.toml"],
+        2,
+        "unknown key 'stepz'; did you mean 'steps'?",
+    ),
     ("mesh axis twice", None, ["--mesh", "fsdp=1,fsdp=1"], 2, "mesh axis 'fsdp' appears twice"),
     ("mesh axis unknown", None, ["--mesh", "fsdp=1,qq=1"], 2, "unknown mesh axis 'qq'; allowed axes are"),
 ]
@@ -121,8 +149,9 @@ def one_step_checkpoint(tmp_path_factory):
 
 
 @pytest.mark.parametrize("name, damage, flags, code, fragment", ROWS, ids=[r[0] for r in ROWS])
-def test_a_bad_file_is_a_clear_error_and_nothing_is_lost(name, damage, flags, code, fragment, tmp_path, capsys,
-                                                         one_step_checkpoint):
+def test_a_bad_file_is_a_clear_error_and_nothing_is_lost(
+    name, damage, flags, code, fragment, tmp_path, capsys, one_step_checkpoint
+):
     ck = tmp_path / "ck"
     shutil.copytree(one_step_checkpoint, ck)
     if damage:

@@ -1,5 +1,6 @@
 """The benchmark scripts' own logic: rank correlation, the link fit, the comparison rows, report builders,
 and (slow) that the torch-native baseline trains the same model to the same losses as launch.train."""
+
 import json
 import math
 import subprocess
@@ -25,17 +26,22 @@ def test_spearman():
 
 def test_link_fit_recovers_latency_step_latency_and_bandwidth():
     # all-reduces and all-gathers over 4 and 2 ranks: 6, 2, 3 and 1 ring steps
-    rows = [{"kind": kind, "ranks": n, "wire_bytes": b, "seconds": 2e-4 + steps * 5e-4 + b / 3e9}
-            for kind, n, steps in (("all_reduce", 4, 6), ("all_reduce", 2, 2), ("all_gather", 4, 3),
-                                   ("all_gather", 2, 1)) for b in (1e3, 1e5, 1e6, 1e7)]
+    rows = [
+        {"kind": kind, "ranks": n, "wire_bytes": b, "seconds": 2e-4 + steps * 5e-4 + b / 3e9}
+        for kind, n, steps in (("all_reduce", 4, 6), ("all_reduce", 2, 2), ("all_gather", 4, 3), ("all_gather", 2, 1))
+        for b in (1e3, 1e5, 1e6, 1e7)
+    ]
     fit = fit_link(rows, 4)
     assert fit["latency_s"] == pytest.approx(2e-4, rel=1e-6)
     assert fit["step_latency_s"] == pytest.approx(5e-4, rel=1e-6)
     assert fit["bandwidth_Bps"] == pytest.approx(3e9, rel=1e-6)
     # a report's samples without group sizes were timed over all processes; a term that would fit negative
     # is dropped (here the fixed latency: every sample costs steps x 1 ms + bytes / 2 GB/s)
-    old = [{"kind": kind, "wire_bytes": b, "seconds": steps * 1e-3 + b / 2e9}
-           for kind, steps in (("all_reduce", 6), ("all_gather", 3)) for b in (1e3, 1e5, 1e6, 1e7)]
+    old = [
+        {"kind": kind, "wire_bytes": b, "seconds": steps * 1e-3 + b / 2e9}
+        for kind, steps in (("all_reduce", 6), ("all_gather", 3))
+        for b in (1e3, 1e5, 1e6, 1e7)
+    ]
     fit = fit_link(old, 4)
     assert fit["latency_s"] == pytest.approx(0, abs=1e-9) and fit["step_latency_s"] == pytest.approx(1e-3, rel=1e-6)
     assert fit["bandwidth_Bps"] == pytest.approx(2e9, rel=1e-6)
@@ -62,22 +68,58 @@ def test_compare_row_on_a_fake_world(spec):
 
 
 def test_steady_summary_drops_warmup():
-    rows = [{"step": i, "loss": 1.0, "tokens_per_s": t, "mfu": 0.1, "step_time_s": 1 / t, "peak_mem_bytes": 5,
-             "comm_bytes": 7} for i, t in enumerate([1.0, 100.0, 110.0, 90.0], 1)]
+    rows = [
+        {
+            "step": i,
+            "loss": 1.0,
+            "tokens_per_s": t,
+            "mfu": 0.1,
+            "step_time_s": 1 / t,
+            "peak_mem_bytes": 5,
+            "comm_bytes": 7,
+        }
+        for i, t in enumerate([1.0, 100.0, 110.0, 90.0], 1)
+    ]
     s = common.steady(rows, 1)
     assert s["steps"] == 3 and s["tokens_per_s"] == 100.0 and s["comm_bytes"] == 7
 
 
 def test_mfu_markdown_shows_ratios():
-    row = {"tokens_per_s": 200.0, "mfu": 0.02, "step_time_s": 0.5, "peak_mem_bytes": 2**20, "comm_bytes": 10.0,
-           "notes": [], "losses": [1.0], "step_time_spread": 0.1}
-    rep = {"environment": {"device": "cpu x", "date": "d", "torch": "t", "cpu_count": 2},
-           "args": {"model": "tiny", "nproc": 4, "batch_size": 8, "seq_len": 16, "dtype": "fp32", "compile": False,
-                    "steps": 4, "warmup": 1, "rounds": 3},
-           "single": {**row, "tokens_per_s": 100.0},
-           "rows": [{"spec": "fsdp=4", "spmd": row, "native": {**row, "tokens_per_s": 400.0},
-                     "vs_native": mfu.ratio_stats([0.5, 0.45, 0.55])}],
-           "max_loss_diff": 0.0, "max_spread": 0.1}
+    row = {
+        "tokens_per_s": 200.0,
+        "mfu": 0.02,
+        "step_time_s": 0.5,
+        "peak_mem_bytes": 2**20,
+        "comm_bytes": 10.0,
+        "notes": [],
+        "losses": [1.0],
+        "step_time_spread": 0.1,
+    }
+    rep = {
+        "environment": {"device": "cpu x", "date": "d", "torch": "t", "cpu_count": 2},
+        "args": {
+            "model": "tiny",
+            "nproc": 4,
+            "batch_size": 8,
+            "seq_len": 16,
+            "dtype": "fp32",
+            "compile": False,
+            "steps": 4,
+            "warmup": 1,
+            "rounds": 3,
+        },
+        "single": {**row, "tokens_per_s": 100.0},
+        "rows": [
+            {
+                "spec": "fsdp=4",
+                "spmd": row,
+                "native": {**row, "tokens_per_s": 400.0},
+                "vs_native": mfu.ratio_stats([0.5, 0.45, 0.55]),
+            }
+        ],
+        "max_loss_diff": 0.0,
+        "max_spread": 0.1,
+    }
     md = mfu.markdown(rep)
     assert "| fsdp=4 | spmd | 200 |" in md and "| 0.500 [0.450, 0.550] slower | 2.000 |" in md
 
@@ -94,6 +136,7 @@ def test_median_interval_covers_the_median_as_often_as_it_states():
     1 - 2/32); over many samples of 60 rounds from a distribution whose median is 1 it covers 1 at least as
     often as it states, and it is narrower than the range; a shifted sample is ordered."""
     import random
+
     five = common.median_interval([0.97, 1.2, 1.02, 1.1, 1.05])
     assert (five["low"], five["high"], five["median"], five["verdict"]) == (0.97, 1.2, 1.05, "even")
     assert five["coverage"] == pytest.approx(1 - 2 / 32)
@@ -112,6 +155,7 @@ def test_overhead_ratio_is_the_median_of_paired_rounds():
     """Each round's two steps ran back to back, so the ratio pairs them: here the ratio of the medians would
     be 1.25, the median of the rounds' ratios is 2."""
     from benchmarks.overhead import _summary
+
     s = _summary({"plain": [1.0, 4.0, 10.0], "spmd": [2.0, 20.0, 5.0]})
     assert s["step_s"] == {"plain": 4.0, "spmd": 5.0}
     assert s["ratio_to_plain"]["spmd"] == 2.0 and s["ratio_interval"]["spmd"]["rounds"] == 3
@@ -120,6 +164,7 @@ def test_overhead_ratio_is_the_median_of_paired_rounds():
 def test_overhead_pairs_spmd_with_each_native_wrapper():
     """spmd against DDP and FSDP2 is the median of the rounds' ratios, as each ratio to plain is."""
     from benchmarks.overhead import _summary
+
     s = _summary({"plain": [1.0, 1.0, 1.0], "spmd": [2.0, 3.0, 4.0], "ddp": [1.0, 3.0, 8.0], "fsdp2": [4.0, 3.0, 2.0]})
     assert s["spmd_over_native"]["ddp"]["median"] == 1.0 and s["spmd_over_native"]["fsdp2"]["median"] == 1.0
     assert s["ratio_to_plain"]["ddp"] == 3.0 and "spmd_over_native" not in _summary({"plain": [1.0], "ddp": [1.0]})
@@ -127,7 +172,9 @@ def test_overhead_pairs_spmd_with_each_native_wrapper():
 
 def _native_references_train_as_plain(rank, world):
     import torch
+
     from benchmarks import overhead
+
     losses = {}
     for variant in ("plain", "ddp", "fsdp2"):
         cfg, model, opt = overhead.build("tiny", variant, "fp32")
@@ -143,6 +190,7 @@ def test_overhead_native_references_train_the_same_model():
     """The native references are the same training step: DDP and fully_shard on the 1-process group give plain
     PyTorch's losses step for step (fp32, rtol 1e-5), so their ratio to plain is the wrapper's cost alone."""
     from tests.dist_utils import run_distributed
+
     run_distributed(_native_references_train_as_plain, 1, timeout_s=180)
 
 
@@ -151,7 +199,9 @@ def test_overhead_pools_the_rounds_of_fresh_processes():
     """`--processes 2`: two fresh interpreters each measure every round; the report pools their rounds, keeps
     each process's own ratio, and profiles once."""
     import torch
+
     from benchmarks.overhead import measure_in_processes
+
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -173,6 +223,7 @@ def test_hf_llama_compares_models_of_one_shape(tmp_path):
     from benchmarks.hf_llama import _write_dir
     from models.llama import LlamaConfig
     from models.transformers_lm import TransformersConfig
+
     for preset in ("tiny", "small"):
         ours, theirs = LlamaConfig.preset(preset), TransformersConfig.preset(_write_dir(preset, tmp_path / preset))
         assert theirs.num_params() == ours.num_params() > 0
@@ -184,13 +235,38 @@ def test_hf_llama_compares_models_of_one_shape(tmp_path):
 def test_native_baseline_trains_like_launch_train(spec, tmp_path):
     """Same data, initialisation, optimizer and schedule: the torch-native layout's losses equal ours."""
     sizes = spec.replace(",sp", "")
-    common_args = ["--model", "tiny", "--mesh", sizes, "--steps", "3", "--batch-size", "4", "--seq-len", "32",
-                   "--lr", "3e-3", "--warmup", "2"] + (["--sp"] if ",sp" in spec else [])
+    common_args = [
+        "--model",
+        "tiny",
+        "--mesh",
+        sizes,
+        "--steps",
+        "3",
+        "--batch-size",
+        "4",
+        "--seq-len",
+        "32",
+        "--lr",
+        "3e-3",
+        "--warmup",
+        "2",
+    ] + (["--sp"] if ",sp" in spec else [])
     losses = {}
     for name, module in (("spmd", "launch.train"), ("native", "benchmarks.native_train")):
         out = tmp_path / f"{name}.jsonl"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", module,
-               *common_args, "--metrics", str(out)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            module,
+            *common_args,
+            "--metrics",
+            str(out),
+        ]
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
         losses[name] = [json.loads(line)["loss"] for line in out.read_text().splitlines()]

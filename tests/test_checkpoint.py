@@ -3,6 +3,7 @@
 
 Distributed tests run 4 gloo CPU processes; values are compared exactly against the single-process tensors.
 """
+
 import json
 import os
 import signal
@@ -13,11 +14,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from dist_utils import run_distributed
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from spmd import checkpoint as ckpt
-from dist_utils import run_distributed
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -36,8 +37,12 @@ def _reference() -> dict[str, torch.Tensor]:
 # placements per mesh: tensor name -> placements (one per mesh dim)
 LAYOUTS = {
     ("fsdp",): {"layers.0.w": [Shard(0)], "emb": [Shard(1)], "norm": [Replicate()], "lowp": [Shard(1)]},
-    ("fsdp", "tp"): {"layers.0.w": [Shard(0), Shard(1)], "emb": [Replicate(), Shard(0)],
-                     "norm": [Replicate(), Replicate()], "lowp": [Shard(0), Shard(0)]},
+    ("fsdp", "tp"): {
+        "layers.0.w": [Shard(0), Shard(1)],
+        "emb": [Replicate(), Shard(0)],
+        "norm": [Replicate(), Replicate()],
+        "lowp": [Shard(0), Shard(0)],
+    },
 }
 SHAPES = {("fsdp",): (4,), ("fsdp", "tp"): (2, 2)}
 
@@ -62,7 +67,12 @@ class _Model(torch.nn.Module):
 
     def __init__(self, params: dict):
         super().__init__()
-        self.p = torch.nn.ParameterDict({k.replace(".", "_"): torch.nn.Parameter(v.clone() if not isinstance(v, DTensor) else v) for k, v in params.items()})
+        self.p = torch.nn.ParameterDict(
+            {
+                k.replace(".", "_"): torch.nn.Parameter(v.clone() if not isinstance(v, DTensor) else v)
+                for k, v in params.items()
+            }
+        )
 
     def items(self):
         """(reference name, parameter) in the reference order."""
@@ -72,8 +82,9 @@ class _Model(torch.nn.Module):
 def _distributed_state(mesh_names, zeros: bool):
     mesh = init_device_mesh("cpu", SHAPES[mesh_names], mesh_dim_names=mesh_names)
     ref = _reference()
-    params = {k: distribute_tensor(torch.zeros_like(v) if zeros else v, mesh, LAYOUTS[mesh_names][k])
-              for k, v in ref.items()}
+    params = {
+        k: distribute_tensor(torch.zeros_like(v) if zeros else v, mesh, LAYOUTS[mesh_names][k]) for k, v in ref.items()
+    }
     model = _Model(params)
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
     return model, opt, mesh
@@ -87,8 +98,13 @@ def _save_then_reshard(rank, world, root, src, dst):
         p.grad = distribute_tensor(v, mesh, LAYOUTS[src][k])
     opt.step()
     torch.manual_seed(1234 + rank)
-    saved = ckpt.save(root / "a", 7, ckpt.model_state(model), ckpt.optim_state(model, opt),
-                      meta={"config": {"mesh": list(src)}, "data": {"step": 7}})
+    saved = ckpt.save(
+        root / "a",
+        7,
+        ckpt.model_state(model),
+        ckpt.optim_state(model, opt),
+        meta={"config": {"mesh": list(src)}, "data": {"step": 7}},
+    )
     rng_after_save = torch.rand(3)
 
     # Load on the other mesh, into fresh (zero) DTensors and a fresh optimizer.
@@ -105,7 +121,7 @@ def _save_then_reshard(rank, world, root, src, dst):
             assert torch.equal(st[key].full_tensor(), exp_st[key]), (k, key)
         assert float(st["step"]) == 1.0
     # The resharded optimizer keeps training exactly like the single-process one.
-    for (k, v), (_, p) in zip(_grads(_reference()).items(), model2.items()):
+    for (_, v), (_, p) in zip(_grads(_reference()).items(), model2.items()):
         p.grad = distribute_tensor(v, p.device_mesh, p.placements)
     opt2.step()
     for q, exp in exp_params.items():
@@ -121,8 +137,9 @@ def _save_then_reshard(rank, world, root, src, dst):
         # replicated tensors are written once, by the rank with coordinate 0 on the replicated dims
         assert len(index["tensors"]["model.p.norm"]["shards"]) == 1
         assert index["tensors"]["model.p.layers_0_w"]["shape"] == [10, 6]
-        assert sorted(os.listdir(saved)) == sorted(["index.json", "meta.json"] +
-                                                   [f"rank-{r:05d}.safetensors" for r in range(4)])
+        assert sorted(os.listdir(saved)) == sorted(
+            ["index.json", "meta.json"] + [f"rank-{r:05d}.safetensors" for r in range(4)]
+        )
         assert files <= set(os.listdir(saved))
 
 
@@ -161,7 +178,9 @@ def test_single_process_roundtrip_and_pointer(tmp_path):
     d2 = ckpt.save(tmp_path, 2, ckpt.model_state(model), meta={"note": "two"}, keep=1)
     assert ckpt.latest(tmp_path) == d2 and not d1.exists()  # keep=1 removed step-1
     assert (tmp_path / "latest").read_text().strip() == "step-2"
-    assert sorted(ckpt.tensor_names(tmp_path)) == ["model.count"] + sorted(f"model.p.{k.replace('.', '_')}" for k in ref)
+    assert sorted(ckpt.tensor_names(tmp_path)) == ["model.count"] + sorted(
+        f"model.p.{k.replace('.', '_')}" for k in ref
+    )
     fresh = _Model({k: torch.zeros_like(v) for k, v in ref.items()})
     fresh.register_buffer("count", torch.zeros(2, dtype=torch.long))
     assert ckpt.load(tmp_path, ckpt.model_state(fresh))["note"] == "two"
@@ -206,7 +225,7 @@ def test_a_kill_at_each_point_of_a_save_leaves_the_previous_checkpoint(tmp_path,
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
     proc = subprocess.run([sys.executable, "-c", _SAVE_THREE, str(tmp_path), str(files)], env=env, timeout=120)
     assert proc.returncode == -signal.SIGKILL
-    written = ["rank-00000.safetensors", "meta.json", "index.json"][:files - 6]
+    written = ["rank-00000.safetensors", "meta.json", "index.json"][: files - 6]
     assert sorted(os.listdir(tmp_path / ".tmp-step-3")) == sorted(written)
     assert ckpt.latest(tmp_path).name == "step-2" and not (tmp_path / "step-3").exists()
     state = {"w": torch.zeros(64, 32), "b": torch.zeros(5)}
@@ -226,7 +245,7 @@ def _flip_a_byte(path, tensor="model.w"):
     """Alter one byte of `tensor`'s data in a safetensors file: the file stays loadable."""
     data = bytearray(path.read_bytes())
     header = int.from_bytes(data[:8], "little")
-    begin, _ = json.loads(data[8:8 + header])[tensor]["data_offsets"]
+    begin, _ = json.loads(data[8 : 8 + header])[tensor]["data_offsets"]
     data[8 + header + begin + 1] ^= 0xFF
     path.write_bytes(bytes(data))
 
@@ -243,13 +262,15 @@ def test_checksums_catch_truncated_and_altered_files_and_resume_falls_back(tmp_p
     rank_file.write_bytes(rank_file.read_bytes()[:-100])  # truncated
     assert ckpt.verify(tmp_path / "step-3") == [
         f"rank-00000.safetensors has {index['files']['rank-00000.safetensors']['bytes'] - 100} bytes, the index "
-        f"says {index['files']['rank-00000.safetensors']['bytes']} (truncated or extended)"]
+        f"says {index['files']['rank-00000.safetensors']['bytes']} (truncated or extended)"
+    ]
     found, rejected = ckpt.newest_intact(tmp_path)
     assert found == tmp_path / "step-2" and [p.name for p, _ in rejected] == ["step-3"]
 
     _flip_a_byte(tmp_path / "step-2" / "rank-00000.safetensors")  # altered: same size, still loads without a check
-    assert ckpt.verify(tmp_path / "step-2") == ["rank-00000.safetensors does not match its SHA-256 in the index "
-                                                "(altered)"]
+    assert ckpt.verify(tmp_path / "step-2") == [
+        "rank-00000.safetensors does not match its SHA-256 in the index (altered)"
+    ]
     state = {"w": torch.zeros(256)}
     ckpt.load(tmp_path / "step-2", state)
     assert not torch.equal(state["w"], torch.full((256,), 2.0)), "the alteration should change a value"

@@ -1,6 +1,7 @@
 """spmd.checkpoint.stream: rank files are safetensors that safetensors itself reads back, and a memory-mapped
 (nvme-offloaded) tensor is written a piece at a time with its pages handed back after each, so a save never
 holds more of it than one piece; a synchronous save writes such a tensor from its file, uncopied."""
+
 import importlib
 
 import torch
@@ -24,8 +25,14 @@ def _mapped(path, n: int) -> torch.Tensor:
 
 def test_safetensors_reads_what_the_stream_writes(tmp_path):
     torch.manual_seed(0)
-    tensors = {"w": torch.randn(3, 5), "h": torch.randn(4, 2).to(torch.bfloat16), "i": torch.arange(7),
-               "mask": torch.tensor([True, False, True]), "empty": torch.zeros(0, 3), "rng": torch.get_rng_state()}
+    tensors = {
+        "w": torch.randn(3, 5),
+        "h": torch.randn(4, 2).to(torch.bfloat16),
+        "i": torch.arange(7),
+        "mask": torch.tensor([True, False, True]),
+        "empty": torch.zeros(0, 3),
+        "rng": torch.get_rng_state(),
+    }
     path = str(tmp_path / "x.safetensors")
     stream.save_file(tensors, path, metadata={"format": "pt"})
     back = load_file(path)
@@ -46,6 +53,7 @@ def test_a_file_backed_tensor_is_written_a_piece_at_a_time(tmp_path, monkeypatch
     def sampled(tensors):
         seen.append(resident_bytes(tensors))
         release(tensors)
+
     monkeypatch.setattr(stream, "release_pages", sampled)
     release([big])
     assert resident_bytes([big]) == 0

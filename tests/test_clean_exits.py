@@ -16,6 +16,7 @@ written and the checkpoint committed. Mutation that fails it: AsyncSaver no long
 collective as the interpreter finalizes, aborts its rank (SIGABRT) and the checkpoint is never committed, in
 every launch. The many-launch count is the benchmark's (`python -m benchmarks.clean_exits --launches 30`).
 """
+
 import datetime
 import os
 import tempfile
@@ -53,8 +54,9 @@ def _groups_end(rank, world, ckpt_dir):
     release_groups()
     assert _gloo_threads() == 0, f"{_gloo_threads()} gloo threads outlive the groups"
     # a group again, for the harness's closing barrier
-    store = dist.TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), world, is_master=False,
-                          timeout=datetime.timedelta(seconds=60))
+    store = dist.TCPStore(
+        "127.0.0.1", int(os.environ["MASTER_PORT"]), world, is_master=False, timeout=datetime.timedelta(seconds=60)
+    )
     dist.init_process_group("gloo", store=dist.PrefixStore("again", store), rank=rank, world_size=world)
 
 
@@ -68,5 +70,6 @@ def test_groups_end_before_the_interpreter():
 def test_short_tp_scripts_exit_zero_under_load():
     rows = clean_exits.run(["bare", "async", "sp"], launches=2, parallel=3, timeout_s=400)
     failed = [{k: r[k] for k in ("case", "rc", "ranks_wrote", "committed", "aborted")} for r in rows if not r["ok"]]
-    assert not failed, f"{len(failed)} of {len(rows)} launches did not exit cleanly: {failed}\n" + \
-        "\n".join(r["output_tail"][-1500:] for r in rows if not r["ok"])
+    assert not failed, f"{len(failed)} of {len(rows)} launches did not exit cleanly: {failed}\n" + "\n".join(
+        r["output_tail"][-1500:] for r in rows if not r["ok"]
+    )

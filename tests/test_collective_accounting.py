@@ -5,6 +5,7 @@ the wire: all-gather and reduce-scatter S*(n-1)/n, all-reduce 2*S*(n-1)/n). Each
 measured/expected; the assertions demand exactly 1. The loss's own all-reduces (a few floats, issued by
 the vocab-parallel cross-entropy) are outside the formulas and excluded by origin.
 """
+
 import re
 
 import pytest
@@ -22,10 +23,16 @@ def plan_for(spec, batch=(BATCH, SEQ)):
 
 
 def planned(plan, kind=None, axes=None, phase=None, why=None, module=None):
-    return [c for c in plan.collectives if c.origin == "planned"
-            and (kind is None or c.kind == kind) and (axes is None or c.axes == (axes,))
-            and (phase is None or c.phase == phase) and (why is None or c.reason.startswith(why))
-            and (module is None or re.fullmatch(module, c.module))]
+    return [
+        c
+        for c in plan.collectives
+        if c.origin == "planned"
+        and (kind is None or c.kind == kind)
+        and (axes is None or c.axes == (axes,))
+        and (phase is None or c.phase == phase)
+        and (why is None or c.reason.startswith(why))
+        and (module is None or re.fullmatch(module, c.module))
+    ]
 
 
 def report(name, measured, expected):
@@ -77,8 +84,11 @@ def test_sequence_parallel_turns_each_all_reduce_into_all_gather_plus_reduce_sca
     # gradients all-reduce, every block's in one buffer (spmd.runtime.gradients.reducer)
     norms = planned(plan, "all_reduce", "tp", "backward", why="all-reduce gradients")
     report("sp norm-gradient all-reduces", len(norms), 1)
-    report("sp norm-gradient bytes", sum(c.bytes for c in norms),
-           2 * ((2 * cfg.n_layers + 1) * cfg.dim * F32 * (t - 1) // t))
+    report(
+        "sp norm-gradient bytes",
+        sum(c.bytes for c in norms),
+        2 * ((2 * cfg.n_layers + 1) * cfg.dim * F32 * (t - 1) // t),
+    )
     assert all(d.choice == "gather activation" for d in plan.decisions)
     assert not [c for c in plan.collectives if c.origin == "implicit"]
 
@@ -100,17 +110,18 @@ def test_fsdp_moves_three_psi():
     plan = plan_for(f"fsdp={n}")
     model = tiny_model()
     psi = param_bytes(model)
-    embedding = param_bytes(model, lambda name: name == "tok_embeddings.weight")
     ring = lambda b: b * (n - 1) // n  # noqa: E731
     report("fsdp forward all-gather", sum(c.bytes for c in planned(plan, "all_gather", "fsdp", "forward")), ring(psi))
     # backward regathers the blocks' weights; the root unit (embedding, final norm, output) stays gathered
     # from forward to backward, as FSDP2's root does
     outside = param_bytes(model, lambda name: not name.startswith("layers."))
-    report("fsdp backward all-gather", sum(c.bytes for c in planned(plan, "all_gather", "fsdp", "backward")),
-           ring(psi - outside))
+    report(
+        "fsdp backward all-gather",
+        sum(c.bytes for c in planned(plan, "all_gather", "fsdp", "backward")),
+        ring(psi - outside),
+    )
     assert len(planned(plan, "all_gather", "fsdp", "forward")) == len(model.layers) + 1  # one per unit
-    report("fsdp reduce-scatter", sum(c.bytes for c in planned(plan, "reduce_scatter", "fsdp", "backward")),
-           ring(psi))
+    report("fsdp reduce-scatter", sum(c.bytes for c in planned(plan, "reduce_scatter", "fsdp", "backward")), ring(psi))
     assert not planned(plan, "all_reduce")
 
 
@@ -118,8 +129,11 @@ def test_data_parallel_moves_two_psi():
     n = 4
     plan = plan_for(f"dp={n}")
     psi = param_bytes(tiny_model())
-    report("dp gradient all-reduce", sum(c.bytes for c in planned(plan, "all_reduce", "dp", "backward")),
-           2 * psi * (n - 1) // n)
+    report(
+        "dp gradient all-reduce",
+        sum(c.bytes for c in planned(plan, "all_reduce", "dp", "backward")),
+        2 * psi * (n - 1) // n,
+    )
     # DDP's buckets: every gradient, blocks and root unit alike, in one all-reduce while they fit the first (1 MB)
     assert psi < 2**20
     assert len(planned(plan, "all_reduce", "dp", "backward")) == 1
@@ -129,6 +143,7 @@ def test_data_parallel_first_buffer_goes_out_at_ddps_first_bucket_size():
     """As DDP's first bucket (1 MB): the first gradients of backward (the last block's) are all-reduced while
     the rest of backward runs, and the others follow in one buffer; as many buffers as DDP assigns buckets."""
     import torch.distributed as dist
+
     n, model = 4, tiny_model(dim=256, ffn_dim=768)  # 7 MB of gradients: more than DDP's first bucket
     plan = spmd.explain(model, spmd.Rules.default(), {"dp": n}, batch_shape=(BATCH, SEQ))
     reduced = planned(plan, "all_reduce", "dp", "backward")
@@ -139,9 +154,9 @@ def test_data_parallel_first_buffer_goes_out_at_ddps_first_bucket_size():
     report("dp gradient all-reduce", sum(c.bytes for c in reduced), 2 * param_bytes(model) * (n - 1) // n)
     params = list(model.parameters())
     buckets, _ = dist._compute_bucket_assignment_by_size(
-        list(reversed(params)), [dist._DEFAULT_FIRST_BUCKET_BYTES, 25 * 2**20], [False] * len(params))
+        list(reversed(params)), [dist._DEFAULT_FIRST_BUCKET_BYTES, 25 * 2**20], [False] * len(params)
+    )
     assert len(reduced) == len(buckets) == 2
-
 
 
 def test_hsdp_gathers_over_fsdp_and_all_reduces_shards_over_dp():
@@ -149,8 +164,11 @@ def test_hsdp_gathers_over_fsdp_and_all_reduces_shards_over_dp():
     model = tiny_model()
     psi = param_bytes(model)
     report("hsdp reduce-scatter over fsdp", sum(c.bytes for c in planned(plan, "reduce_scatter", "fsdp")), psi // 2)
-    report("hsdp all-reduce of shards over dp", sum(c.bytes for c in planned(plan, "all_reduce", "dp")),
-           2 * (psi // 2) // 2)
+    report(
+        "hsdp all-reduce of shards over dp",
+        sum(c.bytes for c in planned(plan, "all_reduce", "dp")),
+        2 * (psi // 2) // 2,
+    )
     # every block's gradients and the root unit's in one buffer while they fit 25 MB: one reduce-scatter, then
     # one all-reduce of its shards (FSDP2's HSDP does both per unit)
     report("hsdp reduce-scatters", len(planned(plan, "reduce_scatter", "fsdp")), 1)
@@ -158,8 +176,11 @@ def test_hsdp_gathers_over_fsdp_and_all_reduces_shards_over_dp():
     # the loss's (sum, count) over the ranks that split the batch: one all-reduce over the flattened dp x fsdp
     loss = [c for c in plan.collectives if c.origin == "op" and c.kind == "all_reduce"]
     assert [c.axes for c in loss] == [("dp", "fsdp")], loss
-    report("hsdp forward all-gather over fsdp", sum(c.bytes for c in planned(plan, "all_gather", "fsdp", "forward")),
-           psi // 2)
+    report(
+        "hsdp forward all-gather over fsdp",
+        sum(c.bytes for c in planned(plan, "all_gather", "fsdp", "forward")),
+        psi // 2,
+    )
 
 
 @pytest.mark.parametrize("spec,n", [("fsdp=4", 4), ("dp=4", 1), ("dp=2,fsdp=2", 2)])
@@ -167,8 +188,11 @@ def test_model_state_memory_follows_zero_formulas(spec, n):
     """fp32 parameters, fp32 gradients, two fp32 Adam states: 16 bytes a parameter, divided by the shards."""
     plan = plan_for(spec)
     n_params = sum(p.numel() for p in tiny_model().parameters())
-    report(f"{spec} model states", plan.memory["parameters"] + plan.memory["gradients"] + plan.memory["optimizer"],
-           16 * n_params // n)
+    report(
+        f"{spec} model states",
+        plan.memory["parameters"] + plan.memory["gradients"] + plan.memory["optimizer"],
+        16 * n_params // n,
+    )
 
 
 def test_tensor_parallel_memory_shards_all_but_norms():
@@ -180,10 +204,12 @@ def test_tensor_parallel_memory_shards_all_but_norms():
 
 def test_explain_answers_8b_on_64_ranks_without_processes():
     from models.llama import Llama, LlamaConfig
+
     with torch.device("meta"):
         model = Llama(LlamaConfig.preset("8b"))
-    plan = spmd.explain(model, spmd.Rules.default(sequence_parallel=True), {"fsdp": 8, "tp": 8},
-                        batch_shape=(8, 4096), dtype="bf16")
+    plan = spmd.explain(
+        model, spmd.Rules.default(sequence_parallel=True), {"fsdp": 8, "tp": 8}, batch_shape=(8, 4096), dtype="bf16"
+    )
     n_params = LlamaConfig.preset("8b").num_params()
     # every weight matrix is sharded 64 ways; only the norms stay whole over tp
     assert plan.memory["parameters"] < 4 * n_params / 64 * 1.01

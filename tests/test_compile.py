@@ -4,8 +4,8 @@ outside the graph), and the numbers stay those of one device.
 One process: with backend "eager" (dynamo's captured graph without inductor: same ops, same order) the
 gradients equal the uncompiled model's bit for bit. Four processes: fsdp x tp x sp, every second block
 checkpointed, two micro-batches (the first under no_sync, after which every block's gradient is still a
-partial sum over the data axes: reduced once per step, not per micro-batch), backend "aot_eager" (AOTAutograd's joint graph
-and its partition into forward and backward, where a DeviceMesh saved for backward or a process group looked
+partial sum over the data axes: reduced once per step, not per micro-batch), backend "aot_eager" (AOTAutograd's joint
+graph and its partition into forward and backward, where a DeviceMesh saved for backward or a process group looked
 up at run time fail, without inductor's code generation): 3 AdamW steps match one eager device within 1e-5
 (fp32), with no graph break and one graph for every block, checkpointed or not, and for the recompute.
 Backend "inductor" runs the same case, collectives inside its generated graphs, within the same 1e-5.
@@ -20,6 +20,7 @@ among its inputs) traces that path in the same compiled forward, and matches one
 blocks issue eager's collectives (the bucket gathers, prefetches and reductions), and a checkpointed compiled
 block, which gathers inside its graph, is not prefetched for: forward gathers the bytes eager does.
 """
+
 import contextlib
 
 import pytest
@@ -61,7 +62,7 @@ def _compiled_steps(rank, world, spec, ac, accum, backend, zero=3):
         tokens, targets = global_batch(step)
         n = len(tokens) // accum
         for j in range(accum):
-            x, y = tokens[j * n:(j + 1) * n], targets[j * n:(j + 1) * n]
+            x, y = tokens[j * n : (j + 1) * n], targets[j * n : (j + 1) * n]
             with spmd.no_sync(model) if j < accum - 1 else contextlib.nullcontext():
                 (model(local_slice(x, mesh), local_slice(y, mesh)) / accum).backward()
             (ref(x, y) / accum).backward()
@@ -73,11 +74,15 @@ def _compiled_steps(rank, world, spec, ac, accum, backend, zero=3):
         for name, p in model.named_parameters():
             err = norm_rel_err(p.grad.full_tensor(), ref_params[name].grad)
             assert err <= TOL, f"{spec} step {step}: gradient of {name} off by {err:.2e}"
-        opt.step(); ref_opt.step(); opt.zero_grad(); ref_opt.zero_grad()
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
         for name, p in model.named_parameters():
             err = norm_rel_err(p.full_tensor(), ref_params[name].detach())
             assert err <= TOL, f"{spec} step {step}: parameter {name} off by {err:.2e}"
     from torch._dynamo.utils import counters
+
     assert not counters["graph_break"], dict(counters["graph_break"])
     assert counters["frames"]["ok"] == counters["frames"]["total"], dict(counters["frames"])
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
@@ -86,8 +91,11 @@ def _compiled_steps(rank, world, spec, ac, accum, backend, zero=3):
 def _check_block_gradients_unreduced(model):
     """Under no_sync a compiled block leaves each gradient a partial sum over the data axes (reduced once, by
     the last micro-batch's backward)."""
-    data_axes = [m for m, name in enumerate(model.layers[0].attention.wq.weight.device_mesh.mesh_dim_names)
-                 if name in ("dp", "fsdp")]
+    data_axes = [
+        m
+        for m, name in enumerate(model.layers[0].attention.wq.weight.device_mesh.mesh_dim_names)
+        if name in ("dp", "fsdp")
+    ]
     for name, p in model.layers.named_parameters():
         assert all(p.grad.placements[m].is_partial() for m in data_axes), (name, p.grad.placements)
 
@@ -96,6 +104,7 @@ def _check_block_gradients_in_step_layout(model, zero):
     """After backward, before the step: a compiled block's gradient is reduce-scattered onto the optimizer's
     shards (ZeRO-2) or still a partial sum over the axes the optimizer's shards add (ZeRO-1)."""
     from spmd.runtime.gradients.layouts import grads_layout, optim_layout
+
     moved = 0
     for name, p in model.layers.named_parameters():
         added = [m for m, (s, o) in enumerate(zip(p.placements, optim_layout(p))) if s != o]
@@ -137,6 +146,7 @@ _GRAPH_TAKES_DTENSOR = []  # per graph compiled in this process: whether any of 
 
 def _recording_backend(gm, example_inputs):
     from torch._dynamo.backends.debugging import aot_eager
+
     _GRAPH_TAKES_DTENSOR.append(any(isinstance(t, DTensor) for t in example_inputs))
     return aot_eager(gm, example_inputs)
 
@@ -182,8 +192,15 @@ class _GatedModel(nn.Module):
 def _dtensor_path_compiled_steps(rank, world):
     mesh = spmd.make_mesh({"fsdp": world})
     ref, model = _GatedModel(), _GatedModel()
-    spmd.annotate_by_name(model, {"embed.weight": ("vocab", "embed"), "out.weight": ("vocab", "embed"),
-                                  "*.proj.weight": ("mlp", "embed"), "*.proj.bias": "mlp"})
+    spmd.annotate_by_name(
+        model,
+        {
+            "embed.weight": ("vocab", "embed"),
+            "out.weight": ("vocab", "embed"),
+            "*.proj.weight": ("mlp", "embed"),
+            "*.proj.bias": "mlp",
+        },
+    )
     spmd.parallelize(model, mesh, spmd.Rules.default())
     spmd.compile_blocks(model, backend=_recording_backend)
     opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref))
@@ -192,7 +209,10 @@ def _dtensor_path_compiled_steps(rank, world):
         tokens, targets = (t % 64 for t in global_batch(step))
         model(local_slice(tokens, mesh), local_slice(targets, mesh)).backward()
         ref(tokens, targets).backward()
-        opt.step(); ref_opt.step(); opt.zero_grad(); ref_opt.zero_grad()
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
         for name, p in model.named_parameters():
             err = norm_rel_err(p.full_tensor(), ref_params[name].detach())
             assert err <= TOL, f"step {step}: parameter {name} off by {err:.2e}"
@@ -205,6 +225,7 @@ def test_a_data_only_block_on_the_dtensor_path_compiles_that_path():
 
 def _recorded_step(mesh, ac: str, compiled: bool) -> list:
     from spmd.analysis.record import CollectiveRecorder
+
     model = tiny_model()
     spmd.parallelize(model, mesh, spmd.Rules.default())
     spmd.apply_activation_checkpointing(model, ac)
@@ -220,8 +241,14 @@ def _recorded_step(mesh, ac: str, compiled: bool) -> list:
 def _compiled_schedules(rank, world):
     mesh = spmd.make_mesh({"fsdp": world})
     assert _recorded_step(mesh, "none", True) == _recorded_step(mesh, "none", False)
-    gathered = [sum(b for kind, phase, b in _recorded_step(mesh, "full", compiled)
-                    if kind == "all_gather" and phase == "forward") for compiled in (True, False)]
+    gathered = [
+        sum(
+            b
+            for kind, phase, b in _recorded_step(mesh, "full", compiled)
+            if kind == "all_gather" and phase == "forward"
+        )
+        for compiled in (True, False)
+    ]
     assert gathered[0] == gathered[1], gathered
 
 

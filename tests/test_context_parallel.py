@@ -18,13 +18,14 @@ dK/dV); equal to the formula and to `spmd.explain`'s plan. Load balance: under a
 split gives every rank the same attention work; a contiguous split gives the last rank about 2cp-1 times
 the first's.
 """
+
 import contextlib
 import functools
 
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Shard
 
 import spmd
 from spmd.analysis.record import CollectiveRecorder
@@ -54,15 +55,18 @@ def ring_bytes_formula(spec: str, n_layers: int, kv_heads: int, head_dim: int) -
 
 
 def _ring_sends(records) -> dict:
-    return {phase: sum(c.bytes for c in records if c.kind == "send" and c.phase == phase and "ring" in c.reason)
-            for phase in ("forward", "backward")}
+    return {
+        phase: sum(c.bytes for c in records if c.kind == "send" and c.phase == phase and "ring" in c.reason)
+        for phase in ("forward", "backward")
+    }
 
 
 def _check_ring_attention(causal: bool):
     mesh = spmd.make_mesh({"cp": 4})
     g = torch.Generator().manual_seed(7)
-    q, k, v = (torch.randn(2, h, 24, 8, generator=g, dtype=torch.float64).float().requires_grad_()
-               for h in (4, 2, 2))  # 4 query heads share 2 K/V heads
+    q, k, v = (
+        torch.randn(2, h, 24, 8, generator=g, dtype=torch.float64).float().requires_grad_() for h in (4, 2, 2)
+    )  # 4 query heads share 2 K/V heads
     ref = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
     grad = torch.randn(ref.shape, generator=g)
     ref.backward(grad)
@@ -88,25 +92,36 @@ def _hf_llama_dir(path) -> str:
     """config.json of a tiny transformers LlamaForCausalLM (grouped K/V heads, SDPA), as `--model hf:DIR` reads it."""
     transformers = pytest.importorskip("transformers")
     from tests.test_any_model import _TINY
+
     transformers.LlamaConfig(**{**_TINY, "vocab_size": 512, "num_key_value_heads": 2}).save_pretrained(path)
     return str(path)
 
 
 def _hf_mixtral_dir(path) -> str:
     """config.json of a tiny transformers MixtralForCausalLM with its load-balancing loss: its MoE layers
-    flatten batch and sequence into one dim of tokens (spmd.runtime.activations.global_view gathers the sequence for it and
-    splits it again on the way back)."""
+    flatten batch and sequence into one dim of tokens (spmd.runtime.activations.global_view gathers the sequence for it
+    and splits it again on the way back)."""
     transformers = pytest.importorskip("transformers")
     from tests.test_any_model import _TINY
-    transformers.MixtralConfig(**{**_TINY, "vocab_size": 512, "num_key_value_heads": 2, "num_local_experts": 4,
-                                  "num_experts_per_tok": 2, "output_router_logits": True,
-                                  "router_aux_loss_coef": 0.5}).save_pretrained(path)
+
+    transformers.MixtralConfig(
+        **{
+            **_TINY,
+            "vocab_size": 512,
+            "num_key_value_heads": 2,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "output_router_logits": True,
+            "router_aux_loss_coef": 0.5,
+        }
+    ).save_pretrained(path)
     return str(path)
 
 
 def _hf_llama(hf_dir: str):
     """transformers' Llama, unchanged, as the trainer builds it for `--model hf:DIR` (models/transformers_lm.py)."""
     import models
+
     torch.manual_seed(0)
     model = models.preset(f"hf:{hf_dir}").build()
     assert model.config._attn_implementation == "sdpa"
@@ -127,6 +142,7 @@ def _layout(spec: str, build):
         loss = model(x, y, pos)
         loss.backward()
         return loss
+
     return model, mesh, step
 
 
@@ -151,8 +167,10 @@ def _train_and_compare(spec: str, planned=None, build=tiny_model):
         for name, p in model.named_parameters():
             err = norm_rel_err(p.grad.full_tensor(), ref_params[name].grad)
             assert err <= TOL, f"{spec} step {step}: gradient of {name} off by {err:.2e}"
-        opt.step(); ref_opt.step()
-        opt.zero_grad(); ref_opt.zero_grad()
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
         for name, p in model.named_parameters():
             err = norm_rel_err(p.full_tensor(), ref_params[name].detach())
             assert err <= TOL, f"{spec} step {step}: parameter {name} off by {err:.2e}"
@@ -174,6 +192,7 @@ def _check_natural_order_is_refused(hf_dir: str):
     naming the fix, instead of training wrong."""
     from tests.nanogpt import GPT, GPTConfig
     from tests.test_any_model import NANOGPT
+
     mesh = spmd.make_mesh({"cp": 4})
     llama = spmd.parallelize(tiny_model(), mesh, spmd.Rules.default())
     tokens, targets, _ = _cp_batch(0, mesh)
@@ -225,18 +244,23 @@ def test_context_parallel_matches_one_process_and_its_plan(tmp_path):
     cfg = tiny_model().cfg
     plan = plan_for(MEASURED)
     planned = _ring_sends(plan.collectives)
-    planned_memory = {"activations": plan.memory["activations"], "attention": plan.attention["saved"],
-                      "peak": plan.attention["peak"]}
+    planned_memory = {
+        "activations": plan.memory["activations"],
+        "attention": plan.attention["saved"],
+        "peak": plan.attention["peak"],
+    }
     assert planned == ring_bytes_formula(MEASURED, cfg.n_layers, cfg.n_kv_heads, cfg.head_dim), planned
     hf_dir = _hf_llama_dir(tmp_path / "hf")
     hf_model = _hf_llama(hf_dir)
     hf = hf_model.config
     hf_plan = spmd.explain(hf_model, spmd.Rules.default(), spmd.parse_spec(MEASURED)[0], batch_shape=(BATCH, SEQ))
     hf_planned = _ring_sends(hf_plan.collectives)
-    assert hf_planned == ring_bytes_formula(MEASURED, hf.num_hidden_layers, hf.num_key_value_heads,
-                                            hf.hidden_size // hf.num_attention_heads), hf_planned
-    run_distributed(_all_checks, 4, planned, hf_dir, hf_planned, planned_memory, _hf_mixtral_dir(tmp_path / "moe"),
-                    timeout_s=300)
+    assert hf_planned == ring_bytes_formula(
+        MEASURED, hf.num_hidden_layers, hf.num_key_value_heads, hf.hidden_size // hf.num_attention_heads
+    ), hf_planned
+    run_distributed(
+        _all_checks, 4, planned, hf_dir, hf_planned, planned_memory, _hf_mixtral_dir(tmp_path / "moe"), timeout_s=300
+    )
 
 
 def _causal_pairs(positions: torch.Tensor) -> int:
@@ -266,12 +290,16 @@ def test_explain_shows_attention_memory_and_refuses_a_length_that_does_not_split
     layer (the formula over the layers); a sequence that does not split into 2*cp chunks is an error naming
     the fix, as in the trainer's config check, spmd.cp_slice and the ring."""
     cfg, plan = tiny_model().cfg, plan_for(MEASURED)
-    per_layer = {ph: b // cfg.n_layers for ph, b in ring_bytes_formula(MEASURED, cfg.n_layers, cfg.n_kv_heads,
-                                                                       cfg.head_dim).items()}
+    per_layer = {
+        ph: b // cfg.n_layers
+        for ph, b in ring_bytes_formula(MEASURED, cfg.n_layers, cfg.n_kv_heads, cfg.head_dim).items()
+    }
     assert plan.ring_sends_per_layer() == per_layer
     assert 0 < plan.attention["saved"] < plan.memory["activations"] and plan.attention["peak"] > 0
     line = plan.table().splitlines()[-1]
-    assert line.startswith("attention per rank: saved for backward") and \
-        f"ring sends per layer: forward {per_layer['forward']:,} B, backward {per_layer['backward']:,} B" in line
+    assert (
+        line.startswith("attention per rank: saved for backward")
+        and f"ring sends per layer: forward {per_layer['forward']:,} B, backward {per_layer['backward']:,} B" in line
+    )
     with pytest.raises(ValueError, match=r"sequence length 12 does not split over cp=4.*multiple of 8"):
         spmd.explain(tiny_model(), spmd.Rules.default(), {"cp": 4}, batch_shape=(2, 12))

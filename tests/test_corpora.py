@@ -1,5 +1,6 @@
 """launch.corpora: JSONL, Parquet and datasets.save_to_disk corpora give the token stream the same documents
 give as plain text files, one document per file, each followed by eos."""
+
 import json
 import sys
 
@@ -11,7 +12,7 @@ from launch.config import TrainConfig
 from launch.data import DataLoader, build_loader, token_stream
 from launch.tokenizer import ByteTokenizer
 
-DOCS = ["def f(x):\n    return x + 1\n", "ünïcode and \"quotes\"\n", "", "the last one"]
+DOCS = ["def f(x):\n    return x + 1\n", 'ünïcode and "quotes"\n', "", "the last one"]
 
 
 @pytest.fixture(autouse=True)

@@ -1,4 +1,5 @@
 """launch.data / launch.tokenizer: corpora, the token cache, and the loader's mesh-independent batch order."""
+
 import json
 import sysconfig
 from pathlib import Path
@@ -79,11 +80,13 @@ def test_bin_files(tmp_path):
 
 def test_hf_tokenizer(tmp_path):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(["def f(x):\n    return x + 1\n"] * 20,
-                            trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"]))
+    tok.train_from_iterator(
+        ["def f(x):\n    return x + 1\n"] * 20, trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"])
+    )
     tok.save(str(tmp_path / "tokenizer.json"))
     hf = load_tokenizer(str(tmp_path / "tokenizer.json"))
     assert isinstance(hf, HFTokenizer) and hf.eos_id == 0 and hf.vocab_size <= 300

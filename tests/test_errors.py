@@ -3,6 +3,7 @@ collective: the multi-process cases count collectives with torch's CommDebugMode
 call, and run under a timeout, so a rank left waiting in a collective fails the test instead of hanging
 it. Ranks that disagree (a different mesh or different rules on one rank) fail on every rank after one
 agreement exchange, before any collective of the layout."""
+
 import pytest
 import torch
 import torch.nn as nn
@@ -86,7 +87,10 @@ def _every_rank_raises(rank, world):
     rules = spmd.Rules.default()
     expect(lambda: spmd.parallelize(Unannotated(), mesh, rules), r"cannot infer .* 'proj.weight' .* spmd.annotate")
     expect(lambda: spmd.parallelize(Clash(), mesh, rules), "mesh axis 'tp' would shard both dim")
-    expect(lambda: spmd.parallelize(Odd(), mesh, rules), r"'proj.weight' with shape \(3, 4\).*size 3 does not divide by tp=2")
+    expect(
+        lambda: spmd.parallelize(Odd(), mesh, rules),
+        r"'proj.weight' with shape \(3, 4\).*size 3 does not divide by tp=2",
+    )
     pinned = Odd()
     spmd.annotate(pinned.proj.weight, spmd.P("tp", "tp"))
     expect(lambda: spmd.parallelize(pinned, mesh, rules), "mesh axis 'tp' is used for dims 0 and 1")
@@ -97,11 +101,17 @@ def _every_rank_raises(rank, world):
     # that runs before every rank raises
     agreement = {"allgather_": 1}
     other_rules = spmd.Rules.default(sequence_parallel=rank == 1)
-    _raises_after(lambda: spmd.parallelize(tiny_model(), mesh, other_rules),
-                  r"ranks disagree with rank 0 on rank 1: rules;.*Start every rank with the same", agreement)
+    _raises_after(
+        lambda: spmd.parallelize(tiny_model(), mesh, other_rules),
+        r"ranks disagree with rank 0 on rank 1: rules;.*Start every rank with the same",
+        agreement,
+    )
     other_mesh = spmd.make_mesh({"fsdp": 2} if rank == 0 else {"tp": 2})
-    _raises_after(lambda: spmd.parallelize(tiny_model(), other_mesh, rules),
-                  r"rank 1: mesh, parameters; mesh here \(rank \d\): \{'(fsdp|tp)': 2\}", agreement)
+    _raises_after(
+        lambda: spmd.parallelize(tiny_model(), other_mesh, rules),
+        r"rank 1: mesh, parameters; mesh here \(rank \d\): \{'(fsdp|tp)': 2\}",
+        agreement,
+    )
 
 
 @pytest.mark.slow

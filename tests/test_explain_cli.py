@@ -1,6 +1,7 @@
 """`python -m spmd.explain` prints exactly `plan.table()` of the same arguments and writes the plan as JSON;
 `--ac` plans activation checkpointing as the trainer applies it (tests/test_plan_matches_run.py holds that plan
 against a real checkpointed step); bad arguments are one-line errors."""
+
 import importlib
 import json
 import os
@@ -21,15 +22,21 @@ ARGS = ["--model", "tiny", "--mesh", "fsdp=2,tp=2,sp", "--batch", "8", "--seq", 
 def _plan(sizes, ac="none", sp=True):
     with torch.device("meta"):
         model = models.preset("tiny").build()
-    return spmd.explain(model, spmd.Rules.default(sequence_parallel=sp), sizes, batch_shape=(8, 16),
-                        dtype=torch.float32, ac=ac)
+    return spmd.explain(
+        model, spmd.Rules.default(sequence_parallel=sp), sizes, batch_shape=(8, 16), dtype=torch.float32, ac=ac
+    )
 
 
 def test_cli_prints_the_plan_table(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    out = subprocess.run([sys.executable, "-m", "spmd.explain", *ARGS, "--ac", "full",
-                          "--json", str(tmp_path / "plan.json")], capture_output=True, text=True, env=env,
-                         cwd=tmp_path, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-m", "spmd.explain", *ARGS, "--ac", "full", "--json", str(tmp_path / "plan.json")],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=300,
+    )
     assert out.returncode == 0 and not out.stderr, out.stderr  # no runpy warning either
     plan = _plan({"fsdp": 2, "tp": 2}, ac="full")
     assert out.stdout == plan.table() + "\n"
@@ -49,10 +56,13 @@ def test_ac_keeps_block_inputs_only_and_replays_the_forward():
 
 def test_bad_arguments_are_one_line_errors(capsys):
     from spmd.cli import explain_main as main
-    for argv, message in [(["--mesh", "fsdp=x"], "mesh axis size must be an integer"),
-                          (["--model", "nope"], "unknown model preset 'nope'"),
-                          (["--ac", "bogus"], "activation checkpointing mode must be"),
-                          (["--registry", "no_such_registry"], "--registry 'no_such_registry' cannot be imported")]:
+
+    for argv, message in [
+        (["--mesh", "fsdp=x"], "mesh axis size must be an integer"),
+        (["--model", "nope"], "unknown model preset 'nope'"),
+        (["--ac", "bogus"], "activation checkpointing mode must be"),
+        (["--registry", "no_such_registry"], "--registry 'no_such_registry' cannot be imported"),
+    ]:
         assert main([*ARGS, *argv]) == 2
         err = capsys.readouterr().err
         assert err.startswith("spmd.explain: error: ") and message in err and err.count("\n") == 1, err
@@ -67,22 +77,54 @@ def test_explain_and_search_take_a_local_hugging_face_directory(tmp_path, capsys
     the table of the same call made in code; a directory without config.json is a one-line error."""
     transformers = pytest.importorskip("transformers")
     hf_dir = tmp_path / "llama"
-    transformers.LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                             num_attention_heads=4, num_key_value_heads=2,
-                             max_position_embeddings=64).save_pretrained(hf_dir)
+    transformers.LlamaConfig(
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    ).save_pretrained(hf_dir)
     from spmd.cli import explain_main, search_main
 
-    assert explain_main(["--model", f"hf:{hf_dir}", "--mesh", "fsdp=2,tp=2,sp", "--batch", "4", "--seq", "16",
-                         "--dtype", "fp32"]) == 0
+    assert (
+        explain_main(
+            ["--model", f"hf:{hf_dir}", "--mesh", "fsdp=2,tp=2,sp", "--batch", "4", "--seq", "16", "--dtype", "fp32"]
+        )
+        == 0
+    )
     with torch.device("meta"):
         model = models.preset(f"hf:{hf_dir}").build()
-    plan = spmd.explain(model, spmd.Rules.default(sequence_parallel=True), {"fsdp": 2, "tp": 2},
-                        batch_shape=(4, 16), dtype=torch.float32)
+    plan = spmd.explain(
+        model,
+        spmd.Rules.default(sequence_parallel=True),
+        {"fsdp": 2, "tp": 2},
+        batch_shape=(4, 16),
+        dtype=torch.float32,
+    )
     assert capsys.readouterr().out == plan.table() + "\n"
     assert "model.layers.*.self_attn.q_proj" in plan.table()  # transformers' own module names
 
-    assert search_main(["--model", f"hf:{hf_dir}", "--world", "2", "--device", "a100", "--batch", "4",
-                        "--seq", "16", "--workers", "1"]) == 0
+    assert (
+        search_main(
+            [
+                "--model",
+                f"hf:{hf_dir}",
+                "--world",
+                "2",
+                "--device",
+                "a100",
+                "--batch",
+                "4",
+                "--seq",
+                "16",
+                "--workers",
+                "1",
+            ]
+        )
+        == 0
+    )
     ranked = spmd.search(models.preset(f"hf:{hf_dir}"), 2, device="a100", batch_shape=(4, 16), workers=1)
     out = capsys.readouterr().out
     assert out == ranked.table() + "\n" and "TransformersConfig(layers=2," in out

@@ -4,6 +4,7 @@ and a torchrun restart, a kill during a save, damaged checkpoints, non-finite st
 Every fault is installed deterministically by tests/fault_injection.py (patching the trainer's and the writer's
 own functions; child processes run tests/fault_train.py); time bounds are generous ceilings, never races.
 """
+
 import json
 import math
 import os
@@ -13,21 +14,25 @@ import sys
 import time
 from pathlib import Path
 
+import fault_injection
 import pytest
 
-import fault_injection
 import launch.train as T
 from launch.startup import code_version
-from tests.test_train import SMALL, _isolated, _train  # noqa: F401  (_isolated: an autouse fixture)
 from spmd import checkpoint
+from tests.test_train import SMALL, _isolated, _train  # noqa: F401  (_isolated: an autouse fixture)
 
 REPO = Path(__file__).resolve().parents[1]
 FAULT_TRAIN = str(REPO / "tests" / "fault_train.py")
 
 
 def _env(**extra):
-    return {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-            "OMP_NUM_THREADS": "1", **extra}
+    return {
+        **os.environ,
+        "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        "OMP_NUM_THREADS": "1",
+        **extra,
+    }
 
 
 def _jsonl(path):
@@ -47,8 +52,9 @@ def test_the_loop_and_the_writer_hold_no_test_code():
     """Faults come from tests/fault_injection.py only: no product module reads a test variable or imports it.
     Mutation killed: an `os.environ.get("SPMD_TEST_...")` check put back into the loop or the writer."""
     product = [p for room in ("spmd", "launch", "models", "kernels") for p in (REPO / room).rglob("*.py")]
-    offenders = [str(p.relative_to(REPO)) for p in product
-                 if "SPMD_TEST" in p.read_text() or "fault_injection" in p.read_text()]
+    offenders = [
+        str(p.relative_to(REPO)) for p in product if "SPMD_TEST" in p.read_text() or "fault_injection" in p.read_text()
+    ]
     assert product and offenders == []
 
 
@@ -59,14 +65,21 @@ def test_kill_during_a_save_resumes_the_previous_checkpoint_with_its_values(tmp_
     ref = _train("--steps", "5", "--ckpt-dir", str(tmp_path / "ref"), "--ckpt-every", "1", "--ckpt-keep", "0")
     ck = tmp_path / "ck"
     flags = [*SMALL, "--steps", "5", "--ckpt-dir", str(ck), "--ckpt-every", "1", "--ckpt-keep", "0"]
-    out = subprocess.run([sys.executable, FAULT_TRAIN, "--kill-after-files", "10", *flags], cwd=REPO,
-                         timeout=300, env=_env(), capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, FAULT_TRAIN, "--kill-after-files", "10", *flags],
+        cwd=REPO,
+        timeout=300,
+        env=_env(),
+        capture_output=True,
+        text=True,
+    )
     assert out.returncode == -signal.SIGKILL, out.stderr[-2000:]
     assert checkpoint.latest(ck).name == "step-3" and (ck / ".tmp-step-4" / "rank-00000.safetensors").is_file()
     assert _same_tensors(ck / "step-3", tmp_path / "ref" / "step-3")  # values, not only the step number
     resumed = _train("--steps", "5", "--ckpt-dir", str(ck), "--resume")
-    assert [(r["step"], r["loss"], r["grad_norm"]) for r in resumed] == \
-        [(r["step"], r["loss"], r["grad_norm"]) for r in ref[3:]]
+    assert [(r["step"], r["loss"], r["grad_norm"]) for r in resumed] == [
+        (r["step"], r["loss"], r["grad_norm"]) for r in ref[3:]
+    ]
     assert _same_tensors(ck / "step-5", tmp_path / "ref" / "step-5")
 
 
@@ -117,8 +130,21 @@ def test_a_nonfinite_step_is_skipped_and_counted(tmp_path, monkeypatch):
 def test_consecutive_nonfinite_steps_stop_the_run_with_the_last_good_state(tmp_path, monkeypatch, capsys):
     fault_injection.nan_steps(monkeypatch.setattr, {3, 4, 5, 6, 7})
     ck, m = tmp_path / "ck", tmp_path / "m.jsonl"
-    code = T.main([*SMALL, "--steps", "10", "--max-bad-steps", "3", "--ckpt-dir", str(ck), "--ckpt-every", "2",
-                   "--metrics", str(m)])
+    code = T.main(
+        [
+            *SMALL,
+            "--steps",
+            "10",
+            "--max-bad-steps",
+            "3",
+            "--ckpt-dir",
+            str(ck),
+            "--ckpt-every",
+            "2",
+            "--metrics",
+            str(m),
+        ]
+    )
     assert code == T.EXIT_DIVERGED
     err = capsys.readouterr().err
     assert "steps 3..5 had a non-finite loss or gradient norm (3 in a row, --max-bad-steps 3)" in err
@@ -133,18 +159,30 @@ def test_consecutive_nonfinite_steps_stop_the_run_with_the_last_good_state(tmp_p
 # ------------------------------------------------------------------------------ several processes
 def test_the_config_diff_names_each_differing_field_with_its_ranks():
     from launch.startup import describe, differences
+
     same = {"mesh": "fsdp=2", "steps": 10}
     per_rank = [dict(same, batch_size=16)] * 9 + [dict(same, batch_size=32, seed=1)]
     diff = differences(per_rank)
     assert list(diff) == ["batch_size", "seed"]
-    assert describe(diff) == ("batch_size: 16 on ranks 0..8 (9 ranks), 32 on rank 9\n"
-                              "  - seed: '<missing>' on ranks 0..8 (9 ranks), 1 on rank 9")
+    assert describe(diff) == (
+        "batch_size: 16 on ranks 0..8 (9 ranks), 32 on rank 9\n"
+        "  - seed: '<missing>' on ranks 0..8 (9 ranks), 1 on rank 9"
+    )
     assert differences([same, dict(same)]) == {}
 
 
 def _torchrun(*args, env=None, restarts=0):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "--max-restarts", str(restarts), *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        str(restarts),
+        *args,
+    ]
     return subprocess.run(cmd, cwd=REPO, env=env or _env(), capture_output=True, text=True, timeout=300)
 
 
@@ -153,12 +191,21 @@ def test_ranks_with_different_configs_all_fail_naming_the_fields(tmp_path):
     """Rank 1 gets --batch-size 32 and other sources (tests/rank_args.py): without the check each rank
     would train on its own batch; with it every rank fails before training, naming both differences."""
     m = tmp_path / "m.jsonl"
-    out = _torchrun("tests/rank_args.py", *SMALL, "--steps", "2", "--metrics", str(m),
-                    env=_env(SPMD_TEST_RANK1_ARGS="--batch-size 32", SPMD_TEST_RANK1_CODE_VERSION="other-sources"))
+    out = _torchrun(
+        "tests/rank_args.py",
+        *SMALL,
+        "--steps",
+        "2",
+        "--metrics",
+        str(m),
+        env=_env(SPMD_TEST_RANK1_ARGS="--batch-size 32", SPMD_TEST_RANK1_CODE_VERSION="other-sources"),
+    )
     assert out.returncode != 0
     for rank in (0, 1):
-        assert f"launch.train [rank {rank}]: error: the 2 ranks were started with different configs, so none " \
-               f"of them trains:" in out.stderr
+        assert (
+            f"launch.train [rank {rank}]: error: the 2 ranks were started with different configs, so none "
+            f"of them trains:" in out.stderr
+        )
     assert out.stderr.count("  - batch_size: 8 on rank 0, 32 on rank 1\n") == 2
     assert out.stderr.count("'other-sources' on rank 1\n") == 2
     assert "fix: start every rank with the same flags and config file; install the same code" in out.stderr
@@ -170,12 +217,19 @@ def _two_ranks(tmp_path, *flags, fault):
     does, on a port the OS assigns and holds), but with no agent to stop the survivor: what the survivor does
     is the trainer's own doing. Returns (store, processes, stderr files); keep the store until they end."""
     import torch.distributed as dist
+
     store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False)
     procs, logs = [], []
     for rank in (0, 1):
         logs.append(tmp_path / f"rank{rank}.err")
-        env = _env(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(store.port), TORCHELASTIC_USE_AGENT_STORE="True")
+        env = _env(
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE="2",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(store.port),
+            TORCHELASTIC_USE_AGENT_STORE="True",
+        )
         cmd = [sys.executable, FAULT_TRAIN, "--fault", fault, *SMALL, "--steps", "6", *flags]
         procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=open(logs[-1], "w")))
     return store, procs, logs
@@ -207,8 +261,10 @@ def test_survivors_of_a_dead_or_stuck_rank_exit_in_bounded_time_and_say_why(tmp_
     print(f"rank 0 exited {waited:.1f} s after rank 1's {kind}")
     assert code == T.EXIT_RANK_LOST, err[-2000:]
     assert "launch.train [rank 0]: error: a collective failed" in err
-    assert "another rank died, was killed or stopped responding (collectives wait at most --collective-timeout " \
-           "5 s), so this rank stops too" in err
+    assert (
+        "another rank died, was killed or stopped responding (collectives wait at most --collective-timeout "
+        "5 s), so this rank stops too" in err
+    )
     if kind == "hang":
         assert "Timed out" in err  # ended by the timeout, not by a closed connection
     assert waited < 60
@@ -217,7 +273,9 @@ def test_survivors_of_a_dead_or_stuck_rank_exit_in_bounded_time_and_say_why(tmp_
 def _subgroup_collective_times_out(rank, world, done):
     import torch
     import torch.distributed as dist
+
     from launch.startup import start_process_group
+
     start_process_group(3.0, torch.device("cpu"))  # the group is up already: this sets the sub-groups' timeout
     group = dist.new_group([0, 1])  # how DeviceMesh and the pipeline make theirs
     if rank == 1:  # stays alive but never joins the collective, until rank 0 is done with it
@@ -234,6 +292,7 @@ def _subgroup_collective_times_out(rank, world, done):
 @pytest.mark.slow
 def test_sub_groups_get_the_collective_timeout(tmp_path):
     from dist_utils import run_distributed
+
     run_distributed(_subgroup_collective_times_out, 2, str(tmp_path / "done"), timeout_s=120)
 
 
@@ -242,16 +301,32 @@ def test_a_killed_rank_restarted_by_torchrun_resumes_and_matches_an_uninterrupte
     """Rank 1 SIGKILLs itself before step 5 on torchrun's first attempt; torchrun restarts the group, which
     resumes from step-4 (a restart resumes without --resume) and ends where an uninterrupted run ends, loss for
     loss and tensor for tensor."""
+
     def run(name, *fault):
         ck, m = tmp_path / name / "ck", tmp_path / name / "m.jsonl"
-        out = _torchrun(*(fault or ("-m", "launch.train")), *SMALL, "--steps", "6", "--ckpt-dir", str(ck),
-                        "--ckpt-every", "2", "--metrics", str(m), restarts=1)
+        out = _torchrun(
+            *(fault or ("-m", "launch.train")),
+            *SMALL,
+            "--steps",
+            "6",
+            "--ckpt-dir",
+            str(ck),
+            "--ckpt-every",
+            "2",
+            "--metrics",
+            str(m),
+            restarts=1,
+        )
         assert out.returncode == 0, out.stderr[-3000:]
         return out, ck, _jsonl(m)
 
     _, ref_ck, ref = run("straight")
     out, ck, rows = run("killed", FAULT_TRAIN, "--fault", "1:5:kill")
-    assert "rank 1: kill before step 5" in out.stderr and f"resumed from {ck / 'step-4'} at step 4 (torchrun restart 1)" in out.stdout
-    assert [(r["step"], r["loss"], r["grad_norm"]) for r in rows] == \
-        [(r["step"], r["loss"], r["grad_norm"]) for r in ref]
+    assert (
+        "rank 1: kill before step 5" in out.stderr
+        and f"resumed from {ck / 'step-4'} at step 4 (torchrun restart 1)" in out.stdout
+    )
+    assert [(r["step"], r["loss"], r["grad_norm"]) for r in rows] == [
+        (r["step"], r["loss"], r["grad_norm"]) for r in ref
+    ]
     assert _same_tensors(ck / "step-6", ref_ck / "step-6")

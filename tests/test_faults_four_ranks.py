@@ -2,6 +2,7 @@
 with different configs, a NaN on one rank's micro-batch, a streak of them, and a damaged shard of the 4-rank
 checkpoint. Each rank runs the trainer's own entry (`launch.train.main`) and checks what it returns and prints.
 """
+
 import contextlib
 import io
 import json
@@ -15,10 +16,30 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 from tests.test_train import SMALL, _isolated  # noqa: F401  (_isolated: an autouse fixture)
 
-COLLECTIVES = ("all_gather_object", "all_gather", "all_reduce", "broadcast", "broadcast_object_list", "barrier",
-               "reduce_scatter_tensor", "all_gather_into_tensor", "reduce_scatter", "all_to_all", "all_to_all_single",
-               "send", "recv", "isend", "irecv", "gather", "scatter", "reduce", "gather_object", "scatter_object_list",
-               "monitored_barrier", "batch_isend_irecv")
+COLLECTIVES = (
+    "all_gather_object",
+    "all_gather",
+    "all_reduce",
+    "broadcast",
+    "broadcast_object_list",
+    "barrier",
+    "reduce_scatter_tensor",
+    "all_gather_into_tensor",
+    "reduce_scatter",
+    "all_to_all",
+    "all_to_all_single",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+    "gather",
+    "scatter",
+    "reduce",
+    "gather_object",
+    "scatter_object_list",
+    "monitored_barrier",
+    "batch_isend_irecv",
+)
 
 
 @contextlib.contextmanager
@@ -35,7 +56,9 @@ def _calls_logged():
                 return fn(*args, **kwargs)
             finally:
                 depth[0] -= 1
+
         return logged
+
     for name in COLLECTIVES:
         saved[name] = getattr(c10d, name)
         for module in (c10d, dist):
@@ -51,6 +74,7 @@ def _calls_logged():
 def _main(argv) -> tuple[int, str]:
     """launch.train.main on this rank, its stderr; the test's process group outlives it."""
     import launch.train as T
+
     err, destroy = io.StringIO(), dist.destroy_process_group
     dist.destroy_process_group = lambda *a, **k: None
     try:
@@ -63,6 +87,7 @@ def _main(argv) -> tuple[int, str]:
 
 def _tensors(step_dir) -> dict:
     from spmd import checkpoint
+
     return {k: checkpoint.read_full(step_dir, k) for k in checkpoint.tensor_names(step_dir)}
 
 
@@ -94,9 +119,27 @@ def _one_rank_nan_and_a_streak(rank, base, ck, metrics):
     Mutation killed: launch/train.py deciding the skip from the loss alone (`bad.check(step + 1, loss_value,
     0.0)`): the loss is this rank's own, so rank 2 skips while the others step, and the test fails."""
     import fault_injection
+
     fault_injection.nan_steps(setattr, {3, 5, 6, 7}, rank=2, micro=0)
-    code, err = _main([*base, "--steps", "10", "--grad-accum", "2", "--max-bad-steps", "3", "--ckpt-dir", ck,
-                       "--ckpt-every", "1", "--ckpt-keep", "0", "--metrics", metrics])
+    code, err = _main(
+        [
+            *base,
+            "--steps",
+            "10",
+            "--grad-accum",
+            "2",
+            "--max-bad-steps",
+            "3",
+            "--ckpt-dir",
+            ck,
+            "--ckpt-every",
+            "1",
+            "--ckpt-keep",
+            "0",
+            "--metrics",
+            metrics,
+        ]
+    )
     assert code == 4, err[-2000:]
     assert f"[rank {rank}]: error: steps 5..7 had a non-finite loss or gradient norm (3 in a row" in err
     dist.barrier()
@@ -109,6 +152,7 @@ def _one_rank_nan_and_a_streak(rank, base, ck, metrics):
         assert skipped == [] and stepped and stopped == [], (skipped, stepped[:3], stopped)
         assert (ck / "latest").read_text().strip() == "step-7"
         from spmd import checkpoint
+
         assert checkpoint.read_meta(ck)["bad_steps"] == {"skipped": 4, "streak": 3, "last_good": 4}
     dist.barrier()
 
@@ -120,6 +164,7 @@ def _a_damaged_shard_falls_back_on_every_rank(rank, base, ck):
     the ranks that did not hash rank 2's file pick step-7."""
     from launch.config import load_config
     from launch.setup import resume_point
+
     if rank == 0:
         f = Path(ck, "step-7", "rank-00002.safetensors")
         data = bytearray(f.read_bytes())

@@ -7,6 +7,7 @@ each element; the reference sees whole tensors), and it is the path taken (no DT
 op). A gradient in another layout than its parameter (replicated where the parameter is sharded) is left
 to DTensor's own dispatch, which redistributes it, and the result still equals plain PyTorch.
 """
+
 import pytest
 import torch
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
@@ -41,8 +42,10 @@ def _run(rank, world, reference, steps):
     torch.manual_seed(0)
     wholes = [torch.randn(shape) for shape, _ in SHAPES_AND_LAYOUTS]
     for grad_layout in ("same", "replicated"):
-        params = [torch.nn.Parameter(distribute_tensor(w.clone(), mesh, [layout]))
-                  for w, (_, layout) in zip(wholes, SHAPES_AND_LAYOUTS)]
+        params = [
+            torch.nn.Parameter(distribute_tensor(w.clone(), mesh, [layout]))
+            for w, (_, layout) in zip(wholes, SHAPES_AND_LAYOUTS)
+        ]
         opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, amsgrad=True, fused=True)
         fallbacks = []
         dispatch = fused_step.dtensor_dispatch

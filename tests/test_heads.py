@@ -1,6 +1,7 @@
 """Attention heads split whole over tp: a mesh that would hand a rank part of a head is refused with the
 head counts and the sizes that fit, before anything is laid out; a model whose config names no head count
 gets the same diagnosis at the reshape into heads, naming the module."""
+
 import re
 
 import pytest
@@ -10,16 +11,25 @@ import torch.nn.functional as F
 from torch.distributed.tensor import Replicate, Shard
 
 import spmd
-from spmd.analysis.fake import fake_world
 from models.llama import Llama, LlamaConfig
+from spmd.analysis.fake import fake_world
 
 transformers = pytest.importorskip("transformers")
 
 
 def _qwen3(heads: int, kv_heads: int):
-    config = transformers.Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                      num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=8,
-                                      max_position_embeddings=32, bos_token_id=0, eos_token_id=0)
+    config = transformers.Qwen3Config(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=8,
+        max_position_embeddings=32,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     model = transformers.Qwen3ForCausalLM(config)
     spmd.annotate_hf(model)
     return model
@@ -29,14 +39,16 @@ def test_heads_that_do_not_divide_by_tp_are_refused_before_any_layout():
     model = _qwen3(4, 2)
     before = [p.clone() for p in model.parameters()]
     with fake_world({"tp": 4}) as (mesh, _):
-        with pytest.raises(ValueError, match=r"Qwen3ForCausalLM has 2 key/value heads, which do not split over "
-                                             r"tp=4.*divides both its 4 query and 2 key/value heads \(2\)"):
+        with pytest.raises(
+            ValueError,
+            match=r"Qwen3ForCausalLM has 2 key/value heads, which do not split over "
+            r"tp=4.*divides both its 4 query and 2 key/value heads \(2\)",
+        ):
             spmd.parallelize(model, mesh, spmd.Rules.default())
     assert not hasattr(model, "_spmd_state")
     assert all(type(p) is nn.Parameter and torch.equal(p, b) for p, b in zip(model.parameters(), before))
     # models.llama's config names them n_heads / n_kv_heads; 6 query heads over fsdp x tp=4
-    llama = Llama(LlamaConfig(dim=48, n_layers=1, n_heads=6, n_kv_heads=6, vocab_size=64, ffn_dim=96,
-                              max_seq_len=32))
+    llama = Llama(LlamaConfig(dim=48, n_layers=1, n_heads=6, n_kv_heads=6, vocab_size=64, ffn_dim=96, max_seq_len=32))
     with fake_world({"fsdp": 2, "tp": 4}) as (mesh, _):
         with pytest.raises(ValueError, match=r"Llama has 6 attention heads, which do not split over tp=4.*\(2, 3\)"):
             spmd.parallelize(llama, mesh, spmd.Rules.default())
@@ -49,21 +61,27 @@ def test_the_trainer_reads_the_same_counts_from_a_config_alone(tmp_path):
     """`launch.train` checks a mesh before it builds the model: from config.json (`--model hf:DIR`) or the
     preset's config, with the same counts and message as the check on the built model."""
     import models
+
     _qwen3(4, 2).config.save_pretrained(tmp_path)
     hf = models.preset(f"hf:{tmp_path}")
-    assert re.search(r"qwen3 has 2 key/value heads, which do not split over tp=4.*\(2\).*config.json of",
-                     hf.mesh_problem({"fsdp": 2, "tp": 4}))
+    assert re.search(
+        r"qwen3 has 2 key/value heads, which do not split over tp=4.*\(2\).*config.json of",
+        hf.mesh_problem({"fsdp": 2, "tp": 4}),
+    )
     assert hf.mesh_problem({"fsdp": 4, "tp": 2}) is None
     llama = LlamaConfig(dim=48, n_layers=1, n_heads=6, n_kv_heads=6, vocab_size=64, ffn_dim=96, max_seq_len=32)
-    assert re.search(r"Llama has 6 attention heads, which do not split over tp=4.*\(2, 3\)",
-                     llama.mesh_problem({"tp": 4}))
+    assert re.search(
+        r"Llama has 6 attention heads, which do not split over tp=4.*\(2, 3\)", llama.mesh_problem({"tp": 4})
+    )
 
 
 def _local_rows(model) -> dict:
     """{projection: (placements, local shape)} of the first layer's attention weights."""
     attn = model.model.layers[0].self_attn
-    return {n: (tuple(w.placements), tuple(w._local_tensor.shape))
-            for n, w in (("q", attn.q_proj.weight), ("k", attn.k_proj.weight), ("o", attn.o_proj.weight))}
+    return {
+        n: (tuple(w.placements), tuple(w._local_tensor.shape))
+        for n, w in (("q", attn.q_proj.weight), ("k", attn.k_proj.weight), ("o", attn.o_proj.weight))
+    }
 
 
 def test_heads_that_divide_or_stay_whole_pass():
@@ -73,12 +91,18 @@ def test_heads_that_divide_or_stay_whole_pass():
     whole on every tp rank while the query heads split)."""
     with fake_world({"tp": 2}) as (mesh, _):
         model = spmd.parallelize(_qwen3(4, 2), mesh, spmd.Rules.default())
-        assert _local_rows(model) == {"q": ((Shard(0),), (2 * 8, 32)), "k": ((Shard(0),), (1 * 8, 32)),
-                                      "o": ((Shard(1),), (32, 2 * 8))}
+        assert _local_rows(model) == {
+            "q": ((Shard(0),), (2 * 8, 32)),
+            "k": ((Shard(0),), (1 * 8, 32)),
+            "o": ((Shard(1),), (32, 2 * 8)),
+        }
     with fake_world({"dp": 4}) as (mesh, _):  # no mesh axis splits the heads
         model = spmd.parallelize(_qwen3(4, 2), mesh, spmd.Rules.default())
-        assert _local_rows(model) == {"q": ((Replicate(),), (32, 32)), "k": ((Replicate(),), (16, 32)),
-                                      "o": ((Replicate(),), (32, 32))}
+        assert _local_rows(model) == {
+            "q": ((Replicate(),), (32, 32)),
+            "k": ((Replicate(),), (16, 32)),
+            "o": ((Replicate(),), (32, 32)),
+        }
 
 
 class _Attention(nn.Module):
@@ -112,6 +136,9 @@ class _Tiny(nn.Module):
 
 def test_a_model_without_head_counts_gets_the_error_at_its_reshape():
     model = _Tiny()
-    with pytest.raises(ValueError, match=r"^attention: viewing a tensor of shape \(2, 8, 32\), split over tp=4, as "
-                                         r"\(2, 8, 2, 16\) splits a sharded dim into groups \(heads\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"^attention: viewing a tensor of shape \(2, 8, 32\), split over tp=4, as "
+        r"\(2, 8, 2, 16\) splits a sharded dim into groups \(heads\)",
+    ):
         spmd.explain(model, spmd.Rules.default(), {"tp": 4}, batch_shape=(2, 8))

@@ -1,5 +1,6 @@
 """Hugging Face interop: exported weights + config.json give transformers' LlamaForCausalLM the same logits
 as our model; load_hf fills plain and DTensor models; names map both ways."""
+
 import json
 import subprocess
 import sys
@@ -7,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from dist_utils import run_distributed
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
@@ -14,7 +16,6 @@ from launch import hf
 from models import llama_hf
 from models.llama import Llama, LlamaConfig
 from spmd import checkpoint
-from dist_utils import run_distributed
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -54,8 +55,21 @@ def test_export_matches_transformers_logits(tmp_path, tied):
     checkpoint.save(ckpt_dir, 5, checkpoint.model_state(model), meta={"model_config": model.cfg.to_dict()})
     out = tmp_path / "hf"
     # the CLI, with a shard size small enough to force several files and an index
-    subprocess.run([sys.executable, "-m", "launch.export", "--ckpt", str(ckpt_dir), "--out", str(out),
-                    "--max-shard-size", "100KB"], check=True, cwd=REPO)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "launch.export",
+            "--ckpt",
+            str(ckpt_dir),
+            "--out",
+            str(out),
+            "--max-shard-size",
+            "100KB",
+        ],
+        check=True,
+        cwd=REPO,
+    )
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1
     assert ("lm_head.weight" in index["weight_map"]) == (not tied)

@@ -6,15 +6,16 @@ per op, so outputs agree to a rounding or two (1/rsqrt differences can flip one 
 we allow 2 bf16 ulps relative (2**-6) plus a small absolute term for values near zero, and 3e-2 for
 gradients that the reference sums in bf16 in another order.
 """
+
 import pytest
 import torch
+from dist_utils import run_distributed
 
 import kernels
 from kernels import reference
-from dist_utils import run_distributed
 
 FP32 = dict(rtol=1e-5, atol=1e-5)
-BF16 = dict(rtol=2 ** -6, atol=1e-2)
+BF16 = dict(rtol=2**-6, atol=1e-2)
 
 
 def _run(fn, inputs, grads=None):
@@ -48,15 +49,24 @@ def _randn(*shape, dtype=torch.float32, scale=1.0, seed=0):
 @pytest.mark.parametrize("shape", [(3, 5, 37), (4, 64)])
 def test_rms_norm_fp32(shape):
     x, w = _randn(*shape), _randn(shape[-1], seed=1)
-    _compare(lambda x, w: kernels.rms_norm(x, w, 1e-5, impl="triton"),
-             lambda x, w: reference.rms_norm(x, w, 1e-5), [x, w], FP32)
+    _compare(
+        lambda x, w: kernels.rms_norm(x, w, 1e-5, impl="triton"),
+        lambda x, w: reference.rms_norm(x, w, 1e-5),
+        [x, w],
+        FP32,
+    )
 
 
 @pytest.mark.parametrize("w_dtype", [torch.bfloat16, torch.float32])
 def test_rms_norm_bf16(w_dtype):
     x, w = _randn(6, 40, dtype=torch.bfloat16, scale=3), _randn(40, dtype=w_dtype, seed=1)
-    _compare(lambda x, w: kernels.rms_norm(x, w, 1e-5, impl="triton"),
-             lambda x, w: reference.rms_norm(x, w, 1e-5), [x, w], BF16, dict(rtol=3e-2, atol=3e-2))
+    _compare(
+        lambda x, w: kernels.rms_norm(x, w, 1e-5, impl="triton"),
+        lambda x, w: reference.rms_norm(x, w, 1e-5),
+        [x, w],
+        BF16,
+        dict(rtol=3e-2, atol=3e-2),
+    )
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, FP32), (torch.bfloat16, BF16)])
@@ -77,16 +87,24 @@ def test_rope(dtype, tol):
     # 3 query heads, 1 kv head, head_dim 12 (half 6: masked tails in both tile dims)
     q, k = _randn(2, 5, 3, 12, dtype=dtype), _randn(2, 5, 1, 12, dtype=dtype, seed=1)
     cos, sin = _rope_tables(5, 12)
-    _compare(lambda q, k: kernels.apply_rope(q, k, cos, sin, impl="triton"),
-             lambda q, k: reference.apply_rope(q, k, cos, sin), [q, k], tol)
+    _compare(
+        lambda q, k: kernels.apply_rope(q, k, cos, sin, impl="triton"),
+        lambda q, k: reference.apply_rope(q, k, cos, sin),
+        [q, k],
+        tol,
+    )
 
 
 def test_rope_any_tables():
     # tables whose halves differ catch a swapped cos/sin index in either direction
     q, k = _randn(1, 4, 2, 8), _randn(1, 4, 2, 8, seed=1)
     cos, sin = _randn(4, 8, seed=2), _randn(4, 8, seed=3)
-    _compare(lambda q, k: kernels.apply_rope(q, k, cos, sin, impl="triton"),
-             lambda q, k: reference.apply_rope(q, k, cos, sin), [q, k], FP32)
+    _compare(
+        lambda q, k: kernels.apply_rope(q, k, cos, sin, impl="triton"),
+        lambda q, k: reference.apply_rope(q, k, cos, sin),
+        [q, k],
+        FP32,
+    )
 
 
 def _targets(n, vocab, seed=0):
@@ -99,18 +117,28 @@ def _targets(n, vocab, seed=0):
 @pytest.mark.parametrize("block", [16, None])  # 16: three vocab blocks per row (online softmax); None: one
 def test_cross_entropy_fp32(block):
     from kernels.cross_entropy import cross_entropy as triton_ce
+
     logits, targets = _randn(9, 37, scale=4), _targets(9, 37)
-    _compare(lambda x: triton_ce(x, targets, block=block), lambda x: reference.cross_entropy(x, targets),
-             [logits], FP32)
+    _compare(
+        lambda x: triton_ce(x, targets, block=block), lambda x: reference.cross_entropy(x, targets), [logits], FP32
+    )
 
 
 def test_cross_entropy_large_logits_and_bf16():
     targets = _targets(6, 50)
     # logits near 1e4: exp overflows without the running max
-    _compare(lambda x: kernels.cross_entropy(x, targets, impl="triton"),
-             lambda x: reference.cross_entropy(x, targets), [_randn(6, 50, scale=5) + 1e4], FP32)
-    _compare(lambda x: kernels.cross_entropy(x, targets, impl="triton"),
-             lambda x: reference.cross_entropy(x, targets), [_randn(6, 50, dtype=torch.bfloat16, scale=4)], BF16)
+    _compare(
+        lambda x: kernels.cross_entropy(x, targets, impl="triton"),
+        lambda x: reference.cross_entropy(x, targets),
+        [_randn(6, 50, scale=5) + 1e4],
+        FP32,
+    )
+    _compare(
+        lambda x: kernels.cross_entropy(x, targets, impl="triton"),
+        lambda x: reference.cross_entropy(x, targets),
+        [_randn(6, 50, dtype=torch.bfloat16, scale=4)],
+        BF16,
+    )
 
 
 @pytest.mark.parametrize("use_triton", [True, False])
@@ -120,27 +148,35 @@ def test_linear_cross_entropy_fp32(use_triton, chunk):
     of 4 tokens (4 + 4 + 4 + a tail of 1, one chunk with no counted token) and one chunk of all 13.
     Mutation: counting ignored rows in the gradient (mask dropped from the scale) fails d_hidden/d_weight."""
     from kernels.linear_cross_entropy import linear_cross_entropy as chunked
+
     targets = _targets(13, 37)
     targets[8:12] = -100
-    _compare(lambda h, w: chunked(h, w, targets, chunk_size=chunk, use_triton=use_triton),
-             lambda h, w: reference.linear_cross_entropy(h, w, targets),
-             [_randn(13, 8, scale=3), _randn(37, 8, seed=1)], FP32)
+    _compare(
+        lambda h, w: chunked(h, w, targets, chunk_size=chunk, use_triton=use_triton),
+        lambda h, w: reference.linear_cross_entropy(h, w, targets),
+        [_randn(13, 8, scale=3), _randn(37, 8, seed=1)],
+        FP32,
+    )
 
 
 def test_linear_cross_entropy_bf16_default_chunks():
     targets = _targets(24, 40)
-    _compare(lambda h, w: kernels.linear_cross_entropy(h, w, targets, impl="triton"),
-             lambda h, w: reference.linear_cross_entropy(h, w, targets),
-             [_randn(24, 16, dtype=torch.bfloat16), _randn(40, 16, dtype=torch.bfloat16, seed=1)],
-             BF16, dict(rtol=3e-2, atol=3e-3))
+    _compare(
+        lambda h, w: kernels.linear_cross_entropy(h, w, targets, impl="triton"),
+        lambda h, w: reference.linear_cross_entropy(h, w, targets),
+        [_randn(24, 16, dtype=torch.bfloat16), _randn(40, 16, dtype=torch.bfloat16, seed=1)],
+        BF16,
+        dict(rtol=3e-2, atol=3e-3),
+    )
 
 
 def test_linear_cross_entropy_default_chunk_bounds_the_logits():
     """Llama-3-8B: 8192 tokens x 128256 vocab goes in two [4096, V] blocks (1 GiB each in bf16)."""
     from kernels.linear_cross_entropy import CHUNK_ELEMENTS, default_chunk_size
+
     assert default_chunk_size(8192, 4096, 128256) == 4096
     assert default_chunk_size(100, 64, 1000) == 100
-    for n, v in [(8192, 128256), (65536, 32000), (3, 2 ** 31)]:
+    for n, v in [(8192, 128256), (65536, 32000), (3, 2**31)]:
         c = default_chunk_size(n, 64, v)
         assert c == 1 or (c * v <= CHUNK_ELEMENTS and 2 * c * v > CHUNK_ELEMENTS) or c == n
 
@@ -154,6 +190,7 @@ def test_linear_cross_entropy_never_holds_full_logits(use_triton):
     Mutation: ignoring chunk_size (one chunk of all tokens) fails the bound."""
     from benchmarks.tensor_memory import LiveTensorBytes
     from kernels.linear_cross_entropy import linear_cross_entropy as chunked
+
     n, hidden, vocab, chunk = 32, 2, 512, 4
     h = _randn(n, hidden).requires_grad_()
     w = _randn(vocab, hidden, seed=1).requires_grad_()
@@ -212,8 +249,12 @@ def _dtensor_worker(rank, world):
             out = fn(*inputs, impl=impl)
             outs = out if isinstance(out, tuple) else (out,)
             sum((o.float() * o.float()).sum() for o in outs).backward()
-            results.append(([o.full_tensor() for o in outs], [(t.grad.placements, t.grad.full_tensor())
-                                                              for t in inputs if t.requires_grad]))
+            results.append(
+                (
+                    [o.full_tensor() for o in outs],
+                    [(t.grad.placements, t.grad.full_tensor()) for t in inputs if t.requires_grad],
+                )
+            )
         (want_out, want_grad), (got_out, got_grad) = results
         for got, want in zip(got_out, want_out):
             torch.testing.assert_close(got, want, **FP32)
@@ -227,8 +268,9 @@ def _dtensor_worker(rank, world):
     both(kernels.swiglu, lambda: (dist(x, Shard(2)), dist(w.expand(4, 6, 10).contiguous(), Shard(2))))
     q, k = _randn(2, 5, 4, 8), _randn(2, 5, 2, 8, seed=1)
     cos, sin = (distribute_tensor(t, mesh, [Replicate()], src_data_rank=None) for t in _rope_tables(5, 8))
-    both(lambda q, k, impl: kernels.apply_rope(q, k, cos, sin, impl=impl),
-         lambda: (dist(q, Shard(2)), dist(k, Shard(0))))
+    both(
+        lambda q, k, impl: kernels.apply_rope(q, k, cos, sin, impl=impl), lambda: (dist(q, Shard(2)), dist(k, Shard(0)))
+    )
 
     with pytest.raises(ValueError, match="last"):
         kernels.rms_norm(dist(x, Shard(2)), dist(w, Replicate()), impl="triton")

@@ -12,6 +12,7 @@ Mutations that fail it: the training call's `use_cache=False` hook not installed
 training); spmd.runtime.plain's concatenation not skipping a 1-D empty tensor (the eval cache fails to
 start: DTensor's `Shard._split_tensor` IndexError); both (the training steps fail as reported).
 """
+
 import pytest
 import torch
 from torch.distributed.tensor import DTensor

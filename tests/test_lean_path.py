@@ -3,6 +3,7 @@
 compiler traces one), and layout decisions already made for the same shape. Checked against the plain
 model's gradients, and compiled blocks against a failure of the compiler's partitioner that a traced
 shortcut caused."""
+
 import math
 
 import torch
@@ -18,7 +19,9 @@ def _pass_hooks(m) -> int:
     ours = getattr(m, "_spmd_hooks", None)
     if ours is None:
         return 0
-    return sum(h is ours[0] for h in m._forward_pre_hooks.values()) + sum(h is ours[1] for h in m._forward_hooks.values())
+    return sum(h is ours[0] for h in m._forward_pre_hooks.values()) + sum(
+        h is ours[1] for h in m._forward_hooks.values()
+    )
 
 
 def _grads_match_plain(model, tokens, targets, mesh):
@@ -65,7 +68,7 @@ def _detach(rank, world):
     spmd.runtime.dtensor.install()  # (parallelize installs it; this DTensor is made by hand)
     mesh = spmd.make_mesh({"fsdp": 2})
     full = torch.arange(24.0).reshape(4, 6).requires_grad_()
-    x = DTensor.from_local(full[2 * rank:2 * rank + 2] * 1.0, mesh, [Shard(0)], run_check=False)
+    x = DTensor.from_local(full[2 * rank : 2 * rank + 2] * 1.0, mesh, [Shard(0)], run_check=False)
     d = x.detach()
     assert isinstance(d, DTensor) and not d.requires_grad and x.requires_grad
     assert d.placements == x.placements and d.shape == x.shape and d.stride() == x.stride()
@@ -82,12 +85,14 @@ def _eager_and_compiled_losses(compiled: bool) -> tuple[list[float], int]:
     (losses, detaches of DTensors with traced local tensors that went through DTensor's own dispatch)."""
     from benchmarks import overhead
     from spmd.runtime import detach
+
     traced = []
     original = detach.dtensor_dispatch
 
     def counted(op, args, kwargs):
         traced.append(type(args[0]._local_tensor))
         return original(op, args, kwargs)
+
     detach.dtensor_dispatch = counted
     try:
         cfg, model, opt = overhead.build("tiny", "spmd", "fp32")
@@ -104,6 +109,7 @@ def _eager_and_compiled_losses(compiled: bool) -> tuple[list[float], int]:
 
 def _compiled_after_eager_detach(rank, world):
     from benchmarks import overhead
+
     overhead.dtensor_op_overhead()  # eager DTensor ops on a 1-process mesh, before the compiler traces a detach
     eager, eager_traced = _eager_and_compiled_losses(False)
     compiled, traced = _eager_and_compiled_losses(True)
@@ -121,6 +127,7 @@ def test_compiled_blocks_trace_detach_through_dtensor_dispatch():
 
 def _layouts_decided_once(rank, world):
     import importlib
+
     activations, laid_out = (importlib.import_module(f"spmd.runtime.{m}") for m in ("activations.moves", "parallelize"))
     mesh = spmd.make_mesh({"dp": 2})
     model = spmd.parallelize(tiny_model(), mesh, spmd.Rules.default())
@@ -163,6 +170,7 @@ class _CountOps(torch.utils._python_dispatch.TorchDispatchMode):
 
 def _mixed_precision_casts(rank, world):
     import copy
+
     mesh = spmd.make_mesh({"fsdp": 2})
     tokens, targets = global_batch(0)
     plain = tiny_model()

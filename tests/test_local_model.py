@@ -3,6 +3,7 @@
 plain model, for spmd's Llama and for transformers' LlamaForCausalLM, whose base model called on its own
 still lays itself out. With a block under activation checkpointing the model goes back to the per-block path,
 which the comparison covers too."""
+
 import pytest
 import torch
 from torch.distributed.tensor import DTensor
@@ -27,6 +28,7 @@ def _train_like_plain(model, plain, loss_fn, steps=3):
 
         def forward():
             box["loss"] = loss_fn(model, tokens, targets)
+
         dtensor_ops.append(count_ops(forward)["DTensor ops"])
         box["loss"].backward()  # (its only DTensor ops: AccumulateGrad's detach of each parameter's gradient)
         ref_loss = loss_fn(plain, tokens, targets)
@@ -35,8 +37,10 @@ def _train_like_plain(model, plain, loss_fn, steps=3):
         assert abs(box["loss"].item() - ref_loss.item()) <= TOL * abs(ref_loss.item()), (step, box["loss"], ref_loss)
         for (name, p), q in zip(model.named_parameters(), plain.parameters()):
             assert norm_rel_err(p.grad.full_tensor(), q.grad) <= TOL, (step, name)
-        opt.step(); ref_opt.step()
-        opt.zero_grad(); ref_opt.zero_grad()
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
     for (name, p), q in zip(model.named_parameters(), plain.parameters()):
         assert norm_rel_err(p.full_tensor(), q.detach()) <= TOL, name
     return dtensor_ops
@@ -58,11 +62,15 @@ def _spmd_llama(rank, world):
     spmd.apply_activation_checkpointing(model, "selective:2")
     ops = _train_like_plain(model, tiny_model(), _llama_loss)
     assert all(n > 0 for n in ops), ops
-    outside = [m for m in model.modules() if m is not model and not any(m is x for b in model.layers
-                                                                        for x in list(b.modules())[1:])]
+    outside = [
+        m
+        for m in model.modules()
+        if m is not model and not any(m is x for b in model.layers for x in list(b.modules())[1:])
+    ]
     assert all(len(m._forward_pre_hooks) == 1 for m in outside), "the model's own modules carry the pass's hooks"
-    assert not any(m._forward_pre_hooks for m in list(model.layers[1].modules())[1:]), \
+    assert not any(m._forward_pre_hooks for m in list(model.layers[1].modules())[1:]), (
         "the block left unchecked still runs on local tensors, its insides bare"
+    )
 
 
 def test_a_one_rank_mesh_runs_the_model_as_plain_pytorch():
@@ -72,6 +80,7 @@ def test_a_one_rank_mesh_runs_the_model_as_plain_pytorch():
 def _hf_llama(rank, world):
     transformers = pytest.importorskip("transformers")
     from tests.test_any_model import build
+
     mesh = spmd.make_mesh({"fsdp": 1})
     model, loss_fn = build("llama")
     plain, _ = build("llama")
@@ -93,8 +102,10 @@ def test_transformers_llama_on_one_rank_runs_as_plain_pytorch():
 def _mixed_precision_accumulated(per_block: bool):
     from spmd.runtime.local.whole_model import drop_local_model
     from spmd.runtime.state import STATE_ATTR
-    model = spmd.parallelize(tiny_model(), spmd.make_mesh({"dp": 1}), spmd.Rules.default(),
-                             param_dtype=torch.bfloat16, master="optimizer")
+
+    model = spmd.parallelize(
+        tiny_model(), spmd.make_mesh({"dp": 1}), spmd.Rules.default(), param_dtype=torch.bfloat16, master="optimizer"
+    )
     state = getattr(model, STATE_ATTR)
     if per_block:
         drop_local_model(model, state)

@@ -32,6 +32,7 @@ parallelism is held to one process in tests/test_moe.py.
 Kills (tests/mutants.py): `Bucket.issue` copying the bf16-rounded values back into the fp32 parameters, which
 `test_lean_path.py`'s one-step cast test did not notice.
 """
+
 import copy
 import time
 
@@ -44,7 +45,7 @@ from spmd.layout.sequence import cp_slice
 from tests.dist_utils import run_distributed
 from tests.spmd_cases import BATCH, global_batch, norm_rel_err, tiny_model
 
-EPS = 2.0 ** -8
+EPS = 2.0**-8
 GRAD_TOL = 4 * EPS
 MASTER_TOL = EPS / 16
 LR, STEPS, MICROBATCHES = 1e-5, 5, 2
@@ -106,8 +107,15 @@ def _layout(spec: str, kind: str, master: str):
     mesh = spmd.make_mesh(sizes)
     rules = spmd.Rules.default(sequence_parallel="sp" in flags)
     if "pp" in sizes:
-        pipe = spmd.build_pipeline(build(kind), mesh, rules, schedule="1f1b", microbatches=MICROBATCHES,
-                                   param_dtype=torch.bfloat16, master=master)
+        pipe = spmd.build_pipeline(
+            build(kind),
+            mesh,
+            rules,
+            schedule="1f1b",
+            microbatches=MICROBATCHES,
+            param_dtype=torch.bfloat16,
+            master=master,
+        )
         data = pipe.stage_mesh
         return pipe, lambda x, y: pipe.step(_data_slice(x, data, rules), _data_slice(y, data, rules))
     model = spmd.parallelize(build(kind), mesh, rules, param_dtype=torch.bfloat16, master=master)
@@ -121,13 +129,14 @@ def _layout(spec: str, kind: str, master: str):
         loss = model(x, y, *extra)
         loss.backward()
         return loss
+
     return model, step
 
 
 def _data_slice(t, mesh, rules):
     n, r = rules.data_parallel_size(mesh), rules.data_parallel_rank(mesh)
     b = t.shape[0] // n
-    return t[r * b:(r + 1) * b]
+    return t[r * b : (r + 1) * b]
 
 
 def _train_and_compare(spec: str, kind: str, master: str, ref: list[dict]) -> dict:
@@ -164,8 +173,12 @@ def _all_runs(rank, world, runs, references):
             start = time.perf_counter()
             worst = _train_and_compare(spec, kind, master, references[spec, master])
             if rank == 0:
-                print(f"{spec} master={master}: " + ", ".join(f"{k} {v:.2e}" for k, v in worst.items()) +
-                      f" ({time.perf_counter() - start:.1f} s)", flush=True)
+                print(
+                    f"{spec} master={master}: "
+                    + ", ".join(f"{k} {v:.2e}" for k, v in worst.items())
+                    + f" ({time.perf_counter() - start:.1f} s)",
+                    flush=True,
+                )
     dist.barrier()
 
 
@@ -179,6 +192,7 @@ def test_bf16_with_fp32_masters_trains_as_the_recipe_on_one_process(group):
             key = (kind, len(pieces), master)
             if key not in recipes:
                 recipes[key] = reference(kind, pieces, master == "optimizer")
-    references = {(spec, master): recipes[kind, len(_pieces(spec, kind)), master]
-                  for spec, kind in runs for master in MASTERS}
+    references = {
+        (spec, master): recipes[kind, len(_pieces(spec, kind)), master] for spec, kind in runs for master in MASTERS
+    }
     run_distributed(_all_runs, 4, runs, references, timeout_s=400)

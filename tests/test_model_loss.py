@@ -2,6 +2,7 @@
 over every rank's non-ignored tokens, where the ranks hold different numbers of them, with or without label
 smoothing and class weights. 4 gloo processes against one; loss and gradients within 1e-5 (fp32), on a
 data-parallel spec and with the vocab split over tp."""
+
 import pytest
 import torch
 import torch.nn as nn
@@ -34,13 +35,24 @@ class _Bigram(nn.Module):
     def forward(self, tokens, targets):
         logits = self.head(self.down(torch.tanh(self.up(self.embedding(tokens)))))
         if self.form == "classes second":  # [B, V, T] logits against [B, T] targets
-            return F.cross_entropy(logits.transpose(1, 2), targets, weight=self.class_weight, ignore_index=-1,
-                                   label_smoothing=self.label_smoothing)
+            return F.cross_entropy(
+                logits.transpose(1, 2),
+                targets,
+                weight=self.class_weight,
+                ignore_index=-1,
+                label_smoothing=self.label_smoothing,
+            )
         if self.form == "log-probabilities":
-            return F.nll_loss(F.log_softmax(logits, -1).view(-1, VOCAB), targets.view(-1), weight=self.class_weight,
-                              ignore_index=-1)
-        return F.cross_entropy(logits.view(-1, VOCAB), targets.view(-1), weight=self.class_weight, ignore_index=-1,
-                               label_smoothing=self.label_smoothing)
+            return F.nll_loss(
+                F.log_softmax(logits, -1).view(-1, VOCAB), targets.view(-1), weight=self.class_weight, ignore_index=-1
+            )
+        return F.cross_entropy(
+            logits.view(-1, VOCAB),
+            targets.view(-1),
+            weight=self.class_weight,
+            ignore_index=-1,
+            label_smoothing=self.label_smoothing,
+        )
 
 
 def _batch():
@@ -79,10 +91,15 @@ def test_uneven_ignored_tokens_give_the_one_device_loss(label_smoothing, weighte
         run_distributed(_matches_one_device, 4, spec, label_smoothing, weighted, timeout_s=300)
 
 
-@pytest.mark.parametrize("form, label_smoothing, weighted", [("classes second", 0.0, False),
-                                                             ("classes second", 0.1, True),
-                                                             ("log-probabilities", 0.0, False),
-                                                             ("log-probabilities", 0.0, True)])
+@pytest.mark.parametrize(
+    "form, label_smoothing, weighted",
+    [
+        ("classes second", 0.0, False),
+        ("classes second", 0.1, True),
+        ("log-probabilities", 0.0, False),
+        ("log-probabilities", 0.0, True),
+    ],
+)
 def test_other_forms_of_the_loss_give_the_one_device_loss(form, label_smoothing, weighted):
     """The class dim second ([B, V, T] logits), and F.nll_loss on log-probabilities."""
     for spec in ("dp=4", "dp=2,tp=2"):

@@ -13,6 +13,7 @@ every layer router rows 1 and 3 are the negatives of rows 0 and 2 and row 7 is z
 logits are >= expert 7's and expert 7 gets no token in the first step; the other experts get unequal
 counts. The distributed run's tokens per expert equal the one-process run's in every step.
 """
+
 import contextlib
 
 import pytest
@@ -50,15 +51,19 @@ def moe_tiny(seed: int = 0):
 def _data_slice(t, mesh, rules):
     n, r = rules.data_parallel_size(mesh), rules.data_parallel_rank(mesh)
     b = t.shape[0] // n
-    return t[r * b:(r + 1) * b]
+    return t[r * b : (r + 1) * b]
 
 
 def _micro_batches(n_dp: int, microbatches: int) -> list[torch.Tensor]:
     """Rows of the global batch in each pipeline micro-batch: every data-parallel rank cuts its slice into
     `microbatches` consecutive pieces, and micro-batch m is piece m of every rank."""
     piece = BATCH // n_dp // microbatches
-    return [torch.cat([torch.arange(r * BATCH // n_dp + m * piece, r * BATCH // n_dp + (m + 1) * piece)
-                       for r in range(n_dp)]) for m in range(microbatches)]
+    return [
+        torch.cat(
+            [torch.arange(r * BATCH // n_dp + m * piece, r * BATCH // n_dp + (m + 1) * piece) for r in range(n_dp)]
+        )
+        for m in range(microbatches)
+    ]
 
 
 def _reference(steps: int = 3, micro: list | None = None, max_norm: float | None = None) -> list[dict]:
@@ -76,16 +81,27 @@ def _reference(steps: int = 3, micro: list | None = None, max_norm: float | None
             loss += part.item()
         grads = {n: p.grad.clone() for n, p in ref.named_parameters()}
         norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm).item() if max_norm else None
-        opt.step(); opt.zero_grad()
-        out.append(dict(loss=loss, counts=ref.router_stats()["tokens_per_expert"], grads=grads, norm=norm,
-                        params={n: p.detach().clone() for n, p in ref.named_parameters()}))
+        opt.step()
+        opt.zero_grad()
+        out.append(
+            dict(
+                loss=loss,
+                counts=ref.router_stats()["tokens_per_expert"],
+                grads=grads,
+                norm=norm,
+                params={n: p.detach().clone() for n, p in ref.named_parameters()},
+            )
+        )
     return out
 
 
 def _token_exchanges(records) -> dict:
     """{(module, phase, why): bytes} of the all-to-alls that move tokens (not the counts' exchange)."""
-    return {(r.module, r.phase, r.reason.replace(BALANCED, "")): r.bytes for r in records
-            if r.kind == "all_to_all" and "tokens per expert" not in r.reason}
+    return {
+        (r.module, r.phase, r.reason.replace(BALANCED, "")): r.bytes
+        for r in records
+        if r.kind == "all_to_all" and "tokens per expert" not in r.reason
+    }
 
 
 def _exchanges_of_routing(model, mesh) -> dict:
@@ -147,7 +163,8 @@ def _train_and_compare(spec, reference, planned=None):
         for name, p in model.named_parameters():
             err = norm_rel_err(p.grad.full_tensor(), ref["grads"][name])
             assert err <= TOL, f"{spec} step {step}: gradient of {name} off by {err:.2e}"
-        opt.step(); opt.zero_grad()
+        opt.step()
+        opt.zero_grad()
         for name, p in model.named_parameters():
             err = norm_rel_err(p.full_tensor(), ref["params"][name])
             assert err <= TOL, f"{spec} step {step}: parameter {name} off by {err:.2e}"
@@ -165,8 +182,11 @@ def _pipeline_matches_one_process(reference, loss_scale=4.0, max_norm=0.5):
     mine = [i for s in pipe.split.stages_of_rank(pipe.pp_rank) for i in s.blocks]
     for step, ref in enumerate(reference):
         tokens, targets = global_batch(step)
-        loss = pipe.step(_data_slice(tokens, pipe.stage_mesh, rules), _data_slice(targets, pipe.stage_mesh, rules),
-                         loss_scale=loss_scale)
+        loss = pipe.step(
+            _data_slice(tokens, pipe.stage_mesh, rules),
+            _data_slice(targets, pipe.stage_mesh, rules),
+            loss_scale=loss_scale,
+        )
         assert abs(loss.item() - ref["loss"]) <= TOL * abs(ref["loss"]), ("pp=2,ep=2", step, loss, ref["loss"])
         for i in mine:  # the last micro-batch's routing, uneven: expert 7 gets no token in the first step
             counts = layers[i].feed_forward.tokens_per_expert.full_tensor()
@@ -178,7 +198,8 @@ def _pipeline_matches_one_process(reference, loss_scale=4.0, max_norm=0.5):
             assert err <= TOL, f"pp=2,ep=2 step {step}: gradient of {name} off by {err:.2e}"
         norm = pipe.clip_grad_norm_(max_norm)
         assert abs(norm.item() - ref["norm"]) <= TOL * ref["norm"] and ref["norm"] > max_norm, (norm, ref["norm"])
-        opt.step(); opt.zero_grad()
+        opt.step()
+        opt.zero_grad()
         for name, p in pipe.named_parameters():
             err = norm_rel_err(p.full_tensor(), ref["params"][name])
             assert err <= TOL, f"pp=2,ep=2 step {step}: parameter {name} off by {err:.2e}"
@@ -223,19 +244,25 @@ def test_expert_parallel_matches_one_process_and_explain(tmp_path):
     # final norm and output weights, which stay gathered from forward to backward as FSDP2's root does (the
     # input embedding's backward reads token ids alone)
     unsharded = spmd.explain(moe_tiny(), spmd.Rules.default(), {"ep": 4}, batch_shape=(BATCH, SEQ))
-    kept = sum(p.numel() * p.element_size() for n, p in moe_tiny().named_parameters()
-               if not n.startswith(("layers.", "tok_embeddings.")))
+    kept = sum(
+        p.numel() * p.element_size()
+        for n, p in moe_tiny().named_parameters()
+        if not n.startswith(("layers.", "tok_embeddings."))
+    )
     assert plan.memory["activations"] == unsharded.memory["activations"] + kept
     planned = {"exchanges": _token_exchanges(plan.collectives), "activations": plan.memory["activations"]}
     pipelined = _reference(micro=_micro_batches(2, MICROBATCHES), max_norm=0.5)  # pp=2,ep=2: ep splits the data
     run_distributed(_all_specs, 4, _reference(), planned, pipelined, str(tmp_path / "ckpt"), timeout_s=400)
 
 
-@pytest.mark.parametrize("rules, sizes, match", [
-    (spmd.Rules({"batch": ("dp", "fsdp", "ep"), "experts": "tp"}), {"tp": 2}, "experts may be split over the ep"),
-    (spmd.Rules({"batch": ("dp", "fsdp"), "experts": "ep"}), {"ep": 2}, "add 'ep' to the batch rule"),
-    (spmd.Rules.default(), {"ep": 3}, "8 experts do not divide by ep=3"),
-])
+@pytest.mark.parametrize(
+    "rules, sizes, match",
+    [
+        (spmd.Rules({"batch": ("dp", "fsdp", "ep"), "experts": "tp"}), {"tp": 2}, "experts may be split over the ep"),
+        (spmd.Rules({"batch": ("dp", "fsdp"), "experts": "ep"}), {"ep": 2}, "add 'ep' to the batch rule"),
+        (spmd.Rules.default(), {"ep": 3}, "8 experts do not divide by ep=3"),
+    ],
+)
 def test_unsupported_expert_layouts_are_named(rules, sizes, match):
     """Checked with the parameters' layouts, before parallelize's first collective (here on a fake world)."""
     with pytest.raises(ValueError, match=match):
@@ -246,6 +273,7 @@ def test_compiling_expert_blocks_is_an_error_naming_why():
     """The dispatch's split sizes are data (the routing): compile_blocks and launch.train --compile refuse it,
     on every rank before any collective (the config check), instead of recompiling for every routing."""
     from launch.config import load_config
+
     with pytest.raises(ValueError, match="layers.0.feed_forward.routed.experts.*depend on the routing"):
         spmd.compile_blocks(moe_tiny())
     with pytest.raises(ValueError, match="--compile with a mixture of experts is not supported"):

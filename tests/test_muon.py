@@ -3,12 +3,13 @@
 The reference is written here from the published algorithm (Keller Jordan's Muon: momentum, Nesterov,
 quintic Newton-Schulz with (3.4445, -4.7750, 2.0315), 5 steps, scale max(1, rows/cols)**0.5, decoupled
 weight decay), in fp32, on the plain model in one process, with torch.optim.AdamW for the embedding, the head
-and the norms (no weight decay on the norms). Tolerance 1e-5 relative (losses; parameters as ||a-b||/||b||): sharded matmuls sum in another
-order (~1e-7); orthogonalising a shard instead of the whole matrix is off by ~1e-1.
+and the norms (no weight decay on the norms). Tolerance 1e-5 relative (losses; parameters as ||a-b||/||b||): sharded
+matmuls sum in another order (~1e-7); orthogonalising a shard instead of the whole matrix is off by ~1e-1.
 
 Mutation checked: `Muon._muon_step` orthogonalising each rank's local shard (`updates = [orthogonalise(u, m)
 for m, u in enumerate(updates)]` for DTensors too) fails the first spec at step 0 (wq off by 1.5e-1).
 """
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -45,10 +46,14 @@ class ReferenceMuon:
 
     def __init__(self, model):
         named = dict(model.named_parameters())
-        self.matrices = [p for n, p in named.items() if p.dim() == 2 and n not in ("tok_embeddings.weight", "output.weight")]
+        self.matrices = [
+            p for n, p in named.items() if p.dim() == 2 and n not in ("tok_embeddings.weight", "output.weight")
+        ]
         rest = [p for p in named.values() if all(p is not m for m in self.matrices)]
-        groups = [{"params": [p for p in rest if p.dim() == 2]}, {"params": [p for p in rest if p.dim() < 2],
-                                                                  "weight_decay": 0.0}]
+        groups = [
+            {"params": [p for p in rest if p.dim() == 2]},
+            {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0},
+        ]
         self.adamw = torch.optim.AdamW(groups, lr=ADAM_LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=ADAM_WD)
         self.momentum = [torch.zeros_like(p) for p in self.matrices]
 
@@ -169,8 +174,9 @@ def test_muon_groups_and_one_process_match_the_reference():
     model = tiny_model()
     muon, adamw = muon_param_groups(model)
     names = {id(p): n for n, p in model.named_parameters()}
-    assert {names[id(p)] for p in adamw} == {n for n, p in model.named_parameters()
-                                              if p.dim() == 1 or n in ("tok_embeddings.weight", "output.weight")}
+    assert {names[id(p)] for p in adamw} == {
+        n for n, p in model.named_parameters() if p.dim() == 1 or n in ("tok_embeddings.weight", "output.weight")
+    }
     assert all(p.dim() == 2 for p in muon) and len(muon) == 14
     opt = spmd.Muon(model, lr=LR, momentum=MOMENTUM, weight_decay=WD, adamw_lr=ADAM_LR, adamw_weight_decay=ADAM_WD)
     ref = _reference_run()

@@ -1,5 +1,6 @@
 """tests/mutants.py's list still describes the tree: each mutation's text occurs once in its file and its test
 exists (a stale entry after code moves would otherwise report an error only when the mutants are run)."""
+
 from tests import mutants
 
 

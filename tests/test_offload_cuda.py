@@ -6,6 +6,7 @@ and back) trains as the device step does. One process, a one-process mesh, fp32,
 same model as plain PyTorch on the GPU. Skipped where there is no CUDA device (SPMD_OFFLOAD_DEVICE=cpu runs
 the numerics on the CPU, without the memory checks).
 """
+
 import os
 
 import pytest
@@ -16,8 +17,10 @@ from tests.spmd_cases import global_batch, norm_rel_err, tiny_model
 
 DEVICE = torch.device(os.environ.get("SPMD_OFFLOAD_DEVICE", "cuda"))
 # hardware CI lacks: only a GPU has device memory apart from the host's (offload on CPU: tests/test_zero.py)
-pytestmark = pytest.mark.skipif(DEVICE.type == "cuda" and not torch.cuda.is_available(),
-                                reason="measures the GPU memory offload frees: needs a CUDA device")
+pytestmark = pytest.mark.skipif(
+    DEVICE.type == "cuda" and not torch.cuda.is_available(),
+    reason="measures the GPU memory offload frees: needs a CUDA device",
+)
 
 SHAPE = dict(dim=512, n_layers=4, ffn_dim=1536)  # 17M parameters: the states dwarf the allocator's slack
 STEPS = 3
@@ -80,8 +83,10 @@ def test_offload_trains_as_the_device_step_and_frees_device_memory(reference, of
             assert t._local_tensor.device.type == "cpu", (m._spmd_name, t._local_tensor.device)
     if DEVICE.type != "cuda":
         return
-    print(f"offload={offload}: {held:,} device bytes held after the steps; plain PyTorch {ref_held:,}; "
-          f"{n_params:,} parameters")
+    print(
+        f"offload={offload}: {held:,} device bytes held after the steps; plain PyTorch {ref_held:,}; "
+        f"{n_params:,} parameters"
+    )
     # plain PyTorch holds parameters, moments (3 x 4 bytes a parameter; gradients are freed by zero_grad);
     # offload="optimizer" keeps the parameters on the device and nothing of the optimizer, "params" nothing
     assert ref_held >= 12 * n_params
@@ -93,6 +98,7 @@ def test_gradient_copies_run_while_backward_computes(tmp_path):
     """offload="optimizer" copies each gradient to the host on a side stream as backward makes it: in the
     CUDA trace, a device-to-host copy starts before the last kernel of backward on the compute stream ends."""
     import json
+
     if DEVICE.type != "cuda":
         pytest.skip("the overlap of copies with kernels exists only on a CUDA device")
     mesh = spmd.make_mesh({"fsdp": 1}, device_type="cuda")
@@ -115,6 +121,8 @@ def test_gradient_copies_run_while_backward_computes(tmp_path):
     assert kernels and copies, (len(kernels), len(copies))
     backward_ends = max(e["ts"] + e["dur"] for e in kernels)
     first_copy = min(e["ts"] for e in copies)
-    print(f"first gradient copy starts {backward_ends - first_copy:.0f} us before backward's last kernel ends "
-          f"({len(copies)} copies)")
+    print(
+        f"first gradient copy starts {backward_ends - first_copy:.0f} us before backward's last kernel ends "
+        f"({len(copies)} copies)"
+    )
     assert first_copy < backward_ends

@@ -4,10 +4,11 @@ Backward copies each reduced gradient into its host master's buffer as it lands 
 buffers, small here so there are several: each is handed over when the next one is issued; gradients autograd
 accumulates: its post-accumulate hook), so the step reads what is already there. A gradient changed after its
 copy must be copied again: two micro-batches accumulated without no_sync (the second adds to the first) and
-clipping on every step (torch's clip_grad_norm_, or each gradient's in-place `mul_`). 3 AdamW steps of fsdp=2 (ZeRO-3) and stage 2
-equal one process doing the same within TOL (fp32); the copies backward made are the gradients as they were
+clipping on every step (torch's clip_grad_norm_, or each gradient's in-place `mul_`). 3 AdamW steps of fsdp=2 (ZeRO-3)
+and stage 2 equal one process doing the same within TOL (fp32); the copies backward made are the gradients as they were
 then; and some buffers were copied out before the end of backward.
 """
+
 import pytest
 import torch
 
@@ -49,8 +50,9 @@ def _copied_when_reduced(model, copies) -> None:
 
 def _train(zero: int, reference: list) -> None:
     mesh = spmd.make_mesh({"fsdp": 2})
-    model = spmd.parallelize(tiny_model(), mesh, spmd.Rules.default(zero=zero), offload="optimizer",
-                             bucket_mb=BUCKET_MB)
+    model = spmd.parallelize(
+        tiny_model(), mesh, spmd.Rules.default(zero=zero), offload="optimizer", bucket_mb=BUCKET_MB
+    )
     opt = spmd.shard_optimizer(model, torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1))
     state = laid_out_parts(model, "test")[0][1]
     copies = state.reducer.copies

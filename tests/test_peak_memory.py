@@ -10,6 +10,7 @@ spec (fsdp=4 -0.05%, fsdp=2,tp=2,sp +0.10%, dp=2,fsdp=2 -0.04%). Mutation killed
 copies out of peak_bytes (`+ chunk_copies` dropped: fsdp=4 21% under); counting the unreduced gradients once
 instead of twice fails too (26% under).
 """
+
 import pytest
 import torch
 

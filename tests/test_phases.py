@@ -5,8 +5,8 @@ the next step trains exactly as a model that never failed (same loss, same gradi
 Mutation: post-hooks registered without `always_call=True` (spmd/runtime/local/hook_sets.py), so that neither a
 module's own post-hook nor the root's unwinding (spmd.runtime.hooks._unwind) runs when the forward raises: the
 global-view mode stays on the torch-function stack and the check of the stacks fails."""
+
 import torch
-import torch.nn as nn
 from torch.overrides import _get_current_function_mode_stack
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
@@ -24,8 +24,12 @@ class _Boom(RuntimeError):
 
 
 def _stacks():
-    return (list(_get_current_function_mode_stack()), list(_get_current_dispatch_mode_stack()),
-            torch._C._autograd._top_saved_tensors_default_hooks(True), spmd_state.active_state())
+    return (
+        list(_get_current_function_mode_stack()),
+        list(_get_current_dispatch_mode_stack()),
+        torch._C._autograd._top_saved_tensors_default_hooks(True),
+        spmd_state.active_state(),
+    )
 
 
 def _step(model, mesh):

@@ -15,6 +15,7 @@ float64 rounding stays near 1e-7 (the kernels upcast some ops to float32 only), 
 tolerance, while a structural error (a micro-batch lost or counted twice, a wrong loss scale, a gradient
 not reduced) is off by 1e-2 or more. One fp32 case checks losses and gradients of the first step as well.
 """
+
 from collections import Counter
 
 import pytest
@@ -37,13 +38,36 @@ def _model(n_layers, dtype=torch.float64):
     return Llama(LlamaConfig.preset("tiny", kernels="torch", n_layers=n_layers)).to(dtype)
 
 
-def _check(mesh, rules, spec, schedule, v, M, n_layers, dtype=torch.float64, steps=2, extra=False, ac="none",
-           plan=None, ckpt=None, zero=None, offload=None):
+def _check(
+    mesh,
+    rules,
+    spec,
+    schedule,
+    v,
+    M,
+    n_layers,
+    dtype=torch.float64,
+    steps=2,
+    extra=False,
+    ac="none",
+    plan=None,
+    ckpt=None,
+    zero=None,
+    offload=None,
+):
     what = f"{spec} {schedule} v={v} M={M} {dtype} ac={ac} zero={zero} offload={offload}"
     ref = _model(n_layers, dtype)
-    pipe = spmd.build_pipeline(_model(n_layers, dtype), mesh, rules, schedule=schedule, microbatches=M,
-                               virtual_stages=v, reduce_dtype=None if dtype == torch.float64 else torch.float32,
-                               ac=ac, offload=offload)
+    pipe = spmd.build_pipeline(
+        _model(n_layers, dtype),
+        mesh,
+        rules,
+        schedule=schedule,
+        microbatches=M,
+        virtual_stages=v,
+        reduce_dtype=None if dtype == torch.float64 else torch.float32,
+        ac=ac,
+        offload=offload,
+    )
     opt = torch.optim.AdamW(pipe.parameters(), lr=1e-3, weight_decay=0.1)
     if zero is not None:  # the optimizer steps on the optimizer map's shards, as the trainer's
         spmd.shard_optimizer(pipe, opt)
@@ -114,10 +138,15 @@ def _check_checkpoints(pipe, opt, ref, ref_opt, n_layers, dtype, path, what):
         assert norm_rel_err(whole_opt.state[q]["exp_avg"], ref_opt.state[p]["exp_avg"]) <= TOL, (what, name)
     checkpoint.save(f"{path}/one", 3, checkpoint.model_state(ref), checkpoint.optim_state(ref, ref_opt))
     torch.manual_seed(1)
-    other = spmd.build_pipeline(Llama(LlamaConfig.preset("tiny", kernels="torch", n_layers=n_layers)).to(dtype),
-                                pipe.mesh, pipe.rules, schedule="1f1b", microbatches=2)
+    other = spmd.build_pipeline(
+        Llama(LlamaConfig.preset("tiny", kernels="torch", n_layers=n_layers)).to(dtype),
+        pipe.mesh,
+        pipe.rules,
+        schedule="1f1b",
+        microbatches=2,
+    )
     state = checkpoint.model_state(other.module)
-    assert set(state) <= set(n[len("model."):] for n in checkpoint.tensor_names(f"{path}/one"))
+    assert set(state) <= set(n[len("model.") :] for n in checkpoint.tensor_names(f"{path}/one"))
     checkpoint.load(f"{path}/one", state, strict=False)  # this rank's stages only
     ref_params = dict(ref.named_parameters())
     for name, p in other.named_parameters():
@@ -213,8 +242,16 @@ def _check_traced(mesh, schedule, v, M):
     ref = _Plain().double()
     torch.manual_seed(0)
     tokens, targets = (t % 64 for t in global_batch(0))
-    pipe = spmd.build_traced_pipeline(_Plain().double(), mesh, (tokens[: BATCH // M],), _ce, schedule=schedule,
-                                      microbatches=M, virtual_stages=v, split_cost="params")
+    pipe = spmd.build_traced_pipeline(
+        _Plain().double(),
+        mesh,
+        (tokens[: BATCH // M],),
+        _ce,
+        schedule=schedule,
+        microbatches=M,
+        virtual_stages=v,
+        split_cost="params",
+    )
     loss = pipe.step(tokens, targets)
     ref_loss = _ce(ref(tokens), targets)
     ref_loss.backward()
@@ -242,9 +279,14 @@ def _run_cases(rank, world, cases):
 @pytest.mark.slow
 def test_every_schedule_on_two_stages_matches_one_device(tmp_path):
     """Also: fp32, activation checkpointing, and checkpoints that load across pp sizes."""
-    configs = [("gpipe", 1, 2, {"ckpt": str(tmp_path)}), *SCHEDULES[1:], ("1f1b", 1, 2, {"dtype": torch.float32}),
-               ("1f1b", 1, 2, {"ac": "full", "steps": 1}), ("1f1b", 1, 2, {"traced": True}),
-               ("interleaved-1f1b", 2, 2, {"traced": True})]
+    configs = [
+        ("gpipe", 1, 2, {"ckpt": str(tmp_path)}),
+        *SCHEDULES[1:],
+        ("1f1b", 1, 2, {"dtype": torch.float32}),
+        ("1f1b", 1, 2, {"ac": "full", "steps": 1}),
+        ("1f1b", 1, 2, {"traced": True}),
+        ("interleaved-1f1b", 2, 2, {"traced": True}),
+    ]
     run_distributed(_run_cases, 2, [("pp=2", 4, configs)], timeout_s=240)
 
 
@@ -257,8 +299,13 @@ def test_every_schedule_on_four_stages_matches_one_device():
 def _plan_check(spec, zero=3, **kwargs):
     """What _check_plan holds a run against: explain's plan for `spec` (made here, on a fake world)."""
     sizes, flags = spmd.parse_spec(spec)
-    plan = spmd.explain(_model(4, torch.float32), spmd.Rules.default(sequence_parallel="sp" in flags, zero=zero),
-                        sizes, batch_shape=(BATCH, SEQ), **kwargs)
+    plan = spmd.explain(
+        _model(4, torch.float32),
+        spmd.Rules.default(sequence_parallel="sp" in flags, zero=zero),
+        sizes,
+        batch_shape=(BATCH, SEQ),
+        **kwargs,
+    )
     p = plan.pipeline
     sends = [sum(c.kind in ("send", "recv") for c in plan.collectives)] * p["pp"]  # 2 per micro-batch per boundary
     expected = Counter(_key(c) for c in plan.collectives if c.kind not in ("send", "recv", "broadcast"))
@@ -275,18 +322,44 @@ def test_pipeline_with_zero_stages_0_1_2_matches_one_device(tmp_path):
     With offload="optimizer" (stages 1 and 3) and "nvme:DIR" (stage 2) every master is a copy apart from
     the device's parameters, and the numbers are the same. A stage-1 pipeline's checkpoint (sharded optimizer
     states) loads into one unsplit model."""
-    cases = [("pp=2,fsdp=2", 4, [("1f1b", 1, 2, {"zero": 1, "ckpt": str(tmp_path)}), ("zero-bubble", 2, 4, {"zero": 1}),
-                                 ("1f1b", 1, 2, {"zero": 2}), ("gpipe", 1, 2, {"zero": 0}),
-                                 ("1f1b", 1, 2, {"zero": 1, "offload": "optimizer"}),
-                                 ("gpipe", 1, 2, {"zero": 3, "offload": "optimizer"}),
-                                 ("1f1b", 1, 2, {"zero": 3, "offload": "params"}),
-                                 ("1f1b", 1, 2, {"zero": 2, "offload": f"nvme:{tmp_path}/nvme"}),
-                                 ("1f1b", 1, 2, {"zero": 1, "dtype": torch.float32, "steps": 1,
-                                                 "plan": _plan_check("pp=2,fsdp=2", 1, schedule="1f1b",
-                                                                     microbatches=2)}),
-                                 ("1f1b", 1, 2, {"zero": 2, "dtype": torch.float32, "steps": 1,
-                                                 "plan": _plan_check("pp=2,fsdp=2", 2, schedule="1f1b",
-                                                                     microbatches=2)})])]
+    cases = [
+        (
+            "pp=2,fsdp=2",
+            4,
+            [
+                ("1f1b", 1, 2, {"zero": 1, "ckpt": str(tmp_path)}),
+                ("zero-bubble", 2, 4, {"zero": 1}),
+                ("1f1b", 1, 2, {"zero": 2}),
+                ("gpipe", 1, 2, {"zero": 0}),
+                ("1f1b", 1, 2, {"zero": 1, "offload": "optimizer"}),
+                ("gpipe", 1, 2, {"zero": 3, "offload": "optimizer"}),
+                ("1f1b", 1, 2, {"zero": 3, "offload": "params"}),
+                ("1f1b", 1, 2, {"zero": 2, "offload": f"nvme:{tmp_path}/nvme"}),
+                (
+                    "1f1b",
+                    1,
+                    2,
+                    {
+                        "zero": 1,
+                        "dtype": torch.float32,
+                        "steps": 1,
+                        "plan": _plan_check("pp=2,fsdp=2", 1, schedule="1f1b", microbatches=2),
+                    },
+                ),
+                (
+                    "1f1b",
+                    1,
+                    2,
+                    {
+                        "zero": 2,
+                        "dtype": torch.float32,
+                        "steps": 1,
+                        "plan": _plan_check("pp=2,fsdp=2", 2, schedule="1f1b", microbatches=2),
+                    },
+                ),
+            ],
+        )
+    ]
     run_distributed(_run_cases, 4, cases, timeout_s=300)
 
 
@@ -294,8 +367,17 @@ def test_pipeline_with_zero_stages_0_1_2_matches_one_device(tmp_path):
 def test_pipeline_composes_with_fsdp_tp_sp_and_dp():
     """Also: explain's plan for pp=2,fsdp=2 (made here, on a fake world) lists what the real step does."""
     check = _plan_check("pp=2,fsdp=2", schedule="1f1b", microbatches=2)
-    cases = [("pp=2,fsdp=2", 4, [("1f1b", 1, 2, {"extra": True}), ("zero-bubble", 2, 4),
-                                 ("1f1b", 1, 2, {"dtype": torch.float32, "plan": check})]),
-             ("pp=2,tp=2,sp", 4, [("interleaved-1f1b", 2, 4), ("zbv", 2, 4)]),
-             ("pp=2,dp=2", 4, [("gpipe", 1, 2), ("1f1b", 1, 2)])]
+    cases = [
+        (
+            "pp=2,fsdp=2",
+            4,
+            [
+                ("1f1b", 1, 2, {"extra": True}),
+                ("zero-bubble", 2, 4),
+                ("1f1b", 1, 2, {"dtype": torch.float32, "plan": check}),
+            ],
+        ),
+        ("pp=2,tp=2,sp", 4, [("interleaved-1f1b", 2, 4), ("zbv", 2, 4)]),
+        ("pp=2,dp=2", 4, [("gpipe", 1, 2), ("1f1b", 1, 2)]),
+    ]
     run_distributed(_run_cases, 4, cases, timeout_s=300)

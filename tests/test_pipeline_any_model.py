@@ -10,6 +10,7 @@ parameter agree within 1e-5, norm-relative, in float32. One case checkpoints eve
 head's gradients are summed over a group of the first and last pp rank alone; two cases then accumulate
 two steps, the first without gradient sync.
 """
+
 import json
 
 import pytest
@@ -25,21 +26,28 @@ transformers = pytest.importorskip("transformers")
 TOL = 1e-5
 # "trainer": transformers' Llama as `launch.train --model hf:DIR` builds it (on meta, each rank initialising
 # its stages' shards by name through the model's initializer)
-CASES = {"trainer": [("pp=2,fsdp=2", "1f1b", 1, 2, "full")],
-         "mixtral": [("pp=2,fsdp=2", "1f1b", 1, 2, "full")],
-         "llama": [("pp=2,tp=2,sp", "interleaved-1f1b", 2, 2, "none")],
-         "nanogpt": [("pp=2,fsdp=2", "1f1b", 1, 2, "none"), ("pp=2,tp=2", "zero-bubble", 2, 2, "none"),
-                     ("pp=4", "1f1b", 1, 4, "none")]}
+CASES = {
+    "trainer": [("pp=2,fsdp=2", "1f1b", 1, 2, "full")],
+    "mixtral": [("pp=2,fsdp=2", "1f1b", 1, 2, "full")],
+    "llama": [("pp=2,tp=2,sp", "interleaved-1f1b", 2, 2, "none")],
+    "nanogpt": [
+        ("pp=2,fsdp=2", "1f1b", 1, 2, "none"),
+        ("pp=2,tp=2", "zero-bubble", 2, 2, "none"),
+        ("pp=4", "1f1b", 1, 4, "none"),
+    ],
+}
 
 
 def _build(kind: str, hf_dir: str):
     if kind == "nanogpt":
         from tests.nanogpt import GPT, GPTConfig
+
         torch.manual_seed(0)
         model = GPT(GPTConfig(vocab_size=VOCAB, n_layer=4))
         spmd.annotate_by_name(model, NANOGPT)
         return model
     from models.transformers_lm import TransformersConfig
+
     torch.manual_seed(0)
     model = TransformersConfig(path=hf_dir, kernels="torch").build()
     with torch.no_grad():
@@ -61,9 +69,15 @@ def _pipeline_matches_one_device(rank, world, dirs):
             ref, pipe = _trainer_pipeline(world, dirs[kind], spec, schedule, M, ac)
         else:
             ref = _build(kind, dirs["trainer"])
-            pipe = spmd.build_pipeline(_build(kind, dirs["trainer"]), spmd.make_mesh(sizes),
-                                       spmd.Rules.default(sequence_parallel="sp" in flags), schedule=schedule,
-                                       microbatches=M, virtual_stages=v, ac=ac)
+            pipe = spmd.build_pipeline(
+                _build(kind, dirs["trainer"]),
+                spmd.make_mesh(sizes),
+                spmd.Rules.default(sequence_parallel="sp" in flags),
+                schedule=schedule,
+                microbatches=M,
+                virtual_stages=v,
+                ac=ac,
+            )
         opt = torch.optim.AdamW(pipe.parameters(), lr=1e-3, weight_decay=0.1, eps=1e-6)
         ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.1, eps=1e-6)
         ref_params = dict(ref.named_parameters())
@@ -82,8 +96,10 @@ def _pipeline_matches_one_device(rank, world, dirs):
                 assert err <= TOL, f"{what} step {step}: gradient of {name} off by {err:.2e}"
             norm, ref_norm = pipe.clip_grad_norm_(1e9), torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e9)
             assert abs(norm.item() - ref_norm.item()) <= TOL * ref_norm.item(), (what, step, norm, ref_norm)
-            opt.step(); ref_opt.step()
-            opt.zero_grad(); ref_opt.zero_grad()
+            opt.step()
+            ref_opt.step()
+            opt.zero_grad()
+            ref_opt.zero_grad()
             for name, p in pipe.named_parameters():
                 err = norm_rel_err(p.full_tensor(), ref_params[name].detach())
                 assert err <= TOL, f"{what} step {step}: parameter {name} off by {err:.2e}"
@@ -97,8 +113,27 @@ def _trainer_pipeline(world, hf_dir, spec, schedule, M, ac):
     """(one-process model, pipeline) as launch.train builds them for --model hf:DIR."""
     from launch.config import load_config
     from launch.setup import build_model
-    cfg = load_config(["--model", f"hf:{hf_dir}", "--mesh", spec, "--pp-schedule", schedule, "--microbatches",
-                       str(M), "--ac", ac, "--kernels", "torch", "--batch-size", "8", "--seq-len", "16"])
+
+    cfg = load_config(
+        [
+            "--model",
+            f"hf:{hf_dir}",
+            "--mesh",
+            spec,
+            "--pp-schedule",
+            schedule,
+            "--microbatches",
+            str(M),
+            "--ac",
+            ac,
+            "--kernels",
+            "torch",
+            "--batch-size",
+            "8",
+            "--seq-len",
+            "16",
+        ]
+    )
     cfg.validate(world, cfg.model_config())
     pipe = build_model(cfg, cfg.model_config(), world, torch.device("cpu"))[4]
     torch.manual_seed(cfg.seed)
@@ -128,9 +163,17 @@ def _tiny_llama_dir(path) -> str:
 
 def _tiny_mixtral_dir(path, router_logits: bool = False) -> str:
     path.mkdir()
-    transformers.MixtralConfig(**{**_TINY, "num_hidden_layers": 4, "num_key_value_heads": 2, "num_local_experts": 4,
-                                  "num_experts_per_tok": 2, "output_router_logits": router_logits,
-                                  "router_aux_loss_coef": 0.5}).save_pretrained(path)
+    transformers.MixtralConfig(
+        **{
+            **_TINY,
+            "num_hidden_layers": 4,
+            "num_key_value_heads": 2,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "output_router_logits": router_logits,
+            "router_aux_loss_coef": 0.5,
+        }
+    ).save_pretrained(path)
     return str(path)
 
 
@@ -145,6 +188,7 @@ def test_pipeline_refuses_a_load_balancing_loss_over_all_layers(tmp_path):
     the layers cannot compute: cutting such a model is refused, naming the setting to change."""
     from models.transformers_lm import TransformersConfig
     from spmd.pipeline.cut import trace_uses
+
     model = TransformersConfig(path=_tiny_mixtral_dir(tmp_path / "mixtral", router_logits=True)).build()
     with pytest.raises(ValueError, match="set output_router_logits to false"):
         trace_uses(model, "model.layers")

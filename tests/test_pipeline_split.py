@@ -1,4 +1,5 @@
 """The stage splitter, the pipeline's input checks and explain's pipeline section: no processes needed."""
+
 import itertools
 import random
 
@@ -57,8 +58,9 @@ def test_split_counts_embedding_first_and_head_last():
         assert split.stages[0].params - split.stages[1].params == embed
         assert split.stages[3].params - split.stages[1].params == head
         assert split.stages[-1].flops > split.stages[1].flops > 0  # the head's matmul is on the last stage
-        assert split.imbalance() == pytest.approx(max(getattr(s, cost) for s in split.stages) /
-                                                  (sum(getattr(s, cost) for s in split.stages) / 4))
+        assert split.imbalance() == pytest.approx(
+            max(getattr(s, cost) for s in split.stages) / (sum(getattr(s, cost) for s in split.stages) / 4)
+        )
     # a head as large as three blocks pushes blocks off the last stage
     wide = _llama(8, vocab_size=4096)
     split = spmd.split_stages(wide, 4, cost="params")
@@ -113,8 +115,10 @@ def test_bad_pipeline_configurations_fail_before_any_collective():
         (dict(pp=2, schedule="1f1b", microbatches=4, virtual_stages=2), "runs one stage per rank"),
         (dict(pp=2, schedule="zbv", microbatches=4, virtual_stages=3), "use virtual_stages=2"),
         (dict(pp=4, schedule="1f1b", microbatches=2), "at least as many micro-batches as stages"),
-        (dict(pp=4, schedule="interleaved-1f1b", microbatches=4, virtual_stages=2, n_blocks=6),
-         "8 stages but the model has only 6 blocks"),
+        (
+            dict(pp=4, schedule="interleaved-1f1b", microbatches=4, virtual_stages=2, n_blocks=6),
+            "8 stages but the model has only 6 blocks",
+        ),
         (dict(pp=2, schedule="gpipe", microbatches=3, batch_size=8, data_parallel=2), "multiple of 6"),
         (dict(pp=2, schedule="gpipe", microbatches=0), "positive integer"),
     ]
@@ -133,8 +137,16 @@ def test_bubble_formulas():
 def test_explain_reports_the_pipeline_on_a_fake_world():
     model = _llama(4)
     rules = spmd.Rules.default(sequence_parallel=True)
-    plan = spmd.explain(model, rules, {"pp": 2, "fsdp": 2, "tp": 2}, batch_shape=(16, 32),
-                        schedule="interleaved-1f1b", microbatches=4, virtual_stages=2, split_cost="params")
+    plan = spmd.explain(
+        model,
+        rules,
+        {"pp": 2, "fsdp": 2, "tp": 2},
+        batch_shape=(16, 32),
+        schedule="interleaved-1f1b",
+        microbatches=4,
+        virtual_stages=2,
+        split_cost="params",
+    )
     p = plan.pipeline
     assert (p["pp"], p["microbatches"], p["virtual_stages"]) == (2, 4, 2)
     assert p["bubble"] == pytest.approx(1 / 5 / 2)
@@ -152,16 +164,20 @@ def test_explain_reports_the_pipeline_on_a_fake_world():
     # the reported rank holds its stages' parameters, sharded over fsdp (norms) or fsdp x tp (the rest)
     params = sum(s["params"] for s in stages)
     assert params * 4 / 4 <= plan.memory["parameters"] <= params * 4 / 2
-    assert p["imbalance"] == pytest.approx(max(s["params"] for s in p["stages"]) /
-                                           (sum(s["params"] for s in p["stages"]) / 4))
+    assert p["imbalance"] == pytest.approx(
+        max(s["params"] for s in p["stages"]) / (sum(s["params"] for s in p["stages"]) / 4)
+    )
     table = plan.table()
-    assert "pipeline: interleaved-1f1b, pp=2, 4 micro-batches, 2 virtual stages per rank; theoretical bubble " \
-           "10.0%" in table
+    assert (
+        "pipeline: interleaved-1f1b, pp=2, 4 micro-batches, 2 virtual stages per rank; theoretical bubble "
+        "10.0%" in table
+    )
     again = spmd.Plan.from_dict(plan.to_dict())
     assert again.pipeline == p and again.table() == table
     with pytest.raises(ValueError, match="multiple of pp"):
-        spmd.explain(model, rules, {"pp": 4}, batch_shape=(16, 32), schedule="interleaved-1f1b", microbatches=6,
-                     virtual_stages=1)
+        spmd.explain(
+            model, rules, {"pp": 4}, batch_shape=(16, 32), schedule="interleaved-1f1b", microbatches=6, virtual_stages=1
+        )
 
 
 class _Plain(nn.Module):
@@ -182,19 +198,27 @@ class _Logits(_Plain):
 def test_models_build_pipeline_cannot_stage_say_why():
     import torch.distributed as dist
     import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the "fake" backend)
+
     dist.init_process_group("fake", store=dist.HashStore(), rank=0, world_size=4)
     try:
         mesh = spmd.make_mesh({"pp": 2, "fsdp": 2}, device_type="cpu")
         rules = spmd.Rules.default()
-        with pytest.raises(ValueError, match=r"cannot cut _Plain into pipeline stages: its forward failed on "
-                                             r"shapes alone \(NotImplementedError.*loss_fn"):
+        with pytest.raises(
+            ValueError,
+            match=r"cannot cut _Plain into pipeline stages: its forward failed on "
+            r"shapes alone \(NotImplementedError.*loss_fn",
+        ):
             spmd.build_pipeline(_Plain(), mesh, rules)
         with pytest.raises(ValueError, match=r"output \(\w*Tensor\) holds no scalar loss .*build_pipeline\(loss_fn="):
             spmd.build_pipeline(_Logits(), mesh, rules)
         from tests.nanogpt import GPT, GPTConfig
-        with pytest.raises(ValueError, match=r"uses \['wte.weight'\] both before and after its blocks .*other than zbv"):
-            spmd.build_pipeline(GPT(GPTConfig(n_layer=4)), mesh, rules, schedule="zbv", virtual_stages=2,
-                                microbatches=4)
+
+        with pytest.raises(
+            ValueError, match=r"uses \['wte.weight'\] both before and after its blocks .*other than zbv"
+        ):
+            spmd.build_pipeline(
+                GPT(GPTConfig(n_layer=4)), mesh, rules, schedule="zbv", virtual_stages=2, microbatches=4
+            )
         with pytest.raises(ValueError, match=r"cannot be laid out over \{'fsdp': 2\}.*module hooks"):
             spmd.build_traced_pipeline(_Plain(), mesh, (torch.zeros(1, 4, dtype=torch.long),), None)
         with pytest.raises(ValueError, match="shared by pipeline stages 0 and 1 .*tied"):

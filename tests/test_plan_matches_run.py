@@ -5,6 +5,7 @@ The plan is made in the test process (no process group); the real step runs on f
 under torch's CommDebugMode and spmd's recorder. Both lists must agree record for record (module, kind,
 mesh axes, bytes, phase), and CommDebugMode's independent count per collective type must agree too.
 """
+
 from collections import Counter
 
 import pytest
@@ -16,9 +17,13 @@ from tests.dist_utils import run_distributed
 from tests.spmd_cases import BATCH, SEQ, global_batch, local_slice, plan_for, tiny_model
 
 SPECS = ["fsdp=2,tp=2,sp", "dp=2,fsdp=2", "tp=4"]
-_COMM_DEBUG_KIND = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
-                    "all_reduce": "all_reduce", "all_to_all_single": "all_to_all",
-                    "allreduce_": "all_reduce"}  # (c10d's: flat buffers sum in place)
+_COMM_DEBUG_KIND = {
+    "all_gather_into_tensor": "all_gather",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "all_reduce": "all_reduce",
+    "all_to_all_single": "all_to_all",
+    "allreduce_": "all_reduce",
+}  # (c10d's: flat buffers sum in place)
 
 
 def _key(c):
@@ -45,8 +50,9 @@ def _run_step(rank, world, spec, expected, ac="none"):
     assert by_kind == planned_kinds, f"{spec}: CommDebugMode saw {by_kind}, plan has {planned_kinds}"
     if rank == 0 and spec == SPECS[0] and ac == "none":
         # inside a real process group, explain runs its fake world in a fresh interpreter: same plan
-        again = spmd.explain(tiny_model(), spmd.Rules.default(sequence_parallel="sp" in flags), sizes,
-                             batch_shape=(BATCH, SEQ))
+        again = spmd.explain(
+            tiny_model(), spmd.Rules.default(sequence_parallel="sp" in flags), sizes, batch_shape=(BATCH, SEQ)
+        )
         assert Counter(_key(c) for c in again.collectives) == expected
 
 
@@ -62,8 +68,13 @@ def test_plan_lists_exactly_the_collectives_of_a_real_step(spec):
 @pytest.mark.slow
 def test_ac_plan_lists_exactly_the_collectives_of_a_real_checkpointed_step():
     spec = "fsdp=2,tp=2,sp"
-    plan = spmd.explain(tiny_model(), spmd.Rules.default(sequence_parallel=True), spmd.parse_spec(spec)[0],
-                        batch_shape=(BATCH, SEQ), ac="full")
+    plan = spmd.explain(
+        tiny_model(),
+        spmd.Rules.default(sequence_parallel=True),
+        spmd.parse_spec(spec)[0],
+        batch_shape=(BATCH, SEQ),
+        ac="full",
+    )
     run_distributed(_run_step, 4, spec, Counter(_key(c) for c in plan.collectives), "full", timeout_s=240)
 
 
@@ -72,17 +83,23 @@ def test_recompute_regathers_each_block_as_one_bucket():
     per block and fsdp axis in backward, not one per parameter (the real run equals this plan, above)."""
     plan = plan_for("fsdp=2,tp=2,sp", "full")
     blocks = {c.module.split(".")[1] for c in plan.collectives if c.module.startswith("layers.")}
-    regathers = [c for c in plan.collectives if c.module.startswith("layers.") and c.phase == "backward"
-                 and c.kind == "all_gather" and c.axes == ("fsdp",)]
+    regathers = [
+        c
+        for c in plan.collectives
+        if c.module.startswith("layers.") and c.phase == "backward" and c.kind == "all_gather" and c.axes == ("fsdp",)
+    ]
     assert Counter(c.module for c in regathers) == {f"layers.{b}": 1 for b in blocks}, regathers
     n_params = len(list(tiny_model().layers[0].parameters()))
     assert all(f"({n_params} parameters, one buffer)" in c.reason for c in regathers), regathers
+
+
 def _native_counts(spec: str) -> Counter:
     """Collectives of one forward + backward of the tiny model under torch's own data parallelism: DDP for dp,
     FSDP2 (`fully_shard` per block, then the root) for fsdp."""
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel
+
     model = tiny_model()
     if spec.startswith("dp="):
         model = DistributedDataParallel(model)
@@ -94,7 +111,7 @@ def _native_counts(spec: str) -> Counter:
     tokens, targets = global_batch(0)
     r, b = dist.get_rank(), BATCH // dist.get_world_size()
     with CommDebugMode() as comm:
-        model(tokens[r * b:(r + 1) * b], targets[r * b:(r + 1) * b]).backward()
+        model(tokens[r * b : (r + 1) * b], targets[r * b : (r + 1) * b]).backward()
     return Counter({op.__name__: n for op, n in comm.get_comm_counts().items()})
 
 
@@ -108,8 +125,10 @@ def _data_parallel_step_no_more_than_native(rank, world, plans):
             model(local_slice(tokens, mesh), local_slice(targets, mesh)).backward()
         ours, native = comm.get_total_counts(), _native_counts(spec)
         if rank == 0:
-            print(f"{spec}: spmd {ours} collectives per forward + backward {dict(comm.get_comm_counts())}, "
-                  f"native {sum(native.values())} {dict(native)}")
+            print(
+                f"{spec}: spmd {ours} collectives per forward + backward {dict(comm.get_comm_counts())}, "
+                f"native {sum(native.values())} {dict(native)}"
+            )
         assert ours <= sum(native.values()), f"{spec}: spmd issues {ours} collectives, torch-native {native}"
 
 

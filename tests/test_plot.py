@@ -1,4 +1,5 @@
 """launch.plot: two metrics files become one PNG with a loss, a tokens/s and an MFU panel, a line per run."""
+
 import json
 import sys
 

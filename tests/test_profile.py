@@ -1,4 +1,5 @@
 """--profile-steps: a short run writes a rank-tagged Chrome trace of the chosen steps that parses as JSON."""
+
 import json
 import warnings
 
@@ -21,17 +22,39 @@ def _isolated(tmp_path, monkeypatch):
 def test_profile_steps_write_a_trace(tmp_path):
     (tmp_path / "corpus.txt").write_text("def f(x):\n    return x + 1\n" * 40)
     out = tmp_path / "prof"
-    T.train(load_config(["--data", str(tmp_path / "corpus.txt"), "--steps", "3", "--batch-size", "2",
-                         "--seq-len", "16", "--profile-steps", "2:3", "--profile-dir", str(out)]), log=False)
+    T.train(
+        load_config(
+            [
+                "--data",
+                str(tmp_path / "corpus.txt"),
+                "--steps",
+                "3",
+                "--batch-size",
+                "2",
+                "--seq-len",
+                "16",
+                "--profile-steps",
+                "2:3",
+                "--profile-dir",
+                str(out),
+            ]
+        ),
+        log=False,
+    )
     assert [p.name for p in out.iterdir()] == ["rank00000-steps2-3.pt.trace.json"]
     events = json.loads((out / "rank00000-steps2-3.pt.trace.json").read_text())["traceEvents"]
     names = {e.get("name", "") for e in events}
-    assert len(events) > 100 and {n for n in names if n.startswith("ProfilerStep#")} == {"ProfilerStep#2", "ProfilerStep#3"}
+    assert len(events) > 100 and {n for n in names if n.startswith("ProfilerStep#")} == {
+        "ProfilerStep#2",
+        "ProfilerStep#3",
+    }
     assert any(n.startswith("aten::mm") for n in names)
 
 
-@pytest.mark.parametrize("spec, match", [("3", "is not A:B"), ("0:2", "1 <= A <= B"), ("4:2", "1 <= A <= B"),
-                                         ("2:9", "ends after the last step")])
+@pytest.mark.parametrize(
+    "spec, match",
+    [("3", "is not A:B"), ("0:2", "1 <= A <= B"), ("4:2", "1 <= A <= B"), ("2:9", "ends after the last step")],
+)
 def test_bad_profile_steps(spec, match):
     with pytest.raises(ValueError, match=match):
         load_config(["--steps", "5", "--profile-steps", spec]).validate(1)

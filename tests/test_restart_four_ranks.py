@@ -7,6 +7,7 @@ builds its mesh per call, so one 4-rank group runs both meshes in turn), then on
 tests/fault_injection.py SIGKILLs one rank after the step-2 checkpoint; torchrun ends the whole attempt and
 starts a new one (--max-restarts 1), which resumes from step-2 and runs steps 3-4.
 """
+
 import subprocess
 import sys
 
@@ -19,23 +20,44 @@ from tests.test_train import SMALL, _isolated  # noqa: F401  (_isolated: an auto
 
 STEPS = ["--steps", "4", "--ckpt-every", "2", "--ckpt-keep", "0"]
 # each mesh, and the rank killed before step 3 (a tp rank; a rank of the last pipeline stage)
-MESHES = {"tp": (["--mesh", "fsdp=2,tp=2,sp"], 1),
-          "pp": (["--mesh", "pp=2,fsdp=2", "--pp-schedule", "gpipe", "--microbatches", "2"], 3)}
+MESHES = {
+    "tp": (["--mesh", "fsdp=2,tp=2,sp"], 1),
+    "pp": (["--mesh", "pp=2,fsdp=2", "--pp-schedule", "gpipe", "--microbatches", "2"], 3),
+}
 
 
 def _uninterrupted_runs(rank, world, tmp):
     for name, (mesh, _) in MESHES.items():
-        code, err = _main([*SMALL, *mesh, *STEPS, "--ckpt-dir", f"{tmp}/{name}-ref/ck",
-                           "--metrics", f"{tmp}/{name}-ref/m.jsonl"])
+        code, err = _main(
+            [*SMALL, *mesh, *STEPS, "--ckpt-dir", f"{tmp}/{name}-ref/ck", "--metrics", f"{tmp}/{name}-ref/m.jsonl"]
+        )
         assert code == 0, err[-3000:]
 
 
 def _killed_and_restarted(tmp, name):
     mesh, victim = MESHES[name]
     ck, m = tmp / f"{name}-killed" / "ck", tmp / f"{name}-killed" / "m.jsonl"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-           "--max-restarts", "1", FAULT_TRAIN, "--fault", f"{victim}:3:kill",
-           *SMALL, *mesh, *STEPS, "--ckpt-dir", str(ck), "--metrics", str(m), "--resume"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "4",
+        "--max-restarts",
+        "1",
+        FAULT_TRAIN,
+        "--fault",
+        f"{victim}:3:kill",
+        *SMALL,
+        *mesh,
+        *STEPS,
+        "--ckpt-dir",
+        str(ck),
+        "--metrics",
+        str(m),
+        "--resume",
+    ]
     out = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=400)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert f"rank {victim}: kill before step 3" in out.stderr

@@ -1,4 +1,5 @@
 """Every committed benchmark result says which commit made it (with a clean tree) and names no machine's paths."""
+
 import json
 import re
 import subprocess
@@ -13,8 +14,12 @@ MACHINE_PATH = re.compile(r"(?<![\w.])/(root|home|work|tmp|Users)/")
 
 def _known_commit(commit: str) -> bool:
     try:
-        return subprocess.run(["git", "-C", str(ROOT), "cat-file", "-e", f"{commit}^{{commit}}"],
-                              capture_output=True).returncode == 0
+        return (
+            subprocess.run(
+                ["git", "-C", str(ROOT), "cat-file", "-e", f"{commit}^{{commit}}"], capture_output=True
+            ).returncode
+            == 0
+        )
     except OSError:  # no git: the commit's shape was checked already
         return True
 
@@ -28,11 +33,16 @@ def test_result_names_its_commit(path):
     assert _known_commit(commit), f"{path.name}: commit {commit} is not in this repository's history"
 
 
-@pytest.mark.parametrize("path", RESULTS + sorted(p.with_suffix(".md") for p in RESULTS if p.with_suffix(".md").exists()),
-                         ids=lambda p: p.name)
+@pytest.mark.parametrize(
+    "path",
+    RESULTS + sorted(p.with_suffix(".md") for p in RESULTS if p.with_suffix(".md").exists()),
+    ids=lambda p: p.name,
+)
 def test_result_names_no_machine_path(path):
     found = MACHINE_PATH.search(path.read_text())
-    assert found is None, f"{path.name} holds a machine path near {path.read_text()[found.start():found.start() + 60]!r}"
+    assert found is None, (
+        f"{path.name} holds a machine path near {path.read_text()[found.start() : found.start() + 60]!r}"
+    )
 
 
 def test_there_are_results():
@@ -43,6 +53,7 @@ def test_a_commit_named_from_outside_must_be_whole(monkeypatch):
     """A device machine's copy has no git directory of its own: `SPMD_COMMIT` names the commit, in full, or
     the benchmark writes no results (results naming a short hash would fail the checks above)."""
     from benchmarks import common
+
     monkeypatch.setenv("SPMD_COMMIT", "53dd53d")
     with pytest.raises(ValueError, match="full 40-character hash"):
         common.environment()

@@ -1,6 +1,7 @@
 """Rules as data: the [rules.*] tables of a TOML config give the trainer, `spmd.explain` and `spmd.search` their
 layout; a table that spells out the default is Rules.default exactly, a custom one changes the layout and the
 plan, and a bad one is an error naming the key and the fix before anything is built."""
+
 import textwrap
 from pathlib import Path
 
@@ -9,9 +10,8 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 
 import launch.train as T
-from spmd.cli import explain_parser, plan_from_args, search_main
 from launch.config import load_config
-from spmd.cli import parse_args
+from spmd.cli import explain_parser, parse_args, plan_from_args, search_main
 from spmd.layout.rules import Rules
 from spmd.layout.rules_table import ordered_maps
 
@@ -41,25 +41,51 @@ def test_a_table_spelling_out_the_default_is_the_default(tmp_path):
     cfg = load_config(["--config", str(SHIPPED)])
     assert ordered_maps(cfg.rules()) == ordered_maps(Rules.default(sequence_parallel=True, zero=3))
     assert (cfg.zero, cfg.sp, cfg.sequence_parallel()) == (3, True, True)
-    zero1 = _toml(tmp_path, NO_MLP.replace("[rules.params]", "[rules.optimizer]").replace(
-        'experts = "ep"', 'mlp = "tp"\nexperts = "ep"'))
+    zero1 = _toml(
+        tmp_path,
+        NO_MLP.replace("[rules.params]", "[rules.optimizer]").replace('experts = "ep"', 'mlp = "tp"\nexperts = "ep"'),
+    )
     cfg = load_config(["--config", zero1])
     assert ordered_maps(cfg.rules()) == ordered_maps(Rules.default(zero=1)) and (cfg.zero, cfg.sp) == (1, False)
 
 
 BAD = {
-    "unknown mesh axis": ('[rules.compute]\nmlp = "tpp"\n', [], "[rules] compute rule 'mlp' names mesh axis 'tpp'",
-                          "did you mean 'tp'?"),
-    "wrong type": ("[rules.compute]\nmlp = 2\n", [], "[rules.compute] mlp = 2: a rule is a mesh axis or a list",
-                   'mlp = "tp"'),
-    "unknown map": ('[rules.compute]\nmlp = "tp"\n[rules.param]\nembed = "fsdp"\n', [],
-                    "[rules.param] is not a map of the rules", "[rules.params]"),
-    "grads drop sharding": (NO_MLP + "[rules.grads]\nembed = []\n", [], "grads rule 'embed': () drops mesh axes "
-                            "('fsdp',)", "may only add sharding to the one before"),
-    "zero flag": (NO_MLP, ["--zero", "1"], "its [rules] tables make ZeRO stage 3 but --zero 1 was given",
-                  "leave --zero out"),
-    "sp in mesh": (NO_MLP, ["--mesh", "fsdp=2,tp=2,sp"], "sequence parallelism is in the [rules.compute] table",
-                   "drop the flag or change seq"),
+    "unknown mesh axis": (
+        '[rules.compute]\nmlp = "tpp"\n',
+        [],
+        "[rules] compute rule 'mlp' names mesh axis 'tpp'",
+        "did you mean 'tp'?",
+    ),
+    "wrong type": (
+        "[rules.compute]\nmlp = 2\n",
+        [],
+        "[rules.compute] mlp = 2: a rule is a mesh axis or a list",
+        'mlp = "tp"',
+    ),
+    "unknown map": (
+        '[rules.compute]\nmlp = "tp"\n[rules.param]\nembed = "fsdp"\n',
+        [],
+        "[rules.param] is not a map of the rules",
+        "[rules.params]",
+    ),
+    "grads drop sharding": (
+        NO_MLP + "[rules.grads]\nembed = []\n",
+        [],
+        "grads rule 'embed': () drops mesh axes ('fsdp',)",
+        "may only add sharding to the one before",
+    ),
+    "zero flag": (
+        NO_MLP,
+        ["--zero", "1"],
+        "its [rules] tables make ZeRO stage 3 but --zero 1 was given",
+        "leave --zero out",
+    ),
+    "sp in mesh": (
+        NO_MLP,
+        ["--mesh", "fsdp=2,tp=2,sp"],
+        "sequence parallelism is in the [rules.compute] table",
+        "drop the flag or change seq",
+    ),
 }
 
 
@@ -85,19 +111,22 @@ def test_explain_and_search_take_the_same_file(tmp_path, capsys):
     flags = ["--model", "tiny", "--mesh", "tp=2", "--batch", "2", "--seq", "16", "--dtype", "fp32"]
     default = [c for c in _plan(*flags).collectives if "feed_forward" in c.module and "tp" in c.axes]
     assert default, "the default's MLP is tp-sharded and reduces its partial sums"
-    assert not [c for c in _plan("--config", custom, *flags).collectives
-                if "feed_forward" in c.module and "tp" in c.axes]
+    assert not [
+        c for c in _plan("--config", custom, *flags).collectives if "feed_forward" in c.module and "tp" in c.axes
+    ]
     # the shipped file's defaults (model tiny) and its tables (sp) reach explain; flags override them
     same = _plan("--config", str(SHIPPED), "--mesh", "tp=2", "--batch", "2", "--seq", "16", "--dtype", "fp32")
     sp = _plan(*flags[:3], "tp=2,sp", *flags[4:])
-    assert [(c.module, c.kind, c.bytes) for c in same.collectives] == \
-        [(c.module, c.kind, c.bytes) for c in sp.collectives]
+    assert [(c.module, c.kind, c.bytes) for c in same.collectives] == [
+        (c.module, c.kind, c.bytes) for c in sp.collectives
+    ]
     assert search_main(["--config", custom, "--world", "2"]) == 2
     assert "spmd.search ranks meshes under Rules.default's tables" in capsys.readouterr().err
 
 
 def _trainer_lays_out_the_table(rank, world, custom):
     from launch.setup import build_model
+
     for path, mlp in ((None, [Shard(0)]), (custom, [Replicate()])):
         cfg = load_config(["--mesh", "tp=2", "--batch-size", "2", *(["--config", path] if path else [])])
         model, *_ = build_model(cfg, cfg.model_config(), world, torch.device("cpu"))
@@ -111,4 +140,5 @@ def test_the_trainer_applies_a_custom_table(tmp_path):
     """tp=2: under the default the MLP's w1 is split by rows over tp, under the table without mlp it is whole.
     Mutation killed: TrainConfig.rules() ignoring rules_table."""
     from dist_utils import run_distributed
+
     run_distributed(_trainer_lays_out_the_table, 2, _toml(tmp_path, NO_MLP))

@@ -1,4 +1,5 @@
 """launch.schedule (warmup + cosine) and launch.metrics (FLOPs/token, MFU, peak table and cache, JSONL)."""
+
 import contextlib
 import json
 import math
@@ -16,7 +17,7 @@ def test_warmup_then_cosine_to_ten_percent():
     assert lrs[0] == pytest.approx(peak / warmup) and lrs[warmup - 1] == pytest.approx(peak)
     assert lrs[warmup] == pytest.approx(peak)
     assert lrs[total - 1] == pytest.approx(0.1 * peak) and lrs[-1] == pytest.approx(0.1 * peak)
-    assert all(a >= b for a, b in zip(lrs[warmup:], lrs[warmup + 1:]))
+    assert all(a >= b for a, b in zip(lrs[warmup:], lrs[warmup + 1 :]))
     mid = warmup + 33
     assert lrs[mid] == pytest.approx(peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 33 / 99))))
     assert schedule.lr_at(0, peak, 0, total) == pytest.approx(peak)  # no warmup
@@ -85,8 +86,9 @@ def test_measure_gemm_is_plausible():
 
 def test_jsonl_rows_and_mfu(tmp_path):
     path = tmp_path / "m" / "metrics.jsonl"
-    log = metrics.MetricsLogger(total_steps=2, tokens_per_step=1000, flops_per_token=6e6, peak=1e12,
-                                n_devices=2, jsonl=str(path))
+    log = metrics.MetricsLogger(
+        total_steps=2, tokens_per_step=1000, flops_per_token=6e6, peak=1e12, n_devices=2, jsonl=str(path)
+    )
     row = log.record(1, loss=2.5, grad_norm=0.5, lr=1e-3, step_time_s=0.5, peak_mem_bytes=123, comm_bytes=456)
     log.record(2, loss=2.0, grad_norm=0.4, lr=1e-3, step_time_s=0.25, peak_mem_bytes=123, comm_bytes=456)
     log.close()
@@ -98,6 +100,7 @@ def test_jsonl_rows_and_mfu(tmp_path):
 
 def test_tensorboard_missing_is_a_clear_error(tmp_path, monkeypatch):
     import builtins
+
     real_import = builtins.__import__
 
     def no_tensorboard(name, *args, **kwargs):

@@ -1,5 +1,6 @@
 """spmd.search: enumerates the specs of a world size, plans them exactly (block extrapolation = full explain),
 drops what does not fit, ranks the rest by the stated step-time model."""
+
 import importlib
 import math
 import os
@@ -9,8 +10,8 @@ import torch
 
 import models
 import spmd
-from spmd.analysis import summaries
 from models.llama import Llama, LlamaConfig
+from spmd.analysis import summaries
 from spmd.analysis.devices import DEVICES, Device
 from spmd.analysis.search import ac_modes
 
@@ -57,7 +58,9 @@ def test_a_mixture_of_experts_is_searched_over_ep_dividing_its_experts():
     moe = [S.spec_name(s, sp) for s, sp in S.candidate_specs(8, experts=4)]
     assert not any("ep=" in n for n in dense) and set(dense) < set(moe) and len(moe) == len(set(moe))
     assert {"ep=4,tp=2", "fsdp=2,ep=4", "dp=2,fsdp=2,ep=2", "ep=2,tp=4,sp"} <= set(moe)
-    assert not any("ep=8" in n for n in moe) and all(math.prod(s.values()) == 8 for s, _ in S.candidate_specs(8, experts=4))
+    assert not any("ep=8" in n for n in moe) and all(
+        math.prod(s.values()) == 8 for s, _ in S.candidate_specs(8, experts=4)
+    )
     torch.manual_seed(0)
     cfg = models.preset("moe-tiny", kernels="torch", n_layers=3)
     model, sizes = cfg.build(), {"fsdp": 2, "ep": 2}
@@ -103,8 +106,17 @@ def test_search_drops_what_does_not_fit(tiny_search):
     # a budget between the smallest and the largest plan
     mems = sorted(r.memory["total"] for r in tiny_search)
     budget = (mems[0] + mems[-1]) / 2
-    rows = S.search(tiny(), 4, device="h100", batch_shape=(8, 32), dtype="fp32", memory_budget_bytes=budget,
-                    ac="none", grad_accum=1, zero=3)
+    rows = S.search(
+        tiny(),
+        4,
+        device="h100",
+        batch_shape=(8, 32),
+        dtype="fp32",
+        memory_budget_bytes=budget,
+        ac="none",
+        grad_accum=1,
+        zero=3,
+    )
     assert rows and rows.dropped
     assert all(r.memory["total"] <= budget for r in rows)
     assert all(not r.fits and "budget" in r.note for r in rows.dropped)
@@ -123,17 +135,23 @@ def test_specs_that_do_not_divide_are_dropped_with_the_reason():
 
 def test_only_prefetched_gathers_hide_and_bandwidth_matters():
     model = tiny()
-    slow = Device("slow", {"fp32": 1e9}, 1e12, intra_bw=1e6, inter_bw=1e6, intra_latency=0, inter_latency=0,
-                  efficiency=1.0)
-    rows = {r.spec: r for r in S.search(model, 4, device=slow, batch_shape=(8, 32), dtype="fp32", zero=3,
-                                         specs=["fsdp=4", "tp=4"])}
+    slow = Device(
+        "slow", {"fp32": 1e9}, 1e12, intra_bw=1e6, inter_bw=1e6, intra_latency=0, inter_latency=0, efficiency=1.0
+    )
+    rows = {
+        r.spec: r
+        for r in S.search(model, 4, device=slow, batch_shape=(8, 32), dtype="fp32", zero=3, specs=["fsdp=4", "tp=4"])
+    }
     plan = spmd.explain(model, spmd.Rules.default(), {"fsdp": 4}, batch_shape=(8, 32))
-    ahead = {ph: sum(c.bytes for c in plan.collectives if c.phase == ph and "prefetched" in c.reason) / 1e6
-             for ph in ("forward", "backward")}  # seconds on the 1 MB/s link
+    ahead = {
+        ph: sum(c.bytes for c in plan.collectives if c.phase == ph and "prefetched" in c.reason) / 1e6
+        for ph in ("forward", "backward")
+    }  # seconds on the 1 MB/s link
     compute = rows["fsdp=4"].compute_s
     assert ahead["forward"] > 0 and ahead["backward"] > 0
-    assert rows["fsdp=4"].hidden_s == pytest.approx(min(ahead["forward"], compute / 3)
-                                                    + min(ahead["backward"], 2 * compute / 3))
+    assert rows["fsdp=4"].hidden_s == pytest.approx(
+        min(ahead["forward"], compute / 3) + min(ahead["backward"], 2 * compute / 3)
+    )
     assert rows["tp=4"].hidden_s == 0  # tensor-parallel traffic is on the critical path
     # bandwidth-bound: bytes decide; fsdp moves more bytes than tp for this model and batch
     b = rows
@@ -143,17 +161,39 @@ def test_only_prefetched_gathers_hide_and_bandwidth_matters():
 def test_latency_counts_ring_steps_of_each_collective():
     # a latency-bound link: 1 ms per collective and 10 ms per ring step, bytes free, compute free
     model = tiny()
-    link = Device("steps", {"fp32": 1e30}, 1e12, intra_bw=1e30, inter_bw=1e30, intra_latency=1e-3,
-                  inter_latency=1e-3, intra_step_latency=1e-2, inter_step_latency=1e-2, overlaps_comm=False)
-    rows = {r.spec: r for r in S.search(model, 4, device=link, batch_shape=(8, 32), dtype="fp32", zero=3,
-                                         specs=["tp=4", "dp=2,tp=2", "fsdp=2,tp=2,sp"])}
+    link = Device(
+        "steps",
+        {"fp32": 1e30},
+        1e12,
+        intra_bw=1e30,
+        inter_bw=1e30,
+        intra_latency=1e-3,
+        inter_latency=1e-3,
+        intra_step_latency=1e-2,
+        inter_step_latency=1e-2,
+        overlaps_comm=False,
+    )
+    rows = {
+        r.spec: r
+        for r in S.search(
+            model,
+            4,
+            device=link,
+            batch_shape=(8, 32),
+            dtype="fp32",
+            zero=3,
+            specs=["tp=4", "dp=2,tp=2", "fsdp=2,tp=2,sp"],
+        )
+    }
     for spec, row in rows.items():
         sizes, sp = spmd.parse_spec(spec)
         plan = spmd.explain(model, spmd.Rules.default(sequence_parallel=sp), sizes, batch_shape=(8, 32))
         # the textbook rounds: an all-reduce over n ranks is 2(n-1) messages in a row, an all-gather or a
         # reduce-scatter n-1
-        rounds = sum({"all_reduce": 2}.get(c.kind, 1) * (math.prod(sizes.get(a, 1) for a in c.axes) - 1)
-                     for c in plan.collectives)
+        rounds = sum(
+            {"all_reduce": 2}.get(c.kind, 1) * (math.prod(sizes.get(a, 1) for a in c.axes) - 1)
+            for c in plan.collectives
+        )
         assert row.collectives == len(plan.collectives)
         assert row.step_s == pytest.approx(1e-3 * len(plan.collectives) + 1e-2 * rounds, rel=1e-6)
     # tp=4's all-reduces span 4 ranks: fewer collectives than dp=2,tp=2's, more rounds, a slower step
@@ -162,14 +202,18 @@ def test_latency_counts_ring_steps_of_each_collective():
 
 def test_an_oversubscribed_cpu_hides_no_collective():
     from spmd.analysis.devices import cpu_device
+
     cores = os.cpu_count()
     assert cpu_device(cores, 1, 1e9).overlaps_comm and not cpu_device(cores + 1, 1, 1e9).overlaps_comm
     busy = cpu_device(4, cores, 1e9)  # 4 ranks of `cores` threads each: more threads than cores
-    rows = {d.overlaps_comm: S.search(tiny(), 4, device=d, batch_shape=(8, 32), dtype="fp32", zero=3,
-                                      specs=["fsdp=4"])[0] for d in (busy, busy.replace(overlaps_comm=True))}
+    rows = {
+        d.overlaps_comm: S.search(tiny(), 4, device=d, batch_shape=(8, 32), dtype="fp32", zero=3, specs=["fsdp=4"])[0]
+        for d in (busy, busy.replace(overlaps_comm=True))
+    }
     assert rows[True].hidden_s > 0 and rows[False].hidden_s == 0
-    assert rows[False].step_s == pytest.approx(rows[False].compute_s + rows[False].activation_comm_s
-                                               + rows[False].param_comm_s)
+    assert rows[False].step_s == pytest.approx(
+        rows[False].compute_s + rows[False].activation_comm_s + rows[False].param_comm_s
+    )
 
 
 SPEC, SIZES, SHAPE = "fsdp=2,tp=2,sp", {"fsdp": 2, "tp": 2}, (8, 16)  # the next three tests share their plans
@@ -211,8 +255,9 @@ def test_search_assumes_the_least_recompute_then_the_fewest_micro_batches_that_f
     assert total(SIZES, True, "selective:4") > total(SIZES, True, "selective:2")
     assert row.recompute_s == pytest.approx(row.compute_s / 3 * 2 / 4)  # 2 of 4 blocks run forward again
     assert row.flags == "--mesh fsdp=2,tp=2,sp --zero 3 --ac selective:2 --grad-accum 1"
-    dropped = S.search(model, 4, memory_budget_bytes=total(SIZES, True, "full") - 1, specs=[SPEC], ac="full",
-                       grad_accum=1, **ask).dropped
+    dropped = S.search(
+        model, 4, memory_budget_bytes=total(SIZES, True, "full") - 1, specs=[SPEC], ac="full", grad_accum=1, **ask
+    ).dropped
     assert "even with --ac full --grad-accum 1" in dropped[0].note
     # replicated parameters (dp) hold their whole gradients anyway: a second micro-batch halves activations
     budget = total({"dp": 4}, False, "full") - 1
@@ -235,9 +280,9 @@ def test_bad_checkpointing_or_micro_batches_are_named_before_planning():
 def test_llama_8b_on_8_h100_fits_with_activation_checkpointing():
     """The issue's case: 16 x 8192 bf16 on 8 H100s drops every spec without checkpointing."""
     from models import preset
+
     budget = 0.9 * 80e9
-    rows = spmd.search(preset("8b"), 8, device="h100", batch_shape=(16, 8192), dtype="bf16", specs=["fsdp=8"],
-                       zero=3)
+    rows = spmd.search(preset("8b"), 8, device="h100", batch_shape=(16, 8192), dtype="bf16", specs=["fsdp=8"], zero=3)
     row = rows[0]
     print(row.flags, f"{row.memory['total'] / 1e9:.1f} GB of 80 GB")
     assert row.ac != "none" and row.grad_accum in (1, 2) and row.memory["total"] <= budget
@@ -247,8 +292,10 @@ def test_llama_8b_on_8_h100_fits_with_activation_checkpointing():
 
 def test_llama_70b_on_64_h100_fits_with_activation_checkpointing():
     from models import preset
-    rows = spmd.search(preset("70b"), 64, device="h100", batch_shape=(64, 4096), dtype="bf16",
-                       specs=["fsdp=8,tp=8,sp"], zero=3)  # a node of tp, fsdp across the 8 nodes
+
+    rows = spmd.search(
+        preset("70b"), 64, device="h100", batch_shape=(64, 4096), dtype="bf16", specs=["fsdp=8,tp=8,sp"], zero=3
+    )  # a node of tp, fsdp across the 8 nodes
     row = rows[0]
     print(row.flags, f"{row.memory['total'] / 1e9:.1f} GB of 80 GB")
     assert row.ac != "none" and row.memory["total"] <= 0.9 * 80e9
@@ -261,8 +308,9 @@ def test_each_zero_stage_of_a_mesh_with_fsdp_is_a_row_of_its_own():
     3 (its gathers in forward and backward too); of the two, stage 2 holds less. A budget between stage 3's
     model states and stage 2's drops stages 1 and 2 before planning them."""
     model = tiny()
-    slow = Device("slow", {"fp32": 1e18}, 1e12, intra_bw=1e6, inter_bw=1e6, intra_latency=0, inter_latency=0,
-                  efficiency=1.0)
+    slow = Device(
+        "slow", {"fp32": 1e18}, 1e12, intra_bw=1e6, inter_bw=1e6, intra_latency=0, inter_latency=0, efficiency=1.0
+    )
     ask = dict(device=slow, batch_shape=(8, 32), dtype="fp32", specs=["fsdp=4", "dp=4"])
     rows = S.search(model, 4, **ask)
     by = {(r.spec, r.zero): r for r in rows}
@@ -299,8 +347,13 @@ def test_flops_follow_design_formula():
 
 def test_cli_prints_a_table(capsys):
     from spmd.cli import search_main
-    assert search_main(["--model", "tiny", "--world", "2", "--device", "a100", "--batch", "4", "--seq", "32",
-                        "--workers", "1"]) == 0
+
+    assert (
+        search_main(
+            ["--model", "tiny", "--world", "2", "--device", "a100", "--batch", "4", "--seq", "32", "--workers", "1"]
+        )
+        == 0
+    )
     out, err = capsys.readouterr()
     assert "spec search" in out and "fsdp=2" in out and "tp=2,sp" in out
     assert "meshes planned" in err  # the progress line
@@ -321,8 +374,7 @@ def test_long_sequences_also_try_context_parallelism():
     cfg, b, s, cp = model.cfg, 8 // 2, 32 // 2, 2
     ring = 3 * cfg.n_layers * (cp - 1) * 2 * b * s * cfg.n_kv_heads * cfg.head_dim * 4
     grads = 2 * (4 * cfg.num_params() // 2) * (cp - 1) // cp
-    row, = S.search(model, 4, device="h100", batch_shape=(8, 32), dtype="fp32", specs=["fsdp=2,cp=2"],
-                    zero=3)
+    (row,) = S.search(model, 4, device="h100", batch_shape=(8, 32), dtype="fp32", specs=["fsdp=2,cp=2"], zero=3)
     assert row.bytes_by_axis["cp"] == ring + grads
     assert row.bytes_by_axis["fsdp+cp"] == 2 * (2 * 4) * (4 - 1) // 4
 
@@ -359,6 +411,7 @@ def test_sigterm_stops_the_search_and_its_workers():
     import subprocess
     import sys
     import time
+
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
     cmd = [sys.executable, "-m", "spmd.search", "--model", "8b", "--world", "64", "--workers", "2"]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -388,9 +441,10 @@ def test_pipeline_specs_are_planned_whole_with_their_bubble():
     its step is the rank's work over 1 - bubble, (p-1)/(m+p-1) for 1F1B. Mutation: dropping the bubble term
     (step = work) fails the step equation; planning pp specs by block extrapolation fails the memory."""
     from spmd.analysis.search_pipeline import Pipeline
+
     model = tiny(n_layers=4)
     ask = dict(device="h100", batch_shape=(8, 32), dtype="fp32", zero=3, ac="none")
-    row, = S.search(model, 4, specs=["pp=2,fsdp=2"], pipeline=Pipeline("1f1b", 4), **ask)
+    (row,) = S.search(model, 4, specs=["pp=2,fsdp=2"], pipeline=Pipeline("1f1b", 4), **ask)
     plan = spmd.explain(model, spmd.Rules.default(), {"pp": 2, "fsdp": 2}, batch_shape=(8, 32), microbatches=4)
     assert row.memory == plan.memory
     assert row.comm_bytes == sum(c.bytes for c in plan.collectives if c.kind != "recv")
@@ -400,6 +454,7 @@ def test_pipeline_specs_are_planned_whole_with_their_bubble():
     assert row.bubble_s == pytest.approx(work * bubble / (1 - bubble))
     assert row.flags == "--mesh pp=2,fsdp=2 --zero 3 --ac none --grad-accum 1 --pp-schedule 1f1b --microbatches 4"
     from spmd.analysis.search import search_meshes
+
     names = [S.spec_name(sizes, sp) for sizes, sp in search_meshes(model, 4, None, 8, max_pp=2)]
     assert {"pp=2,fsdp=2", "pp=2,tp=2", "pp=2,tp=2,sp", "pp=2,dp=2", "fsdp=4"} <= set(names)
     assert len(names) == len(set(names)) and not any("pp=4" in n for n in names)

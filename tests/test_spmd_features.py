@@ -1,6 +1,7 @@
 """Bucketed against per-parameter collectives, activation checkpointing, gradient accumulation under no_sync,
 meta-device initialisation, pinned layouts and name-table annotations, each checked against the plain
 computation."""
+
 import pytest
 import torch
 import torch.nn as nn
@@ -24,7 +25,9 @@ class HFStyleMLP(nn.Module):
 
 
 def _grads(model):
-    return {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad) for n, p in model.named_parameters()}
+    return {
+        n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad) for n, p in model.named_parameters()
+    }
 
 
 def _features(rank, world):
@@ -48,8 +51,14 @@ def _features(rank, world):
     for name, g in _grads(one_by_one).items():
         assert norm_rel_err(g, reference[name]) <= 1e-6, name
     # the same bytes, less the backward regathers of the parameters outside the blocks (the root unit keeps them)
-    root_regather = sum(c.bytes for c in unbucketed.records if c.kind == "all_gather" and c.phase == "backward"
-                        and c.axes == ("fsdp",) and not c.module.startswith("layers."))
+    root_regather = sum(
+        c.bytes
+        for c in unbucketed.records
+        if c.kind == "all_gather"
+        and c.phase == "backward"
+        and c.axes == ("fsdp",)
+        and not c.module.startswith("layers.")
+    )
     assert root_regather > 0
     assert sum(c.bytes for c in bucketed.records) == sum(c.bytes for c in unbucketed.records) - root_regather
     # units: each block and the root (embedding, final norm, output). One forward all-gather per unit, a
@@ -85,7 +94,9 @@ def _features(rank, world):
     # the gradients one reduce-scatter completes reduce in one buffer spanning every unit, the norms' in another
     reasons = [c.reason.split(" (")[0] for c in recorder.records if "gradient" in c.reason]
     units = ", ".join(["Llama", "layers.0", "layers.1"])
-    assert sorted(reasons) == sorted([f"all-reduce gradients of {units}"] + [f"reduce-scatter gradients of {units}"] * 2)
+    assert sorted(reasons) == sorted(
+        [f"all-reduce gradients of {units}"] + [f"reduce-scatter gradients of {units}"] * 2
+    )
     for name, p in accum.named_parameters():
         assert tuple(p.grad.placements) == tuple(p.placements)
         assert norm_rel_err(p.grad.full_tensor(), reference[name]) <= 1e-5, name
@@ -93,6 +104,7 @@ def _features(rank, world):
     # a model built on the meta device, each rank initialising only its shards: every parameter and buffer
     # equals the one-device build (same seed), bit for bit
     from models.llama import Llama
+
     with torch.device("meta"):
         meta = Llama(tiny_model().cfg)
     with pytest.raises(ValueError, match="meta device; pass parallelize\\(..., param_init=fn\\)"):
@@ -108,14 +120,16 @@ def _features(rank, world):
     hf = HFStyleMLP()
     ref = HFStyleMLP()
     ref.load_state_dict(hf.state_dict())
-    spmd.annotate_by_name(hf, {"up_proj.weight": ("mlp", "embed"), "down_proj.weight": ("embed", "mlp"),
-                               "down_proj.bias": ("embed",)})
+    spmd.annotate_by_name(
+        hf, {"up_proj.weight": ("mlp", "embed"), "down_proj.weight": ("embed", "mlp"), "down_proj.bias": ("embed",)}
+    )
     spmd.parallelize(hf, mesh, rules, input_axes=("batch", None))
     data = torch.randn(8, 16, generator=torch.Generator().manual_seed(3))
     loss = hf(local_slice(data, mesh))
     ref_loss = ref(data)
     assert abs(loss.item() - ref_loss.item()) <= 1e-5 * abs(ref_loss.item())
-    loss.backward(); ref_loss.backward()
+    loss.backward()
+    ref_loss.backward()
     assert hf.up_proj.bias.placements[mesh.mesh_dim_names.index("tp")].is_shard()  # bias followed its weight
     for name, g in _grads(hf).items():
         assert norm_rel_err(g, dict(ref.named_parameters())[name].grad) <= 1e-5, name

@@ -1,8 +1,8 @@
 """Every spec trains the tiny model like one device does: losses, gradients, the clipped global gradient
 norm and updated parameters.
 
-Four gloo processes on CPU, fp32, fixed seeds, AdamW with clipping at norm 0.5, 3 steps, compared with the same model trained in
-one process. Tolerance 1e-5 relative: sharded matmuls and reductions sum in a different order than one
+Four gloo processes on CPU, fp32, fixed seeds, AdamW with clipping at norm 0.5, 3 steps, compared with the same model
+trained in one process. Tolerance 1e-5 relative: sharded matmuls and reductions sum in a different order than one
 device does, which moves fp32 results by ~1e-7; anything structural (a missing reduction, a wrong
 slice) is off by orders of magnitude more. Errors are ||a-b|| / ||b|| per tensor: Adam divides each
 gradient element by its own magnitude, so an element near zero turns a 1e-7 summation difference into a
@@ -15,6 +15,7 @@ first step are within ACT_TOL of the plan's activations, and so are they with fu
 activation checkpointing on AC_SPECS (ZeRO-3's regather handles, tensor and sequence parallel, both).
 Kills explain's activation bytes 4% high (tests/mutants.py).
 """
+
 import contextlib
 
 import pytest
@@ -85,11 +86,13 @@ def _train_and_compare(rank, world, spec, tied=False, planned=None):
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5).full_tensor()
         ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
         assert ref_norm > 0.5 and abs(norm - ref_norm) <= TOL * ref_norm, (spec, step, norm, ref_norm)
-        opt.step(); ref_opt.step()
+        opt.step()
+        ref_opt.step()
         if planned and step == 0:
             got, want = state_bytes(model, opt), planned["none"]
             assert got == {k: want[k] for k in got}, f"{spec}: measured {got}, plan {want}"
-        opt.zero_grad(); ref_opt.zero_grad()
+        opt.zero_grad()
+        ref_opt.zero_grad()
         for name, p in model.named_parameters():
             err = norm_rel_err(p.full_tensor(), ref_params[name].detach())
             assert err <= TOL, f"{spec} step {step}: parameter {name} off by {err:.2e}"

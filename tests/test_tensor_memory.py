@@ -1,5 +1,6 @@
 """benchmarks.tensor_memory's tracker counts live tensor bytes exactly: each storage once, views free, frees
 uncounted, DTensors by their local tensors, and an AdamW model's state by the textbook formula."""
+
 import torch
 from torch.distributed.tensor import DTensor, Shard
 
@@ -9,9 +10,9 @@ from spmd.analysis.fake import fake_world
 
 def test_live_bytes_count_each_storage_once_and_forget_freed_ones():
     with LiveTensorBytes() as live:
-        a = torch.empty(1000)            # 4,000 bytes
-        view = a.view(10, 100)           # the same storage
-        b = a + 1                        # 4,000 more
+        a = torch.empty(1000)  # 4,000 bytes
+        view = a.view(10, 100)  # the same storage
+        b = a + 1  # 4,000 more
         assert (live.now, live.peak) == (8000, 8000)
         del b
         assert live.now == 4000

@@ -1,6 +1,7 @@
 """launch.train end to end on CPU: the loss falls, resume is exact, accumulation and activation checkpointing
 do not change the numbers, SIGTERM checkpoints and exits 0, and a 4-process run (ZeRO-2, and a resume of its
 checkpoint in one process) matches the single-process run step by step."""
+
 import json
 import os
 import signal
@@ -13,9 +14,9 @@ import pytest
 import torch
 
 import launch.train as T
+import spmd
 from launch.config import load_config
 from launch.data import DataLoader
-import spmd
 from models.llama import Llama, LlamaConfig
 from spmd import checkpoint
 
@@ -36,8 +37,11 @@ def _train(*flags):
 
 
 def _env():
-    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-           "OMP_NUM_THREADS": "1"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        "OMP_NUM_THREADS": "1",
+    }
     return env
 
 
@@ -50,8 +54,22 @@ def test_loss_falls_and_metrics_rows(tmp_path):
     assert rows[-1]["loss"] < rows[0]["loss"] - 1.0
     lines = _jsonl(tmp_path / "m.jsonl")
     assert [r["step"] for r in lines] == list(range(1, 13))
-    assert all(tuple(r) == ("step", "loss", "grad_norm", "lr", "tokens_per_s", "mfu", "step_time_s",
-                            "peak_mem_bytes", "comm_bytes", "skipped_steps") for r in lines)
+    assert all(
+        tuple(r)
+        == (
+            "step",
+            "loss",
+            "grad_norm",
+            "lr",
+            "tokens_per_s",
+            "mfu",
+            "step_time_s",
+            "peak_mem_bytes",
+            "comm_bytes",
+            "skipped_steps",
+        )
+        for r in lines
+    )
     assert lines[0]["lr"] == pytest.approx(1e-3) and lines[0]["comm_bytes"] == 0 and lines[0]["mfu"] > 0
     assert all(r["skipped_steps"] == 0 for r in lines)
 
@@ -80,7 +98,8 @@ def test_grad_accumulation_matches_one_big_batch():
 
 def test_compiled_blocks_track_eager():
     """--compile with --ac selective:2 on the tiny model: block 0 checkpointed (its body compiled, the checkpoint
-    outside), block 1 compiled whole, by inductor. The compiler fuses and reorders fp32 arithmetic, so losses agree to 1e-5, not bit for bit."""
+    outside), block 1 compiled whole, by inductor. The compiler fuses and reorders fp32 arithmetic, so losses agree to
+    1e-5, not bit for bit."""
     eager = _train("--steps", "3", "--ac", "selective:2")
     compiled = _train("--steps", "3", "--ac", "selective:2", "--compile")
     for a, b in zip(eager, compiled):
@@ -97,6 +116,7 @@ def test_low_precision_tracks_fp32(dtype):
 
 def test_init_from_hf(tmp_path):
     from launch.export import export
+
     _train("--steps", "2", "--ckpt-dir", str(tmp_path / "ck"))
     export(str(tmp_path / "ck"), str(tmp_path / "hf"))
     rows = _train("--steps", "1", "--init-from-hf", str(tmp_path / "hf"))
@@ -104,6 +124,7 @@ def test_init_from_hf(tmp_path):
     checkpoint.load(tmp_path / "ck", checkpoint.model_state(model), strict=False)
     from launch.data import token_stream
     from launch.tokenizer import ByteTokenizer
+
     x, y = DataLoader(token_stream("stdlib", ByteTokenizer())[0], 8, 64, seed=0).global_batch(0)
     with torch.no_grad():
         assert rows[0]["loss"] == pytest.approx(float(model(x, y)), rel=1e-6)
@@ -112,9 +133,13 @@ def test_init_from_hf(tmp_path):
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signal_finishes_step_checkpoints_and_exits_0(tmp_path, sig):
     ck, m = tmp_path / "ck", tmp_path / "m.jsonl"
-    proc = subprocess.Popen([sys.executable, "-m", "launch.train", *SMALL, "--steps", "100000", "--ckpt-dir",
-                             str(ck), "--metrics", str(m)], cwd=REPO, env=_env(),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "launch.train", *SMALL, "--steps", "100000", "--ckpt-dir", str(ck), "--metrics", str(m)],
+        cwd=REPO,
+        env=_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     try:
         deadline = time.monotonic() + 120
         while not (m.exists() and len(m.read_text().splitlines()) >= 2):
@@ -131,8 +156,17 @@ def test_signal_finishes_step_checkpoints_and_exits_0(tmp_path, sig):
 
 
 def _torchrun(n, *flags):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n),
-           "-m", "launch.train", *flags]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(n),
+        "-m",
+        "launch.train",
+        *flags,
+    ]
     out = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return out
@@ -143,16 +177,37 @@ def test_four_processes_match_one_and_resume_on_one(tmp_path):
     common = [*SMALL, "--steps", "4"]
     ref = _train("--steps", "4")
     ck, m = tmp_path / "ck", tmp_path / "m.jsonl"
-    _torchrun(4, *common, "--mesh", "fsdp=2,tp=2,sp", "--grad-accum", "2", "--ac", "full", "--ckpt-dir", str(ck),
-              "--ckpt-every", "2", "--metrics", str(m), "--zero", "1")
+    _torchrun(
+        4,
+        *common,
+        "--mesh",
+        "fsdp=2,tp=2,sp",
+        "--grad-accum",
+        "2",
+        "--ac",
+        "full",
+        "--ckpt-dir",
+        str(ck),
+        "--ckpt-every",
+        "2",
+        "--metrics",
+        str(m),
+        "--zero",
+        "1",
+    )
     rows = _jsonl(m)
     # comm_bytes, measured on the first and on the last step, is two micro-batches of explain's plan of the
     # checkpointed ZeRO-1 step, the first under no_sync (no gradient reductions), its optimizer phase once
     # (the reduce-scatter of the gradients backward held, before clipping, and the all-gather of updated
     # shards), plus global-norm clipping's all-reduces of a few scalars each; grad_norm equal to one process's
     # shows the clip saw reduced gradients
-    plan = spmd.explain(Llama(LlamaConfig.preset("tiny")), spmd.Rules.default(sequence_parallel=True, zero=1),
-                        {"fsdp": 2, "tp": 2}, batch_shape=(4, 64), ac="full")
+    plan = spmd.explain(
+        Llama(LlamaConfig.preset("tiny")),
+        spmd.Rules.default(sequence_parallel=True, zero=1),
+        {"fsdp": 2, "tp": 2},
+        batch_shape=(4, 64),
+        ac="full",
+    )
     reductions = sum(c.bytes for c in plan.collectives if c.phase == "backward" and "gradient" in c.reason)
     assert plan.comm_bytes("optimizer") > 0
     expected = 2 * plan.comm_bytes() - plan.comm_bytes("optimizer") - reductions
@@ -174,8 +229,22 @@ def test_pipeline_run_matches_one_process_and_its_checkpoint_resumes_without_pp(
     common = [*SMALL, "--steps", "4"]
     ref = _train("--steps", "4")
     ck, m = tmp_path / "ck", tmp_path / "m.jsonl"
-    _torchrun(4, *common, "--mesh", "pp=2,fsdp=2", "--pp-schedule", "gpipe", "--microbatches", "2",
-              "--ckpt-dir", str(ck), "--ckpt-every", "2", "--metrics", str(m))
+    _torchrun(
+        4,
+        *common,
+        "--mesh",
+        "pp=2,fsdp=2",
+        "--pp-schedule",
+        "gpipe",
+        "--microbatches",
+        "2",
+        "--ckpt-dir",
+        str(ck),
+        "--ckpt-every",
+        "2",
+        "--metrics",
+        str(m),
+    )
     rows = _jsonl(m)
     for a, b in zip(ref, rows):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
@@ -217,6 +286,7 @@ def test_bad_input_exits_2_with_the_fix(capsys):
 def _set_loss_scale(step_dir: Path, scale: float) -> None:
     """Rewrites a checkpoint's loss scale, and meta.json's record in its index so that it still verifies."""
     from spmd.checkpoint.verify import file_record
+
     meta = json.loads((step_dir / "meta.json").read_text())
     meta["loss_scale"]["scale"] = scale
     (step_dir / "meta.json").write_text(json.dumps(meta))
@@ -227,6 +297,7 @@ def _set_loss_scale(step_dir: Path, scale: float) -> None:
 
 def _tensors(step_dir: Path) -> dict:
     from safetensors.torch import load_file
+
     return {(f.name, k): v for f in sorted(step_dir.glob("*.safetensors")) for k, v in load_file(f).items()}
 
 
@@ -238,17 +309,28 @@ def test_fp16_on_four_processes_skips_an_overflowing_step_on_every_rank(tmp_path
     AdamW states are the step-1 checkpoint's bit for bit. Step 1's loss tracks the fp32 one-process run within
     1e-2 (fp16 keeps 11 bits). Kills a scale that does not back off after an overflow (tests/mutants.py)."""
     ck, m = tmp_path / "ck", tmp_path / "m.jsonl"
-    common = [*SMALL, "--mesh", "fsdp=2,tp=2", "--dtype", "fp16", "--ckpt-dir", str(ck), "--ckpt-every", "1",
-              "--metrics", str(m)]
+    common = [
+        *SMALL,
+        "--mesh",
+        "fsdp=2,tp=2",
+        "--dtype",
+        "fp16",
+        "--ckpt-dir",
+        str(ck),
+        "--ckpt-every",
+        "1",
+        "--metrics",
+        str(m),
+    ]
     _torchrun(4, *common, "--steps", "1")
     first = _jsonl(m)[-1]
     assert first["skipped_steps"] == 0
     assert first["loss"] == pytest.approx(_train("--steps", "1")[0]["loss"], rel=1e-2)
-    _set_loss_scale(ck / "step-1", 2.0 ** 40)
+    _set_loss_scale(ck / "step-1", 2.0**40)
     _torchrun(4, *common, "--steps", "2", "--resume")
     row = _jsonl(m)[-1]
     assert row["step"] == 2 and row["skipped_steps"] == 1, row
-    assert checkpoint.read_meta(ck / "step-2")["loss_scale"]["scale"] == 2.0 ** 39
+    assert checkpoint.read_meta(ck / "step-2")["loss_scale"]["scale"] == 2.0**39
     before, after = _tensors(ck / "step-1"), _tensors(ck / "step-2")
     assert before.keys() == after.keys() and len({f for f, _ in before}) >= 4, sorted({f for f, _ in before})
     changed = [k for k in before if not torch.equal(before[k], after[k])]

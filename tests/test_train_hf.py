@@ -1,6 +1,7 @@
 """`launch.train --model hf:DIR`: a transformers model from a local directory trains on a mesh like one
 process does, from config.json alone or from its weights, and its checkpoint exports to a directory
 transformers loads with the same logits. Nothing is downloaded."""
+
 import pytest
 import torch
 
@@ -14,9 +15,17 @@ transformers = pytest.importorskip("transformers")
 
 
 def _tiny_llama_dir(path, weights: bool):
-    config = transformers.LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                                      bos_token_id=0, eos_token_id=0)
+    config = transformers.LlamaConfig(
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     if weights:
         torch.manual_seed(7)
         transformers.LlamaForCausalLM(config).save_pretrained(path)
@@ -26,8 +35,9 @@ def _tiny_llama_dir(path, weights: bool):
 
 
 def test_config_alone_builds_a_fresh_model_and_the_loss_falls(tmp_path):
-    rows = T.train(load_config([*SMALL, "--model", f"hf:{_tiny_llama_dir(tmp_path / 'cfg', False)}",
-                                "--steps", "12"]), log=False)
+    rows = T.train(
+        load_config([*SMALL, "--model", f"hf:{_tiny_llama_dir(tmp_path / 'cfg', False)}", "--steps", "12"]), log=False
+    )
     assert rows[-1]["loss"] < rows[0]["loss"] - 1.0
 
 
@@ -57,8 +67,12 @@ def test_four_processes_match_one_and_the_export_loads_into_transformers(tmp_pat
             p.copy_(checkpoint.read_full(step, "model." + name))
         tokens = torch.randint(0, 320, (2, 24), generator=torch.Generator().manual_seed(3))
         torch.testing.assert_close(loaded(tokens).logits, trained(tokens).logits, rtol=0, atol=0)
-        assert not torch.equal(trained(tokens).logits, transformers.AutoModelForCausalLM.from_pretrained(
-            hf_dir, local_files_only=True, dtype=torch.float32)(tokens).logits)  # it did train
+        assert not torch.equal(
+            trained(tokens).logits,
+            transformers.AutoModelForCausalLM.from_pretrained(hf_dir, local_files_only=True, dtype=torch.float32)(
+                tokens
+            ).logits,
+        )  # it did train
 
 
 def test_explain_plans_an_hf_directory_with_no_implicit_collective(tmp_path):
@@ -66,9 +80,9 @@ def test_explain_plans_an_hf_directory_with_no_implicit_collective(tmp_path):
     world: the pass decides every collective; DTensor inserts none on its own."""
     import models
     import spmd
+
     model = models.preset(f"hf:{_tiny_llama_dir(tmp_path / 'cfg', False)}").build()
-    plan = spmd.explain(model, spmd.Rules.default(sequence_parallel=True), {"fsdp": 2, "tp": 2},
-                        batch_shape=(4, 32))
+    plan = spmd.explain(model, spmd.Rules.default(sequence_parallel=True), {"fsdp": 2, "tp": 2}, batch_shape=(4, 32))
     assert plan.comm_bytes() > 0
     assert not [c for c in plan.collectives if c.origin == "implicit"]
 
@@ -77,40 +91,58 @@ def test_init_from_hf_loads_a_directory_into_an_hf_model(tmp_path):
     """`--model hf:B --init-from-hf A` starts from A's weights: its first loss is that of `--model hf:A`
     (bit for bit: the same weights, data and seed), not that of B's own initialisation."""
     weights, fresh = _tiny_llama_dir(tmp_path / "a", True), _tiny_llama_dir(tmp_path / "b", False)
-    first = {name: T.train(load_config([*SMALL, "--steps", "1", *args]), log=False)[0]["loss"] for name, args in {
-        "a": ["--model", f"hf:{weights}"], "b": ["--model", f"hf:{fresh}"],
-        "b from a": ["--model", f"hf:{fresh}", "--init-from-hf", str(weights)]}.items()}
+    first = {
+        name: T.train(load_config([*SMALL, "--steps", "1", *args]), log=False)[0]["loss"]
+        for name, args in {
+            "a": ["--model", f"hf:{weights}"],
+            "b": ["--model", f"hf:{fresh}"],
+            "b from a": ["--model", f"hf:{fresh}", "--init-from-hf", str(weights)],
+        }.items()
+    }
     assert first["b from a"] == first["a"] and first["b"] != first["a"]
 
 
 def test_init_from_hf_of_another_architecture_is_a_config_error(tmp_path):
     fresh = _tiny_llama_dir(tmp_path / "b", False)
     gpt2 = tmp_path / "gpt2"
-    transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=320, n_embd=64, n_layer=2, n_head=4)
-                                 ).save_pretrained(gpt2)
+    transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(vocab_size=320, n_embd=64, n_layer=2, n_head=4)
+    ).save_pretrained(gpt2)
     wider = tmp_path / "wider"
-    transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=320, hidden_size=128, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=128)).save_pretrained(wider)
-    for source, message in [(gpt2, "holds a 'gpt2' model but --model hf:.* is 'llama'; pass a directory of the same"),
-                            (wider, r"do not fit --model hf:.*model\.embed_tokens\.weight \(320, 128\) \(model \(320, 64\)\)"),
-                            (tmp_path / "none", "needs config.json and \\*.safetensors")]:
+    transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            vocab_size=320,
+            hidden_size=128,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=128,
+        )
+    ).save_pretrained(wider)
+    for source, message in [
+        (gpt2, "holds a 'gpt2' model but --model hf:.* is 'llama'; pass a directory of the same"),
+        (wider, r"do not fit --model hf:.*model\.embed_tokens\.weight \(320, 128\) \(model \(320, 64\)\)"),
+        (tmp_path / "none", "needs config.json and \\*.safetensors"),
+    ]:
         cfg = load_config([*SMALL, "--model", f"hf:{fresh}", "--init-from-hf", str(source)])
         with pytest.raises(ValueError, match=message):
             cfg.validate(4, cfg.model_config())
 
 
 def _loads_slices(rank, world, model_dir, weights_dir):
+    from safetensors.torch import load_file
+
     import models
     import spmd
-    from safetensors.torch import load_file
     from launch.hf import load_hf
+
     model = models.preset(f"hf:{model_dir}").build()
     spmd.parallelize(model, spmd.make_mesh({"fsdp": 2, "tp": 2}), spmd.Rules.default(sequence_parallel=True))
     load_hf(model, weights_dir)
     expected = load_file(f"{weights_dir}/model.safetensors")
     state = checkpoint.model_state(model)
-    assert set(state) == set(expected), (set(state) ^ set(expected))
+    assert set(state) == set(expected), set(state) ^ set(expected)
     for name, t in state.items():
         assert t.ndim == 1 or any(p.is_shard() for p in t.placements), (name, t.placements)  # slices, not copies
         assert torch.equal(t.full_tensor(), expected[name]), name
@@ -120,6 +152,7 @@ def test_init_from_hf_reads_each_ranks_slices_on_fsdp_and_tp(tmp_path):
     """On fsdp=2 x tp=2, `load_hf` fills transformers' model (laid out by the pass) with exactly the
     directory's tensors."""
     from tests.dist_utils import run_distributed
+
     weights, fresh = _tiny_llama_dir(tmp_path / "a", True), _tiny_llama_dir(tmp_path / "b", False)
     run_distributed(_loads_slices, 4, str(fresh), str(weights), timeout_s=120)
 
@@ -130,8 +163,9 @@ def test_pipeline_parallel_validates_for_hf_models_and_zbv_with_a_tied_head_does
     cfg.validate(4, cfg.model_config())
     gpt2 = tmp_path / "gpt2"  # GPT-2's head is its embedding: the first and last stage both hold it
     transformers.GPT2Config(vocab_size=320, n_embd=64, n_layer=4, n_head=4).save_pretrained(gpt2)
-    cfg = load_config([*SMALL, "--model", f"hf:{gpt2}", "--mesh", "pp=2,fsdp=2", "--pp-schedule", "zbv",
-                       "--virtual-stages", "2"])
+    cfg = load_config(
+        [*SMALL, "--model", f"hf:{gpt2}", "--mesh", "pp=2,fsdp=2", "--pp-schedule", "zbv", "--virtual-stages", "2"]
+    )
     with pytest.raises(ValueError, match="zbv puts the first and last stage on one rank, which a tied head"):
         cfg.validate(4, cfg.model_config())
 
@@ -147,10 +181,14 @@ def test_attention_dropout_on_a_cpu_mesh_is_a_config_error(tmp_path):
 
 def test_init_from_hf_alone_of_an_unregistered_family_points_to_model_hf(tmp_path):
     from launch.hf import config_from_hf
+
     gpt2 = tmp_path / "gpt2"
     transformers.GPT2Config(vocab_size=320, n_embd=64, n_layer=2, n_head=4).save_pretrained(gpt2)
-    with pytest.raises(ValueError, match=rf"no registered model has model_type 'gpt2' .*--model hf:{gpt2}, or "
-                                         rf"--model hf:DIR2 --init-from-hf {gpt2}"):
+    with pytest.raises(
+        ValueError,
+        match=rf"no registered model has model_type 'gpt2' .*--model hf:{gpt2}, or "
+        rf"--model hf:DIR2 --init-from-hf {gpt2}",
+    ):
         config_from_hf(gpt2)
 
 
@@ -166,8 +204,15 @@ def test_context_parallel_validates_for_hf_models_but_not_with_pp_or_windows(tmp
     with pytest.raises(ValueError, match="pp with cp is not supported for hf: models yet.*use a mesh without pp"):
         cfg.validate(4, cfg.model_config())
     mistral = tmp_path / "mistral"
-    transformers.MistralConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                               num_attention_heads=4, num_key_value_heads=2, sliding_window=32).save_pretrained(mistral)
+    transformers.MistralConfig(
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        sliding_window=32,
+    ).save_pretrained(mistral)
     cfg = load_config([*SMALL, "--model", f"hf:{mistral}", "--mesh", "fsdp=2,cp=2"])
     with pytest.raises(ValueError, match=r"attention within windows \{'sliding_window': 32\}.*use a mesh without cp"):
         cfg.validate(4, cfg.model_config())

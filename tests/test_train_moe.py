@@ -1,6 +1,7 @@
 """launch.train on the mixture of experts: `--model moe-tiny --mesh fsdp=2,ep=2` on 4 processes trains step for
 step as one process does (loss within 1e-5 relative, router load identical), its loss falls, its metrics
 carry the router load, and its checkpoint loads in one process (ep=1) with the one-process run's logits."""
+
 import pytest
 import torch
 
@@ -21,8 +22,17 @@ def _logits(ckpt_dir, tokens):
 @pytest.mark.slow
 def test_expert_parallel_run_trains_like_one_process_and_loads_at_ep1(tmp_path):
     one = _train(*STEPS, "--ckpt-dir", str(tmp_path / "one"))
-    _torchrun(4, *SMALL, *STEPS, "--mesh", "fsdp=2,ep=2", "--ckpt-dir", str(tmp_path / "ep"),
-              "--metrics", str(tmp_path / "m.jsonl"))
+    _torchrun(
+        4,
+        *SMALL,
+        *STEPS,
+        "--mesh",
+        "fsdp=2,ep=2",
+        "--ckpt-dir",
+        str(tmp_path / "ep"),
+        "--metrics",
+        str(tmp_path / "m.jsonl"),
+    )
     rows = _jsonl(tmp_path / "m.jsonl")
     assert rows[-1]["loss"] < rows[0]["loss"] - 0.5, [r["loss"] for r in rows]
     tokens_per_step = 8 * 64 * models.preset("moe-tiny").top_k

@@ -1,6 +1,7 @@
 """launch.train --optimizer muon: one process trains with spmd.Muon at --muon-lr on the matrices and AdamW at
 --lr on the rest (the schedule keeps their ratio), its checkpoint resumes exactly, and bad combinations are
 refused with the fix. The numerics on sharded meshes are tests/test_muon.py's."""
+
 import pytest
 
 import launch.train as T
@@ -39,11 +40,14 @@ def test_muon_trains_and_resumes_exactly(tmp_path, monkeypatch):
     assert [r["loss"] for r in resumed] == [r["loss"] for r in straight[2:]]
 
 
-@pytest.mark.parametrize("flags,world,match", [
-    (["--mesh", "pp=2,fsdp=2"], 4, "--optimizer muon exchanges whole matrices over the whole mesh"),
-    (["--offload", "optimizer", "--zero", "1"], 4, "leave --offload out, or use --optimizer adamw"),
-    (["--muon-lr", "0"], 1, "--muon-lr must be positive"),
-])
+@pytest.mark.parametrize(
+    "flags,world,match",
+    [
+        (["--mesh", "pp=2,fsdp=2"], 4, "--optimizer muon exchanges whole matrices over the whole mesh"),
+        (["--offload", "optimizer", "--zero", "1"], 4, "leave --offload out, or use --optimizer adamw"),
+        (["--muon-lr", "0"], 1, "--muon-lr must be positive"),
+    ],
+)
 def test_muon_refusals_name_the_fix(flags, world, match):
     with pytest.raises(ValueError, match=match):
         load_config(SMALL + flags).validate(world)

@@ -5,6 +5,7 @@ change training; the held-out split is disjoint from every window training reads
 One 4-process gloo launch trains the three specs one after the other (the trainer joins the launch's
 process group); the one-process references run in the test process.
 """
+
 import json
 import math
 from pathlib import Path
@@ -26,11 +27,25 @@ from spmd import checkpoint
 from tests.test_train import _isolated  # noqa: F401  (an autouse fixture: no peak-FLOP measurement, own cache)
 
 B, S, K = 8, 64, 2  # batch, sequence length, validation batches
-COMMON = ["--batch-size", str(B), "--seq-len", str(S), "--warmup", "3", "--lr", "3e-3", "--steps", "2",
-          "--val-batches", str(K)]
-SPECS = {"fsdp2_tp2_sp": ["--mesh", "fsdp=2,tp=2,sp", "--grad-accum", "2"],
-         "pp2_fsdp2": ["--mesh", "pp=2,fsdp=2", "--pp-schedule", "1f1b", "--microbatches", "2"],
-         "fsdp2_cp2": ["--mesh", "fsdp=2,cp=2"]}
+COMMON = [
+    "--batch-size",
+    str(B),
+    "--seq-len",
+    str(S),
+    "--warmup",
+    "3",
+    "--lr",
+    "3e-3",
+    "--steps",
+    "2",
+    "--val-batches",
+    str(K),
+]
+SPECS = {
+    "fsdp2_tp2_sp": ["--mesh", "fsdp=2,tp=2,sp", "--grad-accum", "2"],
+    "pp2_fsdp2": ["--mesh", "pp=2,fsdp=2", "--pp-schedule", "1f1b", "--microbatches", "2"],
+    "fsdp2_cp2": ["--mesh", "fsdp=2,cp=2"],
+}
 
 
 @pytest.fixture
@@ -53,8 +68,8 @@ def _plain_val_loss(ckpt: Path, corpus: Path) -> float:
     model = Llama(LlamaConfig.preset("tiny"))
     checkpoint.load(ckpt, checkpoint.model_state(model), strict=False)
     tokens = np.asarray(token_stream(str(corpus), ByteTokenizer())[0], dtype=np.int64)
-    tail = tokens[len(tokens) - max(math.ceil(len(tokens) / 100), K * B * S + 1):]
-    windows = torch.from_numpy(np.stack([tail[i * S:i * S + S + 1] for i in range(K * B)]))
+    tail = tokens[len(tokens) - max(math.ceil(len(tokens) / 100), K * B * S + 1) :]
+    windows = torch.from_numpy(np.stack([tail[i * S : i * S + S + 1] for i in range(K * B)]))
     model.eval()
     with torch.no_grad():
         return float(model(windows[:, :-1], windows[:, 1:]))
@@ -63,8 +78,23 @@ def _plain_val_loss(ckpt: Path, corpus: Path) -> float:
 def _train_specs(rank, world, corpus, root):
     T.peak_flops = lambda dtype, device: (1e11, "test")  # the workers do not see the test's monkeypatch
     for name, flags in SPECS.items():
-        T.train(load_config([*COMMON, *flags, "--data", corpus, "--val-every", "1", "--metrics",
-                             f"{root}/{name}.jsonl", "--ckpt-dir", f"{root}/{name}"]), log=False)
+        T.train(
+            load_config(
+                [
+                    *COMMON,
+                    *flags,
+                    "--data",
+                    corpus,
+                    "--val-every",
+                    "1",
+                    "--metrics",
+                    f"{root}/{name}.jsonl",
+                    "--ckpt-dir",
+                    f"{root}/{name}",
+                ]
+            ),
+            log=False,
+        )
 
 
 @pytest.mark.slow
@@ -77,8 +107,10 @@ def test_validation_on_every_spec_equals_plain_pytorch_and_leaves_training_alone
     test_held_out_split_is_disjoint_from_training); the pipeline evaluating with `pipe.step`
     (forward and backward: gradients leak into step 2's update, and its val_loss moves by 7e-3)."""
     run_distributed(_train_specs, 4, str(corpus), str(tmp_path), timeout_s=600)
-    ref = T.train(load_config([*COMMON, "--data", str(corpus), "--val-every", "100", "--ckpt-dir",
-                               str(tmp_path / "one")]), log=False)
+    ref = T.train(
+        load_config([*COMMON, "--data", str(corpus), "--val-every", "100", "--ckpt-dir", str(tmp_path / "one")]),
+        log=False,
+    )
     assert [("val_loss" in r) for r in ref] == [False, True]
     assert ref[-1]["val_loss"] == pytest.approx(_plain_val_loss(tmp_path / "one", corpus), rel=1e-6)
     for name in SPECS:
@@ -110,7 +142,7 @@ def test_held_out_split_is_disjoint_from_training(corpus):
     stream = np.asarray(token_stream(str(corpus), ByteTokenizer())[0], dtype=np.int64)
     for k in range(K):
         rows = torch.cat([v.micro_batches(k)[0][0] for _, _, v in ranks])  # rank 0's rows, then rank 1's
-        expect = np.stack([stream[lo + (k * B + i) * S:lo + (k * B + i) * S + S] for i in range(B)])
+        expect = np.stack([stream[lo + (k * B + i) * S : lo + (k * B + i) * S + S] for i in range(B)])
         assert torch.equal(rows, torch.from_numpy(expect))
     apart = load_config([*COMMON, "--data", str(corpus), "--val-every", "1", "--val-data", str(corpus)])
     loader, _, val = build_loaders(apart, 0, 1, 512)
@@ -128,18 +160,26 @@ def test_rows_of_validation_steps_are_written_and_plotted(tmp_path, corpus):
     out = tmp_path / "run.jsonl"
     log = MetricsLogger(5, 64, 10, 1e9, 1, jsonl=str(out), log_every=2, console=False)
     logged = []  # what TensorBoard's add_scalar and W&B's log receive: (tag, step)
-    log.tb = type("Writer", (), {"add_scalar": lambda _, tag, v, step: logged.append(("tb", tag, step)),
-                                 "close": lambda _: None})()
-    log.wandb = type("Run", (), {"log": lambda _, row, step: logged.extend(("wandb", k, step) for k in row),
-                                 "finish": lambda _: None})()
+    log.tb = type(
+        "Writer", (), {"add_scalar": lambda _, tag, v, step: logged.append(("tb", tag, step)), "close": lambda _: None}
+    )()
+    log.wandb = type(
+        "Run",
+        (),
+        {"log": lambda _, row, step: logged.extend(("wandb", k, step) for k in row), "finish": lambda _: None},
+    )()
     for step in range(1, 6):
         val = {"val_loss": 4.0 - step / 2, "val_perplexity": math.exp(4.0 - step / 2)} if step in (3, 5) else {}
         log.record(step, 5.0 - step / 2, 1.0, 1e-3, 0.1, 0, 0, extra=val)
     log.close()
     assert [(r["step"], "val_loss" in r) for r in _jsonl(out)] == [(2, False), (3, True), (4, False), (5, True)]
     for sink in ("tb", "wandb"):
-        assert [(tag, step) for s, tag, step in logged if s == sink and tag.startswith("val")] == \
-            [("val_loss", 3), ("val_perplexity", 3), ("val_loss", 5), ("val_perplexity", 5)]
+        assert [(tag, step) for s, tag, step in logged if s == sink and tag.startswith("val")] == [
+            ("val_loss", 3),
+            ("val_perplexity", 3),
+            ("val_loss", 5),
+            ("val_perplexity", 5),
+        ]
         assert (sink, "train/loss", 3) in logged
     fig = plot.draw({"run.jsonl": plot.read_metrics(out)})
     lines = fig.axes[0].get_lines()
@@ -149,9 +189,11 @@ def test_rows_of_validation_steps_are_written_and_plotted(tmp_path, corpus):
 
 
 def test_bad_values_are_refused_with_the_fix(tmp_path, corpus):
-    for flags, message in [(["--val-every", "-1"], "--val-every must be >= 0"),
-                           (["--val-every", "1", "--val-batches", "0"], "--val-batches must be >= 1"),
-                           (["--val-data", str(corpus)], "is never read without --val-every N; add --val-every")]:
+    for flags, message in [
+        (["--val-every", "-1"], "--val-every must be >= 0"),
+        (["--val-every", "1", "--val-batches", "0"], "--val-batches must be >= 1"),
+        (["--val-data", str(corpus)], "is never read without --val-every N; add --val-every"),
+    ]:
         with pytest.raises(ValueError, match=message):
             load_config(flags).validate(1)
     toml = tmp_path / "v.toml"

@@ -1,14 +1,15 @@
 """Vocab-parallel cross-entropy on gloo CPU process groups against single-process F.cross_entropy."""
+
 import pytest
 import torch
 import torch.nn.functional as F
+from dist_utils import run_distributed
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.debug import CommDebugMode
 
 import kernels
 from spmd.layout.mesh import flatten_groups
-from dist_utils import run_distributed
 
 IGNORE = -100
 

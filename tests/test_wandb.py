@@ -1,5 +1,6 @@
 """--wandb: the flag reaches the config, a missing package is a clear error, and with no WANDB_MODE set the
 run is written offline (no network needed) with the metrics rows in it."""
+
 import os
 import sys
 import time
@@ -11,8 +12,17 @@ from launch.metrics import MetricsLogger
 
 
 def _logger(tmp_path, **kw):
-    return MetricsLogger(total_steps=2, tokens_per_step=64, flops_per_token=10, peak=1e9, n_devices=1,
-                         console=False, wandb="spmd-test", run_config={"model": "tiny"}, **kw)
+    return MetricsLogger(
+        total_steps=2,
+        tokens_per_step=64,
+        flops_per_token=10,
+        peak=1e9,
+        n_devices=1,
+        console=False,
+        wandb="spmd-test",
+        run_config={"model": "tiny"},
+        **kw,
+    )
 
 
 def test_flag_parses():

@@ -9,19 +9,20 @@ on the wire per phase and collective kind, exactly, which also equal the referen
 Ψ' = 4Ψ(n-1)/n bytes (ring convention): data parallel (zero=0) all-reduce 2Ψ'; stage 1 2Ψ', all in the
 step: backward leaves the gradients whole and unreduced, and spmd.reduce_gradients (before the step, where
 the trainer clips) reduce-scatters them into the optimizer's shards (Ψ'), in flat buffers: one collective
-per mesh axis, before the all-gather of updated shards (Ψ', one flat buffer); with two accumulated micro-batches (dp=2,fsdp=2) that reduction still runs once per step, as
-planned; stage 2 reduce-scatter Ψ' in backward + all-gather Ψ'; stage 3 all-gather Ψ' forward, the regather of every weight but the
-embedding's backward, reduce-scatter Ψ' (0 as planned; real runs of it: test_plan_matches_run.py).
-With `offload="optimizer"` (stage 3 on fsdp=4, stage 1 on fsdp=2,tp=2,sp, and stage 2 with no_sync
-accumulation on dp=2,fsdp=2) every master, its gradient and AdamW's moments are copies in host memory
-(pinned when there is a CUDA device; on this CPU-only machine host memory is the device), the plan's host
-bytes equal them, and the numbers equal one process the same. With bf16 parameters and reduction and the
+per mesh axis, before the all-gather of updated shards (Ψ', one flat buffer); with two accumulated micro-batches
+(dp=2,fsdp=2) that reduction still runs once per step, as planned; stage 2 reduce-scatter Ψ' in backward + all-gather
+Ψ'; stage 3 all-gather Ψ' forward, the regather of every weight but the embedding's backward, reduce-scatter Ψ' (0 as
+planned; real runs of it: test_plan_matches_run.py). With `offload="optimizer"` (stage 3 on fsdp=4, stage 1 on
+fsdp=2,tp=2,sp, and stage 2 with no_sync accumulation on dp=2,fsdp=2) every master, its gradient and AdamW's moments are
+copies in host memory (pinned when there is a CUDA device; on this CPU-only machine host memory is the device), the
+plan's host bytes equal them, and the numbers equal one process the same. With bf16 parameters and reduction and the
 fp32 master in the optimizer (`master="optimizer"`, stage 2), the bytes equal the plan's and 3 steps track
 fp32 one-process training within BF16_TOL. With `offload="nvme:DIR"` (stage 2 on dp=2,fsdp=2) the masters
 and moments are memory-mapped files under DIR that hold their values, counted by the plan as NVMe bytes,
 and the numbers equal one process; on a wider model the step streams that state, one parameter's resident
 at a time (tests/zero_offload.py). A stage-1 checkpoint loads into stage 3.
 """
+
 import collections
 import contextlib
 
@@ -38,10 +39,18 @@ TOL = 1e-5
 # bf16 parameters and gradients against fp32 one-process training: Adam normalises each gradient element, so
 # bf16 gradient rounding moves small elements' updates; measured after 3 steps: at most 1.0e-2 (attention wo)
 BF16_TOL = 2e-2
-RUNS = [("fsdp=4", 1, None), ("fsdp=4", 2, None), ("dp=2,fsdp=2", 1, None), ("dp=2,fsdp=2", 2, None),
-        ("fsdp=2,tp=2,sp", 1, None), ("fsdp=2,tp=2,sp", 2, None),  # stage 3: test_spmd_numerics.py (default rules)
-        ("fsdp=4", 3, "optimizer"), ("fsdp=2,tp=2,sp", 1, "optimizer"), ("dp=2,fsdp=2", 2, "nvme:"),
-        ("fsdp=4", 3, "params")]
+RUNS = [
+    ("fsdp=4", 1, None),
+    ("fsdp=4", 2, None),
+    ("dp=2,fsdp=2", 1, None),
+    ("dp=2,fsdp=2", 2, None),
+    ("fsdp=2,tp=2,sp", 1, None),
+    ("fsdp=2,tp=2,sp", 2, None),  # stage 3: test_spmd_numerics.py (default rules)
+    ("fsdp=4", 3, "optimizer"),
+    ("fsdp=2,tp=2,sp", 1, "optimizer"),
+    ("dp=2,fsdp=2", 2, "nvme:"),
+    ("fsdp=4", 3, "params"),
+]
 ACCUMULATE = {("dp=2,fsdp=2", 1, None)}  # two micro-batches: stage 1's backward moves nothing, the step reduces once
 
 
@@ -95,16 +104,19 @@ def _measured_memory(model, opt, grads: int, offload) -> dict:
             assert _storage(m) != _storage(p) and _storage(m.grad) != _storage(p.grad if p.grad is not None else p)
             grads_out += _local_nbytes(m.grad)
         if offload and offload.startswith("nvme:"):
-            _check_in_files(m, opt.state[m], offload[len("nvme:"):])
+            _check_in_files(m, opt.state[m], offload[len("nvme:") :])
             assert m.grad is None and _storage(m) != _storage(p)  # the streamed step dropped its copy
-    got = {"parameters": sum(_local_nbytes(p) for p in model.parameters()), "gradients": grads,
-           "optimizer": 0 if offload else states + masters}
+    got = {
+        "parameters": sum(_local_nbytes(p) for p in model.parameters()),
+        "gradients": grads,
+        "optimizer": 0 if offload else states + masters,
+    }
     if offload == "params":
         got.update(params_on_host(model, opt, {**got, "optimizer": states + masters}))
     elif offload == "optimizer":
         got.update({"gradients_host": grads_out, "optimizer_host": states + masters})
     elif offload:
-        got.update(nvme_memory(opt, offload[len("nvme:"):]))
+        got.update(nvme_memory(opt, offload[len("nvme:") :]))
     return got
 
 
@@ -165,8 +177,9 @@ def _train(spec, zero, offload, planned, reference, accumulate=False):
             measured = _comm([c for c in recorder.records if c.origin == "planned"])
             assert measured == comm, f"{spec} zero={zero}: measured {measured}, plan {comm}"
             if zero == 1:  # the step's reductions in flat buffers: one collective per mesh axis and kind
-                reductions = collections.Counter((c.kind, c.axes) for c in recorder.records
-                                                 if c.phase == "optimizer" and c.kind != "all_gather")
+                reductions = collections.Counter(
+                    (c.kind, c.axes) for c in recorder.records if c.phase == "optimizer" and c.kind != "all_gather"
+                )
                 if torch.distributed.get_rank() == 0:
                     print(f"{spec} zero=1 step reductions: {dict(reductions)}")
                 assert reductions and set(reductions.values()) == {1}, (spec, reductions)
@@ -199,8 +212,14 @@ def _bf16_master_in_optimizer(planned, reference):
     """bf16 parameters and bf16 gradient reduction, the fp32 master with AdamW's moments (stage 2, fsdp=4):
     the bytes equal the plan's exactly, and 3 steps track fp32 one-process training within BF16_TOL."""
     sizes, rules = _rules("fsdp=4", 2)
-    model = spmd.parallelize(tiny_model(), spmd.make_mesh(sizes), rules, param_dtype=torch.bfloat16,
-                             reduce_dtype=torch.bfloat16, master="optimizer")
+    model = spmd.parallelize(
+        tiny_model(),
+        spmd.make_mesh(sizes),
+        rules,
+        param_dtype=torch.bfloat16,
+        reduce_dtype=torch.bfloat16,
+        master="optimizer",
+    )
     opt = spmd.shard_optimizer(model, torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1))
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     assert {m.dtype for _, m in _masters(opt)} == {torch.float32}
@@ -230,8 +249,10 @@ def _stage1_checkpoint_loads_into_stage3(model, opt, tmp):
     checkpoint.load(tmp, checkpoint.model_state(other), checkpoint.optim_state(other, other_opt, init=True))
     saved, loaded = checkpoint.optim_state(model, opt), checkpoint.optim_state(other, other_opt)
     for name, t in saved.items():
-        assert torch.equal(loaded[name].full_tensor() if hasattr(loaded[name], "full_tensor") else loaded[name],
-                           t.full_tensor() if hasattr(t, "full_tensor") else t), name
+        assert torch.equal(
+            loaded[name].full_tensor() if hasattr(loaded[name], "full_tensor") else loaded[name],
+            t.full_tensor() if hasattr(t, "full_tensor") else t,
+        ), name
     for (name, p), q in zip(model.named_parameters(), other.parameters()):
         assert torch.equal(p.full_tensor(), q.full_tensor()), name
 
@@ -241,7 +262,9 @@ def _uneven_step_reduction():
     shards two dims over dp and fsdp, equals DTensor's redistribute of each within 1e-6 (sums of 4 normal
     values; gloo may add them in another order for another buffer size)."""
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
     from spmd.runtime.gradients.step_reduce import reduce_all_to
+
     mesh = spmd.make_mesh({"dp": 2, "fsdp": 2})
     torch.manual_seed(torch.distributed.get_rank())
     shapes = [(5, 3), (7,), (3, 9), (1, 4), (6, 6)]
@@ -257,7 +280,9 @@ def _uneven_gather():
     """The all-gather of updated shards in one flat buffer, for chunks that differ in size (one empty) along
     different dims, gives back each whole tensor exactly (gathers copy)."""
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
     from spmd.runtime import collectives
+
     mesh = spmd.make_mesh({"dp": 2, "fsdp": 2})
     torch.manual_seed(0)
     wholes = [torch.randn(s) for s in [(5, 3), (7,), (3, 9), (1, 4)]]
@@ -283,19 +308,25 @@ def _all_runs(rank, world, plans, bf16_plan, reference, wide, tmp):
 @pytest.mark.slow
 def test_zero_stages_match_one_device_and_their_plans(tmp_path):
     plans = [_plan(spec, zero, _in(offload, str(tmp_path))) for spec, zero, offload in RUNS]
-    by_stage = {zero: comm for (spec, zero, offload), (_, comm) in zip(RUNS, plans)
-                if spec == "fsdp=4" and offload != "params"}
+    by_stage = {
+        zero: comm for (spec, zero, offload), (_, comm) in zip(RUNS, plans) if spec == "fsdp=4" and offload != "params"
+    }
     params_offload = plans[RUNS.index(("fsdp=4", 3, "params"))][1]
     by_stage[0] = _plan("fsdp=4", 0)[1]
     psi = 4 * sum(p.numel() for p in tiny_model().parameters())
     ring = psi * 3 // 4
     # the parameters outside the blocks (the root unit) stay gathered from forward to backward, as FSDP2's root
     root = 4 * sum(p.numel() for n, p in tiny_model().named_parameters() if not n.startswith("layers.")) * 3 // 4
-    formulas = {0: {("backward", "all_reduce"): 2 * ring},
-                1: {("optimizer", "reduce_scatter"): ring, ("optimizer", "all_gather"): ring},
-                2: {("backward", "reduce_scatter"): ring, ("optimizer", "all_gather"): ring},
-                3: {("forward", "all_gather"): ring, ("backward", "all_gather"): ring - root,
-                    ("backward", "reduce_scatter"): ring}}
+    formulas = {
+        0: {("backward", "all_reduce"): 2 * ring},
+        1: {("optimizer", "reduce_scatter"): ring, ("optimizer", "all_gather"): ring},
+        2: {("backward", "reduce_scatter"): ring, ("optimizer", "all_gather"): ring},
+        3: {
+            ("forward", "all_gather"): ring,
+            ("backward", "all_gather"): ring - root,
+            ("backward", "reduce_scatter"): ring,
+        },
+    }
     for zero, comm in sorted(by_stage.items()):
         print(f"zero={zero}: planned {comm}, formula {formulas[zero]}, total/Ψ' {sum(comm.values()) / ring:.4f}")
         assert comm == formulas[zero], (zero, comm)
@@ -304,6 +335,13 @@ def test_zero_stages_match_one_device_and_their_plans(tmp_path):
     embedding = 4 * tiny_model().tok_embeddings.weight.numel() * 3 // 4
     assert params_offload == formulas[3] | {("backward", "all_gather"): ring - embedding}, params_offload
     sizes, rules = _rules("fsdp=4", 2)
-    bf16_plan = spmd.explain(tiny_model(), rules, sizes, batch_shape=(BATCH, SEQ), dtype=torch.bfloat16,
-                             reduce_dtype=torch.bfloat16, master="optimizer").memory
+    bf16_plan = spmd.explain(
+        tiny_model(),
+        rules,
+        sizes,
+        batch_shape=(BATCH, SEQ),
+        dtype=torch.bfloat16,
+        reduce_dtype=torch.bfloat16,
+        master="optimizer",
+    ).memory
     run_distributed(_all_runs, 4, plans, bf16_plan, _reference(), wide_reference(), str(tmp_path), timeout_s=400)

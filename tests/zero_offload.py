@@ -7,6 +7,7 @@ resident set (/proc/self/pagemap). It is sampled at every collective of the step
 all-gather runs right after its update, before its pages are released, when that parameter's state is in
 memory.
 """
+
 import os
 
 import numpy as np
@@ -16,8 +17,15 @@ import spmd
 from spmd.analysis.record import CollectiveRecorder
 from tests.spmd_cases import global_batch, local_slice, norm_rel_err, tiny_model
 
-__all__ = ["WIDE", "wide_model", "wide_reference", "nvme_memory", "nvme_streams_its_state", "params_on_host",
-           "GatherInputs"]
+__all__ = [
+    "WIDE",
+    "wide_model",
+    "wide_reference",
+    "nvme_memory",
+    "nvme_streams_its_state",
+    "params_on_host",
+    "GatherInputs",
+]
 
 # many weights of similar size, so that one parameter's state is a small part of the whole (3.4M parameters)
 WIDE = dict(dim=256, n_layers=4, ffn_dim=768)
@@ -52,12 +60,16 @@ def nvme_memory(opt, directory: str) -> dict:
     holds in host memory at once: the largest parameter's master and moments, and its gradient copy."""
     rank_dir = os.path.join(directory, f"rank{torch.distributed.get_rank():05d}")
     masters = [m for group in opt.param_groups for m in group["params"]]
-    states = [_local_nbytes(m) + sum(_local_nbytes(opt.state[m][k]) for k in ("exp_avg", "exp_avg_sq"))
-              for m in masters]
+    states = [
+        _local_nbytes(m) + sum(_local_nbytes(opt.state[m][k]) for k in ("exp_avg", "exp_avg_sq")) for m in masters
+    ]
     files = sum(os.path.getsize(os.path.join(rank_dir, f)) for f in os.listdir(rank_dir))
     assert files == sum(states), (files, sum(states))
-    return {"optimizer_nvme": files, "optimizer_host": max(states),
-            "gradients_host": max(_local_nbytes(m) for m in masters)}
+    return {
+        "optimizer_nvme": files,
+        "optimizer_host": max(states),
+        "gradients_host": max(_local_nbytes(m) for m in masters),
+    }
 
 
 def resident_bytes(tensors) -> int:
@@ -86,15 +98,20 @@ class _ResidentAtCollectives(CollectiveRecorder):
 
 def nvme_streams_its_state(reference, directory: str) -> None:
     """Stage 2 on fsdp=4 with the wide model under nvme:DIR: every loss and the parameters after the last
-    step equal one process within 1e-5, and at every collective of each step no more than the largest parameter's state (plus page rounding) is
-    resident, nothing before or after the step, while the whole state is more than 10 times that."""
+    step equal one process within 1e-5, and at every collective of each step no more than the largest parameter's state
+    (plus page rounding) is resident, nothing before or after the step, while the whole state is more than 10 times
+    that."""
     losses, ref_params = reference
     mesh = spmd.make_mesh({"fsdp": 4})
     model = spmd.parallelize(wide_model(), mesh, spmd.Rules.default(zero=2), offload=f"nvme:{directory}")
     opt = spmd.shard_optimizer(model, torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1))
     memory = nvme_memory(opt, directory)
-    state = [t for group in opt.param_groups for m in group["params"]
-             for t in (m, opt.state[m]["exp_avg"], opt.state[m]["exp_avg_sq"])]
+    state = [
+        t
+        for group in opt.param_groups
+        for m in group["params"]
+        for t in (m, opt.state[m]["exp_avg"], opt.state[m]["exp_avg_sq"])
+    ]
     limit = memory["optimizer_host"] + 3 * 4096  # a master and two moments, each rounded up to a page
     assert memory["optimizer_nvme"] > 10 * limit, memory
     for step, ref_loss in enumerate(losses):
@@ -110,8 +127,10 @@ def nvme_streams_its_state(reference, directory: str) -> None:
         assert len(sampler.samples) == len(list(model.parameters())), len(sampler.samples)
         peak = max(sampler.samples)
         if torch.distributed.get_rank() == 0:
-            print(f"nvme step {step}: state {memory['optimizer_nvme'] / 2**20:.2f} MiB in files, resident at "
-                  f"most {peak / 2**20:.3f} MiB (bound {limit / 2**20:.3f}), before {before}, after {after}")
+            print(
+                f"nvme step {step}: state {memory['optimizer_nvme'] / 2**20:.2f} MiB in files, resident at "
+                f"most {peak / 2**20:.3f} MiB (bound {limit / 2**20:.3f}), before {before}, after {after}"
+            )
         assert before == 0 and after == 0 and peak <= limit, (step, before, peak, after, limit)
     for name, p in model.named_parameters():
         err = norm_rel_err(p.full_tensor(), ref_params[name])
@@ -123,9 +142,12 @@ def _checkpoint_leaves_nothing_resident(model, opt, state, directory: str) -> No
     """A save reads the file-backed state and a load writes it in place: after either, none of it stays
     resident, and the loaded values are the saved ones."""
     from spmd import checkpoint
+
     ckpt = f"{directory}/ckpt"
+
     def whole(t):
         return t.full_tensor() if hasattr(t, "full_tensor") else t
+
     saved = {name: whole(t).clone() for name, t in checkpoint.optim_state(model, opt).items()}
     checkpoint.save(ckpt, 1, checkpoint.model_state(model), checkpoint.optim_state(model, opt))
     after_save = resident_bytes(state)
@@ -163,6 +185,9 @@ def params_on_host(model, opt, device: dict) -> dict:
         for t in (p, p.grad, state["exp_avg"], state["exp_avg_sq"]):
             assert t.device.type == "cpu", (p._spmd_name, t.device)
         assert p._local_tensor.is_pinned() == torch.cuda.is_available(), p._spmd_name
-    host = {"parameters_host": device["parameters"], "gradients_host": device["gradients"],
-            "optimizer_host": device["optimizer"]}
+    host = {
+        "parameters_host": device["parameters"],
+        "gradients_host": device["gradients"],
+        "optimizer_host": device["optimizer"],
+    }
     return {**host, "parameters": 0, "gradients": 0, "optimizer": 0}

@@ -1,23 +1,32 @@
 """The search's candidates: every mesh of a world size (dp x fsdp x ep x cp x tp, tp within a node, sp
 twins, cp for long sequences, ep for experts), or the specs a user names, and the ZeRO stages worth trying
 on each."""
+
 from __future__ import annotations
 
 import torch.nn as nn
 
-from ..layout.mesh import MESH_AXES, parse_spec
 from ..layout.annotate import get_axes
+from ..layout.mesh import MESH_AXES, parse_spec
 from ..runtime.experts.dispatch import EXPERTS, expert_modules
 
-__all__ = ["candidate_specs", "candidates", "zero_stages", "spec_name", "expert_count", "mesh_problem", "LONG_SEQ",
-           "MIN_CP_TOKENS"]
+__all__ = [
+    "candidate_specs",
+    "candidates",
+    "zero_stages",
+    "spec_name",
+    "expert_count",
+    "mesh_problem",
+    "LONG_SEQ",
+    "MIN_CP_TOKENS",
+]
 
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-LONG_SEQ = 4096      # longer sequences also try context parallelism,
+LONG_SEQ = 4096  # longer sequences also try context parallelism,
 MIN_CP_TOKENS = 1024  # keeping at least this many tokens on each cp rank
 
 
@@ -29,8 +38,9 @@ def _cp_sizes(world: int, seq: int | None) -> list[int]:
     return [cp for cp in _divisors(world) if cp == 1 or (seq % (2 * cp) == 0 and seq // cp >= MIN_CP_TOKENS)]
 
 
-def candidate_specs(world: int, max_tp: int = 8, sequence_parallel=(False, True), seq: int | None = None,
-                    experts: int = 0) -> list[tuple[dict, bool]]:
+def candidate_specs(
+    world: int, max_tp: int = 8, sequence_parallel=(False, True), seq: int | None = None, experts: int = 0
+) -> list[tuple[dict, bool]]:
     """Every (sizes, sp) with dp * fsdp * ep * cp * tp = world and tp <= max_tp; sp only where tp > 1; cp > 1
     only for a sequence longer than LONG_SEQ; ep > 1 only for a model of `experts` experts, dividing them."""
     out = []
@@ -41,9 +51,10 @@ def candidate_specs(world: int, max_tp: int = 8, sequence_parallel=(False, True)
             for ep in [e for e in _divisors(world // tp // cp) if e == 1 or (experts and experts % e == 0)]:
                 for fsdp in _divisors(world // tp // cp // ep):
                     dp = world // tp // cp // ep // fsdp
-                    sizes = {a: s for a, s in (("dp", dp), ("fsdp", fsdp), ("ep", ep), ("cp", cp), ("tp", tp))
-                             if s > 1} or {"dp": 1}
-                    for sp in (sequence_parallel if tp > 1 else (False,)):
+                    sizes = {
+                        a: s for a, s in (("dp", dp), ("fsdp", fsdp), ("ep", ep), ("cp", cp), ("tp", tp)) if s > 1
+                    } or {"dp": 1}
+                    for sp in sequence_parallel if tp > 1 else (False,):
                         out.append((sizes, sp))
     return out
 
@@ -58,8 +69,15 @@ def zero_stages(sizes: dict, zero: int | None = None) -> list[int | None]:
 
 def expert_count(model: nn.Module) -> int:
     """How many experts ep may split: those the model's expert modules stack (0: not a mixture of experts)."""
-    return max((p.shape[0] for m in expert_modules(model).values() for p in m.parameters(recurse=False)
-                if EXPERTS in (get_axes(p) or ())), default=0)
+    return max(
+        (
+            p.shape[0]
+            for m in expert_modules(model).values()
+            for p in m.parameters(recurse=False)
+            if EXPERTS in (get_axes(p) or ())
+        ),
+        default=0,
+    )
 
 
 def spec_name(sizes: dict, sp: bool) -> str:

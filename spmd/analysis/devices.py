@@ -21,6 +21,7 @@ processes than cores run), all ranks on one "node", links = gloo over loopback w
 same cores that compute, so a collective hides behind compute only when the ranks leave the cores to do it:
 with more threads than cores, nothing overlaps (`overlaps_comm`).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -52,14 +53,14 @@ def gpu_peaks(name: str) -> tuple[str, dict] | None:
 @dataclass(frozen=True)
 class Device:
     name: str
-    peak_flops: dict          # dtype -> dense FLOP/s per device
-    memory_bytes: float       # per device (CPU: the machine's RAM, shared by its processes)
-    intra_bw: float           # bytes/s per rank, one direction, within a node
-    inter_bw: float           # bytes/s per rank, one direction, across nodes
-    intra_latency: float      # seconds per collective within a node, whatever its size (launch, setup)
-    inter_latency: float      # seconds per collective across nodes
-    per_node: int = 8         # devices per node
-    efficiency: float = 0.5   # fraction of peak reached by the step's compute
+    peak_flops: dict  # dtype -> dense FLOP/s per device
+    memory_bytes: float  # per device (CPU: the machine's RAM, shared by its processes)
+    intra_bw: float  # bytes/s per rank, one direction, within a node
+    inter_bw: float  # bytes/s per rank, one direction, across nodes
+    intra_latency: float  # seconds per collective within a node, whatever its size (launch, setup)
+    inter_latency: float  # seconds per collective across nodes
+    per_node: int = 8  # devices per node
+    efficiency: float = 0.5  # fraction of peak reached by the step's compute
     shared_memory: bool = False  # CPU: all processes share memory_bytes
     intra_step_latency: float = 0.0  # seconds per ring step (record.ring_steps) within a node
     inter_step_latency: float = 0.0  # seconds per ring step across nodes
@@ -74,7 +75,7 @@ class Device:
     def memory_per_rank(self, world: int) -> float:
         return self.memory_bytes / min(world, self.per_node) if self.shared_memory else self.memory_bytes
 
-    def replace(self, **changes) -> "Device":
+    def replace(self, **changes) -> Device:
         return dataclasses.replace(self, **changes)
 
 
@@ -92,8 +93,13 @@ CPU_STEP_LATENCY = 50e-6
 _measured: dict = {}
 
 
-def measure_gemm_flops(dtype: torch.dtype = torch.float32, device: str = "cpu", budget_s: float = 1.0,
-                       threads: int | None = None, sizes=None) -> float:
+def measure_gemm_flops(
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    budget_s: float = 1.0,
+    threads: int | None = None,
+    sizes=None,
+) -> float:
     """Best FLOP/s of square matmuls on `device` (with `threads` CPU threads), within about `budget_s` seconds;
     n = 256..2048 on CUDA and for fp32, 256..512 for reduced precision on CPU, unless `sizes` says."""
     key = (dtype, str(device), threads, tuple(sizes or ()))
@@ -117,16 +123,21 @@ def measure_gemm_flops(dtype: torch.dtype = torch.float32, device: str = "cpu", 
                 t0 = time.perf_counter()
                 torch.mm(a, b)
                 sync()
-                best = max(best, 2 * n ** 3 / (time.perf_counter() - t0))
+                best = max(best, 2 * n**3 / (time.perf_counter() - t0))
     finally:
         torch.set_num_threads(old)
     _measured[key] = best
     return best
 
 
-def cpu_device(world: int = 1, threads_per_rank: int = 1, peak_per_thread: float | None = None,
-               bandwidth: float = CPU_BW, latency: float = CPU_LATENCY,
-               step_latency: float = CPU_STEP_LATENCY) -> Device:
+def cpu_device(
+    world: int = 1,
+    threads_per_rank: int = 1,
+    peak_per_thread: float | None = None,
+    bandwidth: float = CPU_BW,
+    latency: float = CPU_LATENCY,
+    step_latency: float = CPU_STEP_LATENCY,
+) -> Device:
     """This machine as a device for `world` processes of `threads_per_rank` threads each (torchrun's default
     is 1). When the processes want more threads than there are cores, each gets its share."""
     cores = os.cpu_count() or 1
@@ -137,10 +148,21 @@ def cpu_device(world: int = 1, threads_per_rank: int = 1, peak_per_thread: float
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         ram = 8e9
-    return Device(f"cpu x{cores} cores", {"fp32": peak, "bf16": peak, "fp16": peak}, float(ram),
-                  intra_bw=bandwidth, inter_bw=bandwidth, intra_latency=latency, inter_latency=latency,
-                  per_node=1 << 30, efficiency=1.0, shared_memory=True, intra_step_latency=step_latency,
-                  inter_step_latency=step_latency, overlaps_comm=world * threads_per_rank <= cores)
+    return Device(
+        f"cpu x{cores} cores",
+        {"fp32": peak, "bf16": peak, "fp16": peak},
+        float(ram),
+        intra_bw=bandwidth,
+        inter_bw=bandwidth,
+        intra_latency=latency,
+        inter_latency=latency,
+        per_node=1 << 30,
+        efficiency=1.0,
+        shared_memory=True,
+        intra_step_latency=step_latency,
+        inter_step_latency=step_latency,
+        overlaps_comm=world * threads_per_rank <= cores,
+    )
 
 
 def get_device(device, world: int = 1) -> Device:
@@ -150,5 +172,7 @@ def get_device(device, world: int = 1) -> Device:
     if name == "cpu":
         return cpu_device(world)
     if name not in DEVICES:
-        raise ValueError(f"unknown device {device!r}; known: {sorted(DEVICES) + ['cpu']} (or pass a spmd.analysis.devices.Device)")
+        raise ValueError(
+            f"unknown device {device!r}; known: {sorted(DEVICES) + ['cpu']} (or pass a spmd.analysis.devices.Device)"
+        )
     return DEVICES[name]

@@ -4,6 +4,7 @@ It lays a meta-tensor copy of the model out on a fake process group of the reque
 one forward and backward with the collective recorder on, and returns the `Plan`: the same code path
 as a real run, so the plan lists the collectives a real step issues, no more and no fewer.
 """
+
 import contextlib
 import inspect
 import json
@@ -20,12 +21,12 @@ from ..layout.annotate import fake_copy
 from ..layout.dtypes import as_dtype
 from ..layout.mesh import MESH_AXES, check_sizes, mesh_sizes
 from ..layout.sequence import check_seq_len, rank_positions
-from ..runtime.activations import attention_memory
 from ..runtime import dtensor
-from ..runtime.transforms.checkpointing import apply_activation_checkpointing, parse_mode
+from ..runtime.activations import attention_memory
 from ..runtime.parallelize import no_sync, parallelize
 from ..runtime.parameters.reshard import observe_saved
 from ..runtime.state import STATE_ATTR
+from ..runtime.transforms.checkpointing import apply_activation_checkpointing, parse_mode
 from . import record
 from .explain_pipeline import explain_pipeline
 from .fake import fake_world
@@ -36,10 +37,24 @@ from .plan import Plan
 __all__ = ["explain", "dry_run", "training_loss"]
 
 
-def explain(model: nn.Module, rules, mesh_or_sizes, batch_shape=(8, 2048), dtype=torch.float32,
-            optimizer: str = "adamw", *, ac: str = "none", grad_accum: int = 1, schedule: str = "1f1b",
-            microbatches: int | None = None, virtual_stages: int = 1, split_cost: str = "flops",
-            reduce_dtype=torch.float32, master: str = "params", offload: str | None = None) -> Plan:
+def explain(
+    model: nn.Module,
+    rules,
+    mesh_or_sizes,
+    batch_shape=(8, 2048),
+    dtype=torch.float32,
+    optimizer: str = "adamw",
+    *,
+    ac: str = "none",
+    grad_accum: int = 1,
+    schedule: str = "1f1b",
+    microbatches: int | None = None,
+    virtual_stages: int = 1,
+    split_cost: str = "flops",
+    reduce_dtype=torch.float32,
+    master: str = "params",
+    offload: str | None = None,
+) -> Plan:
     """Plans one training step of `model` (forward, backward, gradient reduction) on a mesh of any size.
 
     `mesh_or_sizes`: a DeviceMesh or a dict like {"fsdp": 8, "tp": 8}. `batch_shape`: the global
@@ -61,20 +76,23 @@ def explain(model: nn.Module, rules, mesh_or_sizes, batch_shape=(8, 2048), dtype
     holds during the step (memory.peak_bytes; not given under `offload` or with a `pp` axis).
     """
     dtensor.install()
-    pipeline = dict(schedule=schedule, microbatches=microbatches, virtual_stages=virtual_stages,
-                    split_cost=split_cost)
+    pipeline = dict(schedule=schedule, microbatches=microbatches, virtual_stages=virtual_stages, split_cost=split_cost)
     if hasattr(model, STATE_ATTR):
         raise ValueError("explain takes the model before spmd.parallelize (a parallelized copy is laid out already)")
-    sizes = mesh_or_sizes if isinstance(mesh_or_sizes, dict) else dict(
-        zip(mesh_or_sizes.mesh_dim_names, mesh_or_sizes.shape))
+    sizes = (
+        mesh_or_sizes
+        if isinstance(mesh_or_sizes, dict)
+        else dict(zip(mesh_or_sizes.mesh_dim_names, mesh_or_sizes.shape))
+    )
     check_sizes(sizes)
     dtype = as_dtype(dtype)
     parse_mode(ac)
     precision = dict(reduce_dtype=as_dtype(reduce_dtype), master=master, offload=offload)
     _check_grad_accum(grad_accum, sizes)
     if dist.is_initialized() and dist.get_backend() != "fake":
-        return _explain_in_child(model, rules, sizes, batch_shape, dtype, optimizer, pipeline, ac, precision,
-                                 grad_accum)
+        return _explain_in_child(
+            model, rules, sizes, batch_shape, dtype, optimizer, pipeline, ac, precision, grad_accum
+        )
     return dry_run(model, rules, sizes, tuple(batch_shape), dtype, optimizer, pipeline, ac, precision, grad_accum)
 
 
@@ -82,21 +100,25 @@ def _check_grad_accum(grad_accum, sizes: dict) -> None:
     if not isinstance(grad_accum, int) or grad_accum < 1:
         raise ValueError(f"grad_accum must be an integer >= 1 (micro-batches per step), got {grad_accum!r}")
     if grad_accum > 1 and sizes.get("pp", 1) > 1:
-        raise ValueError("explain does not plan grad_accum > 1 with a pp axis yet; pass grad_accum=1 and give "
-                         "the pipeline its micro-batches with microbatches=")
+        raise ValueError(
+            "explain does not plan grad_accum > 1 with a pp axis yet; pass grad_accum=1 and give "
+            "the pipeline its micro-batches with microbatches="
+        )
 
 
-def dry_run(model, rules, sizes, batch_shape, dtype, optimizer, pipeline=None, ac="none", precision=None,
-            grad_accum=1) -> Plan:
+def dry_run(
+    model, rules, sizes, batch_shape, dtype, optimizer, pipeline=None, ac="none", precision=None, grad_accum=1
+) -> Plan:
     """The plan of one step, laid out and run in a fake world of `sizes` (this process's group is replaced)."""
     with fake_world(sizes) as (mesh, fake):
         full = mesh_sizes(mesh)
-        common = dict(mesh={a: full[a] for a in MESH_AXES}, batch_shape=batch_shape,
-                      dtype=str(dtype).replace("torch.", ""))
+        common = dict(
+            mesh={a: full[a] for a in MESH_AXES}, batch_shape=batch_shape, dtype=str(dtype).replace("torch.", "")
+        )
         if full["pp"] > 1:
-            records, decisions, memory, section = explain_pipeline(model, rules, mesh, batch_shape, dtype, optimizer,
-                                                                   fake, **(pipeline or {}), ac=ac,
-                                                                   precision=precision)
+            records, decisions, memory, section = explain_pipeline(
+                model, rules, mesh, batch_shape, dtype, optimizer, fake, **(pipeline or {}), ac=ac, precision=precision
+            )
             return Plan(**common, collectives=records, decisions=decisions, memory=memory, pipeline=section)
         model = fake_copy(model, fake)
         with fake:
@@ -106,8 +128,10 @@ def dry_run(model, rules, sizes, batch_shape, dtype, optimizer, pipeline=None, a
         batch, seq = batch_shape[0], batch_shape[1]
         check_seq_len(seq, full["cp"])
         if batch % (data_parallel * grad_accum):
-            raise ValueError(f"batch {batch} does not divide by the data-parallel size "
-                             f"{'*'.join(rules.batch_axes())}={data_parallel} times grad_accum={grad_accum}")
+            raise ValueError(
+                f"batch {batch} does not divide by the data-parallel size "
+                f"{'*'.join(rules.batch_axes())}={data_parallel} times grad_accum={grad_accum}"
+            )
         recorder = record.CollectiveRecorder(mesh)
         opt = planning_optimizer(model)
         with fake:
@@ -122,9 +146,13 @@ def dry_run(model, rules, sizes, batch_shape, dtype, optimizer, pipeline=None, a
         if not (precision or {}).get("offload"):  # offloaded states move through host memory: not modelled
             buffers = sum(local_bytes(b) for b in model.buffers())
             memory["peak"] = peak_bytes(memory, *unreduced_bytes(model, getattr(model, STATE_ATTR)), buffers)
-        return Plan(**common, collectives=recorder.records,
-                    decisions=list(getattr(model, STATE_ATTR).decisions.values()), memory=memory,
-                    attention=attention)
+        return Plan(
+            **common,
+            collectives=recorder.records,
+            decisions=list(getattr(model, STATE_ATTR).decisions.values()),
+            memory=memory,
+            attention=attention,
+        )
 
 
 def _run_step(model: nn.Module, recorder, tokens, grad_accum: int, positions=None) -> tuple[int, int, dict]:
@@ -152,25 +180,47 @@ def training_loss(model: nn.Module, tokens: torch.Tensor, positions=None) -> tor
     (with `positions=` under cp);
     the scalar is found in a returned ModelOutput, dict or tuple."""
     params = inspect.signature(model.forward).parameters
-    out = model(input_ids=tokens, labels=tokens) if "input_ids" in params and "labels" in params \
+    out = (
+        model(input_ids=tokens, labels=tokens)
+        if "input_ids" in params and "labels" in params
         else model(tokens, tokens, **({} if positions is None else {"positions": positions}))
+    )
     values = out.values() if isinstance(out, dict) else out if isinstance(out, (tuple, list)) else [out]
     loss = next((v for v in values if isinstance(v, torch.Tensor) and v.ndim == 0), None)
     if loss is None:
-        raise ValueError(f"{type(model).__name__}'s forward returned no scalar loss; explain needs a forward "
-                         f"that takes (tokens, targets), or input_ids= and labels=, and returns the loss")
+        raise ValueError(
+            f"{type(model).__name__}'s forward returned no scalar loss; explain needs a forward "
+            f"that takes (tokens, targets), or input_ids= and labels=, and returns the loss"
+        )
     return loss
 
 
-def _explain_in_child(model, rules, sizes, batch_shape, dtype, optimizer, pipeline=None, ac="none",
-                      precision=None, grad_accum=1) -> Plan:
+def _explain_in_child(
+    model, rules, sizes, batch_shape, dtype, optimizer, pipeline=None, ac="none", precision=None, grad_accum=1
+) -> Plan:
     # a real process group owns this process; the fake world runs in a fresh interpreter next door
     with tempfile.TemporaryDirectory() as tmp:
         job, out = os.path.join(tmp, "job.pt"), os.path.join(tmp, "plan.json")
-        torch.save((fake_copy(model, None), rules, sizes, tuple(batch_shape), dtype, optimizer, pipeline, ac,
-                    precision, grad_accum), job)
-        env = {k: v for k, v in os.environ.items()
-               if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+        torch.save(
+            (
+                fake_copy(model, None),
+                rules,
+                sizes,
+                tuple(batch_shape),
+                dtype,
+                optimizer,
+                pipeline,
+                ac,
+                precision,
+                grad_accum,
+            ),
+            job,
+        )
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+        }
         subprocess.run([sys.executable, "-m", "spmd.analysis.explain_child", job, out], check=True, env=env)
         with open(out) as f:
             return Plan.from_dict(json.load(f))

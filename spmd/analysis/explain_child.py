@@ -1,5 +1,6 @@
 """`python -m spmd.analysis.explain_child JOB OUT`: runs one `explain` dry run in a fresh interpreter (used when the
 calling process already belongs to a real process group) and writes the plan as JSON."""
+
 import json
 import sys
 

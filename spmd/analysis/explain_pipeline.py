@@ -7,6 +7,7 @@ rank's step is then the records of its stages (M-1 times the first, once the sec
 receives of activations and gradients between stages on different ranks. The backward is a full one, so
 zero-bubble schedules, which split it in two, may regather FSDP parameters a few more times than listed.
 """
+
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -18,9 +19,9 @@ from ..pipeline.build import lay_out_stage, without_pp
 from ..pipeline.runtime import bubble_fraction, default_microbatches, validate_pipeline
 from ..pipeline.split import split_stages
 from ..pipeline.stage import LocalModel, StageModule, has_parts
-from ..runtime.transforms.checkpointing import parse_mode
 from ..runtime.parameters.reshard import observe_saved
 from ..runtime.state import STATE_ATTR
+from ..runtime.transforms.checkpointing import parse_mode
 from . import record
 from .memory import activation_bytes, memory_per_rank
 from .optimizer_step import planning_optimizer, record_optimizer_step
@@ -30,25 +31,49 @@ __all__ = ["explain_pipeline"]
 HIDDEN_AXES, TOKEN_AXES = ("batch", "seq", "embed"), ("batch", None)
 
 
-def explain_pipeline(model, rules, mesh, batch_shape, dtype, optimizer, fake, schedule="1f1b", microbatches=None,
-                  virtual_stages=1, split_cost="flops", blocks=None, ac="none", precision=None):
+def explain_pipeline(
+    model,
+    rules,
+    mesh,
+    batch_shape,
+    dtype,
+    optimizer,
+    fake,
+    schedule="1f1b",
+    microbatches=None,
+    virtual_stages=1,
+    split_cost="flops",
+    blocks=None,
+    ac="none",
+    precision=None,
+):
     """(collectives, decisions, memory, pipeline section) of the pp rank whose memory is largest. `precision`:
     spmd.parallelize's reduce_dtype, master and offload, for every stage."""
     _, stage_mesh = without_pp(mesh)
     # the stage group of pp rank 0 as a mesh of its own: a sliced mesh computes its rank layout with ops
     # that fake tensors cannot run
-    stage_mesh = DeviceMesh("cpu", torch.arange(stage_mesh.size()).reshape(stage_mesh.shape),
-                            mesh_dim_names=stage_mesh.mesh_dim_names)
+    stage_mesh = DeviceMesh(
+        "cpu", torch.arange(stage_mesh.size()).reshape(stage_mesh.shape), mesh_dim_names=stage_mesh.mesh_dim_names
+    )
     pp, v = mesh.size(mesh.mesh_dim_names.index("pp")), virtual_stages
     m = microbatches or default_microbatches(schedule, pp)
     n_dp = rules.data_parallel_size(stage_mesh)
     validate_pipeline(pp, schedule, m, v, len(find_blocks(model, blocks)[1]), batch_shape[0], n_dp)
     if not has_parts(model):
-        raise ValueError(f"explain with a pp axis plans models with embed/block_inputs/head methods; "
-                         f"{type(model).__name__} has none (spmd.build_pipeline trains it, its forward cut at the "
-                         f"blocks, but explain does not plan such stages yet): plan it without pp")
-    split = split_stages(model, pp * v, split_cost, blocks, pp=pp, style="v" if schedule == "zbv" else "loop",
-                         example_inputs=(torch.zeros(batch_shape, dtype=torch.long),))
+        raise ValueError(
+            f"explain with a pp axis plans models with embed/block_inputs/head methods; "
+            f"{type(model).__name__} has none (spmd.build_pipeline trains it, its forward cut at the "
+            f"blocks, but explain does not plan such stages yet): plan it without pp"
+        )
+    split = split_stages(
+        model,
+        pp * v,
+        split_cost,
+        blocks,
+        pp=pp,
+        style="v" if schedule == "zbv" else "loop",
+        example_inputs=(torch.zeros(batch_shape, dtype=torch.long),),
+    )
     meta = fake_copy(model, None)
     mb_global = (batch_shape[0] // m,) + tuple(batch_shape[1:])
     h = type(meta).embed(meta, torch.zeros(mb_global, dtype=torch.long, device="meta"))
@@ -60,9 +85,22 @@ def explain_pipeline(model, rules, mesh, batch_shape, dtype, optimizer, fake, sc
     tokens = (mb_global[0] // n_dp,) + ((mb_global[1] // cp,) if len(mb_global) > 1 else ()) + mb_global[2:]
 
     fake_model = fake_copy(model, fake)
-    runs, decisions, saved, state = _run_stages(split, fake_model, stage_mesh, rules, param_dtype, fake, tokens,
-                                                hidden, hidden_dtype, m, parse_mode(ac), schedule, optimizer,
-                                                precision or {})
+    runs, decisions, saved, state = _run_stages(
+        split,
+        fake_model,
+        stage_mesh,
+        rules,
+        param_dtype,
+        fake,
+        tokens,
+        hidden,
+        hidden_dtype,
+        m,
+        parse_mode(ac),
+        schedule,
+        optimizer,
+        precision or {},
+    )
 
     ranks = []
     for r in range(pp):
@@ -74,15 +112,36 @@ def explain_pipeline(model, rules, mesh, batch_shape, dtype, optimizer, fake, sc
         in_flight = m if schedule == "gpipe" else min(m, pp)
         local = LocalModel(fake_model, split, [s.index for s in mine])
         memory = memory_per_rank(local, optimizer, in_flight * sum(saved[s.index] for s in mine), state=state)
-        ranks.append({"rank": r, "stages": [s.index for s in mine], "records": records, "memory": memory,
-                      "comm_bytes_per_step": sum(c.bytes for c in records)})
+        ranks.append(
+            {
+                "rank": r,
+                "stages": [s.index for s in mine],
+                "records": records,
+                "memory": memory,
+                "comm_bytes_per_step": sum(c.bytes for c in records),
+            }
+        )
     worst = max(ranks, key=lambda x: x["memory"]["total"])
     section = _section(split, schedule, pp, m, v, hidden_bytes, hidden, runs, ranks, worst)
     return worst["records"], decisions, worst["memory"], section
 
 
-def _run_stages(split, fake_model, stage_mesh, rules, param_dtype, fake, tokens, hidden, hidden_dtype, m, every,
-                schedule, optimizer, precision):
+def _run_stages(
+    split,
+    fake_model,
+    stage_mesh,
+    rules,
+    param_dtype,
+    fake,
+    tokens,
+    hidden,
+    hidden_dtype,
+    m,
+    every,
+    schedule,
+    optimizer,
+    precision,
+):
     """Each stage laid out and run for one micro-batch, with gradient reduction off and on, then its share of
     the optimizer step (ZeRO-1's reduce-scatter into the optimizer's shards, the all-gather of updated shards
     under ZeRO-1/2; nothing under ZeRO-3): ({stage: {sync: records, "step": records}}, decisions, {stage:
@@ -91,16 +150,30 @@ def _run_stages(split, fake_model, stage_mesh, rules, param_dtype, fake, tokens,
     for info in split.stages:
         with fake:
             stage = StageModule(fake_model, split, info.index, HIDDEN_AXES)
-            lay_out_stage(stage, info, stage_mesh, rules, schedule, every, fake_model.get_submodule(split.block_path),
-                          hidden_axes=HIDDEN_AXES, token_axes=TOKEN_AXES, param_dtype=param_dtype, **precision)
-            x = torch.zeros(tokens, dtype=torch.long) if info.first else \
-                torch.zeros(hidden, dtype=hidden_dtype, requires_grad=True)
+            lay_out_stage(
+                stage,
+                info,
+                stage_mesh,
+                rules,
+                schedule,
+                every,
+                fake_model.get_submodule(split.block_path),
+                hidden_axes=HIDDEN_AXES,
+                token_axes=TOKEN_AXES,
+                param_dtype=param_dtype,
+                **precision,
+            )
+            x = (
+                torch.zeros(tokens, dtype=torch.long)
+                if info.first
+                else torch.zeros(hidden, dtype=hidden_dtype, requires_grad=True)
+            )
             targets = torch.zeros(tokens, dtype=torch.long)
             positions = rank_positions(tokens, stage_mesh)
         state = getattr(stage, STATE_ATTR)
         opt = planning_optimizer(stage)
         runs[info.index] = {}
-        for sync in ((False, True) if m > 1 else (True,)):
+        for sync in (False, True) if m > 1 else (True,):
             state.sync = sync
             recorder, seen = record.CollectiveRecorder(stage_mesh), {}
             with fake:
@@ -121,18 +194,33 @@ def _run_stages(split, fake_model, stage_mesh, rules, param_dtype, fake, tokens,
 def _section(split, schedule, pp, m, v, hidden_bytes, hidden, runs, ranks, worst) -> dict:
     """The `pipeline` section of the plan."""
     return {
-        "schedule": schedule, "pp": pp, "microbatches": m, "virtual_stages": v,
-        "bubble": bubble_fraction(schedule, pp, m, v), "split_cost": split.cost,
-        "imbalance": split.imbalance(), "imbalance_flops": split.imbalance("flops"),
+        "schedule": schedule,
+        "pp": pp,
+        "microbatches": m,
+        "virtual_stages": v,
+        "bubble": bubble_fraction(schedule, pp, m, v),
+        "split_cost": split.cost,
+        "imbalance": split.imbalance(),
+        "imbalance_flops": split.imbalance("flops"),
         "imbalance_params": split.imbalance("params"),
-        "send_recv_bytes_per_microbatch": hidden_bytes, "activation_shape": list(hidden),
-        "stages": [{**{k: getattr(s, k) for k in ("index", "rank", "params", "flops", "first", "last")},
-                    "blocks": [s.blocks[0], s.blocks[-1]],
-                    "comm_bytes_per_microbatch": sum(c.bytes for c in runs[s.index][False if m > 1 else True])}
-                   for s in split.stages],
-        "ranks": [{k: x[k] for k in ("rank", "stages", "comm_bytes_per_step")} | {"memory_total": x["memory"]["total"]}
-                  for x in ranks],
-        "reported_rank": worst["rank"], "block_path": split.block_path, "pre": split.pre, "post": split.post,
+        "send_recv_bytes_per_microbatch": hidden_bytes,
+        "activation_shape": list(hidden),
+        "stages": [
+            {
+                **{k: getattr(s, k) for k in ("index", "rank", "params", "flops", "first", "last")},
+                "blocks": [s.blocks[0], s.blocks[-1]],
+                "comm_bytes_per_microbatch": sum(c.bytes for c in runs[s.index][False if m > 1 else True]),
+            }
+            for s in split.stages
+        ],
+        "ranks": [
+            {k: x[k] for k in ("rank", "stages", "comm_bytes_per_step")} | {"memory_total": x["memory"]["total"]}
+            for x in ranks
+        ],
+        "reported_rank": worst["rank"],
+        "block_path": split.block_path,
+        "pre": split.pre,
+        "post": split.post,
     }
 
 
@@ -141,10 +229,20 @@ def _p2p(split, info, m, nbytes, shape, dtype):
     out = []
 
     def add(kind, phase, peer, why):
-        out.append(record.Collective(
-            module=f"stage {info.index}", op=f"pipelining.{kind}", kind=kind, axes=("pp",), bytes=nbytes,
-            phase=phase, reason=why.format(peer=peer), origin="planned", dtype=str(dtype).replace("torch.", ""),
-            shape=tuple(shape)))
+        out.append(
+            record.Collective(
+                module=f"stage {info.index}",
+                op=f"pipelining.{kind}",
+                kind=kind,
+                axes=("pp",),
+                bytes=nbytes,
+                phase=phase,
+                reason=why.format(peer=peer),
+                origin="planned",
+                dtype=str(dtype).replace("torch.", ""),
+                shape=tuple(shape),
+            )
+        )
 
     for _ in range(m):
         prev = split.stages[info.index - 1] if not info.first else None

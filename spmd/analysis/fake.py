@@ -5,6 +5,7 @@ Inside `kept_worlds()` (the search's dry runs) a world outlives its dry run: the
 sizes finds its process group and mesh, and with them DTensor's cached sharding and redistribution plans
 (a third of a dry run's time when recomputed); a world of other sizes replaces it, and leaving the scope
 destroys the last one."""
+
 import contextlib
 
 import torch
@@ -57,6 +58,7 @@ def fake_world(sizes: dict):
 def _new_world(sizes: dict):
     """A fake default process group of the mesh's size, in place of any this process has, and its mesh."""
     import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the "fake" backend)
+
     world = 1
     for s in sizes.values():
         world *= s
@@ -75,6 +77,7 @@ def _real_strided_offsets():
     computed as real tensors here."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
     from torch.distributed.tensor.placement_types import _StridedShard
+
     original = _StridedShard.local_shard_size_and_offset
 
     def real(*args, **kwargs):
@@ -92,9 +95,12 @@ def _clear_dtensor_caches():
     """DTensor caches sharding and redistribution plans by spec, and meshes compare equal by layout, not by
     process group: a plan cached in an earlier fake world would carry that world's groups into this one."""
     from torch.distributed.tensor import _redistribute
-    for clear in (getattr(getattr(_redistribute, "_gen_transform_infos", None), "cache_clear", None),
-                  getattr(_redistribute, "clear_redistribute_planner_cache", None),
-                  getattr(DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding, "cache_clear", None),
-                  getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)):  # the C++ fast path's
+
+    for clear in (
+        getattr(getattr(_redistribute, "_gen_transform_infos", None), "cache_clear", None),
+        getattr(_redistribute, "clear_redistribute_planner_cache", None),
+        getattr(DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding, "cache_clear", None),
+        getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None),
+    ):  # the C++ fast path's
         if clear is not None:
             clear()

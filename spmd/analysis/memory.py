@@ -7,6 +7,7 @@ dtype, plus the fp32 master copy itself when `master="optimizer"` keeps one besi
 (the ZeRO paper's K = 12 for Adam: 4 master + 4 + 4 moments). `peak_bytes` adds what is live on top of
 those at the moment a step's live tensor bytes peak, and the model's buffers.
 """
+
 import math
 
 import torch
@@ -15,13 +16,12 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from ..layout.annotate import get_axes
+from ..runtime.dtensor.wrap import local_of
 from ..runtime.experts.dispatch import EXPERTS
 from ..runtime.parameters.reshard import storage_key
 from ..runtime.state import STATE_ATTR
-from ..runtime.dtensor.wrap import local_of
 
-__all__ = ["activation_bytes", "local_bytes", "memory_per_rank", "peak_bytes", "unreduced_bytes",
-           "OPTIMIZER_STATES"]
+__all__ = ["activation_bytes", "local_bytes", "memory_per_rank", "peak_bytes", "unreduced_bytes", "OPTIMIZER_STATES"]
 
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 0}  # states per parameter element
 
@@ -84,8 +84,13 @@ def memory_per_rank(model: nn.Module, optimizer: str, activations: int = 0, stat
     `state`: the layout's SPMDState where `model` holds none itself (a pipeline rank's stages)."""
     state = state or getattr(model, STATE_ATTR, None)
     copies = state is not None and state.master == "optimizer"
-    offload = None if state is None or state.offload is None else "nvme" if state.offload.startswith("nvme:") \
+    offload = (
+        None
+        if state is None or state.offload is None
+        else "nvme"
+        if state.offload.startswith("nvme:")
         else state.offload
+    )
     states = OPTIMIZER_STATES[optimizer]
     params = grads = 0
     opt, grads_host = [], []  # per parameter
@@ -96,17 +101,34 @@ def memory_per_rank(model: nn.Module, optimizer: str, activations: int = 0, stat
         master_size = 4 if separate else p.element_size()
         opt.append(_numel(p, "_spmd_optim") * master_size * (states + (separate or offload in ("optimizer", "nvme"))))
         grads_host.append(_numel(p, "_spmd_optim") * master_size)
-    mem = {"parameters": params, "gradients": grads, "optimizer": 0 if offload else sum(opt),
-           "activations": activations}
+    mem = {
+        "parameters": params,
+        "gradients": grads,
+        "optimizer": 0 if offload else sum(opt),
+        "activations": activations,
+    }
     mem["total"] = sum(mem.values())
     if offload == "optimizer":
         mem.update({"gradients_host": sum(grads_host), "optimizer_host": sum(opt)})
     elif offload == "params":  # every state on the host; the device holds a parameter only while in use
-        mem.update({"parameters": 0, "gradients": 0, "total": activations, "parameters_host": params,
-                    "gradients_host": grads, "optimizer_host": sum(opt)})
+        mem.update(
+            {
+                "parameters": 0,
+                "gradients": 0,
+                "total": activations,
+                "parameters_host": params,
+                "gradients_host": grads,
+                "optimizer_host": sum(opt),
+            }
+        )
     elif offload == "nvme":  # the files hold it all; the step brings one parameter's state in at a time
-        mem.update({"optimizer_nvme": sum(opt), "optimizer_host": max(opt, default=0),
-                    "gradients_host": max(grads_host, default=0)})
+        mem.update(
+            {
+                "optimizer_nvme": sum(opt),
+                "optimizer_host": max(opt, default=0),
+                "gradients_host": max(grads_host, default=0),
+            }
+        )
     experts = sum(local_bytes(p) for p in model.parameters() if EXPERTS in (get_axes(p) or ()))
     if experts:  # part of `parameters`: the stacked experts this rank holds (E/ep of them under ep)
         mem["expert_parameters"] = experts

@@ -1,9 +1,10 @@
 """The optimizer step of a dry run (explain, with or without pp): what spmd.shard_optimizer's step
 communicates, recorded without updating anything."""
+
 import torch
 
-from ..runtime.optimizer.shard import masters_of, reduce_gradients, shard_optimizer
 from ..runtime.optimizer.masters import gather_updated
+from ..runtime.optimizer.shard import masters_of, reduce_gradients, shard_optimizer
 
 __all__ = ["planning_optimizer", "record_optimizer_step"]
 

@@ -1,4 +1,5 @@
 """The plan `explain` returns: every collective of one training step, the pass's decisions, memory per rank."""
+
 import json
 import re
 from collections import defaultdict
@@ -15,11 +16,11 @@ class Plan:
     mesh: dict
     batch_shape: tuple
     dtype: str
-    collectives: list = field(default_factory=list)   # list[Collective]
-    decisions: list = field(default_factory=list)     # list[Decision]
-    memory: dict = field(default_factory=dict)        # bytes per rank
-    pipeline: dict = field(default_factory=dict)      # with pp > 1: stages, bubble, send/recv (explain_pipeline.py)
-    attention: dict = field(default_factory=dict)     # bytes per rank: "saved" for backward, "peak" of one call
+    collectives: list = field(default_factory=list)  # list[Collective]
+    decisions: list = field(default_factory=list)  # list[Decision]
+    memory: dict = field(default_factory=dict)  # bytes per rank
+    pipeline: dict = field(default_factory=dict)  # with pp > 1: stages, bubble, send/recv (explain_pipeline.py)
+    attention: dict = field(default_factory=dict)  # bytes per rank: "saved" for backward, "peak" of one call
 
     def totals(self, by=("phase", "kind", "axes")) -> dict:
         """Sum of bytes per rank grouped by record fields, e.g. totals(("kind",))."""
@@ -32,23 +33,35 @@ class Plan:
         return sum(c.bytes for c in self.collectives if phase is None or c.phase == phase)
 
     def to_dict(self) -> dict:
-        return {"mesh": self.mesh, "batch_shape": list(self.batch_shape), "dtype": self.dtype,
-                "collectives": [c.to_dict() for c in self.collectives],
-                "decisions": [d.to_dict() for d in self.decisions], "memory": self.memory,
-                "comm_bytes_per_step": self.comm_bytes(),
-                **({"pipeline": self.pipeline} if self.pipeline else {}),
-                **({"attention": self.attention} if self.attention else {})}
+        return {
+            "mesh": self.mesh,
+            "batch_shape": list(self.batch_shape),
+            "dtype": self.dtype,
+            "collectives": [c.to_dict() for c in self.collectives],
+            "decisions": [d.to_dict() for d in self.decisions],
+            "memory": self.memory,
+            "comm_bytes_per_step": self.comm_bytes(),
+            **({"pipeline": self.pipeline} if self.pipeline else {}),
+            **({"attention": self.attention} if self.attention else {}),
+        }
 
     def to_json(self, indent: int | None = 2) -> str:
         return json.dumps(self.to_dict(), indent=indent)
 
     @classmethod
     def from_dict(cls, d: dict) -> "Plan":
-        return cls(mesh=d["mesh"], batch_shape=tuple(d["batch_shape"]), dtype=d["dtype"],
-                   collectives=[Collective(**{**c, "axes": tuple(c["axes"]), "shape": tuple(c["shape"])})
-                                for c in d["collectives"]],
-                   decisions=[Decision(**x) for x in d["decisions"]], memory=d["memory"],
-                   pipeline=d.get("pipeline", {}), attention=d.get("attention", {}))
+        return cls(
+            mesh=d["mesh"],
+            batch_shape=tuple(d["batch_shape"]),
+            dtype=d["dtype"],
+            collectives=[
+                Collective(**{**c, "axes": tuple(c["axes"]), "shape": tuple(c["shape"])}) for c in d["collectives"]
+            ],
+            decisions=[Decision(**x) for x in d["decisions"]],
+            memory=d["memory"],
+            pipeline=d.get("pipeline", {}),
+            attention=d.get("attention", {}),
+        )
 
     def table(self) -> str:
         """One row per (phase, module pattern, why, kind, axes): repeated layers fold into `layers.*`."""
@@ -60,9 +73,11 @@ class Plan:
             rows[key][0] += 1
             rows[key][1] += c.bytes
         mesh = ",".join(f"{k}={v}" for k, v in self.mesh.items() if v > 1) or "1 device"
-        lines = [f"plan for mesh {mesh}, batch {tuple(self.batch_shape)}, {self.dtype}; bytes are per rank per step",
-                 f"{'phase':<9} {'module':<32} {'collective':<14} {'axes':<9} {'count':>5} "
-                 f"{'bytes each':>14} {'bytes total':>14}  why"]
+        lines = [
+            f"plan for mesh {mesh}, batch {tuple(self.batch_shape)}, {self.dtype}; bytes are per rank per step",
+            f"{'phase':<9} {'module':<32} {'collective':<14} {'axes':<9} {'count':>5} "
+            f"{'bytes each':>14} {'bytes total':>14}  why",
+        ]
         order = {"forward": 0, "backward": 1, "optimizer": 2}
         for key in sorted(rows, key=lambda k: (order.get(k[0], 3), k[1], k[3])):
             phase, module, why, kind, axes, each = key
@@ -96,8 +111,10 @@ class Plan:
         """Attention's memory per rank (part of activations: what it saves; on top: the peak while one call
         runs, the ring's blocks included) and the ring's sends per layer."""
         a, ring = self.attention, self.ring_sends_per_layer()
-        line = (f"attention per rank: saved for backward {a['saved'] / 2**20:,.2f} MiB (part of activations), "
-                f"peak of one call {a['peak'] / 2**20:,.2f} MiB")
+        line = (
+            f"attention per rank: saved for backward {a['saved'] / 2**20:,.2f} MiB (part of activations), "
+            f"peak of one call {a['peak'] / 2**20:,.2f} MiB"
+        )
         if ring["forward"]:
             line += f"; ring sends per layer: forward {ring['forward']:,} B, backward {ring['backward']:,} B"
         return line
@@ -115,21 +132,32 @@ def _pipeline_lines(section: dict) -> list[str]:
     """Lines for Plan.table()."""
     s = section
     v = f", {s['virtual_stages']} virtual stages per rank" if s["virtual_stages"] > 1 else ""
-    lines = [f"pipeline: {s['schedule']}, pp={s['pp']}, {s['microbatches']} micro-batches{v}; theoretical bubble "
-             f"{100 * s['bubble']:.1f}% of the step",
-             f"{'stage':>5} {'rank':>4} {'blocks':<14} {'params':>14} {'FLOPs/step':>18} {'collectives B/micro-batch':>26}"]
+    lines = [
+        f"pipeline: {s['schedule']}, pp={s['pp']}, {s['microbatches']} micro-batches{v}; theoretical bubble "
+        f"{100 * s['bubble']:.1f}% of the step",
+        f"{'stage':>5} {'rank':>4} {'blocks':<14} {'params':>14} {'FLOPs/step':>18} {'collectives B/micro-batch':>26}",
+    ]
     for st in s["stages"]:
-        extra = ("+" + ",".join(s["pre"]) if st["first"] and s["pre"] else "") + \
-                ("+" + ",".join(s["post"]) if st["last"] and s["post"] else "")
+        extra = ("+" + ",".join(s["pre"]) if st["first"] and s["pre"] else "") + (
+            "+" + ",".join(s["post"]) if st["last"] and s["post"] else ""
+        )
         blocks = f"{st['blocks'][0]}-{st['blocks'][1]}"
-        lines.append(f"{st['index']:>5} {st['rank']:>4} {blocks:<14} {st['params']:>14,} {st['flops']:>18,} "
-                     f"{st['comm_bytes_per_microbatch']:>26,}  {extra}")
-    lines.append(f"imbalance (max/mean): FLOPs {s['imbalance_flops']:.3f}, params {s['imbalance_params']:.3f} "
-                 f"(balanced by {s['split_cost']})")
-    lines.append(f"send/recv per micro-batch between neighbouring stages: {s['send_recv_bytes_per_microbatch']:,} B "
-                 f"each way (activation {tuple(s['activation_shape'])} per rank)")
+        lines.append(
+            f"{st['index']:>5} {st['rank']:>4} {blocks:<14} {st['params']:>14,} {st['flops']:>18,} "
+            f"{st['comm_bytes_per_microbatch']:>26,}  {extra}"
+        )
+    lines.append(
+        f"imbalance (max/mean): FLOPs {s['imbalance_flops']:.3f}, params {s['imbalance_params']:.3f} "
+        f"(balanced by {s['split_cost']})"
+    )
+    lines.append(
+        f"send/recv per micro-batch between neighbouring stages: {s['send_recv_bytes_per_microbatch']:,} B "
+        f"each way (activation {tuple(s['activation_shape'])} per rank)"
+    )
     for r in s["ranks"]:
-        lines.append(f"  pp rank {r['rank']}: stages {r['stages']}, {r['comm_bytes_per_step']:,} B moved per step, "
-                     f"{r['memory_total'] / 2**20:,.1f} MiB")
+        lines.append(
+            f"  pp rank {r['rank']}: stages {r['stages']}, {r['comm_bytes_per_step']:,} B moved per step, "
+            f"{r['memory_total'] / 2**20:,.1f} MiB"
+        )
     lines.append(f"the collectives and memory listed are pp rank {s['reported_rank']}'s (the most memory)")
     return lines

@@ -12,8 +12,9 @@ Steps are the same algorithms' rounds, each one message latency on the critical 
 reduce_scatter, all_to_all and broadcast, 2(n-1) for all_reduce (a reduce-scatter then an all-gather), 1 for a
 send or recv.
 """
+
 import sys
-from dataclasses import dataclass, asdict
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
@@ -37,19 +38,26 @@ _FUNCOL = {
     _funcol.broadcast: ("broadcast", 2),
 }
 _C10D = {
-    _c10d.allreduce_: "all_reduce", _c10d._allgather_base_: "all_gather", _c10d.allgather_: "all_gather",
-    _c10d._reduce_scatter_base_: "reduce_scatter", _c10d.reduce_scatter_: "reduce_scatter",
-    _c10d.alltoall_base_: "all_to_all", _c10d.broadcast_: "broadcast", _c10d.send: "send", _c10d.recv_: "recv",
+    _c10d.allreduce_: "all_reduce",
+    _c10d._allgather_base_: "all_gather",
+    _c10d.allgather_: "all_gather",
+    _c10d._reduce_scatter_base_: "reduce_scatter",
+    _c10d.reduce_scatter_: "reduce_scatter",
+    _c10d.alltoall_base_: "all_to_all",
+    _c10d.broadcast_: "broadcast",
+    _c10d.send: "send",
+    _c10d.recv_: "recv",
 }
+
 
 @dataclass
 class Collective:
     module: str
-    op: str        # what issued it: the planned move, or the torch op
-    kind: str      # all_gather | reduce_scatter | all_reduce | all_to_all | broadcast | send | recv
-    axes: tuple    # mesh axes of the process group
-    bytes: int     # per rank, on the wire (see module docstring)
-    phase: str     # forward | backward | optimizer
+    op: str  # what issued it: the planned move, or the torch op
+    kind: str  # all_gather | reduce_scatter | all_reduce | all_to_all | broadcast | send | recv
+    axes: tuple  # mesh axes of the process group
+    bytes: int  # per rank, on the wire (see module docstring)
+    phase: str  # forward | backward | optimizer
     reason: str = ""
     origin: str = "planned"  # planned | op | implicit
     dtype: str = ""
@@ -143,9 +151,20 @@ class CollectiveRecorder(TorchDispatchMode):
             module, why, origin = current_module(), f"issued by {_caller()}", "op"
         else:
             module, why, origin = ctx
-        self.records.append(Collective(module=module, op=op, kind=kind, axes=tuple(axes), bytes=int(nbytes),
-                                       phase=ph, reason=why, origin=origin, dtype=str(t.dtype).replace("torch.", ""),
-                                       shape=tuple(t.shape)))
+        self.records.append(
+            Collective(
+                module=module,
+                op=op,
+                kind=kind,
+                axes=tuple(axes),
+                bytes=int(nbytes),
+                phase=ph,
+                reason=why,
+                origin=origin,
+                dtype=str(t.dtype).replace("torch.", ""),
+                shape=tuple(t.shape),
+            )
+        )
 
 
 def _caller() -> str:
@@ -163,14 +182,16 @@ def _caller() -> str:
 def _patch_implicit_redistribution():
     """Tags the redistributions DTensor performs inside an op's dispatch, so a plan can show them."""
     from torch.distributed.tensor import _dispatch
+
     original = getattr(_dispatch, "redistribute_local_tensor", None)
     if original is None or getattr(original, "_spmd_tagged", False):
         return
 
     def tagged(local_tensor, current_spec, target_spec, *args, **kwargs):
         module = current_module()
-        with reason(module, f"DTensor op redistributed {current_spec.placements} -> {target_spec.placements}",
-                    origin="implicit"):
+        with reason(
+            module, f"DTensor op redistributed {current_spec.placements} -> {target_spec.placements}", origin="implicit"
+        ):
             return original(local_tensor, current_spec, target_spec, *args, **kwargs)
 
     tagged._spmd_tagged = True

@@ -29,6 +29,7 @@
    but their all-gather of the updated parameters after the step is on the critical path.
 Each row names what it assumes as launch.train flags: `--mesh SPEC [--zero K] --ac MODE --grad-accum K`.
 """
+
 from __future__ import annotations
 
 import logging
@@ -41,21 +42,46 @@ from ..layout.rules import ZERO_STAGES, Rules
 from ..runtime.transforms.checkpointing import parse_mode
 from .candidates import candidate_specs, candidates, expert_count, mesh_problem, spec_name, zero_stages
 from .devices import Device, get_device
-from .search_rows import Row, SearchResult
-from .step_time import flops_per_token, links, predict, recompute_fraction
 from .search_pipeline import Pipeline, pipeline_sizes, plan_pipeline
 from .search_pool import Progress, Workers, plan_all
+from .search_rows import Row, SearchResult
+from .step_time import flops_per_token, links, predict, recompute_fraction
 from .summaries import accumulated, as_model, checkpointed, frozen, model_state_bytes, rules_for
 
-__all__ = ["Row", "SearchResult", "search_meshes", "candidate_specs", "spec_name", "links", "flops_per_token", "predict", "search",
-           "model_state_bytes", "ac_modes"]
+__all__ = [
+    "Row",
+    "SearchResult",
+    "search_meshes",
+    "candidate_specs",
+    "spec_name",
+    "links",
+    "flops_per_token",
+    "predict",
+    "search",
+    "model_state_bytes",
+    "ac_modes",
+]
 
 
-def search(model, world_size: int, device="h100", memory_budget_bytes: float | None = None,
-           batch_shape=None, dtype: str = "bf16", top: int | None = None, max_tp: int | None = None,
-           sequence_parallel=(False, True), specs=None, workers: int | None = None, ac: str | None = None,
-           grad_accum: int | None = None, zero: int | None = None, progress: bool = False, max_pp: int = 1,
-           pipeline: Pipeline | None = None) -> SearchResult:
+def search(
+    model,
+    world_size: int,
+    device="h100",
+    memory_budget_bytes: float | None = None,
+    batch_shape=None,
+    dtype: str = "bf16",
+    top: int | None = None,
+    max_tp: int | None = None,
+    sequence_parallel=(False, True),
+    specs=None,
+    workers: int | None = None,
+    ac: str | None = None,
+    grad_accum: int | None = None,
+    zero: int | None = None,
+    progress: bool = False,
+    max_pp: int = 1,
+    pipeline: Pipeline | None = None,
+) -> SearchResult:
     """Ranks the specs of `world_size` ranks for `model` by predicted step time. `model`: an nn.Module (the
     meta device will do), or a model config with `build()` (e.g. a LlamaConfig).
 
@@ -77,8 +103,10 @@ def search(model, world_size: int, device="h100", memory_budget_bytes: float | N
     if grad_accum is not None and (not isinstance(grad_accum, int) or grad_accum < 1):
         raise ValueError(f"grad_accum must be an integer >= 1 (micro-batches per step), got {grad_accum!r}")
     if zero is not None and zero not in ZERO_STAGES:
-        raise ValueError(f"zero must be a ZeRO stage {ZERO_STAGES} (1 shards optimizer states over fsdp, 2 also "
-                         f"gradients, 3 also parameters), got {zero!r}")
+        raise ValueError(
+            f"zero must be a ZeRO stage {ZERO_STAGES} (1 shards optimizer states over fsdp, 2 also "
+            f"gradients, 3 also parameters), got {zero!r}"
+        )
     dev = get_device(device, world_size)
     net = as_model(model)
     cfg = getattr(net, "cfg", None)
@@ -89,8 +117,15 @@ def search(model, world_size: int, device="h100", memory_budget_bytes: float | N
     compute_s = flops_per_token(net, seq) * batch * seq / world_size / (dev.peak(dtype) * dev.efficiency)
     unplanned = _screen(net, tried, world_size, budget)
     todo = [c for c in tried if _floor_key(c) not in unplanned]
-    chosen = _plan(net, model, todo, (batch, seq, str(dtype)), budget, (ac, grad_accum),
-                   (workers or 1, Progress(progress), pipeline or Pipeline()))
+    chosen = _plan(
+        net,
+        model,
+        todo,
+        (batch, seq, str(dtype)),
+        budget,
+        (ac, grad_accum),
+        (workers or 1, Progress(progress), pipeline or Pipeline()),
+    )
     ranked, dropped = [], []
     for sizes, sp, z in tried:
         row = Row(spec_name(sizes, sp), dict(sizes), sp, zero=z, budget=budget)
@@ -98,26 +133,47 @@ def search(model, world_size: int, device="h100", memory_budget_bytes: float | N
         if floor in unplanned:
             row.fits, (row.note, row.memory) = False, unplanned[floor]
         else:
-            _fill(row, chosen[_key((sizes, sp, z))], dev, compute_s, _count_blocks(net),
-                  batch * seq, flops_per_token(net, seq) / (dev.peak(dtype) * world_size))
+            _fill(
+                row,
+                chosen[_key((sizes, sp, z))],
+                dev,
+                compute_s,
+                _count_blocks(net),
+                batch * seq,
+                flops_per_token(net, seq) / (dev.peak(dtype) * world_size),
+            )
         (ranked if row.fits else dropped).append(row)
     ranked.sort(key=lambda r: (r.step_s, r.memory.get("total", 0)))
-    meta = {"model": type(net).__name__ if cfg is None else _model_label(cfg),
-            "world": world_size, "device": dev.name, "batch_shape": [batch, seq], "dtype": str(dtype),
-            "budget": budget, "compute_s": compute_s, "efficiency": dev.efficiency,
-            "peak_flops": dev.peak(dtype), "candidates": len(tried), "ac": ac, "grad_accum": grad_accum, "zero": zero}
+    meta = {
+        "model": type(net).__name__ if cfg is None else _model_label(cfg),
+        "world": world_size,
+        "device": dev.name,
+        "batch_shape": [batch, seq],
+        "dtype": str(dtype),
+        "budget": budget,
+        "compute_s": compute_s,
+        "efficiency": dev.efficiency,
+        "peak_flops": dev.peak(dtype),
+        "candidates": len(tried),
+        "ac": ac,
+        "grad_accum": grad_accum,
+        "zero": zero,
+    }
     return SearchResult(ranked[:top] if top else ranked, dropped, meta)
 
 
-def search_meshes(net, world: int, specs, max_tp: int, sequence_parallel=(False, True), seq=None,
-                  max_pp: int = 1) -> list[tuple[dict, bool]]:
+def search_meshes(
+    net, world: int, specs, max_tp: int, sequence_parallel=(False, True), seq=None, max_pp: int = 1
+) -> list[tuple[dict, bool]]:
     """The (sizes, sp) a search tries: `specs`, or every candidate mesh and, for each pp of
     `pipeline_sizes(world, blocks, max_pp)`, every mesh of world / pp ranks under that pp axis."""
     meshes = candidates(world, specs, max_tp, sequence_parallel, seq, expert_count(net))
     if specs is None:
-        meshes += [({"pp": pp, **{a: n for a, n in sizes.items() if n > 1}}, sp)
-                   for pp in pipeline_sizes(world, _count_blocks(net), max_pp)
-                   for sizes, sp in candidates(world // pp, None, max_tp, sequence_parallel, seq, expert_count(net))]
+        meshes += [
+            ({"pp": pp, **{a: n for a, n in sizes.items() if n > 1}}, sp)
+            for pp in pipeline_sizes(world, _count_blocks(net), max_pp)
+            for sizes, sp in candidates(world // pp, None, max_tp, sequence_parallel, seq, expert_count(net))
+        ]
     return meshes
 
 
@@ -161,11 +217,16 @@ def _fit(net, todo, shape, budget, pinned, workers) -> dict:
     out, pending = {}, {}
     for sizes, sp, z in todo:
         local = batch // Rules.default(sp).data_parallel_size(sizes)
-        pending[_key((sizes, sp, z))] = [grad_accum] if grad_accum else [k for k in range(1, local + 1) if local % k == 0] or [1]
+        pending[_key((sizes, sp, z))] = (
+            [grad_accum] if grad_accum else [k for k in range(1, local + 1) if local % k == 0] or [1]
+        )
     while pending:
         nones = _plan_round(net, pending, "none", shape, workers)
-        needs = {key: pending[key] for key, none in nones.items()
-                 if modes != ["none"] and not isinstance(none, Exception) and not _fits(none, modes, budget)}
+        needs = {
+            key: pending[key]
+            for key, none in nones.items()
+            if modes != ["none"] and not isinstance(none, Exception) and not _fits(none, modes, budget)
+        }
         fulls = _plan_round(net, needs, "full", shape, workers)
         nones.update(_plan_round(net, needs, "none", shape, workers, block=True))
         for key in list(pending):
@@ -253,9 +314,11 @@ def _screen(net: nn.Module, candidates, world_size: int, budget: float) -> dict:
         floor = model_state_bytes(net, sizes, rules_for(False, zero)) // sizes.get("pp", 1)
         problem = mesh_problem(net, sizes)
         if floor > budget:
-            out[key] = (f"parameters, gradients and optimizer states alone need {floor / 2**30:,.1f} "
-                                  f"GiB per rank > budget {budget / 2**30:,.1f} GiB (not planned)",
-                                  {"states": floor, "total": floor})
+            out[key] = (
+                f"parameters, gradients and optimizer states alone need {floor / 2**30:,.1f} "
+                f"GiB per rank > budget {budget / 2**30:,.1f} GiB (not planned)",
+                {"states": floor, "total": floor},
+            )
         elif problem:
             out[key] = (problem, {})
     return out
@@ -286,13 +349,18 @@ def _fill(row: Row, chosen, dev: Device, compute_s: float, n_blocks: int, tokens
     row.mfu = row.tokens_per_s * mfu_per_token_s
     if s.memory["total"] > row.budget:
         row.fits = False
-        row.note = (f"needs {s.memory['total'] / 2**30:,.1f} GiB per rank > budget {row.budget / 2**30:,.1f} GiB "
-                    f"even with --ac {row.ac} --grad-accum {row.grad_accum}")
+        row.note = (
+            f"needs {s.memory['total'] / 2**30:,.1f} GiB per rank > budget {row.budget / 2**30:,.1f} GiB "
+            f"even with --ac {row.ac} --grad-accum {row.grad_accum}"
+        )
 
 
 def _model_label(cfg) -> str:
     """`LlamaConfig(dim=4096, layers=32, 8.03B params)`; a config without `dim` (`--model hf:DIR`) omits it."""
     n = cfg.num_params() if hasattr(cfg, "num_params") else 0
-    shape = [f"{label}={getattr(cfg, attr)}" for attr, label in (("dim", "dim"), ("n_layers", "layers"))
-             if hasattr(cfg, attr)]
+    shape = [
+        f"{label}={getattr(cfg, attr)}"
+        for attr, label in (("dim", "dim"), ("n_layers", "layers"))
+        if hasattr(cfg, attr)
+    ]
     return f"{type(cfg).__name__}({', '.join([*shape, f'{n / 1e9:.2f}B params'])})"

@@ -8,13 +8,14 @@ receives) is spread over its m micro-batches; the schedule idles a fraction `bub
 (spmd.pipeline.runtime.bubble_fraction, (p-1)/(m+p-1) for 1F1B), so step = work / (1 - bubble).
 Activation checkpointing is `none` or `full` (the least of the two that fits, or the pinned one); gradient
 accumulation is the pipeline's own micro-batches (--grad-accum 1)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from ..pipeline.runtime import default_microbatches
 from .explain import explain
-from .summaries import summarize, rules_for
+from .summaries import rules_for, summarize
 
 __all__ = ["Pipeline", "plan_pipeline", "pipeline_sizes"]
 
@@ -22,6 +23,7 @@ __all__ = ["Pipeline", "plan_pipeline", "pipeline_sizes"]
 @dataclass(frozen=True)
 class Pipeline:
     """How pipeline specs run: launch.train's --pp-schedule, --microbatches (0: the schedule's default)."""
+
     schedule: str = "1f1b"
     microbatches: int = 0
 
@@ -42,8 +44,16 @@ def plan_pipeline(net, key, shape, budget: float, modes: list[str], how: Pipelin
     out = None
     for mode in modes:
         try:
-            plan = explain(net, rules_for(sp, zero), sizes, batch_shape=(batch, seq), dtype=dtype, ac=mode,
-                           schedule=how.schedule, microbatches=how.microbatches_for(sizes["pp"]))
+            plan = explain(
+                net,
+                rules_for(sp, zero),
+                sizes,
+                batch_shape=(batch, seq),
+                dtype=dtype,
+                ac=mode,
+                schedule=how.schedule,
+                microbatches=how.microbatches_for(sizes["pp"]),
+            )
         except (ValueError, RuntimeError) as e:
             return ValueError(next((x for x in str(e).splitlines() if x.strip()), type(e).__name__)), mode, 1, {}
         out = (summarize(plan), mode, 1, plan.pipeline)

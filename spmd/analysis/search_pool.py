@@ -1,6 +1,7 @@
 """Where the search's dry runs run: in this process or in spawned worker processes, grouped by mesh so that a
 mesh's fake world and DTensor's cached plans serve all of its dry runs (fake.kept_worlds), with a progress
 line on stderr, and workers that end with the search: stopped (SIGINT, SIGTERM) or killed, it takes them along."""
+
 from __future__ import annotations
 
 import logging
@@ -28,8 +29,13 @@ class Progress:
 
     def show(self, done: int, total: int) -> None:
         if self.on:
-            print(f"\rspmd.search: {self.stage}{': ' if self.stage else ''}{done}/{total} meshes planned, "
-                  f"{time.perf_counter() - self.start:.0f} s\033[K", end="", file=self.stream, flush=True)
+            print(
+                f"\rspmd.search: {self.stage}{': ' if self.stage else ''}{done}/{total} meshes planned, "
+                f"{time.perf_counter() - self.start:.0f} s\033[K",
+                end="",
+                file=self.stream,
+                flush=True,
+            )
 
     def close(self) -> None:
         if self.on:
@@ -50,6 +56,7 @@ def _die_with_parent() -> None:
     """Linux: this worker gets SIGTERM when its parent dies, however the parent ends (even SIGKILL)."""
     try:
         import ctypes
+
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
@@ -110,6 +117,7 @@ class Workers:
         """The results of `_plan_group` on each group, in the order they finish."""
         if self.pool is None:
             import multiprocessing
+
             arg = self.model_arg
             payload = arg if not isinstance(arg, nn.Module) else fake_copy(arg, None)
             self.pool = multiprocessing.get_context("spawn").Pool(self.processes, _worker_init, (payload,))

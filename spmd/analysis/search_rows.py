@@ -1,5 +1,6 @@
 """The search's answer: one `Row` per spec (its predicted step, memory, the activation checkpointing and
 micro-batches it assumes, as trainer flags) and the `SearchResult` table of them."""
+
 from __future__ import annotations
 
 import math
@@ -13,18 +14,18 @@ class Row:
     spec: str
     sizes: dict
     sp: bool
-    zero: int | None = None     # ZeRO stage assumed (launch.train --zero); None: no fsdp axis, nothing to shard
-    ac: str = "none"            # activation checkpointing assumed (launch.train --ac)
-    grad_accum: int = 1         # micro-batches per step assumed (launch.train --grad-accum)
+    zero: int | None = None  # ZeRO stage assumed (launch.train --zero); None: no fsdp axis, nothing to shard
+    ac: str = "none"  # activation checkpointing assumed (launch.train --ac)
+    grad_accum: int = 1  # micro-batches per step assumed (launch.train --grad-accum)
     step_s: float = math.nan
     compute_s: float = math.nan
     recompute_s: float = 0.0
     activation_comm_s: float = math.nan
     param_comm_s: float = math.nan
     hidden_s: float = 0.0
-    schedule: str = ""          # pipeline schedule assumed (launch.train --pp-schedule); "" without pp
-    microbatches: int = 0       # pipeline micro-batches per step (launch.train --microbatches)
-    bubble_s: float = 0.0       # the schedule's idle time (spmd/analysis/search_pipeline.py)
+    schedule: str = ""  # pipeline schedule assumed (launch.train --pp-schedule); "" without pp
+    microbatches: int = 0  # pipeline micro-batches per step (launch.train --microbatches)
+    bubble_s: float = 0.0  # the schedule's idle time (spmd/analysis/search_pipeline.py)
     comm_bytes: int = 0
     collectives: int = 0
     bytes_by_axis: dict = field(default_factory=dict)
@@ -59,15 +60,21 @@ class SearchResult(list):
         self.dropped, self.meta = dropped, meta
 
     def to_dict(self) -> dict:
-        return {"meta": self.meta, "ranked": [r.to_dict() for r in self],
-                "dropped": [r.to_dict() for r in self.dropped]}
+        return {
+            "meta": self.meta,
+            "ranked": [r.to_dict() for r in self],
+            "dropped": [r.to_dict() for r in self.dropped],
+        }
 
     def table(self) -> str:
         m = self.meta
-        lines = [f"spec search: {m['model']} on {m['world']} x {m['device']}, batch {tuple(m['batch_shape'])}, "
-                 f"{m['dtype']}, budget {m['budget'] / 2**30:,.1f} GiB/rank; each row's flags are launch.train's",
-                 f"{'#':>3} {'spec':<22} {'zero':>4} {'step s':>9} {'compute':>9} {'recomp':>8} {'act comm':>9} {'par comm':>9} "
-                 f"{'hidden':>8} {'tok/s':>11} {'MFU':>6} {'mem GiB':>8} {'comm GB':>9}  flags"]
+        lines = [
+            f"spec search: {m['model']} on {m['world']} x {m['device']}, batch {tuple(m['batch_shape'])}, "
+            f"{m['dtype']}, budget {m['budget'] / 2**30:,.1f} GiB/rank; each row's flags are launch.train's",
+            f"{'#':>3} {'spec':<22} {'zero':>4} {'step s':>9} {'compute':>9} {'recomp':>8} {'act comm':>9} "
+            f"{'par comm':>9} "
+            f"{'hidden':>8} {'tok/s':>11} {'MFU':>6} {'mem GiB':>8} {'comm GB':>9}  flags",
+        ]
         for i, r in enumerate(self, 1):
             lines.append(_fmt_row(str(i), r))
         if self.dropped:
@@ -81,6 +88,8 @@ class SearchResult(list):
 
 def _fmt_row(rank, r: Row) -> str:
     zero = "-" if r.zero is None else str(r.zero)
-    return (f"{rank:>3} {r.spec:<22} {zero:>4} {r.step_s:>9.4g} {r.compute_s:>9.4g} {r.recompute_s:>8.3g} "
-            f"{r.activation_comm_s:>9.4g} {r.param_comm_s:>9.4g} {r.hidden_s:>8.3g} {r.tokens_per_s:>11,.0f} "
-            f"{100 * r.mfu:>5.1f}% {r.memory.get('total', 0) / 2**30:>8.2f} {r.comm_bytes / 1e9:>9.3f}  {r.flags}")
+    return (
+        f"{rank:>3} {r.spec:<22} {zero:>4} {r.step_s:>9.4g} {r.compute_s:>9.4g} {r.recompute_s:>8.3g} "
+        f"{r.activation_comm_s:>9.4g} {r.param_comm_s:>9.4g} {r.hidden_s:>8.3g} {r.tokens_per_s:>11,.0f} "
+        f"{100 * r.mfu:>5.1f}% {r.memory.get('total', 0) / 2**30:>8.2f} {r.comm_bytes / 1e9:>9.3f}  {r.flags}"
+    )

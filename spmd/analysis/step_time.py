@@ -19,6 +19,7 @@ parameter traffic the runtime hides behind compute.
                  where they are issued) and tensor/sequence-parallel moves are on the critical path;
     step       = compute + recompute + every collective - hidden.
 """
+
 from __future__ import annotations
 
 import math
@@ -66,12 +67,23 @@ def predict(summary: Summary, sizes: dict, dev: Device, compute_s: float, recomp
     t = dict.fromkeys(TRAFFIC, 0.0)
     for (axes, kind), (count, nbytes, steps) in summary.groups.items():
         inter = any(link.get(a) == "inter" for a in axes.split("+"))
-        bw, lat, step = ((dev.inter_bw, dev.inter_latency, dev.inter_step_latency) if inter
-                         else (dev.intra_bw, dev.intra_latency, dev.intra_step_latency))
+        bw, lat, step = (
+            (dev.inter_bw, dev.inter_latency, dev.inter_step_latency)
+            if inter
+            else (dev.intra_bw, dev.intra_latency, dev.intra_step_latency)
+        )
         t[kind] += count * lat + steps * step + nbytes / bw
     forward_s = compute_s / 3
-    hidden = 0.0 if not dev.overlaps_comm else (
-        min(t["prefetch-forward"], forward_s) + min(t["prefetch-backward"], compute_s - forward_s + recompute_s))
+    hidden = (
+        0.0
+        if not dev.overlaps_comm
+        else (min(t["prefetch-forward"], forward_s) + min(t["prefetch-backward"], compute_s - forward_s + recompute_s))
+    )
     param = t["gather"] + t["prefetch-forward"] + t["prefetch-backward"] + t["reduce"]
-    return {"activation_comm_s": t["activation"], "param_comm_s": param, "hidden_s": hidden,
-            "step_s": compute_s + recompute_s + t["activation"] + param - hidden, "links": link}
+    return {
+        "activation_comm_s": t["activation"],
+        "param_comm_s": param,
+        "hidden_s": hidden,
+        "step_s": compute_s + recompute_s + t["activation"] + param - hidden,
+        "links": link,
+    }

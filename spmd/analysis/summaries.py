@@ -7,6 +7,7 @@ checkpointed) is composed from the blocks of those two plans: the first block ch
 (k = ceil(L/N)) and L-k plain ones. With any checkpointing, backward rebuilds one block's activations at a
 time: memory gets `recompute`, the activations of one plain block (a transient explain's count of saved
 tensors leaves out)."""
+
 from __future__ import annotations
 
 import copy
@@ -24,8 +25,20 @@ from ..runtime.transforms.checkpointing import parse_mode
 from .explain import explain
 from .record import ring_steps
 
-__all__ = ["Summary", "summarize", "plan_summary", "planned", "checkpointed", "accumulated", "model_state_bytes",
-           "frozen", "as_model", "rules_for", "TRAFFIC", "traffic"]
+__all__ = [
+    "Summary",
+    "summarize",
+    "plan_summary",
+    "planned",
+    "checkpointed",
+    "accumulated",
+    "model_state_bytes",
+    "frozen",
+    "as_model",
+    "rules_for",
+    "TRAFFIC",
+    "traffic",
+]
 
 # how a collective's time is spent: "gather" parameters (critical path), "prefetch-forward"/"prefetch-backward"
 # (a block's gather issued while the block before computes, spmd.runtime.parameters.buckets), "reduce" gradients (once
@@ -78,10 +91,11 @@ def _truncated(model: nn.Module, name: str, k: int) -> nn.Module:
 @dataclass
 class Summary:
     """What the ranking needs from a plan: collective count and bytes per (axis, traffic class), memory."""
-    groups: dict   # (axes, TRAFFIC class) -> [count, bytes, ring steps] (record.ring_steps)
+
+    groups: dict  # (axes, TRAFFIC class) -> [count, bytes, ring steps] (record.ring_steps)
     memory: dict
-    block: "Summary | None" = None   # one repeated block's share of the plan
-    blocks: int = 0                  # how many repeated blocks the model has
+    block: Summary | None = None  # one repeated block's share of the plan
+    blocks: int = 0  # how many repeated blocks the model has
 
     def __sub__(self, o):
         return self._combine(o, operator.sub)
@@ -89,15 +103,18 @@ class Summary:
     def __add__(self, o):
         return self._combine(o, operator.add)
 
-    def _combine(self, o, op) -> "Summary":
+    def _combine(self, o, op) -> Summary:
         """Groups and memory combined entry by entry (a group one side lacks counts as EMPTY_GROUP)."""
         keys = set(self.groups) | set(o.groups)
-        groups = {k: [op(a, b) for a, b in zip(self.groups.get(k, EMPTY_GROUP), o.groups.get(k, EMPTY_GROUP))]
-                  for k in keys}
+        groups = {
+            k: [op(a, b) for a, b in zip(self.groups.get(k, EMPTY_GROUP), o.groups.get(k, EMPTY_GROUP))] for k in keys
+        }
         return Summary(groups, {k: op(self.memory[k], o.memory[k]) for k in self.memory})
 
     def __mul__(self, f: int):
-        return Summary({k: [v * f for v in g] for k, g in self.groups.items()}, {k: v * f for k, v in self.memory.items()})
+        return Summary(
+            {k: [v * f for v in g] for k, g in self.groups.items()}, {k: v * f for k, v in self.memory.items()}
+        )
 
 
 def summarize(plan) -> Summary:
@@ -194,8 +211,17 @@ def _with_recompute(s: Summary, nbytes: int) -> Summary:
     return Summary(s.groups, {**memory, "total": sum(memory.values())})
 
 
-def planned(model: nn.Module, sizes: dict, sp: bool, batch_shape, dtype, rules, ac: str,
-            grad_accum: int = 1, block: bool = False) -> Summary:
+def planned(
+    model: nn.Module,
+    sizes: dict,
+    sp: bool,
+    batch_shape,
+    dtype,
+    rules,
+    ac: str,
+    grad_accum: int = 1,
+    block: bool = False,
+) -> Summary:
     """The plan of the full model with `ac` none or full and `grad_accum` as explain gives it (cached); `.block`
     is one block's share (None for a model of fewer than 2 blocks, and for one of 2 unless `block`: the model
     is its own 2-block copy, one dry run)."""
@@ -205,8 +231,17 @@ def planned(model: nn.Module, sizes: dict, sp: bool, batch_shape, dtype, rules, 
     key = _cache_key(model, sizes, sp, batch_shape, dtype, rules, (ac, grad_accum, block))
     if key in _cache:
         return _cache[key][1]
-    run = lambda m: summarize(explain(m, rules, sizes, batch_shape=batch_shape, dtype=dtype, ac=ac,  # noqa: E731
-                                      grad_accum=grad_accum))
+    run = lambda m: summarize(
+        explain(
+            m,
+            rules,
+            sizes,
+            batch_shape=batch_shape,
+            dtype=dtype,
+            ac=ac,  # noqa: E731
+            grad_accum=grad_accum,
+        )
+    )
     if len(blocks) < 2 or not block:
         out = run(model)
     else:

@@ -23,11 +23,25 @@ writes meta.json and the index, renames the directory to `step-N`, and replaces 
     AsyncSaver().save(...)   # the same, returning once the state is in host memory; a thread writes and commits
     meta = load(ckpt_dir, model_state(model), optim_state(model, opt, init=True))
 """
+
 from .async_save import AsyncSaver
 from .load import latest, load, read_full, read_into, read_meta, resolve, tensor_names
 from .save import save
 from .state import model_state, optim_state
 from .verify import newest_intact, verify
 
-__all__ = ["save", "AsyncSaver", "load", "resolve", "latest", "model_state", "optim_state", "read_full", "read_into",
-           "tensor_names", "read_meta", "verify", "newest_intact"]
+__all__ = [
+    "save",
+    "AsyncSaver",
+    "load",
+    "resolve",
+    "latest",
+    "model_state",
+    "optim_state",
+    "read_full",
+    "read_into",
+    "tensor_names",
+    "read_meta",
+    "verify",
+    "newest_intact",
+]

@@ -22,6 +22,7 @@ printed and the process exits 1: a lost checkpoint never ends a job with 0.
 Choice: this thread over DCP's `async_save` with `HuggingFaceStorageWriter`, which would replace the rank
 files, the per-file SHA-256 index, the atomic `latest` and the interrupted-save points rather than keep them.
 """
+
 import atexit
 import functools
 import os
@@ -49,8 +50,11 @@ class AsyncSaver:
 
     def __init__(self):
         cuda = torch.cuda.is_available()
-        self._stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
-                                                    use_async_staging=False, use_non_blocking_copy=cuda))
+        self._stager = DefaultStager(
+            StagingOptions(
+                use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=cuda
+            )
+        )
         self._group = None
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -58,9 +62,15 @@ class AsyncSaver:
         _SAVERS.add(self)
         _finish_saves_before_exit()
 
-    def save(self, ckpt_dir: str | os.PathLike, step: int, model_state: dict[str, torch.Tensor],
-             optim_state: dict[str, torch.Tensor] | None = None, meta: dict | None = None,
-             keep: int | None = None) -> Path:
+    def save(
+        self,
+        ckpt_dir: str | os.PathLike,
+        step: int,
+        model_state: dict[str, torch.Tensor],
+        optim_state: dict[str, torch.Tensor] | None = None,
+        meta: dict | None = None,
+        keep: int | None = None,
+    ) -> Path:
         """Collective, arguments as `save`'s. Waits for the previous save (raising its error), copies this rank's
         shards to host buffers, starts the writer and returns the directory the checkpoint will be committed to."""
         self.wait()
@@ -71,8 +81,9 @@ class AsyncSaver:
         if self._group is None and dist.is_initialized() and dist.get_world_size() > 1:
             self._group = dist.new_group(backend="gloo")  # collective: every rank is here, in the same order
         self._pending = job.final
-        self._thread = threading.Thread(target=self._write, args=(job,), name=f"spmd-checkpoint-{job.step}",
-                                        daemon=True)
+        self._thread = threading.Thread(
+            target=self._write, args=(job,), name=f"spmd-checkpoint-{job.step}", daemon=True
+        )
         _IN_FLIGHT.add(self)
         self._thread.start()
         return job.final

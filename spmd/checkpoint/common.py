@@ -1,5 +1,6 @@
 """What saving and loading share: the format name, file names, the box of a tensor a rank holds, and
 process-group helpers that also work without a process group."""
+
 import os
 from pathlib import Path
 
@@ -8,8 +9,19 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-__all__ = ["FORMAT", "LATEST", "RNG_CPU", "RNG_CUDA", "all_gather", "barrier", "dtype_name", "fsync_dir",
-           "rank_file", "rank_world", "region"]
+__all__ = [
+    "FORMAT",
+    "LATEST",
+    "RNG_CPU",
+    "RNG_CUDA",
+    "all_gather",
+    "barrier",
+    "dtype_name",
+    "fsync_dir",
+    "rank_file",
+    "rank_world",
+    "region",
+]
 
 FORMAT = "spmd-safetensors/1"
 LATEST = "latest"
@@ -20,13 +32,17 @@ def region(t: torch.Tensor) -> tuple[list[int], list[int], torch.Tensor]:
     """(global offsets, lengths, local tensor) of the box of the global tensor this rank holds."""
     if isinstance(t, DTensor):
         if any(p.is_partial() for p in t.placements):
-            raise ValueError(f"cannot checkpoint a DTensor with a Partial placement {t.placements}; "
-                             "redistribute it to Replicate or Shard first")
+            raise ValueError(
+                f"cannot checkpoint a DTensor with a Partial placement {t.placements}; "
+                "redistribute it to Replicate or Shard first"
+            )
         lengths, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
         local = t.to_local()
         if tuple(local.shape) != tuple(lengths):
-            raise ValueError(f"local shard shape {tuple(local.shape)} does not match the box {tuple(lengths)} "
-                             f"its placements {t.placements} imply (strided shardings are not supported)")
+            raise ValueError(
+                f"local shard shape {tuple(local.shape)} does not match the box {tuple(lengths)} "
+                f"its placements {t.placements} imply (strided shardings are not supported)"
+            )
         return list(offsets), list(lengths), local
     return [0] * t.dim(), list(t.shape), t
 

@@ -1,4 +1,5 @@
 """Reading a checkpoint onto any layout: each rank reads only the slices its tensors hold."""
+
 import json
 import math
 import os
@@ -20,8 +21,10 @@ def latest(ckpt_dir: str | os.PathLike) -> Path | None:
         return None
     target = Path(ckpt_dir) / pointer.read_text().strip()
     if not (target / "index.json").is_file():
-        raise FileNotFoundError(f"{pointer} points at {target}, which is not a complete checkpoint; "
-                                f"edit {pointer} to name an existing step-N directory")
+        raise FileNotFoundError(
+            f"{pointer} points at {target}, which is not a complete checkpoint; "
+            f"edit {pointer} to name an existing step-N directory"
+        )
     return target
 
 
@@ -32,8 +35,10 @@ def resolve(path: str | os.PathLike) -> Path:
         return path
     found = latest(path)
     if found is None:
-        raise FileNotFoundError(f"no checkpoint at {path}: it has neither index.json nor a '{LATEST}' pointer; "
-                                "pass a directory written by spmd.checkpoint.save (or its step-N subdirectory)")
+        raise FileNotFoundError(
+            f"no checkpoint at {path}: it has neither index.json nor a '{LATEST}' pointer; "
+            "pass a directory written by spmd.checkpoint.save (or its step-N subdirectory)"
+        )
     return found
 
 
@@ -72,8 +77,15 @@ class _Files:
         return self.handles[name]
 
 
-def read_into(target: torch.Tensor, key: str, shards: list[dict], files, global_shape=None,
-              name: str | None = None, dtype: str | None = None) -> None:
+def read_into(
+    target: torch.Tensor,
+    key: str,
+    shards: list[dict],
+    files,
+    global_shape=None,
+    name: str | None = None,
+    dtype: str | None = None,
+) -> None:
     """Fill `target`'s local box (plain tensor: all of it) from the `shards` of tensor `key`.
 
     `shards`: [{"file", "offsets", "lengths"}]; `files(file)` returns an open `safe_open` handle. Only the
@@ -82,8 +94,10 @@ def read_into(target: torch.Tensor, key: str, shards: list[dict], files, global_
     """
     name = name or key
     if global_shape is not None and list(target.shape) != list(global_shape):
-        raise ValueError(f"{name}: checkpoint holds global shape {list(global_shape)} but the target is "
-                         f"{list(target.shape)}; build the model with the same config the checkpoint was written with")
+        raise ValueError(
+            f"{name}: checkpoint holds global shape {list(global_shape)} but the target is "
+            f"{list(target.shape)}; build the model with the same config the checkpoint was written with"
+        )
     offsets, lengths, local = region(target)
     if math.prod(lengths) == 0:
         return
@@ -96,14 +110,17 @@ def read_into(target: torch.Tensor, key: str, shards: list[dict], files, global_
             continue
         f = files(shard["file"])
         _check_stored(f, key, shard, name)
-        if local.dim() == 0 or (lo == list(shard["offsets"]) and
-                                [h - l for l, h in zip(lo, hi)] == list(shard["lengths"])):
+        if local.dim() == 0 or (
+            lo == list(shard["offsets"]) and [h - l for l, h in zip(lo, hi)] == list(shard["lengths"])
+        ):
             piece = f.get_tensor(key)
         else:
             piece = f.get_slice(key)[tuple(slice(l - so, h - so) for l, h, so in zip(lo, hi, shard["offsets"]))]
         if dtype is not None and piece.dtype != getattr(torch, dtype):
-            raise ValueError(f"{name}: {shard['file']} holds {piece.dtype} where the index says {dtype}; "
-                             "the checkpoint is damaged: resume from an earlier one")
+            raise ValueError(
+                f"{name}: {shard['file']} holds {piece.dtype} where the index says {dtype}; "
+                "the checkpoint is damaged: resume from an earlier one"
+            )
         if lo == offsets and list(piece.shape) == lengths:
             buf = piece
         else:
@@ -112,8 +129,10 @@ def read_into(target: torch.Tensor, key: str, shards: list[dict], files, global_
             buf[tuple(slice(l - o, h - o) for l, h, o in zip(lo, hi, offsets))] = piece
         covered += piece.numel()
     if covered != math.prod(lengths):
-        raise ValueError(f"{name}: the checkpoint's shards cover {covered} of the {math.prod(lengths)} elements "
-                         "this rank needs; the checkpoint is incomplete")
+        raise ValueError(
+            f"{name}: the checkpoint's shards cover {covered} of the {math.prod(lengths)} elements "
+            "this rank needs; the checkpoint is incomplete"
+        )
     with torch.no_grad():
         local.copy_(buf.reshape(local.shape))
 
@@ -129,15 +148,24 @@ def _check_stored(f, key: str, shard: dict, name: str) -> None:
     try:
         stored = list(f.get_slice(key).get_shape())
     except Exception as e:  # safetensors raises its own error type for a missing key
-        raise ValueError(f"{name}: {shard['file']} has no tensor {key!r} ({type(e).__name__}); the checkpoint "
-                         "is damaged: resume from an earlier one") from None
+        raise ValueError(
+            f"{name}: {shard['file']} has no tensor {key!r} ({type(e).__name__}); the checkpoint "
+            "is damaged: resume from an earlier one"
+        ) from None
     if stored != list(shard["lengths"]):
-        raise ValueError(f"{name}: {shard['file']} holds shape {stored} where the index says "
-                         f"{list(shard['lengths'])}; the checkpoint is damaged: resume from an earlier one")
+        raise ValueError(
+            f"{name}: {shard['file']} holds shape {stored} where the index says "
+            f"{list(shard['lengths'])}; the checkpoint is damaged: resume from an earlier one"
+        )
 
 
-def load(path: str | os.PathLike, model_state: dict[str, torch.Tensor] | None = None,
-         optim_state: dict[str, torch.Tensor] | None = None, strict: bool = True, rng: bool = False) -> dict:
+def load(
+    path: str | os.PathLike,
+    model_state: dict[str, torch.Tensor] | None = None,
+    optim_state: dict[str, torch.Tensor] | None = None,
+    strict: bool = True,
+    rng: bool = False,
+) -> dict:
     """Fill the given tensors (plain or DTensor, any layout) in place from a checkpoint; return its meta.
 
     `path`: a `step-N` directory or a ckpt_dir with a `latest` pointer. With `strict`, every given tensor
@@ -160,12 +188,14 @@ def load(path: str | os.PathLike, model_state: dict[str, torch.Tensor] | None = 
             entry = index[key]
             read_into(t, key, entry["shards"], files, entry["shape"], dtype=entry["dtype"])
             release_pages([t])  # a file-backed (nvme-offloaded) tensor: its values are in its file now
-        unexpected += [k for k in index if k.startswith(prefix) and k[len(prefix):] not in state]
+        unexpected += [k for k in index if k.startswith(prefix) and k[len(prefix) :] not in state]
     if strict and (missing or unexpected):
-        raise KeyError(f"checkpoint {step_dir} does not match the model: missing {missing[:8]}"
-                       f"{' ...' if len(missing) > 8 else ''}, unexpected {unexpected[:8]}"
-                       f"{' ...' if len(unexpected) > 8 else ''}; load with the model config it was saved with "
-                       "(or strict=False to skip them)")
+        raise KeyError(
+            f"checkpoint {step_dir} does not match the model: missing {missing[:8]}"
+            f"{' ...' if len(missing) > 8 else ''}, unexpected {unexpected[:8]}"
+            f"{' ...' if len(unexpected) > 8 else ''}; load with the model config it was saved with "
+            "(or strict=False to skip them)"
+        )
     if rng:
         rank, _ = rank_world()
         name = rank_file(rank) if (step_dir / rank_file(rank)).is_file() else rank_file(0)

@@ -4,6 +4,7 @@
 then `write` (files, checksums, commit: collective over the group it is given, so it can run in a thread).
 Every file goes through `_write_rank_file` or `_write_json`.
 """
+
 import json
 import math
 import os
@@ -12,22 +13,36 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
 from ..runtime.optimizer.offload import file_backed, release_pages
-from .common import (FORMAT, LATEST, RNG_CPU, RNG_CUDA, all_gather, barrier, dtype_name, fsync_dir, rank_file,
-                     rank_world, region)
+from .common import (
+    FORMAT,
+    LATEST,
+    RNG_CPU,
+    RNG_CUDA,
+    all_gather,
+    barrier,
+    dtype_name,
+    fsync_dir,
+    rank_file,
+    rank_world,
+    region,
+)
 from .stream import save_file
 from .verify import file_record
 
 __all__ = ["Job", "save", "prepare", "write"]
 
+
 @dataclass
 class Job:
     """One save, taken at the moment of the call: what this rank writes (on the host) and the global index."""
+
     ckpt_dir: Path
     step: int
     rank: int
     world: int
-    out: dict[str, torch.Tensor]   # the boxes this rank writes and its RNG states, as host tensors
+    out: dict[str, torch.Tensor]  # the boxes this rank writes and its RNG states, as host tensors
     index: dict
     meta_json: str
     keep: int | None
@@ -41,9 +56,14 @@ class Job:
         return self.ckpt_dir / f"step-{self.step}"
 
 
-def save(ckpt_dir: str | os.PathLike, step: int, model_state: dict[str, torch.Tensor],
-         optim_state: dict[str, torch.Tensor] | None = None, meta: dict | None = None,
-         keep: int | None = None) -> Path:
+def save(
+    ckpt_dir: str | os.PathLike,
+    step: int,
+    model_state: dict[str, torch.Tensor],
+    optim_state: dict[str, torch.Tensor] | None = None,
+    meta: dict | None = None,
+    keep: int | None = None,
+) -> Path:
     """Collective (every rank calls it): writes `ckpt_dir/step-<step>` atomically and points `latest` at it.
 
     `model_state` / `optim_state` map names to plain tensors or DTensors (any mesh, Shard/Replicate
@@ -54,8 +74,9 @@ def save(ckpt_dir: str | os.PathLike, step: int, model_state: dict[str, torch.Te
     return write(prepare(ckpt_dir, step, model_state, optim_state, meta, keep, stage=_host_copy))
 
 
-def prepare(ckpt_dir, step: int, model_state: dict, optim_state: dict | None, meta: dict | None,
-            keep: int | None, stage) -> Job:
+def prepare(
+    ckpt_dir, step: int, model_state: dict, optim_state: dict | None, meta: dict | None, keep: int | None, stage
+) -> Job:
     """Collective: checks the state, agrees on who writes each box (the lowest rank proposing it), and copies
     this rank's boxes off the device with `stage` (a dict of tensors to a dict of host tensors)."""
     rank, world = rank_world()
@@ -63,17 +84,23 @@ def prepare(ckpt_dir, step: int, model_state: dict, optim_state: dict | None, me
     for prefix, state in (("model.", model_state), ("optim.", optim_state or {})):
         for name, t in state.items():
             if not isinstance(t, torch.Tensor):
-                raise TypeError(f"checkpoint state {prefix}{name} is a {type(t).__name__}, not a tensor; "
-                                "put non-tensor values into meta")
+                raise TypeError(
+                    f"checkpoint state {prefix}{name} is a {type(t).__name__}, not a tensor; "
+                    "put non-tensor values into meta"
+                )
             tensors[prefix + name] = t
     try:
         meta_json = json.dumps(meta or {}, indent=1, sort_keys=True)
     except TypeError as e:
-        raise TypeError(f"checkpoint meta must be JSON-serialisable ({e}); convert it to plain "
-                        "dicts/lists/numbers/strings") from None
+        raise TypeError(
+            f"checkpoint meta must be JSON-serialisable ({e}); convert it to plain dicts/lists/numbers/strings"
+        ) from None
     proposals, locals_, index, writer = _assign_writers(tensors)
-    mine = {key: local.detach() for key, local in locals_.items()
-            if writer.get((key, tuple(proposals[key][2]), tuple(proposals[key][3]))) == rank}
+    mine = {
+        key: local.detach()
+        for key, local in locals_.items()
+        if writer.get((key, tuple(proposals[key][2]), tuple(proposals[key][3]))) == rank
+    }
     out = dict(stage(mine))
     release_pages(locals_.values())  # file-backed (nvme-offloaded) state: staged, its pages go back to the file
     out[RNG_CPU] = torch.get_rng_state()
@@ -94,16 +121,19 @@ def write(job: Job, group=None) -> Path:
             error = f"rank 0: {type(e).__name__}: {e}"
     errors = [e for e in all_gather(error, group) if e]  # nobody returns before the checkpoint is committed
     if errors:
-        raise RuntimeError(f"checkpoint save of step {job.step}: committing {job.tmp} failed: {errors[0]}. "
-                           "The previous checkpoint is untouched.")
+        raise RuntimeError(
+            f"checkpoint save of step {job.step}: committing {job.tmp} failed: {errors[0]}. "
+            "The previous checkpoint is untouched."
+        )
     return job.final
 
 
 def _host_copy(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Host copies to write from; a file-backed (nvme-offloaded) tensor is written from its file, uncopied:
     nothing changes it before the synchronous write, which reads it piece by piece (spmd.checkpoint.stream)."""
-    return {k: x.to("cpu") if x.device.type != "cpu" else x if file_backed(x) else x.clone()
-            for k, x in tensors.items()}
+    return {
+        k: x.to("cpu") if x.device.type != "cpu" else x if file_backed(x) else x.clone() for k, x in tensors.items()
+    }
 
 
 def _writable(out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -111,8 +141,9 @@ def _writable(out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     seen, ready = set(), {}
     for key, x in out.items():
         ptr = x.untyped_storage().data_ptr()
-        ready[key] = x.contiguous() if x.is_contiguous() and ptr not in seen else x.clone(
-            memory_format=torch.contiguous_format)
+        ready[key] = (
+            x.contiguous() if x.is_contiguous() and ptr not in seen else x.clone(memory_format=torch.contiguous_format)
+        )
         seen.add(ptr)
     return ready
 
@@ -132,8 +163,10 @@ def _assign_writers(tensors: dict) -> tuple[dict, dict, dict, dict]:
         for key, (shape, dtype, offsets, lengths) in props.items():
             entry = index.setdefault(key, {"shape": shape, "dtype": dtype, "shards": []})
             if entry["shape"] != shape or entry["dtype"] != dtype:
-                raise ValueError(f"ranks disagree on {key}: global shape/dtype {entry['shape']}/{entry['dtype']} "
-                                 f"vs {shape}/{dtype} on rank {r}; every rank must pass the same tensors")
+                raise ValueError(
+                    f"ranks disagree on {key}: global shape/dtype {entry['shape']}/{entry['dtype']} "
+                    f"vs {shape}/{dtype} on rank {r}; every rank must pass the same tensors"
+                )
             box = (key, tuple(offsets), tuple(lengths))
             if box not in writer and math.prod(lengths) > 0:
                 writer[box] = r
@@ -141,8 +174,10 @@ def _assign_writers(tensors: dict) -> tuple[dict, dict, dict, dict]:
     for key, entry in index.items():
         covered = sum(math.prod(s["lengths"]) for s in entry["shards"])
         if covered != math.prod(entry["shape"]):
-            raise ValueError(f"the shards of {key} cover {covered} of {math.prod(entry['shape'])} elements; "
-                             "ranks passed overlapping or incomplete pieces of it")
+            raise ValueError(
+                f"the shards of {key} cover {covered} of {math.prod(entry['shape'])} elements; "
+                "ranks passed overlapping or incomplete pieces of it"
+            )
     return proposals, locals_, index, writer
 
 
@@ -165,8 +200,11 @@ def _write_rank_files(job: Job, group) -> dict[str, dict]:
     gathered = all_gather((error, record), group)
     errors = [e for e, _ in gathered if e]
     if errors:
-        raise RuntimeError(f"checkpoint save of step {job.step} to {job.tmp} failed: " + "; ".join(errors)
-                           + ". The previous checkpoint is untouched.")
+        raise RuntimeError(
+            f"checkpoint save of step {job.step} to {job.tmp} failed: "
+            + "; ".join(errors)
+            + ". The previous checkpoint is untouched."
+        )
     return {name: rec for _, r in gathered for name, rec in r.items()}
 
 
@@ -186,8 +224,9 @@ def _commit(job: Job, files: dict) -> None:
     ckpt_dir, tmp, final, step, world = job.ckpt_dir, job.tmp, job.final, job.step, job.world
     _write_json(tmp / "meta.json", {**json.loads(job.meta_json), "step": step, "world_size": world}, sort_keys=True)
     files = {**files, "meta.json": file_record(tmp / "meta.json")}
-    _write_json(tmp / "index.json",
-                {"format": FORMAT, "step": step, "world_size": world, "files": files, "tensors": job.index})
+    _write_json(
+        tmp / "index.json", {"format": FORMAT, "step": step, "world_size": world, "files": files, "tensors": job.index}
+    )
     fsync_dir(tmp)
     if final.exists():  # re-saving a step (e.g. after a resume): move the old one aside first
         old = ckpt_dir / f".tmp-old-step-{step}"
@@ -203,6 +242,6 @@ def _commit(job: Job, files: dict) -> None:
     fsync_dir(ckpt_dir)
     if job.keep:
         steps = sorted((int(p.name[5:]), p) for p in ckpt_dir.glob("step-*") if p.name[5:].isdigit())
-        for s, p in steps[:-job.keep]:
+        for _s, p in steps[: -job.keep]:
             if p != final:
                 shutil.rmtree(p, ignore_errors=True)

@@ -1,4 +1,5 @@
 """State dicts for checkpoints: a model's parameters and persistent buffers, an optimizer's state by name."""
+
 import torch
 
 from ..runtime.optimizer.shard import masters_of
@@ -20,13 +21,15 @@ def model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return state
 
 
-def optim_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, init: bool = False
-                ) -> dict[str, torch.Tensor]:
+def optim_state(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, init: bool = False
+) -> dict[str, torch.Tensor]:
     """The optimizer's per-parameter state flattened to `<param name>.<key>` (AdamW: exp_avg, exp_avg_sq, step;
     spmd.Muon: momentum_buffer on its matrices).
 
-    The tensors are the optimizer's own, in its layout (sharded per the optimizer map under ZeRO 1/2) (loading fills them in place). AdamW creates its state lazily on the
-    first step; `init=True` creates it now, exactly as AdamW would, so a checkpoint can be loaded into it.
+    The tensors are the optimizer's own, in its layout (sharded per the optimizer map under ZeRO 1/2) (loading fills
+    them in place). AdamW creates its state lazily on the first step; `init=True` creates it now, exactly as AdamW
+    would, so a checkpoint can be loaded into it.
     """
     names = {id(p): n for n, p in model.named_parameters()}
     # a sharded optimizer's masters (spmd.shard_optimizer) save under their parameters' names: any stage loads
@@ -37,13 +40,16 @@ def optim_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, init: 
     for group in optimizer.param_groups:
         for p in group["params"]:
             if id(p) not in names:
-                raise ValueError("optimizer holds a parameter that is not in the model; "
-                                 "pass the model the optimizer was built from")
+                raise ValueError(
+                    "optimizer holds a parameter that is not in the model; pass the model the optimizer was built from"
+                )
             state = optimizer.state[p]
             if not state and init:
                 if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
-                    raise ValueError(f"optim_state(init=True) knows how to create Adam/AdamW state only, "
-                                     f"not {type(optimizer).__name__}; take one optimizer step first")
+                    raise ValueError(
+                        f"optim_state(init=True) knows how to create Adam/AdamW state only, "
+                        f"not {type(optimizer).__name__}; take one optimizer step first"
+                    )
                 on_device = group.get("capturable") or group.get("fused")
                 state["step"] = torch.zeros((), dtype=torch.float32, device=p.device if on_device else "cpu")
                 state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)

@@ -4,6 +4,7 @@
 the bytes on disk after they were written. `verify` recomputes them; `newest_intact` walks back from the
 `latest` pointer to the first checkpoint that verifies, each rank hashing its share of the files.
 """
+
 import hashlib
 import json
 import os
@@ -82,8 +83,11 @@ def newest_intact(ckpt_dir: str | os.PathLike) -> tuple[Path | None, list[tuple[
     if not (named / "index.json").is_file():
         rejected.append((named, [f"'{LATEST}' points at it but it has no index.json (incomplete or deleted)"]))
     newest = _step(named) if _step(named) >= 0 else float("inf")
-    older = sorted((p for p in ckpt_dir.glob("step-*") if 0 <= _step(p) < newest and (p / "index.json").is_file()),
-                   key=_step, reverse=True)
+    older = sorted(
+        (p for p in ckpt_dir.glob("step-*") if 0 <= _step(p) < newest and (p / "index.json").is_file()),
+        key=_step,
+        reverse=True,
+    )
     rank, world = rank_world()
     for candidate in ([named] if not rejected else []) + older:
         problems = [p for per_rank in all_gather(verify(candidate, (rank, world))) for p in per_rank]

@@ -3,6 +3,7 @@
 Annotations are plain attributes on the tensor; nothing happens until `spmd.parallelize` reads them.
 `fake_copy` copies a model without its data and keeps the annotations (for shapes, FLOPs and plans).
 """
+
 import copy
 import fnmatch
 
@@ -10,10 +11,20 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import Placement
 
-__all__ = ["P", "annotate", "annotate_by_name", "get_axes", "get_pin", "copy_annotations", "infer_axes", "fake_copy", "out_dim"]
+__all__ = [
+    "P",
+    "annotate",
+    "annotate_by_name",
+    "get_axes",
+    "get_pin",
+    "copy_annotations",
+    "infer_axes",
+    "fake_copy",
+    "out_dim",
+]
 
-AXES_ATTR = "_spmd_axes"   # tuple of logical names / None, one per dim
-PIN_ATTR = "_spmd_pin"     # P(...) over mesh axes, or a list of DTensor placements
+AXES_ATTR = "_spmd_axes"  # tuple of logical names / None, one per dim
+PIN_ATTR = "_spmd_pin"  # P(...) over mesh axes, or a list of DTensor placements
 
 
 class P(tuple):
@@ -32,17 +43,25 @@ def annotate(tensor: torch.Tensor, *axes):
     if len(axes) == 1 and isinstance(axes[0], P):
         pin = axes[0]
         if len(pin) != tensor.dim():
-            raise ValueError(f"{pin} has {len(pin)} entries but the tensor has {tensor.dim()} dims "
-                             f"(shape {tuple(tensor.shape)}); give one entry per dim")
+            raise ValueError(
+                f"{pin} has {len(pin)} entries but the tensor has {tensor.dim()} dims "
+                f"(shape {tuple(tensor.shape)}); give one entry per dim"
+            )
         setattr(tensor, PIN_ATTR, pin)
         return tensor
-    if len(axes) == 1 and isinstance(axes[0], (list, tuple)) and axes[0] and all(
-            isinstance(p, Placement) for p in axes[0]):
+    if (
+        len(axes) == 1
+        and isinstance(axes[0], (list, tuple))
+        and axes[0]
+        and all(isinstance(p, Placement) for p in axes[0])
+    ):
         setattr(tensor, PIN_ATTR, list(axes[0]))
         return tensor
     if len(axes) != tensor.dim():
-        raise ValueError(f"annotate got {len(axes)} axes {axes} for a tensor with {tensor.dim()} dims "
-                         f"(shape {tuple(tensor.shape)}); give one logical name or None per dim")
+        raise ValueError(
+            f"annotate got {len(axes)} axes {axes} for a tensor with {tensor.dim()} dims "
+            f"(shape {tuple(tensor.shape)}); give one logical name or None per dim"
+        )
     for a in axes:
         if a is not None and not isinstance(a, str):
             raise TypeError(f"logical axis names are strings or None, got {a!r}; use spmd.P(...) for mesh axes")
@@ -59,8 +78,10 @@ def annotate_by_name(model: nn.Module, table: dict) -> int:
     for pattern, axes in table.items():
         hits = [n for n in named if fnmatch.fnmatchcase(n, pattern)]
         if not hits:
-            raise ValueError(f"annotate_by_name: pattern {pattern!r} matches no parameter or buffer; "
-                             f"names look like {list(named)[:3]}")
+            raise ValueError(
+                f"annotate_by_name: pattern {pattern!r} matches no parameter or buffer; "
+                f"names look like {list(named)[:3]}"
+            )
         for n in hits:
             annotate(named[n], *(axes if isinstance(axes, tuple) and not isinstance(axes, P) else (axes,)))
         total += len(hits)
@@ -133,7 +154,8 @@ def _infer_one(module, p_name, p, embed_sizes, full):
     raise ValueError(
         f"cannot infer the logical axes of parameter {full!r} with shape {tuple(p.shape)}; annotate it, "
         f"e.g. spmd.annotate(model.{full}, {', '.join(repr('axis') for _ in p.shape)}) or "
-        f"spmd.annotate_by_name(model, {{{full!r}: (...)}}), using None for dims that stay whole")
+        f"spmd.annotate_by_name(model, {{{full!r}: (...)}}), using None for dims that stay whole"
+    )
 
 
 def fake_copy(model: nn.Module, mode=None) -> nn.Module:

@@ -1,4 +1,5 @@
 """Finding a model's repeated blocks: the largest nn.ModuleList whose entries share one type."""
+
 import torch.nn as nn
 
 __all__ = ["find_blocks"]
@@ -17,6 +18,7 @@ def find_blocks(model: nn.Module, name: str | None = None) -> tuple[str, nn.Modu
             if best is None or len(module) > len(best[1]):
                 best = (qual, module)
     if best is None:
-        raise ValueError(f"{type(model).__name__} has no nn.ModuleList of identical blocks; "
-                         f"name the block list explicitly")
+        raise ValueError(
+            f"{type(model).__name__} has no nn.ModuleList of identical blocks; name the block list explicitly"
+        )
     return best

@@ -1,4 +1,5 @@
 """The compute dtypes by the names flags, configs and plans use: fp32, bf16, fp16."""
+
 import torch
 
 __all__ = ["DTYPES", "as_dtype", "dtype_name"]
@@ -20,7 +21,7 @@ def as_dtype(dtype) -> torch.dtype:
 
 
 def dtype_name(dtype) -> str:
-    """"bf16" from torch.bfloat16, "bfloat16" or "bf16"."""
+    """ "bf16" from torch.bfloat16, "bfloat16" or "bf16"."""
     if isinstance(dtype, torch.dtype):
         return _NAMES.get(dtype, str(dtype).removeprefix("torch."))
     return _NAMES.get(getattr(torch, str(dtype), None), str(dtype))

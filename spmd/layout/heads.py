@@ -8,6 +8,7 @@ names transformers (`num_attention_heads`, `num_key_value_heads`), nanoGPT (`n_h
 config alone the same way (`config_problem`: config.json, a preset), before it builds the model. A model whose
 config names neither is caught at that reshape instead (spmd.runtime.activations.global_view).
 """
+
 import math
 
 import torch.nn as nn
@@ -16,16 +17,20 @@ from .annotate import get_axes, out_dim
 
 __all__ = ["check_heads_divide", "head_counts", "counts_in", "config_problem"]
 
-_COUNT_NAMES = {"heads": ("num_attention_heads", "n_heads", "n_head"),
-                "kv_heads": ("num_key_value_heads", "n_kv_heads")}
+_COUNT_NAMES = {
+    "heads": ("num_attention_heads", "n_heads", "n_head"),
+    "kv_heads": ("num_key_value_heads", "n_kv_heads"),
+}
 _WHAT = {"heads": "attention heads", "kv_heads": "key/value heads"}
 
 
 def counts_in(config) -> dict:
     """{"heads": n, "kv_heads": n} from a config (an object, or config.json's dict); key/value heads default
     to the query heads, as in transformers. Empty where the config names no head count."""
+
     def get(name):
         return config.get(name) if isinstance(config, dict) else getattr(config, name, None)
+
     counts = {}
     for logical, names in _COUNT_NAMES.items():
         n = next((v for a in names if isinstance(v := get(a), int)), None)
@@ -62,12 +67,14 @@ def _split_problem(name: str, counts: dict, sizes: dict, axes: dict) -> str | No
         n = counts[logical]
         if factor > 1 and n % factor:
             fits = [d for d in range(2, factor) if counts["heads"] % d == 0 and counts["kv_heads"] % d == 0]
-            return (f"{name} has {n} {_WHAT[logical]}, which do not split over "
-                    f"{'x'.join(f'{a}={sizes[a]}' for a in split)}: a rank would hold part of a head. Pick a mesh "
-                    f"whose {' x '.join(split)} size divides both its {counts['heads']} query and "
-                    f"{counts['kv_heads']} key/value heads"
-                    + (f" ({', '.join(map(str, fits))})" if fits else f" (only 1 does: leave {' and '.join(split)} out)")
-                    + ", and give the rest of the world to dp or fsdp")
+            return (
+                f"{name} has {n} {_WHAT[logical]}, which do not split over "
+                f"{'x'.join(f'{a}={sizes[a]}' for a in split)}: a rank would hold part of a head. Pick a mesh "
+                f"whose {' x '.join(split)} size divides both its {counts['heads']} query and "
+                f"{counts['kv_heads']} key/value heads"
+                + (f" ({', '.join(map(str, fits))})" if fits else f" (only 1 does: leave {' and '.join(split)} out)")
+                + ", and give the rest of the world to dp or fsdp"
+            )
     return None
 
 

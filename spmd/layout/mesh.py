@@ -4,6 +4,7 @@ Mesh dims are laid out in a fixed order, pipeline outermost and tensor parallel 
 a tensor-parallel group are neighbours (one node, fastest links) whatever order the user wrote; context
 parallel (`cp`, the sequence across ranks) sits just outside tp, its ring the next-fastest links.
 """
+
 import atexit
 import itertools
 import logging
@@ -16,8 +17,21 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-__all__ = ["MESH_AXES", "SPEC_FLAGS", "parse_spec", "check_sizes", "format_sizes", "init_distributed",
-           "exit_process", "release_groups", "make_mesh", "mesh_sizes", "flatten_groups", "group_over", "group_axes"]
+__all__ = [
+    "MESH_AXES",
+    "SPEC_FLAGS",
+    "parse_spec",
+    "check_sizes",
+    "format_sizes",
+    "init_distributed",
+    "exit_process",
+    "release_groups",
+    "make_mesh",
+    "mesh_sizes",
+    "flatten_groups",
+    "group_over",
+    "group_axes",
+]
 
 MESH_AXES = ("pp", "dp", "fsdp", "ep", "cp", "tp")  # outermost first (Megatron's order: tp innermost, then cp, ep)
 SPEC_FLAGS = ("sp",)
@@ -32,7 +46,9 @@ def parse_spec(spec: str) -> tuple[dict[str, int], set[str]]:
             continue
         if "=" not in part:
             if part not in SPEC_FLAGS:
-                raise ValueError(f"unknown flag {part!r} in spec {spec!r}; flags are {SPEC_FLAGS}, axes are written axis=size")
+                raise ValueError(
+                    f"unknown flag {part!r} in spec {spec!r}; flags are {SPEC_FLAGS}, axes are written axis=size"
+                )
             flags.add(part)
             continue
         name, _, value = part.partition("=")
@@ -102,7 +118,8 @@ def make_mesh(sizes, device_type: str | None = None) -> DeviceMesh:
     if product != world:
         raise ValueError(
             f"mesh {format_sizes(sizes)} has {product} devices but the world size is {world}; "
-            f"make the product of the axis sizes equal the number of processes")
+            f"make the product of the axis sizes equal the number of processes"
+        )
     device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
     init_distributed(device_type)
     names = tuple(a for a in MESH_AXES if a in sizes)

@@ -6,6 +6,7 @@ The grads and optimizer maps say the same of reduced gradients and of optimizer 
 master weights the optimizer updates): a ZeRO stage is which of the three maps add `embed -> fsdp`.
 The batch rule says which mesh axes split the data: every data-parallel size and rank comes from it.
 """
+
 import difflib
 
 from torch.distributed.device_mesh import DeviceMesh
@@ -38,8 +39,9 @@ class Rules:
     """Logical axis -> mesh axis or axes, one map per state. `params` adds storage-only sharding on top of
     `compute`; `grads` (default: as params) and `optimizer` (default: as grads) each add to the one before."""
 
-    def __init__(self, compute: dict, params: dict | None = None, grads: dict | None = None,
-                 optimizer: dict | None = None):
+    def __init__(
+        self, compute: dict, params: dict | None = None, grads: dict | None = None, optimizer: dict | None = None
+    ):
         self.compute = {k: _as_axes(v, f"compute rule {k!r}") for k, v in compute.items()}
         self.params = self._adds(self.compute, params, "params")
         self.grads = self._adds(self.params, grads, "grads")
@@ -50,8 +52,10 @@ class Rules:
         extra = {k: _as_axes(v, f"{which} rule {k!r}") for k, v in (extra or {}).items()}
         for k, axes in extra.items():
             if not set(base.get(k, ())) <= set(axes):
-                raise ValueError(f"{which} rule {k!r}: {axes} drops mesh axes {base[k]} of the map before it; each "
-                                 f"map (compute, params, grads, optimizer) may only add sharding to the one before")
+                raise ValueError(
+                    f"{which} rule {k!r}: {axes} drops mesh axes {base[k]} of the map before it; each "
+                    f"map (compute, params, grads, optimizer) may only add sharding to the one before"
+                )
         return {**base, **extra}
 
     @classmethod
@@ -59,19 +63,31 @@ class Rules:
         """The Llama table. `zero` picks which states `embed -> fsdp` shards over the fsdp axis: 1 optimizer
         states, 2 also gradients, 3 also parameters (FSDP); 0 none (plain data parallel over fsdp too)."""
         if zero not in ZERO_STAGES:
-            raise ValueError(f"ZeRO stage {zero!r} is not one of {ZERO_STAGES}: 1 shards optimizer states, 2 also "
-                             f"gradients, 3 also parameters (FSDP, the default); 0 shards none")
+            raise ValueError(
+                f"ZeRO stage {zero!r} is not one of {ZERO_STAGES}: 1 shards optimizer states, 2 also "
+                f"gradients, 3 also parameters (FSDP, the default); 0 shards none"
+            )
         # Order matters for activations: when two dims of one activation claim the same mesh axis, the
         # earlier rule keeps it (logits under sequence parallelism keep vocab on tp and gather seq).
         # ep splits the batch as dp and fsdp do, and the experts (expert parallelism inside data parallelism)
-        compute = {"batch": ("dp", "fsdp", "ep"), "vocab": "tp", "heads": "tp", "kv_heads": "tp", "mlp": "tp",
-                   "experts": "ep"}
+        compute = {
+            "batch": ("dp", "fsdp", "ep"),
+            "vocab": "tp",
+            "heads": "tp",
+            "kv_heads": "tp",
+            "mlp": "tp",
+            "experts": "ep",
+        }
         # The sequence splits over cp everywhere (attention runs as a ring there), and also over tp in the
         # sequence-parallel regions; cp of size 1 is inactive, so the rule costs nothing without it.
         compute["seq"] = ("cp", "tp") if sequence_parallel else "cp"
         shard = {"embed": "fsdp"}
-        return cls(compute, params=shard if zero >= 3 else None, grads=shard if zero >= 2 else None,
-                   optimizer=shard if zero >= 1 else None)
+        return cls(
+            compute,
+            params=shard if zero >= 3 else None,
+            grads=shard if zero >= 2 else None,
+            optimizer=shard if zero >= 1 else None,
+        )
 
     @property
     def zero_stage(self) -> int:
@@ -83,8 +99,7 @@ class Rules:
         return "tp" in self.compute.get("seq", ())
 
     def __repr__(self):
-        return (f"Rules(compute={self.compute}, params={self.params}, grads={self.grads}, "
-                f"optimizer={self.optimizer})")
+        return f"Rules(compute={self.compute}, params={self.params}, grads={self.grads}, optimizer={self.optimizer})"
 
     def batch_axes(self) -> MeshAxes:
         """The mesh axes that split the batch (dp and fsdp by default): the data-parallel axes."""
@@ -126,7 +141,8 @@ class Rules:
                         raise ValueError(
                             f"{name}: mesh axis {axis!r} would shard both dim {owner[axis]} "
                             f"({logical_axes[owner[axis]]!r}) and dim {dim} ({logical_axes[dim]!r}); "
-                            f"a mesh axis can shard one dim of a tensor: change the annotation or the rules")
+                            f"a mesh axis can shard one dim of a tensor: change the annotation or the rules"
+                        )
                     continue
                 owner[axis] = dim
                 kept.append(axis)
@@ -144,8 +160,10 @@ def placements_for(mesh: DeviceMesh, dims_axes: list[MeshAxes], shape, name: str
     for dim, axes in enumerate(dims_axes):
         for axis in axes:
             if axis in seen:
-                raise ValueError(f"{name}: mesh axis {axis!r} is used for dims {seen[axis]} and {dim}; "
-                                 f"a mesh axis can shard one dim of a tensor")
+                raise ValueError(
+                    f"{name}: mesh axis {axis!r} is used for dims {seen[axis]} and {dim}; "
+                    f"a mesh axis can shard one dim of a tensor"
+                )
             seen[axis] = dim
     for dim, axes in enumerate(dims_axes):
         factor = 1
@@ -159,7 +177,8 @@ def placements_for(mesh: DeviceMesh, dims_axes: list[MeshAxes], shape, name: str
             raise ValueError(
                 f"{name} with shape {tuple(shape)}: dim {dim} of size {shape[dim]} does not divide by "
                 f"{'x'.join(a for a in axes if sizes.get(a, 1) > 1)}={factor}; pick a mesh whose "
-                f"{'/'.join(axes)} size divides {shape[dim]}, or change the rule for this axis")
+                f"{'/'.join(axes)} size divides {shape[dim]}, or change the rule for this axis"
+            )
     return placements
 
 

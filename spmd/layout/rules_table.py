@@ -11,6 +11,7 @@ tables of a TOML file (MaxText's logical axis rules), each logical axis -> a mes
 arguments do (an empty list replicates). `launch.train --config`, `python -m spmd.explain --config` and
 `python -m spmd.search --config` read the same file.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -30,13 +31,17 @@ MAPS = ("compute", "params", "grads", "optimizer")
 def _check_map(which: str, table, source: str) -> dict:
     where = f"{source}: [rules.{which}]"
     if not isinstance(table, dict):
-        raise ValueError(f"{where} is a {type(table).__name__}; make it a table of logical axis = mesh axis, "
-                         f'e.g. [rules.{which}] with mlp = "tp"')
+        raise ValueError(
+            f"{where} is a {type(table).__name__}; make it a table of logical axis = mesh axis, "
+            f'e.g. [rules.{which}] with mlp = "tp"'
+        )
     for axis, value in table.items():
         ok = isinstance(value, str) or isinstance(value, list) and all(isinstance(v, str) for v in value)
         if not ok:
-            raise ValueError(f"{where} {axis} = {value!r}: a rule is a mesh axis or a list of them; write "
-                             f'{axis} = "tp", {axis} = ["dp", "fsdp"] or {axis} = [] (not sharded)')
+            raise ValueError(
+                f"{where} {axis} = {value!r}: a rule is a mesh axis or a list of them; write "
+                f'{axis} = "tp", {axis} = ["dp", "fsdp"] or {axis} = [] (not sharded)'
+            )
     return table
 
 
@@ -46,11 +51,14 @@ def rules_from_table(table, source: str = "rules") -> Rules:
         raise ValueError(f"{source}: rules = {table!r} must be tables: [rules.compute], [rules.params], ...")
     unknown = [k for k in table if k not in MAPS]
     if unknown:
-        raise ValueError(f"{source}: [rules.{unknown[0]}] is not a map of the rules; use "
-                         f"{', '.join(f'[rules.{m}]' for m in MAPS)}")
+        raise ValueError(
+            f"{source}: [rules.{unknown[0]}] is not a map of the rules; use {', '.join(f'[rules.{m}]' for m in MAPS)}"
+        )
     if "compute" not in table:
-        raise ValueError(f"{source}: a rules table needs [rules.compute] (the layout of activations and of the "
-                         f"parameters in use), e.g. batch = [\"dp\", \"fsdp\"] and mlp = \"tp\"")
+        raise ValueError(
+            f"{source}: a rules table needs [rules.compute] (the layout of activations and of the "
+            f'parameters in use), e.g. batch = ["dp", "fsdp"] and mlp = "tp"'
+        )
     maps = {which: _check_map(which, table[which], source) for which in MAPS if which in table}
     try:
         return Rules(**maps)
@@ -68,8 +76,9 @@ def read_toml(path: str | Path) -> dict:
     """The TOML file at `path` as a dict; a missing or malformed file is a ValueError saying so."""
     path = Path(path)
     if not path.is_file():
-        raise ValueError(f"config file {str(path)!r} does not exist; pass a TOML file such as "
-                         f"launch/configs/tiny_rules.toml")
+        raise ValueError(
+            f"config file {str(path)!r} does not exist; pass a TOML file such as launch/configs/tiny_rules.toml"
+        )
     try:
         return tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as e:
@@ -80,10 +89,14 @@ def check_rules_flags(rules: Rules, source: str, zero: int | None, sequence_para
     """A rules table decides the ZeRO stage and sequence parallelism; a flag that says otherwise is an error
     (None: the flag was not given)."""
     if zero is not None and zero != rules.zero_stage:
-        raise ValueError(f"{source}: its [rules] tables make ZeRO stage {rules.zero_stage} but --zero {zero} was "
-                         f"given; leave --zero out (the tables decide which states shard) or change the tables")
+        raise ValueError(
+            f"{source}: its [rules] tables make ZeRO stage {rules.zero_stage} but --zero {zero} was "
+            f"given; leave --zero out (the tables decide which states shard) or change the tables"
+        )
     if sequence_parallel is not None and sequence_parallel != rules.sequence_parallel:
         said = "asks for" if sequence_parallel else "turns off"
         has = "maps seq to tp" if rules.sequence_parallel else "does not map seq to tp"
-        raise ValueError(f"{source}: sequence parallelism is in the [rules.compute] table (it {has}), but a flag "
-                         f"{said} it (--sp or ',sp' in --mesh); drop the flag or change seq in [rules.compute]")
+        raise ValueError(
+            f"{source}: sequence parallelism is in the [rules.compute] table (it {has}), but a flag "
+            f"{said} it (--sp or ',sp' in --mesh); drop the flag or change seq in [rules.compute]"
+        )

@@ -6,6 +6,7 @@ attention work. The data path gives each rank its positions' tokens, targets and
 model's global view is then the sequence in zigzag order, which token-wise layers never notice and ring
 attention (spmd.runtime.context_parallel.ring) undoes.
 """
+
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -16,9 +17,11 @@ def check_seq_len(seq_len: int, cp: int) -> None:
     """Raises a ValueError naming the fix when `seq_len` tokens do not split into 2·cp equal chunks."""
     if cp > 1 and seq_len % (2 * cp):
         fit = seq_len - seq_len % (2 * cp)
-        raise ValueError(f"sequence length {seq_len} does not split over cp={cp}: context parallelism cuts the "
-                         f"sequence into 2*cp={2 * cp} equal chunks (two per rank, for causal load balance); use a "
-                         f"length that is a multiple of {2 * cp} (e.g. {fit or 2 * cp}) or a smaller cp")
+        raise ValueError(
+            f"sequence length {seq_len} does not split over cp={cp}: context parallelism cuts the "
+            f"sequence into 2*cp={2 * cp} equal chunks (two per rank, for causal load balance); use a "
+            f"length that is a multiple of {2 * cp} (e.g. {fit or 2 * cp}) or a smaller cp"
+        )
 
 
 def zigzag_positions(seq_len: int, cp: int, rank: int) -> torch.Tensor:
@@ -27,7 +30,9 @@ def zigzag_positions(seq_len: int, cp: int, rank: int) -> torch.Tensor:
     if cp == 1:
         return torch.arange(seq_len)
     c = seq_len // (2 * cp)
-    return torch.cat([torch.arange(rank * c, (rank + 1) * c), torch.arange((2 * cp - 1 - rank) * c, (2 * cp - rank) * c)])
+    return torch.cat(
+        [torch.arange(rank * c, (rank + 1) * c), torch.arange((2 * cp - 1 - rank) * c, (2 * cp - rank) * c)]
+    )
 
 
 def rank_positions(local_shape, mesh: DeviceMesh, rank: int = 0) -> torch.Tensor | None:

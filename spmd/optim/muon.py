@@ -19,6 +19,7 @@ different (wrong) update. Newton-Schulz runs in bf16 on CUDA (as published) and 
 Embeddings and the LM head (a dim named `vocab`, or an nn.Embedding), norms, biases and scalars step with
 AdamW (`muon_param_groups`); AdamW's weight decay applies to its 2-D weights only, as the trainer's does.
 """
+
 import math
 
 import torch
@@ -67,20 +68,53 @@ class Muon(torch.optim.Optimizer):
     parameter's layout, so spmd.checkpoint saves them by parameter name and loads them onto any mesh.
     Works under spmd.shard_optimizer (ZeRO-1/2): it then steps on the masters in the optimizer map's layout."""
 
-    def __init__(self, model: nn.Module, lr: float = 0.02, momentum: float = 0.95, nesterov: bool = True,
-                 ns_steps: int = 5, weight_decay: float = 0.0, adamw_lr: float = 3e-4,
-                 adamw_betas: tuple[float, float] = (0.9, 0.95), adamw_eps: float = 1e-8,
-                 adamw_weight_decay: float = 0.0, ns_dtype: torch.dtype | None = None):
+    def __init__(
+        self,
+        model: nn.Module,
+        lr: float = 0.02,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_steps: int = 5,
+        weight_decay: float = 0.0,
+        adamw_lr: float = 3e-4,
+        adamw_betas: tuple[float, float] = (0.9, 0.95),
+        adamw_eps: float = 1e-8,
+        adamw_weight_decay: float = 0.0,
+        ns_dtype: torch.dtype | None = None,
+    ):
         if not (lr > 0 and adamw_lr > 0 and 0 <= momentum < 1 and ns_steps >= 1):
-            raise ValueError(f"Muon needs lr > 0, adamw_lr > 0, 0 <= momentum < 1 and ns_steps >= 1; got lr={lr}, "
-                             f"adamw_lr={adamw_lr}, momentum={momentum}, ns_steps={ns_steps}")
+            raise ValueError(
+                f"Muon needs lr > 0, adamw_lr > 0, 0 <= momentum < 1 and ns_steps >= 1; got lr={lr}, "
+                f"adamw_lr={adamw_lr}, momentum={momentum}, ns_steps={ns_steps}"
+            )
         muon, adamw = muon_param_groups(model)
-        groups = [dict(params=muon, use_muon=True, lr=lr, momentum=momentum, nesterov=nesterov,
-                       ns_steps=ns_steps, weight_decay=weight_decay),
-                  dict(params=[p for p in adamw if p.dim() >= 2], use_muon=False, lr=adamw_lr, betas=adamw_betas,
-                       eps=adamw_eps, weight_decay=adamw_weight_decay),
-                  dict(params=[p for p in adamw if p.dim() < 2], use_muon=False, lr=adamw_lr, betas=adamw_betas,
-                       eps=adamw_eps, weight_decay=0.0)]
+        groups = [
+            dict(
+                params=muon,
+                use_muon=True,
+                lr=lr,
+                momentum=momentum,
+                nesterov=nesterov,
+                ns_steps=ns_steps,
+                weight_decay=weight_decay,
+            ),
+            dict(
+                params=[p for p in adamw if p.dim() >= 2],
+                use_muon=False,
+                lr=adamw_lr,
+                betas=adamw_betas,
+                eps=adamw_eps,
+                weight_decay=adamw_weight_decay,
+            ),
+            dict(
+                params=[p for p in adamw if p.dim() < 2],
+                use_muon=False,
+                lr=adamw_lr,
+                betas=adamw_betas,
+                eps=adamw_eps,
+                weight_decay=0.0,
+            ),
+        ]
         super().__init__([g for g in groups if g["params"]], dict(lr=lr))
         self.ns_dtype = ns_dtype
         self._plans = {}
@@ -139,8 +173,10 @@ class Muon(torch.optim.Optimizer):
         key = tuple(id(p) for p in params)
         if key not in self._plans:
             if not all(isinstance(p, DTensor) for p in params):
-                raise ValueError("Muon got DTensor and plain parameters in one group; lay the whole model out "
-                                 "with spmd.parallelize before building the optimizer")
+                raise ValueError(
+                    "Muon got DTensor and plain parameters in one group; lay the whole model out "
+                    "with spmd.parallelize before building the optimizer"
+                )
             self._plans = {key: WholeMatrixPlan.of(params)}
         return self._plans[key]
 
@@ -154,8 +190,8 @@ class Muon(torch.optim.Optimizer):
             w.mul_(1 - lr * group["weight_decay"])
             m.lerp_(g, 1 - b1)
             v.mul_(b2).addcmul_(g, g, value=1 - b2)
-            denom = (v.sqrt() / math.sqrt(1 - b2 ** t)).add_(eps)
-            w.addcdiv_(m, denom, value=-lr / (1 - b1 ** t))
+            denom = (v.sqrt() / math.sqrt(1 - b2**t)).add_(eps)
+            w.addcdiv_(m, denom, value=-lr / (1 - b1**t))
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

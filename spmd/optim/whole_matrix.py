@@ -13,6 +13,7 @@ holds. `plan.apply(locals_, fn)` then runs two `all_to_all_single` over the mesh
 
 With no replication that is ~2x the matrix per step, spread over the ranks as the owners are.
 """
+
 import math
 
 import torch
@@ -34,8 +35,10 @@ def box_of(shape, placements, mesh_shape, coord) -> tuple[list[int], list[int]]:
             offsets[d] += start
             lengths[d] = max(0, min(chunk, lengths[d] - start))
         elif type(pl) is not Replicate:
-            raise ValueError(f"whole-matrix optimizers handle Shard and Replicate placements, not {pl}; "
-                             f"reduce the gradient (spmd.reduce_gradients) before the step")
+            raise ValueError(
+                f"whole-matrix optimizers handle Shard and Replicate placements, not {pl}; "
+                f"reduce the gradient (spmd.reduce_gradients) before the step"
+            )
     return offsets, lengths
 
 
@@ -58,14 +61,19 @@ class WholeMatrixPlan:
     def of(cls, tensors: list[DTensor]) -> "WholeMatrixPlan":
         mesh = tensors[0].device_mesh
         if any(t.device_mesh != mesh for t in tensors):
-            raise ValueError("whole-matrix optimizers need every matrix on one device mesh (a pipeline's stages "
-                             "each have their own); build one optimizer per stage's parameters")
+            raise ValueError(
+                "whole-matrix optimizers need every matrix on one device mesh (a pipeline's stages "
+                "each have their own); build one optimizer per stage's parameters"
+            )
         if dist.is_initialized() and mesh.size() != dist.get_world_size():
-            raise ValueError(f"whole-matrix optimizers exchange over every rank of the mesh; this mesh holds "
-                             f"{mesh.size()} of {dist.get_world_size()} processes (a pipeline stage?): use a "
-                             f"mesh without pp")
-        return cls([t.shape for t in tensors], [t.placements for t in tensors], mesh.mesh.shape,
-                   mesh.mesh.flatten().tolist())
+            raise ValueError(
+                f"whole-matrix optimizers exchange over every rank of the mesh; this mesh holds "
+                f"{mesh.size()} of {dist.get_world_size()} processes (a pipeline stage?): use a "
+                f"mesh without pp"
+            )
+        return cls(
+            [t.shape for t in tensors], [t.placements for t in tensors], mesh.mesh.shape, mesh.mesh.flatten().tolist()
+        )
 
     def box(self, m: int, rank_index: int):
         return box_of(self.shapes[m], self.placements[m], self.mesh_shape, _unravel(rank_index, self.mesh_shape))
@@ -98,7 +106,7 @@ class WholeMatrixPlan:
             whole = shards[0].new_empty(self.shapes[m])
             for r in sources[m]:
                 (r0, c0), (nr, nc) = self.box(m, r)
-                whole[r0:r0 + nr, c0:c0 + nc] = got[r][at[r]:at[r] + nr * nc].view(nr, nc)
+                whole[r0 : r0 + nr, c0 : c0 + nc] = got[r][at[r] : at[r] + nr * nc].view(nr, nc)
                 at[r] += nr * nc
             wholes[m] = whole
         return wholes
@@ -108,12 +116,12 @@ class WholeMatrixPlan:
         for m in sorted(results):
             for r in range(self.world):
                 (r0, c0), (nr, nc) = self.box(m, r)
-                send[r].append(results[m][r0:r0 + nr, c0:c0 + nc].reshape(-1))
+                send[r].append(results[m][r0 : r0 + nr, c0 : c0 + nc].reshape(-1))
         recv_sizes = [sum(s.numel() for m, s in enumerate(shards) if self.owners[m] == r) for r in range(self.world)]
         got, at, out = self._exchange(send, recv_sizes, shards[0]), [0] * self.world, []
         for m, s in enumerate(shards):
             o = self.owners[m]
-            out.append(got[o][at[o]:at[o] + s.numel()].view(s.shape))
+            out.append(got[o][at[o] : at[o] + s.numel()].view(s.shape))
             at[o] += s.numel()
         return out
 
@@ -123,11 +131,12 @@ class WholeMatrixPlan:
         order = sorted(range(self.world), key=lambda i: self.ranks[i])
         parts = {i: torch.cat(p) if p else like.new_empty(0) for i, p in enumerate(send)}
         out = like.new_empty(sum(recv_sizes))
-        dist.all_to_all_single(out, torch.cat([parts[i] for i in order]), [recv_sizes[i] for i in order],
-                               [parts[i].numel() for i in order])
+        dist.all_to_all_single(
+            out, torch.cat([parts[i] for i in order]), [recv_sizes[i] for i in order], [parts[i].numel() for i in order]
+        )
         got, at = [None] * self.world, 0
         for i in order:
-            got[i], at = out[at:at + recv_sizes[i]], at + recv_sizes[i]
+            got[i], at = out[at : at + recv_sizes[i]], at + recv_sizes[i]
         return got
 
     def bytes_per_rank(self, element_size: int = 4) -> list[int]:
@@ -141,8 +150,6 @@ class WholeMatrixPlan:
                 if r != o:
                     got[r] += n * element_size
         return got
-
-
 
 
 def _unravel(i: int, shape) -> tuple[int, ...]:

@@ -7,8 +7,8 @@
 
 `split_stages` cuts the blocks into pp * virtual_stages stages of balanced cost; each rank builds its stage
 modules (`stage.StageModule` for a model with embed/block_inputs/head parts, else a shell of the model
-running its own forward cut at the blocks, `cut.cut_stage`) and lays each out with `spmd.parallelize` on the mesh without the pp
-dim (dp, fsdp, tp, sp work inside a stage exactly as without pipelining). torch.distributed.pipelining
+running its own forward cut at the blocks, `cut.cut_stage`) and lays each out with `spmd.parallelize` on the mesh
+without the pp dim (dp, fsdp, tp, sp work inside a stage exactly as without pipelining). torch.distributed.pipelining
 runs the schedule: `PipelineStage` sends and receives the local activations and gradients between
 neighbouring pp ranks, and the schedule (`gpipe`, `1f1b`, `interleaved-1f1b`, `zero-bubble`, `zbv`)
 orders the micro-batches. The last stage computes the loss of each micro-batch (the model's `head`,
@@ -18,6 +18,7 @@ blocks add loss terms of their own, which each stage adds: stage.py). Gradient r
 dp/fsdp runs once per step, in the last backward of each stage (the others run under spmd's no_sync); a
 weight tied across the first and last stage then has its two gradients summed over those pp ranks.
 """
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -25,11 +26,11 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ..layout.blocks import find_blocks
 from ..layout.rules import local_shape
-from ..runtime.parameters.buckets import drop_root_unit
-from ..runtime.transforms.checkpointing import checkpoint_block, parse_mode
 from ..runtime.local.whole_model import OUTPUTS_LOCAL_ATTR
 from ..runtime.parallelize import parallelize
+from ..runtime.parameters.buckets import drop_root_unit
 from ..runtime.state import STATE_ATTR
+from ..runtime.transforms.checkpointing import checkpoint_block, parse_mode
 from .cut import cut_stage, plan_cut, sum_tied_grads, trace_uses
 from .runtime import SPLIT_BACKWARD, PipelineRuntime, default_microbatches, validate_pipeline
 from .shapes import fake_model, hidden_of
@@ -53,6 +54,7 @@ def _make_stage_class():
 
     class SpmdPipelineStage(PipelineStage):
         """Reduces gradients only in the last backward of a step: the others run under spmd's no_sync."""
+
         pipeline = None
 
         def backward_maybe_with_nosync(self, backward_type, bwd_kwargs, last_backward=False):
@@ -71,8 +73,21 @@ class Pipeline(PipelineRuntime):
     (see build_pipeline). `stage_modules`: this rank's stage modules (StageModules, or shells of a model cut
     by spmd.pipeline.cut); `module`: their union under the model's names."""
 
-    def __init__(self, mesh, stage_mesh, rules, split, schedule, microbatches, stage_modules, module, param_dtype,
-                 shadow, hidden_axes, cut=None):
+    def __init__(
+        self,
+        mesh,
+        stage_mesh,
+        rules,
+        split,
+        schedule,
+        microbatches,
+        stage_modules,
+        module,
+        param_dtype,
+        shadow,
+        hidden_axes,
+        cut=None,
+    ):
         super().__init__(mesh, split, schedule, microbatches, module)
         self.stage_mesh, self.rules, self.param_dtype = stage_mesh, rules, param_dtype
         self.stage_modules, self.hidden_axes = stage_modules, tuple(hidden_axes)
@@ -89,8 +104,14 @@ class Pipeline(PipelineRuntime):
         spmd.reduce_gradients find their layouts on."""
         return list(self.stage_modules)
 
-    def step(self, tokens: torch.Tensor, targets: torch.Tensor, loss_scale: float = 1.0,
-             sync: bool = True, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def step(
+        self,
+        tokens: torch.Tensor,
+        targets: torch.Tensor,
+        loss_scale: float = 1.0,
+        sync: bool = True,
+        positions: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Forward and backward of this rank's slice of the batch (the dp*fsdp slice, like the model's
         forward under spmd.parallelize) in `microbatches` micro-batches; gradients accumulate into the
         parameters' .grad, as the mean loss over the global batch times `loss_scale` would give them.
@@ -108,8 +129,9 @@ class Pipeline(PipelineRuntime):
             sum_tied_grads(dict(self.named_parameters()), self._cut, self._tie_group)
         return loss
 
-    def evaluate(self, tokens: torch.Tensor, targets: torch.Tensor,
-                 positions: torch.Tensor | None = None) -> torch.Tensor:
+    def evaluate(
+        self, tokens: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """The mean loss over the global batch, as `step` returns it, from forwards only: the schedule's
         eval() under no_grad, no activations kept for a backward and no gradients touched."""
         if self._schedule is None or tuple(tokens.shape) != self._shape:
@@ -133,8 +155,10 @@ class Pipeline(PipelineRuntime):
 
     def _build_schedule(self, tokens):
         if tokens.shape[0] % self.microbatches:
-            raise ValueError(f"this rank's batch of {tokens.shape[0]} sequences does not divide into "
-                             f"{self.microbatches} micro-batches")
+            raise ValueError(
+                f"this rank's batch of {tokens.shape[0]} sequences does not divide into "
+                f"{self.microbatches} micro-batches"
+            )
         stage_cls = _make_stage_class()
         n_dp = self.rules.data_parallel_size(self.stage_mesh)
         mb_local = (tokens.shape[0] // self.microbatches,) + tuple(tokens.shape[1:])
@@ -149,19 +173,40 @@ class Pipeline(PipelineRuntime):
             hidden = torch.empty(hidden_local, dtype=hidden_dtype, device="meta", requires_grad=True)
             inp = torch.empty(mb_local, dtype=tokens.dtype, device="meta") if info.first else hidden
             out = torch.empty((), dtype=torch.float32, device="meta", requires_grad=True) if info.last else hidden
-            stage = stage_cls(module, info.index, self.split.n_stages, self._device(), input_args=(inp,),
-                              output_args=(out,), group=self.pp_group)
+            stage = stage_cls(
+                module,
+                info.index,
+                self.split.n_stages,
+                self._device(),
+                input_args=(inp,),
+                output_args=(out,),
+                group=self.pp_group,
+            )
             stage.pipeline = self
             stages.append(stage)
         self._make_schedule(stages, self._scaled_loss)
         self._shape = tuple(tokens.shape)
 
 
-def build_pipeline(model: nn.Module, mesh: DeviceMesh, rules, schedule: str = "1f1b", microbatches: int | None = None,
-                   virtual_stages: int = 1, loss_fn=None, param_dtype: torch.dtype | None = None,
-                   reduce_dtype: torch.dtype | None = torch.float32, split_cost: str = "flops",
-                   blocks: str | None = None, ac: str = "none", hidden_axes=("batch", "seq", "embed"),
-                   token_axes=("batch", None), param_init=None, master: str = "params", offload=None) -> Pipeline:
+def build_pipeline(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    rules,
+    schedule: str = "1f1b",
+    microbatches: int | None = None,
+    virtual_stages: int = 1,
+    loss_fn=None,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = torch.float32,
+    split_cost: str = "flops",
+    blocks: str | None = None,
+    ac: str = "none",
+    hidden_axes=("batch", "seq", "embed"),
+    token_axes=("batch", None),
+    param_init=None,
+    master: str = "params",
+    offload=None,
+) -> Pipeline:
     """Splits `model` into pp * virtual_stages stages, lays this rank's stages out on `mesh` without its pp
     dim, and returns the Pipeline that trains them. Call it on every rank with the same model (same seed).
 
@@ -202,22 +247,67 @@ def build_pipeline(model: nn.Module, mesh: DeviceMesh, rules, schedule: str = "1
     modules = []
     for info in split.stages_of_rank(rank):
         stage = make(info)
-        lay_out_stage(stage, info, stage_mesh, rules, schedule, every, model.get_submodule(split.block_path),
-                      hidden_axes=hidden_axes, token_axes=token_axes, param_dtype=param_dtype,
-                      reduce_dtype=reduce_dtype, param_init=param_init, master=master, offload=offload)
+        lay_out_stage(
+            stage,
+            info,
+            stage_mesh,
+            rules,
+            schedule,
+            every,
+            model.get_submodule(split.block_path),
+            hidden_axes=hidden_axes,
+            token_axes=token_axes,
+            param_dtype=param_dtype,
+            reduce_dtype=reduce_dtype,
+            param_init=param_init,
+            master=master,
+            offload=offload,
+        )
         modules.append(stage)
-    held = {i: (split.pre if s.first else []) + (split.post if s.last else []) for i, s in enumerate(split.stages)} \
-        if cut is None else cut.held
+    held = (
+        {i: (split.pre if s.first else []) + (split.post if s.last else []) for i, s in enumerate(split.stages)}
+        if cut is None
+        else cut.held
+    )
     _release_others(model, split, rank, held)
-    union = LocalModel(model, split, [s.index for s in split.stages_of_rank(rank)]) if cut is None else \
-        NamedParams(dict(p for m in modules for p in m.named_parameters()).items())
-    return Pipeline(full_mesh, stage_mesh, rules, split, schedule, microbatches, modules, union, param_dtype, shadow,
-                    hidden_axes, cut)
+    union = (
+        LocalModel(model, split, [s.index for s in split.stages_of_rank(rank)])
+        if cut is None
+        else NamedParams(dict(p for m in modules for p in m.named_parameters()).items())
+    )
+    return Pipeline(
+        full_mesh,
+        stage_mesh,
+        rules,
+        split,
+        schedule,
+        microbatches,
+        modules,
+        union,
+        param_dtype,
+        shadow,
+        hidden_axes,
+        cut,
+    )
 
 
-def lay_out_stage(stage: nn.Module, info, stage_mesh, rules, schedule: str, every: int, blocks: nn.ModuleList, *,
-                  hidden_axes, token_axes, param_dtype=None, reduce_dtype=torch.float32, param_init=None,
-                  master="params", offload=None) -> None:
+def lay_out_stage(
+    stage: nn.Module,
+    info,
+    stage_mesh,
+    rules,
+    schedule: str,
+    every: int,
+    blocks: nn.ModuleList,
+    *,
+    hidden_axes,
+    token_axes,
+    param_dtype=None,
+    reduce_dtype=torch.float32,
+    param_init=None,
+    master="params",
+    offload=None,
+) -> None:
     """One stage module laid out by spmd.parallelize on the mesh without pp, with what a pipeline changes: a
     split backward (`zero-bubble`, `zbv`) differentiates each parameter on its own in its weight pass
     (torch.autograd.grad from the input pass's intermediates), which a bucket's one gather node does not
@@ -225,11 +315,18 @@ def lay_out_stage(stage: nn.Module, info, stage_mesh, rules, schedule: str, ever
     backward, the parameters outside the blocks are not kept gathered as a root unit (a copy per
     micro-batch) but move one by one, regathered in backward. Then the stage's activation checkpointing."""
     setattr(stage, OUTPUTS_LOCAL_ATTR, True)  # the stage hands torch's pipelining local tensors
-    parallelize(stage, stage_mesh, rules, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-                bucket=schedule not in SPLIT_BACKWARD,
-                input_axes={0: hidden_axes if not info.first else token_axes, "targets": token_axes,
-                            "positions": token_axes},
-                param_init=param_init, master=master, offload=offload)
+    parallelize(
+        stage,
+        stage_mesh,
+        rules,
+        param_dtype=param_dtype,
+        reduce_dtype=reduce_dtype,
+        bucket=schedule not in SPLIT_BACKWARD,
+        input_axes={0: hidden_axes if not info.first else token_axes, "targets": token_axes, "positions": token_axes},
+        param_init=param_init,
+        master=master,
+        offload=offload,
+    )
     drop_root_unit(getattr(stage, STATE_ATTR), stage)
     checkpoint_stage(stage, info, every, blocks)
 
@@ -246,13 +343,16 @@ def _check_no_shared_params(model, split):
     blocks = model.get_submodule(split.block_path)
     owner = {}
     for info in split.stages:
-        mods = [blocks[i] for i in info.blocks] + [model.get_submodule(n) for n in
-                                                  (split.pre if info.first else []) + (split.post if info.last else [])]
+        mods = [blocks[i] for i in info.blocks] + [
+            model.get_submodule(n) for n in (split.pre if info.first else []) + (split.post if info.last else [])
+        ]
         for m in mods:
             for name, p in m.named_parameters():
                 if owner.setdefault(id(p), info.index) != info.index:
-                    raise ValueError(f"parameter {name!r} is shared by pipeline stages {owner[id(p)]} and "
-                                     f"{info.index} (tied embeddings?); untie it to split the model into stages")
+                    raise ValueError(
+                        f"parameter {name!r} is shared by pipeline stages {owner[id(p)]} and "
+                        f"{info.index} (tied embeddings?); untie it to split the model into stages"
+                    )
 
 
 def _release_others(model, split, rank, held):

@@ -14,6 +14,7 @@ on meta tensors): before the blocks -> the first stage, after them -> the last, 
 embedding: GPT-2's `lm_head`, nanoGPT's `F.linear(x, wte.weight)`) -> both, and `sum_tied_grads` adds the
 two stages' gradients over pp after backward.
 """
+
 import copy
 import types
 from dataclasses import dataclass, field
@@ -35,9 +36,9 @@ __all__ = ["CutPlan", "trace_uses", "plan_cut", "cut_stage", "sum_tied_grads"]
 
 @dataclass
 class CutPlan:
-    held: dict                                  # stage index -> names of the modules outside the blocks it holds
-    tied: list = field(default_factory=list)    # parameter names held by the first and the last stage
-    tie_ranks: tuple = ()                       # pp ranks of those two stages
+    held: dict  # stage index -> names of the modules outside the blocks it holds
+    tied: list = field(default_factory=list)  # parameter names held by the first and the last stage
+    tie_ranks: tuple = ()  # pp ranks of those two stages
 
 
 class _Uses(TorchFunctionMode):
@@ -59,15 +60,19 @@ def trace_uses(model: nn.Module, block_path: str, loss_fn=None) -> tuple[nn.Modu
     and returns (the copy, {"before"|"after": ids of its parameters used before the first block / after the
     last}); raises ValueError, naming the problem, if that call fails or gives no scalar loss."""
     if getattr(getattr(model, "config", None), "output_router_logits", False):
-        raise ValueError(f"{type(model).__name__} adds a load-balancing loss over every layer's router logits at "
-                         f"once (config.output_router_logits), which pipeline stages holding some of the layers "
-                         f"cannot compute; set output_router_logits to false (config.json) or run without pp")
+        raise ValueError(
+            f"{type(model).__name__} adds a load-balancing loss over every layer's router logits at "
+            f"once (config.output_router_logits), which pipeline stages holding some of the layers "
+            f"cannot compute; set output_router_logits to false (config.json) or run without pp"
+        )
     meta, mode = fake_model(model)
     blocks = meta.get_submodule(block_path)
     uses = _Uses()
-    hooks = [blocks[0].register_forward_pre_hook(lambda m, a: setattr(uses, "region", "inside")),
-             blocks[-1].register_forward_hook(lambda m, a, o: setattr(uses, "region", "after"))]
-    tokens, = default_example(model)
+    hooks = [
+        blocks[0].register_forward_pre_hook(lambda m, a: setattr(uses, "region", "inside")),
+        blocks[-1].register_forward_hook(lambda m, a, o: setattr(uses, "region", "after")),
+    ]
+    (tokens,) = default_example(model)
     tokens, targets = fake_inputs(mode, (tokens, tokens))
     try:
         with mode, uses, torch.no_grad(), balanced_routing(meta):
@@ -75,9 +80,11 @@ def trace_uses(model: nn.Module, block_path: str, loss_fn=None) -> tuple[nn.Modu
     except ValueError:
         raise
     except Exception as e:  # noqa: BLE001  (whatever the model's own code raises)
-        raise ValueError(f"cannot cut {type(model).__name__} into pipeline stages: its forward failed on shapes "
-                         f"alone ({type(e).__name__}: {str(e)[:200]}). Stages call model(tokens, targets) and take "
-                         f"its loss; for another call pass loss_fn(model(tokens), targets)") from None
+        raise ValueError(
+            f"cannot cut {type(model).__name__} into pipeline stages: its forward failed on shapes "
+            f"alone ({type(e).__name__}: {str(e)[:200]}). Stages call model(tokens, targets) and take "
+            f"its loss; for another call pass loss_fn(model(tokens), targets)"
+        ) from None
     finally:
         for h in hooks:
             h.remove()
@@ -97,12 +104,15 @@ def plan_cut(model: nn.Module, split, traced) -> CutPlan:
             first.append(name)
         if after or (not before and name in post):
             last.append(name)
-    tied = sorted(f"{n}.{p}" for n in first if n in last
-                  for p, _ in meta.get_submodule(n).named_parameters(recurse=False))
+    tied = sorted(
+        f"{n}.{p}" for n in first if n in last for p, _ in meta.get_submodule(n).named_parameters(recurse=False)
+    )
     ranks = (split.stages[0].rank, split.stages[-1].rank)
     if tied and ranks[0] == ranks[1]:
-        raise ValueError(f"{type(model).__name__} uses {tied} both before and after its blocks (a tied head), and "
-                         f"this placement puts its first and last stage on one rank; use a schedule other than zbv")
+        raise ValueError(
+            f"{type(model).__name__} uses {tied} both before and after its blocks (a tied head), and "
+            f"this placement puts its first and last stage on one rank; use a schedule other than zbv"
+        )
     held = {s.index: (first if s.first else []) + (last if s.last else []) for s in split.stages}
     return CutPlan(held, tied, ranks if tied else ())
 
@@ -163,13 +173,22 @@ def _loss_of(out):
     if loss is None and isinstance(out, (tuple, list)):
         loss = next((t for t in out if isinstance(t, torch.Tensor) and t.dim() == 0), None)
     if loss is None:
-        raise ValueError(f"the model's output ({type(out).__name__}) holds no scalar loss for the last pipeline "
-                         f"stage; pass build_pipeline(loss_fn=fn(output, targets))")
+        raise ValueError(
+            f"the model's output ({type(out).__name__}) holds no scalar loss for the last pipeline "
+            f"stage; pass build_pipeline(loss_fn=fn(output, targets))"
+        )
     return loss
 
 
-def cut_stage(model: nn.Module, split, index: int, plan: CutPlan, hidden_axes, loss_fn=None,
-              compute_dtype: torch.dtype | None = None) -> nn.Module:
+def cut_stage(
+    model: nn.Module,
+    split,
+    index: int,
+    plan: CutPlan,
+    hidden_axes,
+    loss_fn=None,
+    compute_dtype: torch.dtype | None = None,
+) -> nn.Module:
     """Stage `index` of `model` as a shell of it (module docstring); its forward is `(x, targets=None)` like a
     StageModule's: token ids on the first stage, the received hidden state on the others; the loss on the
     last, the hidden state as a local tensor on the others. `compute_dtype`: the dtype parameters compute in
@@ -183,11 +202,18 @@ def cut_stage(model: nn.Module, split, index: int, plan: CutPlan, hidden_axes, l
     box = {}
     if not info.first:
         all_blocks[info.blocks[0]].register_forward_pre_hook(
-            lambda m, args, kwargs: ((box["hidden"],) + tuple(args[1:]), kwargs) if args
-            else (args, {**kwargs, "hidden_states": box["hidden"]}), with_kwargs=True)
+            lambda m, args, kwargs: (
+                ((box["hidden"],) + tuple(args[1:]), kwargs)
+                if args
+                else (args, {**kwargs, "hidden_states": box["hidden"]})
+            ),
+            with_kwargs=True,
+        )
     if not info.last:
+
         def stop(m, args, out):
             raise StageBoundary(out[0] if isinstance(out, (tuple, list)) else out)
+
         all_blocks[info.blocks[-1]].register_forward_hook(stop)
 
     def forward(x, targets=None):

@@ -2,6 +2,7 @@
 bubble, the configuration checks, and the runtime (torch's schedule over the micro-batches, the loss
 broadcast over pp, gradient clipping across stages) shared by spmd's stages (build.py) and traced
 ones (traced.py)."""
+
 import inspect
 import math
 
@@ -15,8 +16,15 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv")
 INTERLEAVED = ("interleaved-1f1b", "zero-bubble", "zbv")  # several stages per rank
 SPLIT_BACKWARD = ("zero-bubble", "zbv")  # the weights' gradients in a pass of their own
 
-__all__ = ["SCHEDULES", "INTERLEAVED", "SPLIT_BACKWARD", "default_microbatches", "bubble_fraction", "validate_pipeline",
-           "PipelineRuntime"]
+__all__ = [
+    "SCHEDULES",
+    "INTERLEAVED",
+    "SPLIT_BACKWARD",
+    "default_microbatches",
+    "bubble_fraction",
+    "validate_pipeline",
+    "PipelineRuntime",
+]
 
 
 def default_microbatches(schedule: str, pp: int) -> int:
@@ -26,8 +34,14 @@ def default_microbatches(schedule: str, pp: int) -> int:
 
 def _schedule_class(name: str):
     from torch.distributed.pipelining import schedules as s
-    return {"gpipe": s.ScheduleGPipe, "1f1b": s.Schedule1F1B, "interleaved-1f1b": s.ScheduleInterleaved1F1B,
-            "zero-bubble": s.ScheduleInterleavedZeroBubble, "zbv": s.ScheduleZBVZeroBubble}[name]
+
+    return {
+        "gpipe": s.ScheduleGPipe,
+        "1f1b": s.Schedule1F1B,
+        "interleaved-1f1b": s.ScheduleInterleaved1F1B,
+        "zero-bubble": s.ScheduleInterleavedZeroBubble,
+        "zbv": s.ScheduleZBVZeroBubble,
+    }[name]
 
 
 def bubble_fraction(schedule: str, pp: int, microbatches: int, virtual_stages: int = 1) -> float:
@@ -40,8 +54,16 @@ def bubble_fraction(schedule: str, pp: int, microbatches: int, virtual_stages: i
     return (p - 1) / (m + p - 1) / (v if schedule in INTERLEAVED else 1)
 
 
-def validate_pipeline(pp: int, schedule: str, microbatches: int, virtual_stages: int = 1, n_blocks: int | None = None,
-                      batch_size: int | None = None, data_parallel: int = 1, world: int | None = None) -> None:
+def validate_pipeline(
+    pp: int,
+    schedule: str,
+    microbatches: int,
+    virtual_stages: int = 1,
+    n_blocks: int | None = None,
+    batch_size: int | None = None,
+    data_parallel: int = 1,
+    world: int | None = None,
+) -> None:
     """Raises ValueError for a pipeline configuration that cannot run; call it on every rank before any
     collective. `batch_size` is the global batch in sequences, `data_parallel` the dp*fsdp size."""
     if schedule not in SCHEDULES:
@@ -54,24 +76,34 @@ def validate_pipeline(pp: int, schedule: str, microbatches: int, virtual_stages:
     if world is not None and world % pp:
         raise ValueError(f"pp={pp} does not divide the world size {world}")
     if schedule not in INTERLEAVED and virtual_stages != 1:
-        raise ValueError(f"schedule {schedule!r} runs one stage per rank; virtual_stages={virtual_stages} needs "
-                         f"interleaved-1f1b, zero-bubble or zbv")
+        raise ValueError(
+            f"schedule {schedule!r} runs one stage per rank; virtual_stages={virtual_stages} needs "
+            f"interleaved-1f1b, zero-bubble or zbv"
+        )
     if schedule == "zbv" and virtual_stages != 2:
-        raise ValueError(f"schedule 'zbv' places exactly two stages per rank in a V: use virtual_stages=2, "
-                         f"got {virtual_stages}")
+        raise ValueError(
+            f"schedule 'zbv' places exactly two stages per rank in a V: use virtual_stages=2, got {virtual_stages}"
+        )
     if schedule == "1f1b" and microbatches < pp:
-        raise ValueError(f"schedule '1f1b' needs at least as many micro-batches as stages: microbatches="
-                         f"{microbatches} < pp={pp}")
+        raise ValueError(
+            f"schedule '1f1b' needs at least as many micro-batches as stages: microbatches={microbatches} < pp={pp}"
+        )
     if schedule in ("interleaved-1f1b", "zero-bubble") and microbatches % pp:
-        raise ValueError(f"schedule {schedule!r} needs the number of micro-batches to be a multiple of pp: "
-                         f"microbatches={microbatches}, pp={pp}")
+        raise ValueError(
+            f"schedule {schedule!r} needs the number of micro-batches to be a multiple of pp: "
+            f"microbatches={microbatches}, pp={pp}"
+        )
     n_stages = pp * virtual_stages
     if n_blocks is not None and n_stages > n_blocks:
-        raise ValueError(f"pp={pp} x virtual_stages={virtual_stages} = {n_stages} stages but the model has only "
-                         f"{n_blocks} blocks; each stage needs at least one")
+        raise ValueError(
+            f"pp={pp} x virtual_stages={virtual_stages} = {n_stages} stages but the model has only "
+            f"{n_blocks} blocks; each stage needs at least one"
+        )
     if batch_size is not None and batch_size % (data_parallel * microbatches):
-        raise ValueError(f"batch size {batch_size} does not divide into {microbatches} micro-batches on each of "
-                         f"{data_parallel} data-parallel ranks (needs a multiple of {data_parallel * microbatches})")
+        raise ValueError(
+            f"batch size {batch_size} does not divide into {microbatches} micro-batches on each of "
+            f"{data_parallel} data-parallel ranks (needs a multiple of {data_parallel * microbatches})"
+        )
 
 
 class PipelineRuntime:
@@ -110,7 +142,7 @@ class PipelineRuntime:
             dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.pp_group)
             total = local
         else:
-            local = local ** norm_type
+            local = local**norm_type
             dist.all_reduce(local, group=self.pp_group)
             total = local ** (1.0 / norm_type)
         coef = min(1.0, float(max_norm) / (float(total) + 1e-6))
@@ -132,14 +164,20 @@ class PipelineRuntime:
     def _make_schedule(self, stages, loss_fn):
         self.stages = stages
         cls = _schedule_class(self.schedule_name)
-        self._schedule = cls(stages if self.schedule_name in INTERLEAVED else stages[0], self.microbatches,
-                             loss_fn=loss_fn, scale_grads=False)  # we scale the loss by 1/M ourselves
+        self._schedule = cls(
+            stages if self.schedule_name in INTERLEAVED else stages[0],
+            self.microbatches,
+            loss_fn=loss_fn,
+            scale_grads=False,
+        )  # we scale the loss by 1/M ourselves
         self._return_outputs_arg = "return_outputs" in inspect.signature(self._schedule.step).parameters
 
     def _run(self, inputs, target, loss_scale, sync, backward: bool = True, **kwargs) -> torch.Tensor:
         if inputs.shape[0] % self.microbatches:
-            raise ValueError(f"this rank's batch of {inputs.shape[0]} sequences does not divide into "
-                             f"{self.microbatches} micro-batches")
+            raise ValueError(
+                f"this rank's batch of {inputs.shape[0]} sequences does not divide into "
+                f"{self.microbatches} micro-batches"
+            )
         self._sync, self._scale = sync, float(loss_scale)
         losses: list = []
         if self._return_outputs_arg:

@@ -1,6 +1,7 @@
 """Forwards on shapes alone, for planning stages: a copy of the model on fake tensors (no data; a model that
 branches on values, as transformers' mask helpers do, takes the path it takes under tracing), and the
 hidden state its first block receives, which is what stages pass on."""
+
 import torch
 import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -24,8 +25,10 @@ def hidden_arg(args, kwargs):
         return args[0]
     if "hidden_states" in kwargs:
         return kwargs["hidden_states"]
-    raise ValueError("a block takes its hidden state neither as its first argument nor as hidden_states=...; "
-                     "its model cannot be cut into pipeline stages")
+    raise ValueError(
+        "a block takes its hidden state neither as its first argument nor as hidden_states=...; "
+        "its model cannot be cut into pipeline stages"
+    )
 
 
 def fake_model(model: nn.Module) -> tuple[nn.Module, FakeTensorMode]:
@@ -42,8 +45,10 @@ def fake_inputs(mode: FakeTensorMode, inputs) -> tuple:
 
 def hidden_of(model: nn.Module, mode: FakeTensorMode, block_path: str, tokens: torch.Tensor) -> torch.Tensor:
     """The input of the first block of `model` (a fake_model copy) for `tokens`: shape and dtype only."""
+
     def stop(m, args, kwargs):
         raise StageBoundary(hidden_arg(args, kwargs))
+
     hook = model.get_submodule(block_path)[0].register_forward_pre_hook(stop, with_kwargs=True)
     try:
         with mode, torch.no_grad():

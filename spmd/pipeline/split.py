@@ -11,7 +11,8 @@ Cost is `"flops"` (forward+backward FLOPs, counted by a forward of fake tensors 
 torch's interleaved schedules expect) or in a V (`style="v"`, two stages per rank: rank r holds stages r
 and 2pp-1-r, what ZBV expects).
 """
-from dataclasses import dataclass, field, asdict
+
+from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.nn as nn
@@ -20,8 +21,16 @@ from ..layout.blocks import find_blocks
 from ..runtime.experts.dispatch import balanced_routing
 from .shapes import fake_inputs, fake_model
 
-__all__ = ["COSTS", "StageInfo", "StageSplit", "split_stages", "min_max_partition", "stage_ranks", "outside_blocks",
-           "default_example"]
+__all__ = [
+    "COSTS",
+    "StageInfo",
+    "StageSplit",
+    "split_stages",
+    "min_max_partition",
+    "stage_ranks",
+    "outside_blocks",
+    "default_example",
+]
 
 COSTS = ("flops", "params")
 
@@ -30,9 +39,9 @@ COSTS = ("flops", "params")
 class StageInfo:
     index: int
     rank: int
-    blocks: list          # indices into the block list
-    params: int           # parameters held by the stage (embedding on the first, head on the last)
-    flops: int            # forward+backward FLOPs for the example input (0 when not counted)
+    blocks: list  # indices into the block list
+    params: int  # parameters held by the stage (embedding on the first, head on the last)
+    flops: int  # forward+backward FLOPs for the example input (0 when not counted)
     first: bool
     last: bool
 
@@ -42,14 +51,14 @@ class StageInfo:
 
 @dataclass
 class StageSplit:
-    block_path: str                   # qualified name of the block list, e.g. "layers"
+    block_path: str  # qualified name of the block list, e.g. "layers"
     n_blocks: int
-    pp: int                           # pipeline ranks
-    style: str                        # "loop" | "v"
-    cost: str                         # what was balanced: "flops" | "params"
-    stages: list = field(default_factory=list)   # list[StageInfo]
-    pre: list = field(default_factory=list)      # names of modules before the blocks (first stage)
-    post: list = field(default_factory=list)     # names of modules after the blocks (last stage)
+    pp: int  # pipeline ranks
+    style: str  # "loop" | "v"
+    cost: str  # what was balanced: "flops" | "params"
+    stages: list = field(default_factory=list)  # list[StageInfo]
+    pre: list = field(default_factory=list)  # names of modules before the blocks (first stage)
+    post: list = field(default_factory=list)  # names of modules after the blocks (last stage)
 
     @property
     def n_stages(self) -> int:
@@ -74,13 +83,18 @@ class StageSplit:
         return d
 
     def describe(self) -> str:
-        lines = [f"{self.n_stages} stages over {self.pp} pipeline ranks ({self.style}), balanced by {self.cost}; "
-                 f"imbalance max/mean {self.imbalance():.3f}"]
+        lines = [
+            f"{self.n_stages} stages over {self.pp} pipeline ranks ({self.style}), balanced by {self.cost}; "
+            f"imbalance max/mean {self.imbalance():.3f}"
+        ]
         for s in self.stages:
-            extra = (" +" + ",".join(self.pre) if s.first and self.pre else "") + \
-                    (" +" + ",".join(self.post) if s.last and self.post else "")
-            lines.append(f"  stage {s.index} on pp rank {s.rank}: {self.block_path}[{s.blocks[0]}:{s.blocks[-1] + 1}]"
-                         f"{extra}  params {s.params:,}  FLOPs {s.flops:,}")
+            extra = (" +" + ",".join(self.pre) if s.first and self.pre else "") + (
+                " +" + ",".join(self.post) if s.last and self.post else ""
+            )
+            lines.append(
+                f"  stage {s.index} on pp rank {s.rank}: {self.block_path}[{s.blocks[0]}:{s.blocks[-1] + 1}]"
+                f"{extra}  params {s.params:,}  FLOPs {s.flops:,}"
+            )
         return "\n".join(lines)
 
 
@@ -88,8 +102,10 @@ def stage_ranks(n_stages: int, pp: int, style: str = "loop") -> list[int]:
     """Pipeline rank of each stage."""
     if style == "v":
         if n_stages != 2 * pp:
-            raise ValueError(f"a V-shaped schedule places exactly 2 stages on each rank: needs {2 * pp} stages "
-                             f"for pp={pp}, got {n_stages} (use virtual_stages=2)")
+            raise ValueError(
+                f"a V-shaped schedule places exactly 2 stages on each rank: needs {2 * pp} stages "
+                f"for pp={pp}, got {n_stages} (use virtual_stages=2)"
+            )
         return [s if s < pp else 2 * pp - 1 - s for s in range(n_stages)]
     if style != "loop":
         raise ValueError(f"stage placement style must be 'loop' or 'v', got {style!r}")
@@ -103,8 +119,10 @@ def min_max_partition(costs: list, n_parts: int, first_extra=0, last_extra=0) ->
     if n_parts < 1:
         raise ValueError(f"need at least one stage, got {n_parts}")
     if n_parts > n:
-        raise ValueError(f"cannot cut {n} blocks into {n_parts} stages: each stage needs at least one block "
-                         f"(use fewer stages, fewer virtual stages, or a deeper model)")
+        raise ValueError(
+            f"cannot cut {n} blocks into {n_parts} stages: each stage needs at least one block "
+            f"(use fewer stages, fewer virtual stages, or a deeper model)"
+        )
     prefix = [0]
     for c in costs:
         prefix.append(prefix[-1] + c)
@@ -152,6 +170,7 @@ def _count_flops(model: nn.Module, block_list: nn.ModuleList, example_inputs):
     """(FLOPs before the blocks, per block, after the blocks, names of modules run before/after), forward only,
     on a fake-tensor copy of the model."""
     from torch.utils.flop_counter import FlopCounterMode
+
     meta, mode = fake_model(model)
     meta_blocks = meta.get_submodule(_path_of(model, block_list))
     counter = FlopCounterMode(display=False)
@@ -159,13 +178,18 @@ def _count_flops(model: nn.Module, block_list: nn.ModuleList, example_inputs):
     marks, order = {}, []
     block_ids = {id(b) for b in meta_blocks}
     inside = {id(m) for b in meta_blocks for m in b.modules()}
-    hooks = [meta_blocks[0].register_forward_pre_hook(lambda m, a: (marks.setdefault("start", total()), None)[1]),
-             meta_blocks[-1].register_forward_hook(lambda m, a, o: marks.__setitem__("end", total()))]
+    hooks = [
+        meta_blocks[0].register_forward_pre_hook(lambda m, a: (marks.setdefault("start", total()), None)[1]),
+        meta_blocks[-1].register_forward_hook(lambda m, a, o: marks.__setitem__("end", total())),
+    ]
     names = {id(m): n for n, m in meta.named_modules()}
     for m in meta.modules():
         if id(m) not in inside or id(m) in block_ids:
-            hooks.append(m.register_forward_pre_hook(
-                lambda mod, a: order.append((names[id(mod)], "start" in marks and "end" in marks))))
+            hooks.append(
+                m.register_forward_pre_hook(
+                    lambda mod, a: order.append((names[id(mod)], "start" in marks and "end" in marks))
+                )
+            )
     inputs = fake_inputs(mode, example_inputs)
     try:
         with mode, counter, torch.no_grad(), balanced_routing(meta):
@@ -176,8 +200,11 @@ def _count_flops(model: nn.Module, block_list: nn.ModuleList, example_inputs):
     if "start" not in marks:
         raise ValueError("the forward of the example input never ran the blocks; pass example_inputs that do")
     per_block = []
-    prefix = f"{type(meta).__name__}.{_path_of(model, block_list)}." if _path_of(model, block_list) else \
-        f"{type(meta).__name__}."
+    prefix = (
+        f"{type(meta).__name__}.{_path_of(model, block_list)}."
+        if _path_of(model, block_list)
+        else f"{type(meta).__name__}."
+    )
     counts = counter.get_flop_counts()
     for i in range(len(meta_blocks)):
         per_block.append(sum(counts.get(f"{prefix}{i}", {}).values()))
@@ -197,12 +224,16 @@ def _block_list(model: nn.Module, blocks: str | None, n_stages: int):
     except (ValueError, AttributeError) as e:
         raise ValueError(f"cannot split {type(model).__name__} into pipeline stages: {e}") from None
     if len({type(b) for b in block_list}) != 1:
-        raise ValueError(f"cannot split {type(model).__name__}: {path!r} holds blocks of different types "
-                         f"{sorted({type(b).__name__ for b in block_list})}; name a list of identical blocks")
+        raise ValueError(
+            f"cannot split {type(model).__name__}: {path!r} holds blocks of different types "
+            f"{sorted({type(b).__name__ for b in block_list})}; name a list of identical blocks"
+        )
     n = len(block_list)
     if n_stages > n:
-        raise ValueError(f"cannot split {type(model).__name__} into {n_stages} stages: it has {n} blocks in "
-                         f"{path!r} and each stage needs at least one (use fewer stages or virtual stages)")
+        raise ValueError(
+            f"cannot split {type(model).__name__} into {n_stages} stages: it has {n} blocks in "
+            f"{path!r} and each stage needs at least one (use fewer stages or virtual stages)"
+        )
     return path, block_list
 
 
@@ -230,16 +261,23 @@ def _flops(model: nn.Module, block_list, cost: str, example_inputs):
     """_count_flops on the example inputs; balanced by parameters, FLOPs are only reported, when the default
     input runs the model (else None: "not counted")."""
     if cost == "flops" or example_inputs is not None:
-        return _count_flops(model, block_list, example_inputs if example_inputs is not None
-                            else default_example(model))
+        return _count_flops(model, block_list, example_inputs if example_inputs is not None else default_example(model))
     try:
         return _count_flops(model, block_list, default_example(model))
     except Exception:  # noqa: BLE001  (a model that takes other inputs)
         return None
 
 
-def split_stages(model: nn.Module, n_stages: int, cost: str = "flops", blocks: str | None = None, *,
-                 pp: int | None = None, style: str = "loop", example_inputs=None) -> StageSplit:
+def split_stages(
+    model: nn.Module,
+    n_stages: int,
+    cost: str = "flops",
+    blocks: str | None = None,
+    *,
+    pp: int | None = None,
+    style: str = "loop",
+    example_inputs=None,
+) -> StageSplit:
     """Cuts the model's block list into `n_stages` stages (see the module docstring).
 
     `pp`: pipeline ranks (default `n_stages`; `n_stages = pp * virtual_stages`). `blocks`: the qualified
@@ -263,7 +301,7 @@ def split_stages(model: nn.Module, n_stages: int, cost: str = "flops", blocks: s
     if counted is not None:
         flops_pre, block_flops, flops_post, order = counted
         ran_after = {name for name, after in order if after}
-        moved = [name for name in pre if name in ran_after]   # registered early but run after the blocks
+        moved = [name for name in pre if name in ran_after]  # registered early but run after the blocks
         for name in moved:
             pre.remove(name)
             post.append(name)
@@ -278,8 +316,15 @@ def split_stages(model: nn.Module, n_stages: int, cost: str = "flops", blocks: s
     split = StageSplit(block_path=path, n_blocks=n, pp=pp, style=style, cost=cost, pre=pre, post=post)
     for s, run in enumerate(runs):
         first, last = s == 0, s == n_stages - 1
-        split.stages.append(StageInfo(
-            index=s, rank=ranks[s], blocks=run, first=first, last=last,
-            params=sum(block_params[i] for i in run) + (pre_params if first else 0) + (post_params if last else 0),
-            flops=sum(block_flops[i] for i in run) + (flops_pre if first else 0) + (flops_post if last else 0)))
+        split.stages.append(
+            StageInfo(
+                index=s,
+                rank=ranks[s],
+                blocks=run,
+                first=first,
+                last=last,
+                params=sum(block_params[i] for i in run) + (pre_params if first else 0) + (post_params if last else 0),
+                flops=sum(block_flops[i] for i in run) + (flops_pre if first else 0) + (flops_post if last else 0),
+            )
+        )
     return split

@@ -9,11 +9,12 @@ losses, `models/moe.py`). Each stage adds its own blocks' terms: the last to the
 others into backward through their output (Megatron's aux-loss scaler: an identity whose backward also
 seeds the terms with the loss's weight) while keeping their values for the step's reported loss.
 The stage holds the modules those parts use under the same names, the model's own buffers, and its block
-share; it runs the parts with itself in place of the model. So `spmd.parallelize` lays a stage out through the same module hooks as a
-whole model: stage inputs arrive as plain local tensors (the root hook makes them DTensors with the
+share; it runs the parts with itself in place of the model. So `spmd.parallelize` lays a stage out through the same
+module hooks as a whole model: stage inputs arrive as plain local tensors (the root hook makes them DTensors with the
 stage's `input_axes`), and a stage that is not the last returns its residual stream as a local tensor,
 in the layout the next stage's `input_axes` assume.
 """
+
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
@@ -86,10 +87,14 @@ class StageModule(nn.Module):
             if "_source" not in self.__dict__:
                 raise
         value = getattr(self.__dict__["_source"], name)
-        if isinstance(value, torch.Tensor) or (isinstance(value, nn.Module) and (
-                next(value.parameters(), None) is not None or next(value.buffers(), None) is not None)):
-            raise AttributeError(f"pipeline stage {self.index} (blocks {self.block_indices}) does not hold "
-                                 f"{name!r}; a model part used it on a stage that does not own it")
+        if isinstance(value, torch.Tensor) or (
+            isinstance(value, nn.Module)
+            and (next(value.parameters(), None) is not None or next(value.buffers(), None) is not None)
+        ):
+            raise AttributeError(
+                f"pipeline stage {self.index} (blocks {self.block_indices}) does not hold "
+                f"{name!r}; a model part used it on a stage that does not own it"
+            )
         return value
 
     def forward(self, x, targets=None, positions=None):

@@ -11,9 +11,10 @@ An all-gather is the reverse of a reduce-scatter: each rank packs its chunk of e
 segment, and every rank receives every segment, from which the whole tensors are cut and joined.
 
 Used by the block buckets' gradient reductions (spmd.runtime.parameters.buckets), the reductions across blocks
-(spmd.runtime.gradients.reducer), ZeRO-1/2's step reductions (spmd.runtime.gradients.step_reduce) and their all-gathers of the
-updated parameters (spmd.runtime.optimizer.shard).
+(spmd.runtime.gradients.reducer), ZeRO-1/2's step reductions (spmd.runtime.gradients.step_reduce) and their all-gathers
+of the updated parameters (spmd.runtime.optimizer.shard).
 """
+
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
@@ -46,7 +47,7 @@ class Flat:
         flat, at, pieces = wait(self.out), 0, []
         for shape in self.shapes:
             k = shape.numel()
-            pieces.append(flat[at:at + k].view(shape))
+            pieces.append(flat[at : at + k].view(shape))
             at += k
         return pieces
 
@@ -109,7 +110,7 @@ def all_gather(tensors: list, dims: list, shapes: list, mesh, m: int) -> list:
         parts = []
         for r in range(n):
             k = c[r].numel()
-            parts.append(gathered[r, at[r]:at[r] + k].view(c[r]))
+            parts.append(gathered[r, at[r] : at[r] + k].view(c[r]))
             at[r] += k
         out.append(torch.cat(parts, dim=d))
     return out

@@ -6,6 +6,7 @@ digest of each field (8 bytes each, one all-gather of the same size on every ran
 every rank reaches it) and raises on every rank, naming the fields that differ, before any collective of
 the layout itself.
 """
+
 import hashlib
 
 import torch
@@ -28,26 +29,31 @@ def check_ranks_agree(mesh, fields: dict[str, str], what: str) -> None:
     every = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(every, mine)
     chunks = [t.cpu().view(len(names), 8) for t in every]
-    differ = {r: [n for i, n in enumerate(names) if not torch.equal(c[i], chunks[0][i])]
-              for r, c in enumerate(chunks)}
+    differ = {r: [n for i, n in enumerate(names) if not torch.equal(c[i], chunks[0][i])] for r, c in enumerate(chunks)}
     differ = {r: d for r, d in differ.items() if d}
     if differ:
         where = "; ".join(f"rank {r}: {', '.join(d)}" for r, d in differ.items())
         shown = [n for n in sorted({n for d in differ.values() for n in d}) if len(fields[n]) <= 600]
         mine_now = "".join(f"; {n} here (rank {dist.get_rank()}): {fields[n]}" for n in shown)
-        raise ValueError(f"{what}: ranks disagree with rank 0 on {where}{mine_now}. "
-                         f"Start every rank with the same mesh, rules, dtypes and model")
+        raise ValueError(
+            f"{what}: ranks disagree with rank 0 on {where}{mine_now}. "
+            f"Start every rank with the same mesh, rules, dtypes and model"
+        )
 
 
 def check_layout_agrees(model, mesh, rules, layouts: dict, **settings) -> None:
     """`parallelize`'s agreement: the mesh, the rules, its keyword settings, and every parameter's name, shape,
     dtype and (storage, compute, grads, optimizer) layout (`layouts`)."""
-    check_ranks_agree(mesh, {
-        "mesh": f"{dict(zip(mesh.mesh_dim_names, mesh.shape))} on {mesh.device_type}",
-        "rules": _rules_summary(rules),
-        "settings": ", ".join(f"{k}={v}" for k, v in sorted(settings.items())),
-        "parameters": repr([(n, tuple(p.shape), p.dtype, layouts[n]) for n, p in model.named_parameters()]),
-    }, "spmd.parallelize")
+    check_ranks_agree(
+        mesh,
+        {
+            "mesh": f"{dict(zip(mesh.mesh_dim_names, mesh.shape))} on {mesh.device_type}",
+            "rules": _rules_summary(rules),
+            "settings": ", ".join(f"{k}={v}" for k, v in sorted(settings.items())),
+            "parameters": repr([(n, tuple(p.shape), p.dtype, layouts[n]) for n, p in model.named_parameters()]),
+        },
+        "spmd.parallelize",
+    )
 
 
 def _rules_summary(rules) -> str:

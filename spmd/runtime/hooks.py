@@ -11,6 +11,7 @@ Whatever the pre-hooks entered (torch-function modes, saved-tensor hooks, local 
 post-hook leaves, also when the forward raised (torch calls it then too): `_unwind` brings every stack back to
 its depth at the root's entry, so a failed step leaves nothing on torch's stacks and the next one runs clean.
 """
+
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
@@ -40,8 +41,7 @@ def module_hooks(state: SPMDState, name: str, module: nn.Module, is_root: bool) 
 
 
 def _marks(state: SPMDState) -> tuple:
-    return (len(state.local), len(state.saved_hooks), len(state.global_view), active.depth(), tags.depth(),
-            state.phase)
+    return (len(state.local), len(state.saved_hooks), len(state.global_view), active.depth(), tags.depth(), state.phase)
 
 
 def _unwind(state: SPMDState, marks: tuple) -> None:
@@ -70,6 +70,7 @@ def _awaits_backward(output) -> bool:
 def _to_dtensor(state: SPMDState, t, key):
     if not isinstance(t, torch.Tensor) or isinstance(t, DTensor):
         return t
+
     def decide():
         axes = state.input_axes.get(key) if isinstance(state.input_axes, dict) else state.input_axes
         axes = axes or ("batch",) + (None,) * (t.dim() - 1)
@@ -154,8 +155,9 @@ def _post_hook(state: SPMDState, module: nn.Module, is_root: bool, entry: list):
             active.pop()
             return output
         compiling = torch.compiler.is_compiling()
-        release_module_params(state, mod, param_names,
-                              state.saved_hooks.pop() if not compiling and state.saved_hooks else None)
+        release_module_params(
+            state, mod, param_names, state.saved_hooks.pop() if not compiling and state.saved_hooks else None
+        )
         if has_children:
             state.move_cache.clear()
         else:

@@ -8,6 +8,7 @@ needs (spmd.runtime.activations.moves); `constrain` points move activations to t
 forward of a module, gathered parameters are dropped and regathered for backward (ZeRO-3), unless the
 module sits under activation checkpointing, which regathers by recomputing.
 """
+
 from collections import Counter
 
 import torch
@@ -20,18 +21,18 @@ from ..layout.heads import check_heads_divide
 from ..layout.mesh import flatten_groups, mesh_sizes
 from ..layout.rules import Rules, _as_axes, placements_for
 from . import dtensor
-from .local import hook_sets
-from .hooks import module_hooks
+from .activations.kv_cache import refuse_generate, skip_cache_in_training
 from .consistency import check_layout_agrees
-from .parameters.buckets import make_buckets
 from .experts.dispatch import check_expert_layout, install_expert_hooks
-from .parameters.host import host_params
+from .gradients.reducer import DEFAULT_BUCKET_MB, GradientReducer
+from .hooks import module_hooks
+from .local import hook_sets
 from .local.blocks import local_blocks
 from .local.whole_model import whole_model_members
-from .gradients.reducer import DEFAULT_BUCKET_MB, GradientReducer
-from .activations.kv_cache import refuse_generate, skip_cache_in_training
-from .state import STATE_ATTR, SPMDState
+from .parameters.buckets import make_buckets
+from .parameters.host import host_params
 from .parameters.storage import check_param_init, laid_out_buffer, laid_out_param
+from .state import STATE_ATTR, SPMDState
 
 __all__ = ["parallelize", "no_sync", "param_layouts"]
 
@@ -55,20 +56,34 @@ def param_layouts(model: nn.Module, mesh: DeviceMesh, rules: Rules):
         where = f"parameter {name!r} with axes {axes[name]}"
         compute, storage, grads, optim = (
             tuple(placements_for(mesh, rules.mesh_axes(axes[name], which, where), p.shape, f"parameter {name!r}"))
-            for which in ("compute", "params", "grads", "optimizer"))
+            for which in ("compute", "params", "grads", "optimizer")
+        )
         for s, c in zip(storage, compute):
             if c.is_shard() and s != c:
-                raise ValueError(f"parameter {name!r}: the params map must keep the compute sharding "
-                                 f"({compute}) and only add to it, got storage {storage}")
+                raise ValueError(
+                    f"parameter {name!r}: the params map must keep the compute sharding "
+                    f"({compute}) and only add to it, got storage {storage}"
+                )
         layouts[name] = (storage, compute, grads, optim)
     # after the shapes: a weight whose rows do not divide is named first, then heads split mid-head
     check_heads_divide(model, mesh_sizes(mesh), rules)
     return layouts
 
 
-def parallelize(model: nn.Module, mesh: DeviceMesh, rules: Rules, *, param_dtype: torch.dtype | None = None,
-                reduce_dtype: torch.dtype | None = torch.float32, input_axes=None, param_init=None,
-                bucket: bool = True, master: str = "params", offload=None, bucket_mb=DEFAULT_BUCKET_MB) -> nn.Module:
+def parallelize(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    rules: Rules,
+    *,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = torch.float32,
+    input_axes=None,
+    param_init=None,
+    bucket: bool = True,
+    master: str = "params",
+    offload=None,
+    bucket_mb=DEFAULT_BUCKET_MB,
+) -> nn.Module:
     """Lays `model` out on `mesh` following `rules`, in place, and returns it.
 
     Plain-tensor inputs are this rank's slice of the batch (as with DDP) and, under cp, its zigzag share of the
@@ -77,8 +92,9 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, rules: Rules, *, param_dtype
     A scalar (the loss), alone or in a dict, tuple or ModelOutput, comes back plain, equal on every rank.
 
     `bucket`: each block's parameters, and the rest as a root unit, gather in one collective per mesh axis
-    (spmd.runtime.parameters.buckets), gradients reduce across blocks in `bucket_mb` MB buffers (spmd.runtime.gradients.reducer),
-    data-only blocks run on local tensors (spmd.runtime.local.blocks). False (and offload="params") moves each alone.
+    (spmd.runtime.parameters.buckets), gradients reduce across blocks in `bucket_mb` MB buffers
+    (spmd.runtime.gradients.reducer), data-only blocks run on local tensors (spmd.runtime.local.blocks). False (and
+    offload="params") moves each alone.
 
     A model built on the meta device needs `param_init(name, meta_tensor)`: the full initial value of each meta
     parameter and buffer (once each, in `named_parameters` order); this rank keeps its slice, one full tensor at
@@ -97,8 +113,17 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, rules: Rules, *, param_dtype
     layouts = param_layouts(model, mesh, rules)  # every check runs before anything changes
     bucket = bucket and not _offloads_stage_3(state, layouts)
     check_param_init(model, param_init)
-    check_layout_agrees(model, mesh, rules, layouts, param_dtype=param_dtype, reduce_dtype=reduce_dtype, bucket=bucket,
-                        master=master, offload=offload)
+    check_layout_agrees(
+        model,
+        mesh,
+        rules,
+        layouts,
+        param_dtype=param_dtype,
+        reduce_dtype=reduce_dtype,
+        bucket=bucket,
+        master=master,
+        offload=offload,
+    )
     flatten_groups(mesh, rules.token_axes())  # every rank, now: sums over several axes become one collective
     _lay_out_tensors(model, state, layouts, param_init)
     if bucket:
@@ -146,12 +171,14 @@ def _install_buckets(model: nn.Module, state: SPMDState, bucket_mb: float):
 def _refuse_foreign_checkpointing(model: nn.Module) -> None:
     layers = [n for n, m in model.named_modules() if getattr(m, "gradient_checkpointing", False) is True]
     if layers:
-        raise ValueError(f"{type(model).__name__} has transformers' activation checkpointing on (in {len(layers)} "
-                         f"modules, {layers[-1] or 'the model'} among them): it recomputes each layer in backward past "
-                         f"spmd's hooks, where the layer's parameters are not laid out. Turn it off "
-                         f"(model.activation_checkpointing_disable(), or gradient_checkpointing_disable()) and, after "
-                         f"parallelize, call spmd.apply_activation_checkpointing(model, 'full') (every_n_layers=N: "
-                         f"'selective:N'; the trainer's --ac), which recomputes the same layers")
+        raise ValueError(
+            f"{type(model).__name__} has transformers' activation checkpointing on (in {len(layers)} "
+            f"modules, {layers[-1] or 'the model'} among them): it recomputes each layer in backward past "
+            f"spmd's hooks, where the layer's parameters are not laid out. Turn it off "
+            f"(model.activation_checkpointing_disable(), or gradient_checkpointing_disable()) and, after "
+            f"parallelize, call spmd.apply_activation_checkpointing(model, 'full') (every_n_layers=N: "
+            f"'selective:N'; the trainer's --ac), which recomputes the same layers"
+        )
 
 
 def _offloads_stage_3(state, layouts) -> bool:
@@ -160,10 +187,12 @@ def _offloads_stage_3(state, layouts) -> bool:
         return False
     for name, (storage, _, grads, optim) in layouts.items():
         if not storage == grads == optim:
-            raise ValueError(f"offload='params' keeps stage-3 parameter shards on the host, but {name!r} is stored "
-                             f"{storage} with gradients {grads} and optimizer state {optim}; use "
-                             f"Rules.default(zero=3) (parameters sharded as their optimizer state), or "
-                             f"offload='optimizer'")
+            raise ValueError(
+                f"offload='params' keeps stage-3 parameter shards on the host, but {name!r} is stored "
+                f"{storage} with gradients {grads} and optimizer state {optim}; use "
+                f"Rules.default(zero=3) (parameters sharded as their optimizer state), or "
+                f"offload='optimizer'"
+            )
     return True
 
 

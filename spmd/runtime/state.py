@@ -3,13 +3,26 @@
 `parallelize` stores an `SPMDState` on the model (`STATE_ATTR`); the hooks push it while a module runs, so
 `constrain` and checkpoint recomputation find the model's rules without being handed them.
 """
+
 import contextlib
 import enum
 
 import torch
 
-__all__ = ["STATE_ATTR", "MASTERS", "OFFLOADS", "Phase", "SPMDState", "depth", "unwind_to", "laid_out_parts", "active_state", "activated", "push",
-           "pop"]
+__all__ = [
+    "STATE_ATTR",
+    "MASTERS",
+    "OFFLOADS",
+    "Phase",
+    "SPMDState",
+    "depth",
+    "unwind_to",
+    "laid_out_parts",
+    "active_state",
+    "activated",
+    "push",
+    "pop",
+]
 
 STATE_ATTR = "_spmd_state"
 
@@ -21,6 +34,7 @@ OFFLOADS = (None, "optimizer", "params")  # which states live in host memory ins
 class Phase(enum.Enum):
     """Where a step is. The root's hooks go idle -> forward -> backward (idle when nothing awaits backward); a
     checkpointed block recomputes in backward in `recompute`; shard_optimizer's step runs in `optimizer_step`."""
+
     IDLE = "idle"
     FORWARD = "forward"
     RECOMPUTE = "recompute"
@@ -31,33 +45,37 @@ class Phase(enum.Enum):
 class SPMDState:
     def __init__(self, mesh, rules, param_dtype, reduce_dtype, input_axes, master="params", offload=None):
         if offload not in OFFLOADS and not (isinstance(offload, str) and len(offload) > 5 and offload[:5] == "nvme:"):
-            raise ValueError(f"offload={offload!r} is not supported; use None, 'optimizer' (AdamW states and fp32 "
-                             f"masters in host memory, the step on the CPU), 'nvme:DIR' (them in files under DIR) or "
-                             f"'params' (stage-3 parameter shards too)")
+            raise ValueError(
+                f"offload={offload!r} is not supported; use None, 'optimizer' (AdamW states and fp32 "
+                f"masters in host memory, the step on the CPU), 'nvme:DIR' (them in files under DIR) or "
+                f"'params' (stage-3 parameter shards too)"
+            )
         if master not in MASTERS:
-            raise ValueError(f"master={master!r} is not one of {MASTERS}: 'params' keeps fp32 parameters and casts "
-                             f"them for compute, 'optimizer' stores parameters in param_dtype and the fp32 master "
-                             f"with the optimizer states")
+            raise ValueError(
+                f"master={master!r} is not one of {MASTERS}: 'params' keeps fp32 parameters and casts "
+                f"them for compute, 'optimizer' stores parameters in param_dtype and the fp32 master "
+                f"with the optimizer states"
+            )
         self.mesh, self.rules = mesh, rules
         self.param_dtype, self.reduce_dtype, self.master, self.offload = param_dtype, reduce_dtype, master, offload
         self.input_axes = input_axes
         self.phase = Phase.IDLE
-        self.sync = True                       # False under no_sync: gradients stay unreduced
-        self.accumulating = False              # from no_sync to the end of the backward that syncs
-        self.compiled_params: list = []        # parameters of compiled blocks (spmd.runtime.gradients.accumulate)
+        self.sync = True  # False under no_sync: gradients stay unreduced
+        self.accumulating = False  # from no_sync to the end of the backward that syncs
+        self.compiled_params: list = []  # parameters of compiled blocks (spmd.runtime.gradients.accumulate)
         self.decisions: dict[tuple, object] = {}  # (module, mesh axis) -> activations.Decision
-        self.move_cache: dict = {}             # (id(input), layout) -> moved input, shared by sibling linears
-        self.targets: dict = {}                # (what, axes or placements, shape) -> placements: fixed
-        self.saved_hooks: list = []            # per running module: its reshard-after-forward hooks, or None
-        self.shared_gathers: dict = {}         # gathered copies of parameters several modules hold
-        self.buckets: dict = {}                # id(block) -> the Bucket its parameters gather and reduce in
-        self.bucket_of: dict = {}              # id(param) -> its Bucket
-        self.bucket_values: dict = {}          # id(param) -> gathered value, while its block runs forward
-        self.prefetched: dict = {}             # id(bucket) -> its gather, issued while the block before ran
-        self.reducer = None                    # reducer.GradientReducer: bucket gradients reduced across blocks
-        self.local_members: dict = {}          # id(block) -> its (module, name, param): blocks that may run locally
-        self.local: list = []                  # the local.LocalBlock calls running now
-        self.global_view: list = []            # (module, GlobalView, phase before it) entered by the root or a recompute
+        self.move_cache: dict = {}  # (id(input), layout) -> moved input, shared by sibling linears
+        self.targets: dict = {}  # (what, axes or placements, shape) -> placements: fixed
+        self.saved_hooks: list = []  # per running module: its reshard-after-forward hooks, or None
+        self.shared_gathers: dict = {}  # gathered copies of parameters several modules hold
+        self.buckets: dict = {}  # id(block) -> the Bucket its parameters gather and reduce in
+        self.bucket_of: dict = {}  # id(param) -> its Bucket
+        self.bucket_values: dict = {}  # id(param) -> gathered value, while its block runs forward
+        self.prefetched: dict = {}  # id(bucket) -> its gather, issued while the block before ran
+        self.reducer = None  # reducer.GradientReducer: bucket gradients reduced across blocks
+        self.local_members: dict = {}  # id(block) -> its (module, name, param): blocks that may run locally
+        self.local: list = []  # the local.LocalBlock calls running now
+        self.global_view: list = []  # (module, GlobalView, phase before it) entered by the root or a recompute
 
     def target(self, key: tuple, decide):
         """The placements `decide()` gives for `key` (a constrain's, a model input's, a block input's on the active
@@ -93,8 +111,10 @@ def laid_out_parts(model, needs: str) -> list:
         return [(model, state)]
     parts = [(m, getattr(m, STATE_ATTR, None)) for m in getattr(model, "laid_out_parts", ())]
     if not parts or any(st is None for _, st in parts):
-        raise ValueError(f"{needs} needs a model laid out by spmd.parallelize (or a pipeline from "
-                         f"spmd.build_pipeline); call it after laying the model out")
+        raise ValueError(
+            f"{needs} needs a model laid out by spmd.parallelize (or a pipeline from "
+            f"spmd.build_pipeline); call it after laying the model out"
+        )
     return parts
 
 

@@ -4,12 +4,23 @@ The pass wraps every redistribution it plans in `reason(module, why)` and keeps 
 running; `spmd.analysis.record` reads these when it records a collective. Under the compiler nothing is
 tagged: compiled graphs issue their collectives without a dispatch mode to see them.
 """
+
 import contextlib
 import contextvars
 
 import torch
 
-__all__ = ["reason", "phase", "push_module", "pop_module", "depth", "unwind_to", "current_module", "current_reason", "current_phase"]
+__all__ = [
+    "reason",
+    "phase",
+    "push_module",
+    "pop_module",
+    "depth",
+    "unwind_to",
+    "current_module",
+    "current_reason",
+    "current_phase",
+]
 
 _context = contextvars.ContextVar("spmd_comm_context", default=None)  # (module, reason, origin)
 _phase = contextvars.ContextVar("spmd_phase", default="forward")

@@ -7,12 +7,13 @@ Saved bytes are counted by the saved-tensor hook that counts activations, which 
 (spmd.runtime.parameters.reshard.observe_saved); the peak by a dispatch mode that follows each storage attention
 allocates until it is freed, so it holds on fake tensors (explain) as on real ones.
 """
+
 import contextlib
 import weakref
 
-from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+
 from ..dtensor.wrap import local_of
 
 __all__ = ["observe", "attending", "attending_now", "note_saved"]

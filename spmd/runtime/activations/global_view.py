@@ -5,8 +5,8 @@ tensor: exactly a replicated DTensor. While a parallelized model runs forward (a
 block recomputes in backward), a torch-function mode turns every plain tensor that meets a DTensor in an
 op into a replicated DTensor before the op runs. Autograd then saves DTensors, so the backward never mixes
 the two either. The same mode hands parameters used outside their own module their compute layout
-(spmd.runtime.parameters.outside_use), and runs attention on a sequence split over cp as a ring (spmd.runtime.context_parallel.ring). Code
-outside the model keeps DTensor's strict mixing check.
+(spmd.runtime.parameters.outside_use), and runs attention on a sequence split over cp as a ring
+(spmd.runtime.context_parallel.ring). Code outside the model keeps DTensor's strict mixing check.
 
 A block that flattens its tokens into one dim (OPT: `x.reshape(-1, hidden)`) merges a sequence-sharded
 dim into the batch dim before it, which no DTensor layout holds evenly. Inside a layer, such a view first
@@ -15,6 +15,7 @@ block runs on whole sequences from there on. The view back to tokens splits that
 the tensors it meets next, the residual stream, are split so) and keeps its gradient in that layout, so that
 the backward's reverse view never merges a sharded dim either.
 """
+
 import math
 
 import torch
@@ -23,13 +24,13 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
-from . import attention_memory, loss
-from ..parameters import outside_use
-from ..dtensor import partial_scale
-from ..context_parallel import ring
 from .. import tags
-from .moves import grad_layout, move
+from ..context_parallel import ring
+from ..dtensor import partial_scale
 from ..dtensor.wrap import as_dtensor, local_of
+from ..parameters import outside_use
+from . import attention_memory, loss
+from .moves import grad_layout, move
 
 __all__ = ["GlobalView"]
 
@@ -57,8 +58,10 @@ class GlobalView(TorchFunctionMode):
             args = ([t for t in args[0] if not (_plain(t) and t.shape == (0,))],) + tuple(args[1:])
             flat = _tensors(args, kwargs)
         if mesh is not None and any(_plain(a) for a in flat):
+
             def replicate(t):
                 return as_dtensor(t, mesh, (Replicate(),) * mesh.ndim) if _plain(t) else t
+
             args, kwargs = tree_map(replicate, args), tree_map(replicate, kwargs)
             flat = _tensors(args, kwargs)
         if func in partial_scale.MULTIPLIES and len(args) == 2 and not kwargs:
@@ -94,22 +97,31 @@ class GlobalView(TorchFunctionMode):
         and over tp under sp, as the tensors it meets next are split), and keeps its gradient in that layout,
         so that the backward's reverse view never merges a sharded dim either."""
         before = self.merged.get(tuple(out.shape))
-        target = out.placements if before is None else tuple(
-            b if (p.is_replicate() and b.is_shard()) else p for p, b in zip(out.placements, before))
-        why = ("keep the gradient of a view back to tokens in its forward layout" if target == out.placements else
-               "split again the dim the view's merge gathered")
+        target = (
+            out.placements
+            if before is None
+            else tuple(b if (p.is_replicate() and b.is_shard()) else p for p, b in zip(out.placements, before))
+        )
+        why = (
+            "keep the gradient of a view back to tokens in its forward layout"
+            if target == out.placements
+            else "split again the dim the view's merge gathered"
+        )
         return move(out, target, tags.current_module(), why, grad_placements=grad_layout(target))
 
 
 def _uneven_split(x: DTensor, new) -> ValueError:
     """The error of a view that splits a sharded dim into pieces the mesh axis cannot hand out whole: heads
     that do not divide by tp, where the model's config names no head count (spmd.layout.heads)."""
-    axes = [f"{x.device_mesh.mesh_dim_names[i]}={x.device_mesh.size(i)}" for i, p in enumerate(x.placements)
-            if p.is_shard()]
-    return ValueError(f"{tags.current_module()}: viewing a tensor of shape {tuple(x.shape)}, split over "
-                      f"{' x '.join(axes)}, as {tuple(new) if new else '?'} splits a sharded dim into groups (heads) "
-                      f"that do not divide by that mesh size: a rank would hold part of one. Pick a mesh whose size "
-                      f"there divides the number of groups (heads), and give the rest of the world to dp or fsdp")
+    axes = [
+        f"{x.device_mesh.mesh_dim_names[i]}={x.device_mesh.size(i)}" for i, p in enumerate(x.placements) if p.is_shard()
+    ]
+    return ValueError(
+        f"{tags.current_module()}: viewing a tensor of shape {tuple(x.shape)}, split over "
+        f"{' x '.join(axes)}, as {tuple(new) if new else '?'} splits a sharded dim into groups (heads) "
+        f"that do not divide by that mesh size: a rank would hold part of one. Pick a mesh whose size "
+        f"there divides the number of groups (heads), and give the rest of the world to dp or fsdp"
+    )
 
 
 _SDPA_ARGS = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
@@ -125,8 +137,11 @@ def _attention(q, k, v, *rest, **kwargs):
     DTensor."""
     kwargs = {**dict(zip(_SDPA_ARGS, rest)), **kwargs}
     mask = kwargs.pop("attn_mask", None)
-    local = (not kwargs.get("dropout_p") and _split_alike(q, k, v)
-             and (mask is None or _replicated_constant(mask, q.device_mesh)))
+    local = (
+        not kwargs.get("dropout_p")
+        and _split_alike(q, k, v)
+        and (mask is None or _replicated_constant(mask, q.device_mesh))
+    )
     if not local:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **kwargs)
     if mask is not None:
@@ -157,13 +172,13 @@ def _local_slice(mask: torch.Tensor, q: DTensor) -> torch.Tensor:
 
 
 def _split_alike(*ts) -> bool:
-    if not all(isinstance(t, DTensor) and t.device_mesh == ts[0].device_mesh and t.placements == ts[0].placements
-               for t in ts):
+    if not all(
+        isinstance(t, DTensor) and t.device_mesh == ts[0].device_mesh and t.placements == ts[0].placements for t in ts
+    ):
         return False
     mesh = ts[0].device_mesh
     for i, p in enumerate(ts[0].placements):
-        if p.is_partial() or (p.is_shard() and (p.dim not in (0, 1) or any(t.shape[p.dim] % mesh.size(i)
-                                                                            for t in ts))):
+        if p.is_partial() or (p.is_shard() and (p.dim not in (0, 1) or any(t.shape[p.dim] % mesh.size(i) for t in ts))):
             return False
     return True
 

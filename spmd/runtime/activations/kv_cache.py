@@ -8,6 +8,7 @@ or in eval mode build the cache the model asks for, as tensors made in forward (
 decoding loop that calls the model step by step with its cache runs on the mesh. transformers' `generate`
 does not: it mixes the logits, which come back as DTensors, with plain tensors of its own; it is refused.
 """
+
 import inspect
 import warnings
 
@@ -26,9 +27,12 @@ def skip_cache_in_training(model: nn.Module) -> None:
         if not (module.training and torch.is_grad_enabled()) or kwargs.get("use_cache") is False:
             return None
         if kwargs.get("use_cache"):
-            warnings.warn(f"{type(module).__name__} was called with use_cache=True in training: the key/value "
-                          f"cache serves generation, so spmd trains without it (use_cache=False). Call under "
-                          f"torch.no_grad() or after model.eval() to build a cache", stacklevel=2)
+            warnings.warn(
+                f"{type(module).__name__} was called with use_cache=True in training: the key/value "
+                f"cache serves generation, so spmd trains without it (use_cache=False). Call under "
+                f"torch.no_grad() or after model.eval() to build a cache",
+                stacklevel=2,
+            )
         return args, {**kwargs, "use_cache": False}
 
     model.register_forward_pre_hook(hook, with_kwargs=True, prepend=True)
@@ -46,7 +50,8 @@ def refuse_generate(model: nn.Module) -> None:
             f"DTensors, which generation's own code mixes with plain tensors. Generate on one process from the "
             f"trained weights (load {{k: v.full_tensor() for k, v in model.state_dict().items()}} into a fresh "
             f"model), or decode step by step: model(input_ids=ids, cache=cache) under torch.no_grad() in eval mode, "
-            f"on a spec without sp (one new token does not split over tp)")
+            f"on a spec without sp (one new token does not split over tp)"
+        )
 
     model.generate = generate
 

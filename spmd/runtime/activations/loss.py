@@ -12,6 +12,7 @@ and is divided by what one device divides it by: the count of every rank's non-i
 their targets' weights. Logits with the class dim second and more dims after it ([B, V, T], as
 `F.cross_entropy` takes them) become [B * T, V] rows first.
 """
+
 import inspect
 
 import torch.nn.functional as F
@@ -31,10 +32,16 @@ def global_mean(func, args, kwargs):
     caller to run the op as is."""
     a = _SIGNATURES[func].bind(*args, **kwargs).arguments
     logits, targets = a["input"], a["target"]
-    if (a.get("reduction", "mean") != "mean" or a.get("size_average") is not None
-            or a.get("reduce") is not None or not isinstance(logits, DTensor) or logits.ndim < 2
-            or any(p.is_partial() for p in logits.placements) or targets.ndim != logits.ndim - 1
-            or targets.dtype.is_floating_point):
+    if (
+        a.get("reduction", "mean") != "mean"
+        or a.get("size_average") is not None
+        or a.get("reduce") is not None
+        or not isinstance(logits, DTensor)
+        or logits.ndim < 2
+        or any(p.is_partial() for p in logits.placements)
+        or targets.ndim != logits.ndim - 1
+        or targets.dtype.is_floating_point
+    ):
         return None
     if logits.ndim > 2:  # [B, V, d1, ...] against [B, d1, ...]: one row of classes per position
         logits, targets = logits.movedim(1, -1).reshape(-1, logits.shape[1]), targets.reshape(-1)

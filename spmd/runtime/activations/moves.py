@@ -13,7 +13,8 @@ decides at the points where a layout must change, and makes each change an expli
 `move(x, placements)` changes an activation's layout; its backward brings the gradient back to the
 layout `x` had (a Partial source gets a Replicate gradient: every partial sum sees the whole gradient).
 """
-from dataclasses import dataclass, asdict
+
+from dataclasses import asdict, dataclass
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -23,25 +24,35 @@ from .. import tags
 from ..local.edges import to_local
 from ..state import active_state
 
-__all__ = ["Decision", "constrain", "move", "grad_layout", "linear_layouts", "move_linear_input", "finish_output",
-           "map_tensors"]
+__all__ = [
+    "Decision",
+    "constrain",
+    "move",
+    "grad_layout",
+    "linear_layouts",
+    "move_linear_input",
+    "finish_output",
+    "map_tensors",
+]
 
 
 @dataclass
 class Decision:
     module: str
     mesh_axis: str
-    choice: str              # "gather activation" | "gather weight"
-    activation_bytes: int    # per rank, all-gather of the activation over mesh_axis
-    weight_bytes: int        # per rank, all-gather of the weight over mesh_axis
+    choice: str  # "gather activation" | "gather weight"
+    activation_bytes: int  # per rank, all-gather of the activation over mesh_axis
+    weight_bytes: int  # per rank, all-gather of the weight over mesh_axis
     why: str = ""
 
     def to_dict(self):
         return asdict(self)
 
     def describe(self) -> str:
-        return (f"{self.module}: {self.choice} over {self.mesh_axis} "
-                f"(activation {self.activation_bytes:,} B vs weight {self.weight_bytes:,} B per rank: {self.why})")
+        return (
+            f"{self.module}: {self.choice} over {self.mesh_axis} "
+            f"(activation {self.activation_bytes:,} B vs weight {self.weight_bytes:,} B per rank: {self.why})"
+        )
 
 
 def gathered_bytes(shape, placements, mesh, dim: int, element_size: int) -> int:
@@ -87,8 +98,15 @@ def linear_layouts(x: DTensor, w_shape, w_placements, w_element_size: int, modul
                 decisions.append(Decision(module, axis, "gather weight", act, wb, "fewer bytes"))
             else:
                 x_target[m] = Shard(last) if wp == Shard(1) else Replicate()
-                why = ("fewer bytes" if act <= wb else "the input is split along a non-batch dim (sequence) that later ops need whole") \
-                    if x_sharded_elsewhere else "the input is split along its features"
+                why = (
+                    (
+                        "fewer bytes"
+                        if act <= wb
+                        else "the input is split along a non-batch dim (sequence) that later ops need whole"
+                    )
+                    if x_sharded_elsewhere
+                    else "the input is split along its features"
+                )
                 decisions.append(Decision(module, axis, "gather activation", act, wb, why))
         elif wp == Shard(1) and not xp.is_shard():
             x_target[m] = Shard(last)  # a local slice, no communication
@@ -165,8 +183,11 @@ def move_linear_input(state, name, w, x, transposed: bool = False):
 
 def _move_input(x, target, name: str):
     why = "move input to the layout its weight needs"
-    return move(x, target, name, why, grad_placements=grad_layout(x.placements)) if x.requires_grad \
+    return (
+        move(x, target, name, why, grad_placements=grad_layout(x.placements))
+        if x.requires_grad
         else move(x, target, name, why)
+    )
 
 
 def _transpose(placements) -> tuple:
@@ -182,8 +203,10 @@ def constrain(x: torch.Tensor, *axes) -> torch.Tensor:
 
 def _constrain(x: torch.Tensor, axes) -> torch.Tensor:
     if len(axes) != x.dim():
-        raise ValueError(f"constrain got {len(axes)} axes {axes} for a tensor with {x.dim()} dims "
-                         f"(shape {tuple(x.shape)}); give one logical name or None per dim")
+        raise ValueError(
+            f"constrain got {len(axes)} axes {axes} for a tensor with {x.dim()} dims "
+            f"(shape {tuple(x.shape)}); give one logical name or None per dim"
+        )
     if not isinstance(x, DTensor):
         return x
     state = active_state()
@@ -201,11 +224,13 @@ def _constrain(x: torch.Tensor, axes) -> torch.Tensor:
 
 def finish_output(output, name):
     """A scalar (the loss), alone or in a ModelOutput, dict or tuple, made whole on every rank and plain."""
+
     def whole(t):
         if isinstance(t, DTensor) and t.ndim == 0:
             # (spmd's to_local: DTensor's builds a spec for the gradient on every backward)
             return to_local(move(t, grad_layout(t.placements), name, "make the loss whole on every rank"))
         return t
+
     return map_tensors(output, whole)
 
 

@@ -6,6 +6,7 @@ layout the rules give the output's logical axes: the weight's output axis last, 
 front. With `embed` replicated that is an all-reduce; under sequence parallelism (`seq -> tp`) a
 reduce-scatter over the sequence. A `constrain` after the layer then finds the layout already in place.
 """
+
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate
 
@@ -27,7 +28,7 @@ def token_axes(ndim: int, last: str | None) -> tuple:
     """Logical axes of an activation of `ndim` dims: (batch, seq, ..., last)."""
     if ndim == 0:
         return ()
-    lead = ("batch", "seq")[:ndim - 1]
+    lead = ("batch", "seq")[: ndim - 1]
     return lead + (None,) * (ndim - 1 - len(lead)) + (last,)
 
 
@@ -39,6 +40,8 @@ def reduce_partials(x, rules, module: nn.Module, name: str):
     dims = rules.mesh_axes(axes, "compute", f"output of {name!r}", strict=False)
     target = placements_for(x.device_mesh, dims, x.shape, f"output {axes} of {name!r}")
     taken = {p.dim for p in x.placements if p.is_shard()}  # a dim sharded already keeps its one mesh axis
-    final = tuple(p if not p.is_partial() else Replicate() if t.is_shard() and t.dim in taken else t
-                  for p, t in zip(x.placements, target))
+    final = tuple(
+        p if not p.is_partial() else Replicate() if t.is_shard() and t.dim in taken else t
+        for p, t in zip(x.placements, target)
+    )
     return move(x, final, name, f"reduce partial sums to the rules' layout {axes}")

@@ -13,13 +13,14 @@ the queries only: every step costs every rank the same. torch's own context para
 (torch.distributed.tensor.experimental.context_parallel) dispatches only the CUDA flash/efficient/cuDNN
 kernels, so this ring computes each block in plain torch, which runs on any device.
 """
+
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from ...layout.sequence import check_seq_len
-from ..activations import attention_memory
 from .. import tags
+from ..activations import attention_memory
 
 __all__ = ["applies", "cp_active", "ring_attention", "check_sequence_order"]
 
@@ -29,11 +30,31 @@ def applies(q) -> bool:
     return isinstance(q, DTensor) and _cp_dim(q) == q.ndim - 2
 
 
-_ELEMENTWISE = {torch.add, torch.sub, torch.mul, torch.div, torch.where, torch.addcmul, torch.lerp,
-                torch.Tensor.add, torch.Tensor.sub, torch.Tensor.mul, torch.Tensor.div, torch.Tensor.masked_fill,
-                torch.Tensor.__add__, torch.Tensor.__radd__, torch.Tensor.__sub__, torch.Tensor.__rsub__,
-                torch.Tensor.__mul__, torch.Tensor.__rmul__, torch.Tensor.__truediv__, torch.Tensor.__iadd__,
-                torch.Tensor.__imul__, torch.Tensor.add_, torch.Tensor.mul_}
+_ELEMENTWISE = {
+    torch.add,
+    torch.sub,
+    torch.mul,
+    torch.div,
+    torch.where,
+    torch.addcmul,
+    torch.lerp,
+    torch.Tensor.add,
+    torch.Tensor.sub,
+    torch.Tensor.mul,
+    torch.Tensor.div,
+    torch.Tensor.masked_fill,
+    torch.Tensor.__add__,
+    torch.Tensor.__radd__,
+    torch.Tensor.__sub__,
+    torch.Tensor.__rsub__,
+    torch.Tensor.__mul__,
+    torch.Tensor.__rmul__,
+    torch.Tensor.__truediv__,
+    torch.Tensor.__iadd__,
+    torch.Tensor.__imul__,
+    torch.Tensor.add_,
+    torch.Tensor.mul_,
+}
 
 
 def check_sequence_order(func, tensors) -> None:
@@ -51,8 +72,9 @@ def check_sequence_order(func, tensors) -> None:
         if t.numel() <= 1 or (isinstance(t, DTensor) and _cp_dim(t) is not None):
             continue
         aligned = dim - (x.ndim - t.ndim)
-        if (not isinstance(t, DTensor) and seq in t.shape) or \
-                (func in _ELEMENTWISE and 0 <= aligned < t.ndim and t.shape[aligned] == seq):
+        if (not isinstance(t, DTensor) and seq in t.shape) or (
+            func in _ELEMENTWISE and 0 <= aligned < t.ndim and t.shape[aligned] == seq
+        ):
             raise ValueError(
                 f"under context parallelism {getattr(func, '__name__', func)} combines the sequence (length {seq}, "
                 f"split zigzag over cp) with a tensor of shape {tuple(t.shape)} that runs along it in natural "
@@ -60,7 +82,8 @@ def check_sequence_order(func, tensors) -> None:
                 f"view flattening batch and sequence gathered whole (transformers' mixtures of experts, OPT): "
                 f"the result would be silently wrong. Pass the positions of the data path (the model's "
                 f"forward(..., positions), as spmd.cp_slice gives them), attend through "
-                f"F.scaled_dot_product_attention with is_causal, or train this model without a cp axis")
+                f"F.scaled_dot_product_attention with is_causal, or train this model without a cp axis"
+            )
 
 
 def cp_active(mesh) -> bool:
@@ -77,24 +100,34 @@ def _cp_dim(t: DTensor) -> int | None:
     return p.dim if p.is_shard() else None
 
 
-def ring_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                   enable_gqa=False):
+def ring_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
     """`F.scaled_dot_product_attention` on DTensors whose sequence dim is split zigzag over cp."""
-    problem = ("an attention mask" if attn_mask is not None else "dropout" if dropout_p else
-               "a query of another head count than K/V without enable_gqa"
-               if query.shape[1] != key.shape[1] and not enable_gqa else None)
+    problem = (
+        "an attention mask"
+        if attn_mask is not None
+        else "dropout"
+        if dropout_p
+        else "a query of another head count than K/V without enable_gqa"
+        if query.shape[1] != key.shape[1] and not enable_gqa
+        else None
+    )
     if problem:
-        raise ValueError(f"ring attention over cp takes no {problem}: use is_causal=True or a full mask "
-                         f"without dropout, or a mesh without cp")
+        raise ValueError(
+            f"ring attention over cp takes no {problem}: use is_causal=True or a full mask "
+            f"without dropout, or a mesh without cp"
+        )
     if key.placements != query.placements or value.placements != query.placements:
-        raise ValueError(f"ring attention over cp needs q, k and v in one layout, got {query.placements}, "
-                         f"{key.placements}, {value.placements}")
+        raise ValueError(
+            f"ring attention over cp needs q, k and v in one layout, got {query.placements}, "
+            f"{key.placements}, {value.placements}"
+        )
     mesh = query.device_mesh
     group = mesh.get_group("cp")
     check_seq_len(query.shape[2], group.size())
     scale = query.shape[-1] ** -0.5 if scale is None else scale
-    out = _Ring.apply(query.to_local(), key.to_local(), value.to_local(), is_causal, scale, group,
-                      tags.current_module())
+    out = _Ring.apply(
+        query.to_local(), key.to_local(), value.to_local(), is_causal, scale, group, tags.current_module()
+    )
     return DTensor.from_local(out, mesh, query.placements, run_check=False)
 
 
@@ -138,8 +171,10 @@ def _exchange(t: torch.Tensor, group, module: str, why: str, tag: int = 0):
     K/V and dK/dV messages are in flight together in backward; their tags keep them apart."""
     n, me = group.size(), group.rank()
     recv = torch.empty_like(t)
-    ops = [dist.P2POp(dist.isend, t, dist.get_global_rank(group, (me + 1) % n), group, tag),
-           dist.P2POp(dist.irecv, recv, dist.get_global_rank(group, (me - 1) % n), group, tag)]
+    ops = [
+        dist.P2POp(dist.isend, t, dist.get_global_rank(group, (me + 1) % n), group, tag),
+        dist.P2POp(dist.irecv, recv, dist.get_global_rank(group, (me - 1) % n), group, tag),
+    ]
     with tags.reason(module, why):
         return recv, dist.batch_isend_irecv(ops)
 
@@ -169,8 +204,9 @@ class _Ring(torch.autograd.Function):
             for rows, cols, blk_causal in _blocks(me, (me - step) % n, t, causal):
                 o, l = _attend(qg[..., rows, :], kv[0][..., cols, :], kv[1][..., cols, :], blk_causal, scale)
                 merged = torch.logaddexp(lse[..., rows], l)
-                out[..., rows, :] = (out[..., rows, :] * (lse[..., rows] - merged).exp()[..., None]
-                                     + o * (l - merged).exp()[..., None])
+                out[..., rows, :] = (
+                    out[..., rows, :] * (lse[..., rows] - merged).exp()[..., None] + o * (l - merged).exp()[..., None]
+                )
                 lse[..., rows] = merged
             if pending is not None:
                 kv = _wait(pending)
@@ -192,13 +228,23 @@ class _Ring(torch.autograd.Function):
         dq = torch.zeros(qg.shape, dtype=torch.float32, device=q.device)
         kv, arriving, own = torch.stack([k, v]), None, None
         for step in range(n):
-            pending = _exchange(kv, group, module, "ring attention backward: K/V to the next cp rank") \
-                if step < n - 1 else None
+            pending = (
+                _exchange(kv, group, module, "ring attention backward: K/V to the next cp rank")
+                if step < n - 1
+                else None
+            )
             dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
             for rows, cols, blk_causal in _blocks(me, (me - step) % n, t, ctx.causal):
-                dq_b, dk_b, dv_b = _attend_backward(qg[..., rows, :], kv[0][..., cols, :], kv[1][..., cols, :],
-                                                    dout[..., rows, :], delta[..., rows], lse[..., rows],
-                                                    blk_causal, ctx.scale)
+                dq_b, dk_b, dv_b = _attend_backward(
+                    qg[..., rows, :],
+                    kv[0][..., cols, :],
+                    kv[1][..., cols, :],
+                    dout[..., rows, :],
+                    delta[..., rows],
+                    lse[..., rows],
+                    blk_causal,
+                    ctx.scale,
+                )
                 dq[..., rows, :] += dq_b
                 dkv[0][..., cols, :] += dk_b
                 dkv[1][..., cols, :] += dv_b
@@ -208,8 +254,11 @@ class _Ring(torch.autograd.Function):
                 # the accumulator of the block held now goes on to the rank that holds it next; after the
                 # last step that rank is the block's owner
                 total = dkv if arriving is None else dkv + arriving.float()
-                arriving = _wait(_exchange(total.to(k.dtype), group, module,
-                                           "ring attention backward: dK/dV to the next cp rank", tag=1))
+                arriving = _wait(
+                    _exchange(
+                        total.to(k.dtype), group, module, "ring attention backward: dK/dV to the next cp rank", tag=1
+                    )
+                )
             if pending is not None:
                 kv = _wait(pending)
         if arriving is not None:

@@ -6,6 +6,7 @@ API or these functions.
 Importing spmd changes nothing in torch: `install()`, which `spmd.parallelize` and `spmd.explain` call, registers
 the handlers (idempotent).
 """
+
 from . import detach, fused_step, strategies
 
 __all__ = ["install"]

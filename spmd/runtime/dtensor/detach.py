@@ -6,6 +6,7 @@ takes. This DTensor op handler (torch's mechanism for ops it treats specially, a
 answer directly: the input's spec, shared as DTensor's cached output specs are. A traced detach (under
 torch.compile) keeps DTensor's own dispatch. `spmd.runtime.dtensor.install` registers it.
 """
+
 import torch
 from torch.distributed.tensor import DTensor
 

@@ -6,6 +6,7 @@ own choosing (on Gemma 3 the batch split over tp, which the whole model then fol
 weights gathered whole). Scaling each rank's summand by the scalar is the same product and keeps the
 partial sums for the pass to reduce where it plans to.
 """
+
 import torch
 from torch.distributed.tensor import DTensor
 
@@ -20,10 +21,14 @@ def scale_partial(a, b) -> DTensor | None:
     """`a * b` where one is a DTensor holding partial sums and the other a constant scalar tensor (one
     element, no gradient), kept partial; None otherwise."""
     for x, s in ((a, b), (b, a)):
-        if (isinstance(x, DTensor) and any(p.is_partial() and getattr(p, "reduce_op", "sum") == "sum"
-                                           for p in x.placements)
-                and isinstance(s, torch.Tensor) and s.numel() == 1 and not s.requires_grad
-                and (not isinstance(s, DTensor) or all(p.is_replicate() for p in s.placements))):
+        if (
+            isinstance(x, DTensor)
+            and any(p.is_partial() and getattr(p, "reduce_op", "sum") == "sum" for p in x.placements)
+            and isinstance(s, torch.Tensor)
+            and s.numel() == 1
+            and not s.requires_grad
+            and (not isinstance(s, DTensor) or all(p.is_replicate() for p in s.placements))
+        ):
             return _ScalePartial.apply(x, local_of(s))
     return None
 

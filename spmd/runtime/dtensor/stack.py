@@ -1,5 +1,6 @@
 """The reach into torch's torch-function mode stack and autograd engine: taking a mode off the top of the stack
 for a while (and putting it back), and queueing a callback for the end of the running backward."""
+
 import torch
 
 __all__ = ["suspend_top", "resume", "after_backward"]

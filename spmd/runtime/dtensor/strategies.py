@@ -1,6 +1,7 @@
 """Sharding strategies DTensor lacks: attention on CPU (batch- or head-sharded attention is local, with or
 without a mask; a mask follows q's split along a dim it has, and is whole along a dim it broadcasts).
 `install` registers them with DTensor's sharding propagator."""
+
 import torch
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.experimental import register_sharding
@@ -25,16 +26,17 @@ def _sdpa_cpu(query, key, value, dropout_p=0.0, is_causal=False, attn_mask=None,
     return strategies
 
 
-def _sdpa_cpu_backward(grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, attn_mask=None,
-                       scale=None):
+def _sdpa_cpu_backward(grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, attn_mask=None, scale=None):
     strategies = [([Replicate()] * 3, [Replicate()] * 6 + [None, None, _mask(attn_mask, None), None])]
     for dim in (0, 1):
         strategies.append(([Shard(dim)] * 3, [Shard(dim)] * 6 + [None, None, _mask(attn_mask, dim), None]))
     return strategies
 
 
-_STRATEGIES = {aten._scaled_dot_product_flash_attention_for_cpu.default: _sdpa_cpu,
-               aten._scaled_dot_product_flash_attention_for_cpu_backward.default: _sdpa_cpu_backward}
+_STRATEGIES = {
+    aten._scaled_dot_product_flash_attention_for_cpu.default: _sdpa_cpu,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward.default: _sdpa_cpu_backward,
+}
 _installed: list = []
 
 

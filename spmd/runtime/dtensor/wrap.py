@@ -1,12 +1,22 @@
 """Local tensors into and out of DTensors: wrapped without DTensor.from_local's per-call work: a layout's DTensorSpec is
 built once and shared (DTensor's own dispatch shares its cached output specs too), and the local tensor stays
 where it lives."""
+
 import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._utils import compute_global_tensor_info
 
-__all__ = ["local_of", "wrap_local", "as_dtensor", "cast", "cast_all", "cast_locals", "layout_spec", "contiguous_stride"]
+__all__ = [
+    "local_of",
+    "wrap_local",
+    "as_dtensor",
+    "cast",
+    "cast_all",
+    "cast_locals",
+    "layout_spec",
+    "contiguous_stride",
+]
 
 
 def local_of(t: torch.Tensor) -> torch.Tensor:
@@ -19,8 +29,9 @@ def wrap_local(local: torch.Tensor, mesh, placements, shape, stride, requires_gr
     (`DTensor.from_local` moves a host tensor to the mesh's device: offloaded state would return to the GPU)."""
     # the constructor alone: DTensor.__init__ only calls Tensor.__init__, through a dynamo and an export
     # wrapper that cost a third of a wrap
-    return DTensor.__new__(DTensor, local, layout_spec(mesh, placements, shape, stride, local.dtype),
-                           requires_grad=requires_grad)
+    return DTensor.__new__(
+        DTensor, local, layout_spec(mesh, placements, shape, stride, local.dtype), requires_grad=requires_grad
+    )
 
 
 def as_dtensor(t: torch.Tensor, mesh, placements) -> DTensor:
@@ -66,8 +77,9 @@ def cast_locals(tensors: list, dtype) -> list:
     foreach copy and come back as views of it: a block's parameters cast to the compute dtype, and their
     gradients back, in one kernel per step rather than one per parameter (on a GPU each is a launch)."""
     out = [t if t.dtype == dtype else None for t in tensors]
-    batched = [i for i, t in enumerate(tensors) if out[i] is None and t.is_contiguous()
-               and t.device == tensors[0].device]
+    batched = [
+        i for i, t in enumerate(tensors) if out[i] is None and t.is_contiguous() and t.device == tensors[0].device
+    ]
     if len(batched) > 1:
         sources = [tensors[i] for i in batched]
         flat = torch.empty(sum(t.numel() for t in sources), dtype=dtype, device=sources[0].device)
@@ -89,8 +101,10 @@ def layout_spec(mesh, placements, shape, stride, dtype) -> DTensorSpec:
     if hit is None or hit[0] is not mesh:
         if len(_SPECS) >= 4096:  # shapes that vary (sequence lengths) would otherwise grow it without end
             _SPECS.clear()
-        hit = _SPECS[key] = (mesh, DTensorSpec(mesh, tuple(placements),
-                                               tensor_meta=TensorMeta(torch.Size(shape), tuple(stride), dtype)))
+        hit = _SPECS[key] = (
+            mesh,
+            DTensorSpec(mesh, tuple(placements), tensor_meta=TensorMeta(torch.Size(shape), tuple(stride), dtype)),
+        )
     return hit[1]
 
 

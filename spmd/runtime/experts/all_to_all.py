@@ -1,5 +1,6 @@
 """`AllToAll`: all_to_all_single with variable splits whose backward is the reverse exchange, each
 collective tagged with the module and the reason, for explain (funcol's autograd variant carries no reason)."""
+
 import torch
 import torch.distributed._functional_collectives as funcol
 

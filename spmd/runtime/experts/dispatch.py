@@ -22,6 +22,7 @@ expert whole (dp, fsdp), reduced into its storage layout as every parameter's is
 An expert module called otherwise routes the tokens itself (transformers'): spmd.runtime.experts.whole_experts,
 and spmd.runtime.experts.routed_dispatch under ep.
 """
+
 import contextlib
 
 import torch
@@ -33,11 +34,11 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 from ...layout.annotate import get_axes
 from ...layout.mesh import mesh_sizes
 from .. import tags
-from .all_to_all import AllToAll
 from ..activations.moves import grad_layout, move
+from ..dtensor.wrap import contiguous_stride
+from .all_to_all import AllToAll
 from .routed_dispatch import RoutedDispatch
 from .whole_experts import balanced_grouped_products, check_whole, routes_itself
-from ..dtensor.wrap import contiguous_stride
 
 __all__ = ["EXPERTS", "expert_modules", "check_expert_layout", "install_expert_hooks", "balanced_routing"]
 
@@ -46,17 +47,22 @@ EXPERTS = "experts"
 
 def expert_modules(model: nn.Module) -> dict[str, nn.Module]:
     """{qualified name: module} of the modules whose own parameters carry the `experts` axis."""
-    return {name: m for name, m in model.named_modules()
-            if any(EXPERTS in (get_axes(p) or ()) for p in m.parameters(recurse=False))}
+    return {
+        name: m
+        for name, m in model.named_modules()
+        if any(EXPERTS in (get_axes(p) or ()) for p in m.parameters(recurse=False))
+    }
 
 
 @contextlib.contextmanager
 def balanced_routing(model: nn.Module):
     """While it is open, a forward of `model` on fake tensors (no data to route by) gives each expert module
     an equal share of the tokens, as explain plans; a dropless layer's FLOPs are the same for any routing."""
+
     def balance(module, args):
         x, counts, *rest = args
         return (x, _balanced_counts(x.shape[0], counts.shape[0]), *rest) if is_fake(x) else None
+
     handles = []
     for m in expert_modules(model).values():
         handles += balanced_grouped_products(m) if routes_itself(m) else [m.register_forward_pre_hook(balance)]
@@ -74,29 +80,42 @@ def check_expert_layout(model: nn.Module, mesh, rules) -> None:
         return
     target = rules.compute.get(EXPERTS, ())
     if target not in ((), ("ep",)):
-        raise ValueError(f"rule experts -> {target}: experts may be split over the ep mesh axis only; "
-                         f"use Rules(..., {{'experts': 'ep'}}) (Rules.default has it)")
+        raise ValueError(
+            f"rule experts -> {target}: experts may be split over the ep mesh axis only; "
+            f"use Rules(..., {{'experts': 'ep'}}) (Rules.default has it)"
+        )
     ep = dict(zip(mesh.mesh_dim_names, mesh.shape)).get("ep", 1)
     if ep > 1 and "ep" not in rules.batch_axes():
-        raise ValueError(f"ep={ep} splits the experts but not the batch (batch -> {rules.batch_axes()}); expert "
-                         f"parallelism here also splits the data over ep: add 'ep' to the batch rule")
+        raise ValueError(
+            f"ep={ep} splits the experts but not the batch (batch -> {rules.batch_axes()}); expert "
+            f"parallelism here also splits the data over ep: add 'ep' to the batch rule"
+        )
     for name, module in found.items():
         if routes_itself(module):
             check_whole(name, module, mesh, rules, ep)
             continue
         if not name:
-            raise ValueError("the model itself holds the expert parameters; put them in a submodule that the "
-                             "routing code calls with (tokens sorted by expert, tokens per expert)")
+            raise ValueError(
+                "the model itself holds the expert parameters; put them in a submodule that the "
+                "routing code calls with (tokens sorted by expert, tokens per expert)"
+            )
         for p_name, p in module.named_parameters(recurse=False):
             axes = get_axes(p) or ()
-            if not axes or axes[0] != EXPERTS or any(a in rules.compute.get(ax, ()) for ax in axes[1:]
-                                                      for a in rules.batch_axes()):
-                raise ValueError(f"{name}.{p_name} with axes {axes}: an expert module's parameters carry "
-                                 f"'experts' on dim 0 and no batch mesh axis on the others; annotate it "
-                                 f"('experts', ...)")
+            if (
+                not axes
+                or axes[0] != EXPERTS
+                or any(a in rules.compute.get(ax, ()) for ax in axes[1:] for a in rules.batch_axes())
+            ):
+                raise ValueError(
+                    f"{name}.{p_name} with axes {axes}: an expert module's parameters carry "
+                    f"'experts' on dim 0 and no batch mesh axis on the others; annotate it "
+                    f"('experts', ...)"
+                )
             if ep > 1 and p.shape[0] % ep:
-                raise ValueError(f"{name}.{p_name}: {p.shape[0]} experts do not divide by ep={ep}; use an ep "
-                                 f"that divides the number of experts")
+                raise ValueError(
+                    f"{name}.{p_name}: {p.shape[0]} experts do not divide by ep={ep}; use an ep "
+                    f"that divides the number of experts"
+                )
 
 
 def install_expert_hooks(model: nn.Module, state) -> None:
@@ -122,8 +141,12 @@ def install_expert_hooks(model: nn.Module, state) -> None:
 def _split_dims(module: nn.Module, mesh) -> set[int]:
     """Mesh dims over which the experts' compute layout splits a dim other than `experts` (tp on mlp): the
     region's output and its inputs' gradients are partial sums over them."""
-    return {m for p in module.parameters(recurse=False) for m, pl in enumerate(p._spmd_compute)
-            if pl.is_shard() and pl.dim != 0 and mesh.size(m) > 1}
+    return {
+        m
+        for p in module.parameters(recurse=False)
+        for m, pl in enumerate(p._spmd_compute)
+        if pl.is_shard() and pl.dim != 0 and mesh.size(m) > 1
+    }
 
 
 class _Region:
@@ -142,8 +165,13 @@ class _Region:
                 target = tuple(p if p.is_shard() and p.dim == 0 else Replicate() for p in a.placements)
                 layout = layout or (a.device_mesh, target, a.shape)
                 if a.requires_grad:  # the gradient, partial over the split dims, is reduced on the way back
-                    a = move(a, target, self.name, "bring each rank's tokens whole to its routing",
-                             grad_placements=grad_layout(a.placements))
+                    a = move(
+                        a,
+                        target,
+                        self.name,
+                        "bring each rank's tokens whole to its routing",
+                        grad_placements=grad_layout(a.placements),
+                    )
                     grads = [Partial() if m in self.split else p for m, p in enumerate(target)]
                     a = a.to_local(grad_placements=grads)
                 else:
@@ -159,8 +187,9 @@ class _Region:
         mesh, target, shape = layout
         placements = [Partial() if m in self.split else p for m, p in enumerate(target)]
         out_shape = shape[:-1] + output.shape[-1:]
-        return DTensor.from_local(output, mesh, placements, run_check=False, shape=out_shape,
-                                  stride=contiguous_stride(out_shape))
+        return DTensor.from_local(
+            output, mesh, placements, run_check=False, shape=out_shape, stride=contiguous_stride(out_shape)
+        )
 
 
 class _Dispatch:
@@ -178,7 +207,9 @@ class _Dispatch:
         for p_name, p in module.named_parameters(recurse=False):
             g = module.__dict__.get(p_name, p)  # the compute-layout gather the pass put there
             # each rank's tokens give a partial sum of the gradient over the batch axes that hold the expert whole
-            grads = [Partial() if pl.is_replicate() and m in self.batch_dims else pl for m, pl in enumerate(g.placements)]
+            grads = [
+                Partial() if pl.is_replicate() and m in self.batch_dims else pl for m, pl in enumerate(g.placements)
+            ]
             module.__dict__[p_name] = g.to_local(grad_placements=grads)
         x, counts = args[0], args[1]
         balanced = is_fake(x)  # explain: no data, so the plan assumes balanced routing
@@ -195,10 +226,10 @@ class _Dispatch:
             if balanced:  # every rank sends what this one does
                 received = counts.view(n, -1)[dist.get_rank(self.group)].repeat(n)
             send = counts.view(n, -1).sum(1).tolist()
-            per_source = received.view(n, -1)           # [source rank, local expert]
+            per_source = received.view(n, -1)  # [source rank, local expert]
             recv = per_source.sum(1).tolist()
             local_expert = torch.arange(per_source.shape[1]).repeat(n).repeat_interleave(per_source.reshape(-1))
-            order = local_expert.argsort(stable=True)    # arrived grouped by source rank: regroup by expert
+            order = local_expert.argsort(stable=True)  # arrived grouped by source rank: regroup by expert
             inverse, local_counts = order.argsort(), per_source.sum(0)
         x = AllToAll.apply(x, recv, send, self.group, self.name, "dispatch tokens to their experts' ranks" + note)
         self.pending.append((inverse, send, recv, note))
@@ -209,13 +240,14 @@ class _Dispatch:
         if pending is None:
             return output
         inverse, send, recv, note = pending
-        return AllToAll.apply(output[inverse], send, recv, self.group, self.name,
-                              "combine expert outputs on their tokens' ranks" + note)
+        return AllToAll.apply(
+            output[inverse], send, recv, self.group, self.name, "combine expert outputs on their tokens' ranks" + note
+        )
 
 
 def _balanced_counts(rows: int, experts: int) -> torch.Tensor:
     """Tokens per expert when `rows` (token, choice) pairs spread evenly over the experts (a real tensor)."""
     with unset_fake_temporarily():
         counts = torch.full((experts,), rows // experts, dtype=torch.long)
-        counts[:rows % experts] += 1
+        counts[: rows % experts] += 1
     return counts

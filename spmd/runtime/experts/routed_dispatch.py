@@ -12,6 +12,7 @@ the module's own forward (it runs on this rank's tokens as plain tensors, spmd.r
 Backward mirrors each all-to-all. The router before it stays in the global view. Under `explain` (fake
 tensors) the routing is taken to be balanced, as spmd.runtime.experts.dispatch plans its own dispatch.
 """
+
 import inspect
 
 import torch
@@ -41,8 +42,10 @@ class RoutedDispatch:
 
     def install(self) -> list:
         """Registers the hooks (after the pass's own: these run inside them); returns the handles."""
-        return [self.module.register_forward_pre_hook(self.enter, with_kwargs=True),
-                self.module.register_forward_hook(self.leave, prepend=True)]
+        return [
+            self.module.register_forward_pre_hook(self.enter, with_kwargs=True),
+            self.module.register_forward_hook(self.leave, prepend=True),
+        ]
 
     def enter(self, module, args, kwargs):
         x, index, weights = self.signature.bind(*args, **kwargs).args[:3]
@@ -76,8 +79,9 @@ class RoutedDispatch:
             # others' and its experts take a (zero) gradient as theirs do
             rows, _, row_weights = args
             output = output + 0 * (rows.sum() + row_weights.sum() + sum(p.sum() for p in _local_experts(module)))
-        rows = AllToAll.apply(output, send, recv, self.group, self.name,
-                               "combine expert outputs on their tokens' ranks" + note)
+        rows = AllToAll.apply(
+            output, send, recv, self.group, self.name, "combine expert outputs on their tokens' ranks" + note
+        )
         return torch.zeros(n, rows.shape[1], dtype=rows.dtype, device=rows.device).index_add(0, token, rows)
 
     def _counts(self, flat: torch.Tensor) -> tuple:
@@ -85,7 +89,7 @@ class RoutedDispatch:
         if is_fake(flat):  # explain: no data, so the plan takes the routing to be balanced
             with unset_fake_temporarily():
                 counts = torch.full((self.experts,), flat.shape[0] // self.experts, dtype=torch.long)
-                counts[:flat.shape[0] % self.experts] += 1
+                counts[: flat.shape[0] % self.experts] += 1
                 received = counts.view(self.ep, -1)[dist.get_rank(self.group)].repeat(self.ep)
             with tags.reason(self.name, "exchange pairs per expert (balanced routing assumed)"):
                 dist.all_to_all_single(torch.empty_like(counts), counts, group=self.group)

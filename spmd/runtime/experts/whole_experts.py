@@ -4,11 +4,12 @@ top_k_weights)`, anything but the (tokens sorted by expert, tokens per expert) o
 Such a module sorts each token to its chosen experts inside its own forward: without ep it holds its experts
 whole on every rank, stored sharded as any parameter is (fsdp); under ep, E/ep of them, the (token, choice)
 pairs sent to them around its forward (spmd.runtime.experts.routed_dispatch). tp may not split their other dims. It
-runs on this rank's tokens as plain tensors (spmd.runtime.local.blocks, as a data-only block does), while the router before it stays in the global view, so that
-router logits a loss reads (transformers' load-balancing loss) are those of every rank's tokens. On fake
-tensors (explain) its grouped products take the balanced routing: equal groups, one batched product (torch's
-fake grouped product accepts bf16 only, where its CPU kernel takes any float).
+runs on this rank's tokens as plain tensors (spmd.runtime.local.blocks, as a data-only block does), while the router
+before it stays in the global view, so that router logits a loss reads (transformers' load-balancing loss) are those of
+every rank's tokens. On fake tensors (explain) its grouped products take the balanced routing: equal groups, one batched
+product (torch's fake grouped product accepts bf16 only, where its CPU kernel takes any float).
 """
+
 import inspect
 
 import torch
@@ -39,21 +40,32 @@ def check_whole(name: str, module: nn.Module, mesh, rules, ep: int) -> None:
     if ep > 1:
         params = [p for p in module.parameters(recurse=False) if "experts" in (get_axes(p) or ())]
         if _positional(module) != 3:
-            raise ValueError(f"ep={ep} would split the experts of {name} ({type(module).__name__}), whose forward "
-                             f"takes other than (hidden_states, top_k_index, top_k_weights); drop ep from the mesh: "
-                             f"fsdp shards these experts as it shards any parameter")
+            raise ValueError(
+                f"ep={ep} would split the experts of {name} ({type(module).__name__}), whose forward "
+                f"takes other than (hidden_states, top_k_index, top_k_weights); drop ep from the mesh: "
+                f"fsdp shards these experts as it shards any parameter"
+            )
         if params and params[0].shape[0] % ep:
-            raise ValueError(f"{name}: {params[0].shape[0]} experts do not divide by ep={ep}; use an ep that "
-                             f"divides the number of experts")
+            raise ValueError(
+                f"{name}: {params[0].shape[0]} experts do not divide by ep={ep}; use an ep that "
+                f"divides the number of experts"
+            )
     sizes = dict(zip(mesh.mesh_dim_names, mesh.shape))
     for p_name, p in module.named_parameters(recurse=False):
-        split = [(ax, a) for ax in (get_axes(p) or ()) if ax and ax != "experts"
-                 for a in rules.compute.get(ax, ()) if sizes.get(a, 1) > 1]
+        split = [
+            (ax, a)
+            for ax in (get_axes(p) or ())
+            if ax and ax != "experts"
+            for a in rules.compute.get(ax, ())
+            if sizes.get(a, 1) > 1
+        ]
         if split:
-            raise ValueError(f"{name}.{p_name}: its axis {split[0][0]!r} splits over {split[0][1]} in compute, but "
-                             f"{type(module).__name__} routes the tokens itself and computes with whole experts; "
-                             f"annotate its dims other than 'experts' with None (or 'embed', which fsdp shards "
-                             f"in storage only)")
+            raise ValueError(
+                f"{name}.{p_name}: its axis {split[0][0]!r} splits over {split[0][1]} in compute, but "
+                f"{type(module).__name__} routes the tokens itself and computes with whole experts; "
+                f"annotate its dims other than 'experts' with None (or 'embed', which fsdp shards "
+                f"in storage only)"
+            )
 
 
 class _BalancedGroupedProducts(TorchFunctionMode):
@@ -61,8 +73,13 @@ class _BalancedGroupedProducts(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in (torch._grouped_mm, F.grouped_mm) and is_fake(args[0]) and args[0].dim() == 2 \
-                and args[1].dim() == 3 and kwargs.get("bias") is None:
+        if (
+            func in (torch._grouped_mm, F.grouped_mm)
+            and is_fake(args[0])
+            and args[0].dim() == 2
+            and args[1].dim() == 3
+            and kwargs.get("bias") is None
+        ):
             x, w = args[0], args[1]
             groups, rows = w.shape[0], x.shape[0]
             per = -(-rows // groups)
@@ -84,5 +101,8 @@ def balanced_grouped_products(module: nn.Module) -> list:
     def leave(mod, args, output):
         if args and is_fake(args[0]) and modes:
             modes.pop().__exit__(None, None, None)
-    return [module.register_forward_pre_hook(enter),
-            module.register_forward_hook(leave, prepend=True, always_call=True)]
+
+    return [
+        module.register_forward_pre_hook(enter),
+        module.register_forward_hook(leave, prepend=True, always_call=True),
+    ]

@@ -5,13 +5,14 @@ one graph each way), autograd sums them in
 `p.grad`, and the end of the last micro-batch's backward reduces the sums once, in flat buffers: one
 collective per mesh axis and kind for all compiled blocks (spmd.runtime.gradients.step_reduce), as eager's no_sync
 reduces each gradient once."""
+
 import torch
 
 from .. import tags
 from ..activations.moves import map_tensors
+from ..dtensor.stack import after_backward
 from .layouts import grads_layout, held_for_step
 from .step_reduce import reduce_all_to
-from ..dtensor.stack import after_backward
 
 __all__ = ["reduce_after_backward"]
 
@@ -42,12 +43,17 @@ class _QueueReduction(torch.autograd.Function):
 def reduce_accumulated(state) -> None:
     """The compiled blocks' gradients summed unreduced over the micro-batches -> the grads map's layout (those
     a ZeRO-1 step reduces stay for it)."""
-    params = [p for p in state.compiled_params if p.grad is not None and not held_for_step(p)
-              and tuple(p.grad.placements) != grads_layout(p)]
+    params = [
+        p
+        for p in state.compiled_params
+        if p.grad is not None and not held_for_step(p) and tuple(p.grad.placements) != grads_layout(p)
+    ]
     dtype = state.reduce_dtype
     grads = [p.grad if dtype is None else p.grad.to(dtype) for p in params]
     with tags.phase("backward"):
-        reduced = reduce_all_to(grads, [grads_layout(p) for p in params], "reduce accumulated gradients of compiled blocks")
+        reduced = reduce_all_to(
+            grads, [grads_layout(p) for p in params], "reduce accumulated gradients of compiled blocks"
+        )
     for p, g in zip(params, reduced):
         p.grad = g.to(p.dtype)
     state.accumulating = False

@@ -3,10 +3,20 @@ stage holds gradients sharded beyond their parameters): the free slicing first, 
 the gradient held back under no_sync joining the next one. Under ZeRO-1 (`held_for_step`) backward leaves
 the partial sums on the axes the grads map replicates unreduced, as no_sync does, and the step
 reduce-scatters them into the optimizer's shards."""
+
 from torch.distributed.tensor import DTensor
 
-__all__ = ["grads_layout", "reduce_to", "slice_onto_shards", "join_unreduced", "held_for_step", "HELD_ATTR",
-           "optim_layout", "reduce_for_step", "held_layout"]
+__all__ = [
+    "grads_layout",
+    "reduce_to",
+    "slice_onto_shards",
+    "join_unreduced",
+    "held_for_step",
+    "HELD_ATTR",
+    "optim_layout",
+    "reduce_for_step",
+    "held_layout",
+]
 
 HELD_ATTR = "_spmd_reduce_at_step"  # set by shard_optimizer on a parameter its step reduces (ZeRO-1)
 

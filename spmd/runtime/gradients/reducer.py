@@ -14,13 +14,13 @@ most two collectives per kind, as DDP does, instead of one per block and mesh ax
 `offload="optimizer"` a buffer whose last collective is issued is handed to the copy-out
 (spmd.runtime.optimizer.transfer) when the next buffer is issued, so its gradients travel to the host during backward.
 """
-import torch
+
 from torch.distributed.tensor import DTensor
 
 from .. import collectives, tags
-from .layouts import grads_layout, reduce_to
-from ..dtensor.wrap import cast, local_of, wrap_local
 from ..dtensor.stack import after_backward
+from ..dtensor.wrap import cast, local_of, wrap_local
+from .layouts import grads_layout, reduce_to
 
 __all__ = ["GradientReducer", "DEFAULT_BUCKET_MB", "FIRST_BUCKET_MB"]
 
@@ -36,7 +36,7 @@ class _Issued:
         (self.scatter, self.summed, _), self.members, self.pending = key, members, pending
         self.block, self.what = block, what
         self.summing = self.scatter is None  # whether `pending` is the last collective
-        self.copied = False                   # whether its results were handed to the copy-out
+        self.copied = False  # whether its results were handed to the copy-out
 
     def advance(self, mesh):
         """Waits for the reduce-scatter and issues the all-reduce of its shards (no-op when that is done)."""
@@ -53,9 +53,9 @@ class GradientReducer:
         self.mesh, self.cap = mesh, int(bucket_mb * 2**20)
         self.first_cap = min(self.cap, int(FIRST_BUCKET_MB * 2**20))
         self.started: set = set()  # keys with a buffer issued in this backward (the later ones take `cap`)
-        self.open: dict = {}     # (scatter dim | None, summed dims, dtype) -> [(param, unreduced gradient, block)]
-        self.sizes: dict = {}    # same key -> bytes in the open buffer
-        self.issued: list = []   # _Issued, in order
+        self.open: dict = {}  # (scatter dim | None, summed dims, dtype) -> [(param, unreduced gradient, block)]
+        self.sizes: dict = {}  # same key -> bytes in the open buffer
+        self.issued: list = []  # _Issued, in order
         self.queued = False
         self.copies = None  # offload="optimizer": spmd.runtime.optimizer.transfer.GradientCopies, fed as buffers land
 
@@ -88,8 +88,9 @@ class GradientReducer:
         with tags.phase("backward"):
             if scatter is not None:
                 with tags.reason(blocks[0], f"reduce-scatter {what}"):
-                    pending = collectives.reduce_scatter(tensors, [grads_layout(p)[scatter].dim for p, _, _ in members],
-                                                  self.mesh, scatter)
+                    pending = collectives.reduce_scatter(
+                        tensors, [grads_layout(p)[scatter].dim for p, _, _ in members], self.mesh, scatter
+                    )
             else:
                 with tags.reason(blocks[0], f"all-reduce {what}"):
                     pending = collectives.all_reduce(tensors, self.mesh, summed)

@@ -7,6 +7,7 @@ Then, per mesh axis that turns a partial sum into a shard, one flat reduce-scatt
 leaves each rank its chunk of every gradient. A gradient whose target shards one
 dim over two mesh axes takes the per-parameter path.
 """
+
 from torch.distributed.tensor import DTensor, Replicate
 
 from .. import collectives, tags
@@ -54,9 +55,11 @@ def reduce_all_to(grads: list, targets: list, why: str) -> list:
 
 def _bucketable(g: DTensor, target) -> bool:
     dims = [t.dim for t in target if t.is_shard()]
-    return (len(dims) == len(set(dims)) and all(not p.is_partial() or p.reduce_op == "sum" for p in g.placements)
-            and all(p == t or p.is_partial() or (p.is_replicate() and t.is_shard())
-                    for p, t in zip(g.placements, target)))
+    return (
+        len(dims) == len(set(dims))
+        and all(not p.is_partial() or p.reduce_op == "sum" for p in g.placements)
+        and all(p == t or p.is_partial() or (p.is_replicate() and t.is_shard()) for p, t in zip(g.placements, target))
+    )
 
 
 def _reduce_scatter(mesh, m: int, members: dict) -> dict:

@@ -18,18 +18,19 @@ values. The code between modules (the model's own forward: residual adds, the lo
 The edges (inputs in, outputs out, and consecutive local blocks passing local tensors) are
 spmd.runtime.local.edges.
 """
+
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ...layout.annotate import get_axes
-from ..parameters.buckets import gather_bucket
-from ..experts.dispatch import EXPERTS, expert_modules
-from .edges import batch_grad_layout, to_local, wrap_outputs
-from ..parameters.gather import gather_param, gather_shared, kept_for_backward, moves_data
-from ..parameters.reshard import CHECKPOINTED_ATTR, reshard_after_forward, storage_key
-from ..experts.whole_experts import routes_itself
 from ..dtensor.stack import resume, suspend_top
 from ..dtensor.wrap import local_of
+from ..experts.dispatch import EXPERTS, expert_modules
+from ..experts.whole_experts import routes_itself
+from ..parameters.buckets import gather_bucket
+from ..parameters.gather import gather_param, gather_shared, kept_for_backward, moves_data
+from ..parameters.reshard import CHECKPOINTED_ATTR, reshard_after_forward, storage_key
+from .edges import batch_grad_layout, to_local, wrap_outputs
 
 __all__ = ["local_blocks", "enter_local", "LocalBlock", "whole_members"]
 
@@ -62,8 +63,11 @@ def local_blocks(model, state) -> dict:
             if next(m.children(), None) is not None or id(m) in experts:
                 continue
             members = whole_members([m], mesh)
-            if members and members[0] and all(id(p) in rooted or getattr(p, "_spmd_shared", False)
-                                              for _, _, p in members[0]):
+            if (
+                members
+                and members[0]
+                and all(id(p) in rooted or getattr(p, "_spmd_shared", False) for _, _, p in members[0])
+            ):
                 found[id(m)] = members
     return found
 
@@ -80,10 +84,14 @@ def whole_members(modules, mesh, experts_over: str | None = None) -> tuple | Non
 
     def whole(t, layout) -> bool:
         experts = split is not None and (get_axes(t) or (None,))[0] == EXPERTS
-        return all(c.is_replicate() or mesh.size(i) == 1 or (experts and i == split and c == Shard(0))
-                   for i, c in enumerate(layout))
-    replicated = all(whole(p, p._spmd_compute) for _, _, p in params) and all(whole(b, b.placements)
-                                                                              for _, _, b in buffers)
+        return all(
+            c.is_replicate() or mesh.size(i) == 1 or (experts and i == split and c == Shard(0))
+            for i, c in enumerate(layout)
+        )
+
+    replicated = all(whole(p, p._spmd_compute) for _, _, p in params) and all(
+        whole(b, b.placements) for _, _, b in buffers
+    )
     return (params, buffers) if replicated else None
 
 
@@ -96,8 +104,10 @@ def _batch_layout(args, kwargs, state) -> tuple | None:
         if t.device_mesh is not mesh and t.device_mesh != mesh:
             return None
         # Replicate on the mesh axes of size 1, where a split splits nothing: decided once per layout
-        placements = state.target(("active axes", t.placements), lambda p=t.placements: tuple(
-            Replicate() if mesh.size(i) == 1 else q for i, q in enumerate(p)))
+        placements = state.target(
+            ("active axes", t.placements),
+            lambda p=t.placements: tuple(Replicate() if mesh.size(i) == 1 else q for i, q in enumerate(p)),
+        )
         if layout is None:
             if not all(p.is_replicate() or (p.is_shard() and p.dim == 0) for p in placements):
                 return None
@@ -154,8 +164,7 @@ class LocalBlock:
             self.hooks.__enter__()
         first = next(iter(_dtensors(args, kwargs)))
         self.batch = (local_of(first).shape[0] if first.ndim else None, first.shape[0] if first.ndim else None)
-        return (tuple(to_local(a, self.split) for a in args),
-                {k: to_local(v, self.split) for k, v in kwargs.items()})
+        return (tuple(to_local(a, self.split) for a in args), {k: to_local(v, self.split) for k, v in kwargs.items()})
 
     def leave(self, output):
         """Drops the local parameters and wraps the block's tensor outputs back into DTensors."""
@@ -167,7 +176,6 @@ class LocalBlock:
         finally:
             resume(self.mode)
 
-
     def value(self, gathered: dict, p) -> torch.Tensor:
         """`p`'s local value: from `gathered` (its bucket's), else, outside the bucket, the root unit's, a shared
         parameter's or one moving on its own."""
@@ -175,8 +183,11 @@ class LocalBlock:
         if local is not None:
             return local
         state = self.state
-        g = (gather_shared(state, p, p._spmd_compute, self.name) if getattr(p, "_spmd_shared", False)
-             else state.bucket_values.get(id(p)))
+        g = (
+            gather_shared(state, p, p._spmd_compute, self.name)
+            if getattr(p, "_spmd_shared", False)
+            else state.bucket_values.get(id(p))
+        )
         if g is None:
             g = gather_param(p, p._spmd_compute, state.param_dtype, state.reduce_dtype, state, self.name, p._spmd_name)
         return to_local(g, self.split)
@@ -202,15 +213,17 @@ def _static_facts(state, module, bucket, members, split) -> tuple:
     hit = facts.get(split)
     if hit is None:
         layouts = None if bucket is None else [batch_grad_layout(p._spmd_compute, split) for p in bucket.params]
-        regathered = [moves_data(p.placements, p._spmd_compute, state.mesh) and not kept_for_backward(state, p)
-                      for _, _, p in members]
+        regathered = [
+            moves_data(p.placements, p._spmd_compute, state.mesh) and not kept_for_backward(state, p)
+            for _, _, p in members
+        ]
         hit = facts[split] = (layouts, regathered)
     return hit
 
 
 def _suspend_global_view(state):
-    """Takes the model's global-view mode (spmd.runtime.activations.global_view) off the torch-function stack from the block's
-    entry to its exit: with no DTensor inside, it has nothing to do, yet it would see every op and every read
+    """Takes the model's global-view mode (spmd.runtime.activations.global_view) off the torch-function stack from the
+    block's entry to its exit: with no DTensor inside, it has nothing to do, yet it would see every op and every read
     of a tensor's attributes. Returns it, to put back; None when another mode sits above it."""
     return suspend_top(state.global_view[-1][1]) if state.global_view else None
 
@@ -222,8 +235,9 @@ def enter_local(state, mod, name: str, args, kwargs):
     """(args, kwargs) on local tensors when `mod` is a data-only block fed batch-split inputs (and pushes
     the call on `state.local`); None otherwise."""
     # a checkpointed block recomputes past its own hooks; a module inside it runs its hooks again
-    if torch.compiler.is_compiling() or (getattr(mod, CHECKPOINTED_ATTR, False)
-                                         and not getattr(mod, _INSIDE_ATTR, False)):
+    if torch.compiler.is_compiling() or (
+        getattr(mod, CHECKPOINTED_ATTR, False) and not getattr(mod, _INSIDE_ATTR, False)
+    ):
         return None
     members = state.local_members.get(id(mod))
     if members is None:

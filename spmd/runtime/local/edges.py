@@ -2,6 +2,7 @@
 in, each with the layout its gradient comes back in, and its outputs back into DTensors of the input's
 layout. A block's output that the next block takes unchanged hands it its own local tensor: no DTensor
 round trip in forward or backward between consecutive local blocks."""
+
 import torch
 from torch.distributed.tensor import DTensor, Partial
 from torch.distributed.tensor._utils import compute_global_tensor_info
@@ -36,8 +37,13 @@ class _ToLocal(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: DTensor, layout):
         local = local_of(x)
-        ctx.mesh, ctx.layout, ctx.shape, ctx.stride, ctx.local_stride = (x.device_mesh, layout, x.shape, x.stride(),
-                                                                         local.stride())
+        ctx.mesh, ctx.layout, ctx.shape, ctx.stride, ctx.local_stride = (
+            x.device_mesh,
+            layout,
+            x.shape,
+            x.stride(),
+            local.stride(),
+        )
         ctx.set_materialize_grads(False)
         return local.view_as(local)
 
@@ -45,8 +51,9 @@ class _ToLocal(torch.autograd.Function):
     def backward(ctx, g):
         if g is None:
             return None, None
-        stride = ctx.stride if g.stride() == ctx.local_stride else \
-            compute_global_tensor_info(g, ctx.mesh, ctx.layout)[1]
+        stride = (
+            ctx.stride if g.stride() == ctx.local_stride else compute_global_tensor_info(g, ctx.mesh, ctx.layout)[1]
+        )
         return wrap_local(g, ctx.mesh, ctx.layout, ctx.shape, stride), None
 
 
@@ -92,9 +99,11 @@ def wrap_outputs(output, mesh, layout, batch):
             if out.requires_grad:  # the next local block takes `t` back (`to_local`): gradients meet in it
                 setattr(out, _MADE_FROM_ATTR, (t, layout, out.grad_fn, out._version))
             return out
-        raise ValueError(f"a block running on local tensors returned a tensor of shape {tuple(t.shape)} whose dim 0 "
-                         f"is not the batch ({local_batch} on this rank); a block's outputs must lead with the "
-                         f"batch dim. Pass parallelize(..., bucket=False) to run it on DTensors")
+        raise ValueError(
+            f"a block running on local tensors returned a tensor of shape {tuple(t.shape)} whose dim 0 "
+            f"is not the batch ({local_batch} on this rank); a block's outputs must lead with the "
+            f"batch dim. Pass parallelize(..., bucket=False) to run it on DTensors"
+        )
 
     if isinstance(output, torch.Tensor):
         return wrap(output)

@@ -7,6 +7,7 @@ path instead (inputs not split by batch, activation checkpointing) and before it
 they keep them. A module that carries hooks of its own (the user's, the expert dispatch's) keeps the pass's
 hooks all along, so that hooks run in the order they were registered.
 """
+
 import torch.nn as nn
 
 __all__ = ["install", "strip_inside", "dress_inside"]
@@ -43,5 +44,7 @@ def dress_inside(block: nn.Module) -> None:
 
 
 def _register(module: nn.Module, pre, post, prepend: bool) -> tuple:
-    return (module.register_forward_pre_hook(pre, with_kwargs=True, prepend=prepend),
-            module.register_forward_hook(post, always_call=True, prepend=prepend))
+    return (
+        module.register_forward_pre_hook(pre, with_kwargs=True, prepend=prepend),
+        module.register_forward_hook(post, always_call=True, prepend=prepend),
+    )

@@ -11,15 +11,16 @@ them (a pipeline stage's stay local, as its forward makes them).
 A model with a block under activation checkpointing takes the per-block path instead (spmd.runtime.local.blocks): the
 recompute runs in backward, after the model's call has ended and its local values have left the modules.
 """
+
 import torch
 from torch.distributed.tensor import DTensor, Replicate
 
 from ..activations.moves import map_tensors
-from ..parameters.buckets import gather_bucket
 from ..experts.dispatch import expert_modules
+from ..parameters.buckets import gather_bucket
+from ..parameters.reshard import CHECKPOINTED_ATTR
 from .blocks import LocalBlock, whole_members
 from .edges import from_local, to_local
-from ..parameters.reshard import CHECKPOINTED_ATTR
 
 __all__ = ["OUTPUTS_LOCAL_ATTR", "whole_model_members", "enter_local_model", "drop_local_model"]
 
@@ -80,6 +81,7 @@ class LocalModel(LocalBlock):
             if isinstance(t, DTensor) or t.ndim == 0:
                 return t
             return from_local(t, mesh, layout, t.shape, t.stride())
+
         return map_tensors(output, wrap)
 
 

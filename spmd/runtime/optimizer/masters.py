@@ -3,12 +3,13 @@ parameters' storage layout (the phase `optimizer` of the plan). Masters sharded 
 their parameter gather in flat buffers of up to the gradient buckets' size (spmd.runtime.collectives), one
 collective per buffer; the others one by one. Masters in host memory (offloaded) cross to the device on the
 side stream (spmd.runtime.optimizer.transfer), each buffer's copies during the all-gather of the one before."""
+
 import torch
 
 from .. import collectives, tags
+from ..dtensor.wrap import local_of, wrap_local
 from ..gradients.reducer import DEFAULT_BUCKET_MB
 from .transfer import SideStream, side_stream
-from ..dtensor.wrap import local_of, wrap_local
 
 __all__ = ["MASTER_OF_ATTR", "gather_updated", "gather_into_param"]
 
@@ -30,8 +31,11 @@ def gather_updated(opt: torch.optim.Optimizer) -> None:
                 gather_into_param(master)
             else:
                 gathered.setdefault((id(p.device_mesh), dims[0], p.dtype), []).append((master, dims[1]))
-        work = [(bucket, mesh_dim) for (_, mesh_dim, _), members in gathered.items()
-                for bucket in _capped(members, GATHER_BUCKET_BYTES)]
+        work = [
+            (bucket, mesh_dim)
+            for (_, mesh_dim, _), members in gathered.items()
+            for bucket in _capped(members, GATHER_BUCKET_BYTES)
+        ]
         ahead = _to_param_device([m for m, _ in work[0][0]]) if work else None
         for k, (bucket, mesh_dim) in enumerate(work):  # a buffer's copies travel during the all-gather before
             arrived, ahead = ahead, (_to_param_device([m for m, _ in work[k + 1][0]]) if k + 1 < len(work) else None)
@@ -90,8 +94,9 @@ def _gather_bucket(bucket: list, mesh_dim: int, arrived: tuple) -> None:
     shards, event = arrived
     SideStream.device_wait(event)
     with tags.reason("", f"all-gather updated {len(bucket)} parameters to their params layout (one buffer)"):
-        full = collectives.all_gather(shards, [d for _, d in bucket], [local_of(p).shape for p in params],
-                               params[0].device_mesh, mesh_dim)
+        full = collectives.all_gather(
+            shards, [d for _, d in bucket], [local_of(p).shape for p in params], params[0].device_mesh, mesh_dim
+        )
     for p, f in zip(params, full):
         local_of(p).copy_(f)
 

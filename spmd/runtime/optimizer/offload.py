@@ -8,22 +8,22 @@ then updates them in place). `release_pages` hands a file-backed tensor's pages 
 system once the step has updated it (its values stay in the file), so the step streams the state through
 memory one parameter at a time instead of leaving all of it resident.
 """
+
 import ctypes
 import mmap
 import os
 
 import torch
-from torch.distributed.tensor import DTensor
 
-from ..parameters.host import host_tensor
 from ..dtensor.wrap import local_of, wrap_local
+from ..parameters.host import host_tensor
 
 __all__ = ["nvme_dir", "host_copy", "file_backed_adam_state", "file_backed", "release_pages"]
 
 
 def nvme_dir(offload) -> str | None:
     """DIR of `offload="nvme:DIR"`, else None."""
-    return offload[len("nvme:"):] if isinstance(offload, str) and offload.startswith("nvme:") else None
+    return offload[len("nvme:") :] if isinstance(offload, str) and offload.startswith("nvme:") else None
 
 
 def _file_tensor(directory: str, name: str, like: torch.Tensor) -> torch.Tensor:
@@ -51,8 +51,10 @@ def file_backed_adam_state(opt: torch.optim.Optimizer, masters, directory: str) 
     """Adam/AdamW moments of `masters` (DTensors) in files under `directory`, created now as the optimizer
     would (zeros, step 0)."""
     if not isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)):
-        raise ValueError(f"offload='nvme:DIR' keeps Adam/AdamW moments in files; {type(opt).__name__} is not "
-                         f"supported: use torch.optim.AdamW, or offload='optimizer'")
+        raise ValueError(
+            f"offload='nvme:DIR' keeps Adam/AdamW moments in files; {type(opt).__name__} is not "
+            f"supported: use torch.optim.AdamW, or offload='optimizer'"
+        )
     for m in masters:
         local = local_of(m)
         state = {"step": torch.zeros((), dtype=torch.float32)}
@@ -78,6 +80,8 @@ def release_pages(tensors) -> None:
         storage = local_of(t).untyped_storage()
         if _libc is None or not file_backed(t) or storage.nbytes() == 0:
             continue
-        if _libc.madvise(ctypes.c_void_p(storage.data_ptr()), ctypes.c_size_t(storage.nbytes()),
-                         mmap.MADV_DONTNEED) != 0:
+        if (
+            _libc.madvise(ctypes.c_void_p(storage.data_ptr()), ctypes.c_size_t(storage.nbytes()), mmap.MADV_DONTNEED)
+            != 0
+        ):
             raise OSError(ctypes.get_errno(), f"madvise(MADV_DONTNEED) failed on {storage.filename}")

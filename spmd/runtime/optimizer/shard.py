@@ -19,6 +19,7 @@ one parameter at a time its gradient is copied out, the optimizer updates its ma
 is all-gathered into the parameter and the files' pages leave memory, so one parameter's state is resident
 at a time, however large the whole.
 """
+
 import torch
 import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensor
@@ -26,13 +27,13 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from .. import tags
-from ..gradients.layouts import HELD_ATTR, grads_layout, held_for_step, optim_layout, slice_onto_shards
 from ..dtensor.wrap import local_of, wrap_local
-from .offload import file_backed_adam_state, host_copy, nvme_dir, release_pages
-from ..state import Phase, laid_out_parts
+from ..gradients.layouts import HELD_ATTR, grads_layout, held_for_step, optim_layout, slice_onto_shards
 from ..gradients.step_reduce import reduce_all_to
+from ..state import Phase, laid_out_parts
+from .masters import MASTER_OF_ATTR, gather_into_param, gather_updated
+from .offload import file_backed_adam_state, host_copy, nvme_dir, release_pages
 from .transfer import GradientCopies
-from .masters import MASTER_OF_ATTR, gather_updated, gather_into_param
 
 __all__ = ["shard_optimizer", "reduce_gradients", "masters_of", "refresh_masters"]
 
@@ -40,20 +41,24 @@ __all__ = ["shard_optimizer", "reduce_gradients", "masters_of", "refresh_masters
 def shard_optimizer(model: nn.Module, opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """Makes `opt` (built on `model.parameters()` of a model laid out by spmd.parallelize, or of a pipeline
     from spmd.build_pipeline, before its first step) update masters in the optimizer map's layout, and returns
-    it. `opt.zero_grad` also clears the model's gradients. A no-op for parameters that are their own master (ZeRO-3, the default rules, when
-    nothing is offloaded). Call it before the first backward: from then on backward leaves the gradients of
-    parameters whose master shards beyond the grads map (ZeRO-1) for the step to reduce."""
+    it. `opt.zero_grad` also clears the model's gradients. A no-op for parameters that are their own master (ZeRO-3, the
+    default rules, when nothing is offloaded). Call it before the first backward: from then on backward leaves the
+    gradients of parameters whose master shards beyond the grads map (ZeRO-1) for the step to reduce."""
     parts = laid_out_parts(model, "shard_optimizer")
     if any(opt.state.values()):
-        raise ValueError("shard_optimizer needs an optimizer that has not stepped yet; call it right after "
-                         "building the optimizer (before loading a checkpoint into it)")
+        raise ValueError(
+            "shard_optimizer needs an optimizer that has not stepped yet; call it right after "
+            "building the optimizer (before loading a checkpoint into it)"
+        )
     owner = {id(p): state for part, state in parts for p in part.parameters()}
     pairs = []
     for group in opt.param_groups:
         for i, p in enumerate(group["params"]):
             if id(p) not in owner:
-                raise ValueError("the optimizer holds a tensor that is not a parameter of this model; build it "
-                                 "from model.parameters() and pass the same model")
+                raise ValueError(
+                    "the optimizer holds a tensor that is not a parameter of this model; build it "
+                    "from model.parameters() and pass the same model"
+                )
             master = _master(p, owner[id(p)])
             if master is not p:
                 pairs.append((p, master))
@@ -79,6 +84,7 @@ def shard_optimizer(model: nn.Module, opt: torch.optim.Optimizer) -> torch.optim
 def _install_step_hooks(opt, model, parts, pairs, streamed: bool, copy_out: bool, copies) -> None:
     """The step's hooks: gradients reduced and moved to the masters before it, the updated masters gathered into
     the parameters after it (the optimizer_step phase in between); zero_grad clears the model's gradients too."""
+
     def before_step(*_):  # returns None: a pre-hook's return value would replace the step's arguments
         for _, laid_out in parts:
             laid_out.phase = Phase.OPTIMIZER_STEP
@@ -117,8 +123,12 @@ def reduce_gradients(model: nn.Module) -> None:
     step calls it too: a no-op for gradients already reduced)."""
     parts = laid_out_parts(model, "reduce_gradients")
     dtype = parts[0][1].reduce_dtype or parts[0][1].param_dtype  # a pipeline's stages are laid out alike
-    held = [p for part, _ in parts for p in part.parameters() if p.grad is not None and held_for_step(p)
-            and any(pl.is_partial() for pl in p.grad.placements)]
+    held = [
+        p
+        for part, _ in parts
+        for p in part.parameters()
+        if p.grad is not None and held_for_step(p) and any(pl.is_partial() for pl in p.grad.placements)
+    ]
     grads = [p.grad if dtype is None else p.grad.to(dtype) for p in held]
     with tags.phase("optimizer"):
         reduced = reduce_all_to(grads, [optim_layout(p) for p in held], "reduce gradient buckets into optimizer shards")
@@ -128,8 +138,9 @@ def reduce_gradients(model: nn.Module) -> None:
 
 def masters_of(opt: torch.optim.Optimizer) -> dict:
     """{id(master): model parameter} of an optimizer `shard_optimizer` prepared (empty otherwise)."""
-    return {id(m): getattr(m, MASTER_OF_ATTR) for g in opt.param_groups for m in g["params"]
-            if hasattr(m, MASTER_OF_ATTR)}
+    return {
+        id(m): getattr(m, MASTER_OF_ATTR) for g in opt.param_groups for m in g["params"] if hasattr(m, MASTER_OF_ATTR)
+    }
 
 
 @torch.no_grad()
@@ -148,15 +159,18 @@ def _master(p: DTensor, state) -> DTensor:
     if optim == tuple(p.placements) and not lower and state.offload in (None, "params"):  # params: on the host
         return p
     if grads_layout(p) != optim and not _only_slices(grads_layout(p), optim):
-        raise ValueError(f"{p._spmd_name}: the optimizer map must shard at least as much as the grads map "
-                         f"({grads_layout(p)} -> {optim})")
+        raise ValueError(
+            f"{p._spmd_name}: the optimizer map must shard at least as much as the grads map "
+            f"({grads_layout(p)} -> {optim})"
+        )
     with torch.no_grad():
         local = _local_view(p, optim)
         local = local.float().clone() if lower else local
         if state.offload is not None:
             local = host_copy(local, state.offload, p._spmd_name)
-        master = nn.Parameter(wrap_local(local, p.device_mesh, optim, p.shape, p.stride()),
-                              requires_grad=p.requires_grad)
+        master = nn.Parameter(
+            wrap_local(local, p.device_mesh, optim, p.shape, p.stride()), requires_grad=p.requires_grad
+        )
     setattr(master, MASTER_OF_ATTR, p)
     master._spmd_name = p._spmd_name
     return master
@@ -166,8 +180,7 @@ def _unfuse_for_views(group: dict) -> None:
     """A fused step (`fused=True`) on a master that is a strided view of its parameter's shard (fp32 ZeRO-1
     and 2, sharded on a dim other than the first) would update the wrong elements: torch's fused AdamW treats
     each tensor as contiguous (on the CPU, torch 2.13). Such a group steps with foreach kernels instead."""
-    if group.get("fused") and any(isinstance(m, DTensor) and not local_of(m).is_contiguous()
-                                  for m in group["params"]):
+    if group.get("fused") and any(isinstance(m, DTensor) and not local_of(m).is_contiguous() for m in group["params"]):
         group["fused"], group["foreach"] = False, True
 
 
@@ -183,8 +196,10 @@ def _local_view(p: DTensor, optim) -> torch.Tensor:
     local = local_of(p)
     for d, (n, at, base, base_n) in enumerate(zip(want, want_at, mine_at, mine)):
         if at < base or at + n > base + base_n:
-            raise ValueError(f"{p._spmd_name}: its optimizer shard {optim} is not inside its stored shard "
-                             f"{tuple(p.placements)}; the optimizer map may only add sharding to the params map")
+            raise ValueError(
+                f"{p._spmd_name}: its optimizer shard {optim} is not inside its stored shard "
+                f"{tuple(p.placements)}; the optimizer map may only add sharding to the params map"
+            )
         local = local.narrow(d, at - base, n)
     return local
 
@@ -200,8 +215,10 @@ def _grads_to_masters(pairs, copy_out: bool, copies=None):
         g = p.grad
         if g is not None:
             if any(pl.is_partial() for pl in g.placements):  # (compiled blocks reduce to the storage layout)
-                raise RuntimeError(f"{p._spmd_name}: its gradient is still unreduced ({g.placements}); the last "
-                                   f"backward before a step must run outside spmd.no_sync")
+                raise RuntimeError(
+                    f"{p._spmd_name}: its gradient is still unreduced ({g.placements}); the last "
+                    f"backward before a step must run outside spmd.no_sync"
+                )
             if id(p) in copied:
                 master.grad = copied[id(p)]
             elif copies is not None and id(p) in copies.master_of:

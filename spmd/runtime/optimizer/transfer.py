@@ -15,14 +15,15 @@ overlap with the all-gather of the one before.
 
 On a CPU-only machine host memory is the device: the same copies run at once, in the same order.
 """
+
 import contextlib
 import functools
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
-from ..gradients.layouts import held_for_step
 from ..dtensor.wrap import local_of, wrap_local
+from ..gradients.layouts import held_for_step
 
 __all__ = ["SideStream", "side_stream", "GradientCopies", "bit_sum"]
 
@@ -80,7 +81,7 @@ class SideStream:
             torch.cuda.current_stream().wait_event(event)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def side_stream(device: torch.device) -> SideStream:
     """The process's side stream for copies to and from `device`."""
     return SideStream(device)
@@ -100,8 +101,12 @@ class _Copy:
         self.grad, self.version = None, None
 
     def same_memory(self, t: torch.Tensor) -> bool:
-        return (t.data_ptr() == self.local.data_ptr() and t.shape == self.local.shape
-                and t.stride() == self.local.stride() and t.dtype == self.local.dtype)
+        return (
+            t.data_ptr() == self.local.data_ptr()
+            and t.shape == self.local.shape
+            and t.stride() == self.local.stride()
+            and t.dtype == self.local.dtype
+        )
 
 
 def bit_sum(t: torch.Tensor) -> torch.Tensor:
@@ -124,7 +129,7 @@ class GradientCopies:
         self.side = side_stream(device)
         self.master_of = {id(p): m for p, m in pairs if not held_for_step(p)}
         self.buffers: dict = {}  # id(master) -> host tensor its gradient is copied into
-        self.copied: dict = {}   # id(param) -> _Copy
+        self.copied: dict = {}  # id(param) -> _Copy
         for p, _ in pairs:
             old = getattr(p, COPY_HOOK_ATTR, None)
             if old is not None:  # an earlier optimizer's hook: its copies would be read by nobody
@@ -165,15 +170,21 @@ class GradientCopies:
         """{id(param): its master's gradient from the copy backward made} for the (param, master) `pairs`
         whose gradient is unchanged since (call after `side.host_wait()`). The records are used up."""
         records = [(p, m, self.copied.pop(id(p), None)) for p, m in pairs]
-        valid = [(p, m, r) for p, m, r in records if r is not None and p.grad is r.grad
-                 and p.grad._version == r.version and r.same_memory(local_of(p.grad))]
+        valid = [
+            (p, m, r)
+            for p, m, r in records
+            if r is not None and p.grad is r.grad and p.grad._version == r.version and r.same_memory(local_of(p.grad))
+        ]
         if not valid:
             return {}
         now = torch.stack([bit_sum(local_of(p.grad)) for p, _, _ in valid])
         then = torch.stack([r.checksum.to(now.device) for _, _, r in valid])
         same = (now == then).tolist()
-        return {id(p): wrap_local(self.buffers[id(m)], m.device_mesh, m.placements, m.shape, m.stride())
-                for (p, m, _), ok in zip(valid, same) if ok}
+        return {
+            id(p): wrap_local(self.buffers[id(m)], m.device_mesh, m.placements, m.shape, m.stride())
+            for (p, m, _), ok in zip(valid, same)
+            if ok
+        }
 
     def copy_now(self, g_local: torch.Tensor, master):
         """`master`'s gradient copied from `g_local` (its shard of the gradient) at the step, into its buffer."""
@@ -197,6 +208,7 @@ class GradientCopies:
         buffer = self.buffers.get(id(master))
         if buffer is None:
             local = local_of(master)
-            buffer = self.buffers[id(master)] = torch.empty(local.shape, dtype=local.dtype,
-                                                            pin_memory=torch.cuda.is_available())
+            buffer = self.buffers[id(master)] = torch.empty(
+                local.shape, dtype=local.dtype, pin_memory=torch.cuda.is_available()
+            )
         return buffer

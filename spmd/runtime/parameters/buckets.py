@@ -7,17 +7,24 @@ buffer is all-gathered, and the result is cut back into per-parameter tensors. I
 gradients are reduced the same way: one reduce-scatter per mesh axis for partial sums bound for shards
 (FSDP), then one all-reduce per mesh axis for partial sums that stay replicated (DP, HSDP's dp axis,
 sequence-parallel norm weights). Under ZeRO-3 the backward regathers the whole bucket once, on the first
-saved tensor it needs. Layouts the buckets do not cover move per parameter, as in spmd.runtime.parameters.gather; compiled
-blocks leave all of this to the compiler.
+saved tensor it needs. Layouts the buckets do not cover move per parameter, as in spmd.runtime.parameters.gather;
+compiled blocks leave all of this to the compiler.
 """
+
 import torch
 from torch.distributed.tensor import DTensor
 
 from ...layout.blocks import find_blocks
 from .. import collectives, tags
-from ..gradients.layouts import (grads_layout, held_for_step, join_unreduced, reduce_for_step, reduce_to,
-                                 slice_onto_shards)
 from ..dtensor.wrap import cast_all, cast_locals, local_of, wrap_local
+from ..gradients.layouts import (
+    grads_layout,
+    held_for_step,
+    join_unreduced,
+    reduce_for_step,
+    reduce_to,
+    slice_onto_shards,
+)
 from .reshard import CHECKPOINTED_ATTR, gathers_in_graph
 
 __all__ = ["Bucket", "make_buckets", "drop_root_unit", "gather_bucket", "regather_for_recompute", "shard_dims"]
@@ -49,11 +56,11 @@ class Bucket:
         self.name, self.module, self.params, self.mesh = name, module, params, mesh
         self.shard_dims = [shard_dims(p, mesh) for p in params]
         assert all(d is not None for d in self.shard_dims), "bucket members must pass shard_dims"
-        self.next: Bucket | None = None       # the blocks before and after, in forward order
+        self.next: Bucket | None = None  # the blocks before and after, in forward order
         self.prev: Bucket | None = None
         self.regathered: dict | None = None  # id(param) -> gathered DTensor, during this bucket's backward
-        self.pending_regather = None         # a regather issued ahead, during the next block's backward
-        self.keep = False                    # the root unit: gathered values stay alive for backward
+        self.pending_regather = None  # a regather issued ahead, during the next block's backward
+        self.keep = False  # the root unit: gathered values stay alive for backward
 
     def issue(self, dtype, why: str):
         """Starts the all-gather of the first mesh axis (asynchronous); `finish` completes the gather. Issued
@@ -76,8 +83,10 @@ class Bucket:
     def finish(self, pending) -> list[DTensor]:
         """Every parameter in its compute layout (cast to the dtype `issue` got): one all-gather per mesh axis."""
         # the DTensor constructor itself: from_local's autograd function would be a node for nothing here
-        return [wrap_local(local.view_as(local), self.mesh, p._spmd_compute, p.shape, p.stride())
-                for p, local in zip(self.params, self.finish_local(pending))]
+        return [
+            wrap_local(local.view_as(local), self.mesh, p._spmd_compute, p.shape, p.stride())
+            for p, local in zip(self.params, self.finish_local(pending))
+        ]
 
     def finish_local(self, pending) -> list[torch.Tensor]:
         """`finish`'s values as this rank's local tensors."""
@@ -92,7 +101,7 @@ class Bucket:
                 offset = 0
                 for i in group:
                     t = locals_[i]
-                    pieces = [out[r, offset:offset + t.numel()].view(t.shape) for r in range(n)]
+                    pieces = [out[r, offset : offset + t.numel()].view(t.shape) for r in range(n)]
                     locals_[i] = torch.cat(pieces, dim=self.shard_dims[i][m])
                     offset += t.numel()
         return locals_
@@ -107,8 +116,7 @@ class Bucket:
                 values = self.finish(pending)
             self.regathered = {id(p): v for p, v in zip(self.params, values)}
             prev = self.prev
-            if prev is not None and prev.regathered is None and prev.pending_regather is None \
-                    and prev.reshards():
+            if prev is not None and prev.regathered is None and prev.pending_regather is None and prev.reshards():
                 prev.pending_regather = prev.issue(dtype, f"regather {prev.name} for backward, prefetched")
         return self.regathered
 
@@ -136,11 +144,16 @@ class Bucket:
                 continue
             work[i] = slice_onto_shards(join_unreduced(p, g), grads_layout(p))
             if state.reducer is not None and self._hand_over(p, work[i], state.reducer):
-                del work[i]  # reduced with other blocks' gradients, by the end of backward (spmd.runtime.gradients.reducer)
+                del work[
+                    i
+                ]  # reduced with other blocks' gradients, by the end of backward (spmd.runtime.gradients.reducer)
         for kind in ("reduce_scatter", "all_reduce"):
             for m in (m for m in range(mesh.ndim) if mesh.size(m) > 1):
-                members = [i for i, g in work.items() if _bucketable(g.placements[m], grads_layout(self.params[i])[m],
-                                                                      kind, work[i], mesh.size(m))]
+                members = [
+                    i
+                    for i, g in work.items()
+                    if _bucketable(g.placements[m], grads_layout(self.params[i])[m], kind, work[i], mesh.size(m))
+                ]
                 for group in _by_dtype(members, {i: local_of(work[i]) for i in members}):
                     self._reduce_group(work, group, m, kind)
         for i, g in work.items():
@@ -176,7 +189,9 @@ class Bucket:
         tensors = [local_of(work[i]) for i in group]
         if kind == "reduce_scatter":
             with tags.reason(self.name, f"reduce-scatter {what}"):
-                pending = collectives.reduce_scatter(tensors, [grads_layout(self.params[i])[m].dim for i in group], mesh, m)
+                pending = collectives.reduce_scatter(
+                    tensors, [grads_layout(self.params[i])[m].dim for i in group], mesh, m
+                )
         else:
             with tags.reason(self.name, f"all-reduce {what}"):
                 pending = collectives.all_reduce(tensors, mesh, m)
@@ -184,8 +199,10 @@ class Bucket:
             g = work[i]
             placements = list(g.placements)
             placements[m] = grads_layout(self.params[i])[m]
-            work[i] = DTensor.from_local(reduced, mesh, tuple(placements), run_check=False, shape=g.shape,
-                                         stride=g.stride())
+            work[i] = DTensor.from_local(
+                reduced, mesh, tuple(placements), run_check=False, shape=g.shape, stride=g.stride()
+            )
+
 
 def _bucketable(current, storage, kind: str, g, n: int) -> bool:
     if not (current.is_partial() and getattr(current, "reduce_op", "sum") == "sum"):
@@ -207,8 +224,9 @@ class _GatherBucket(torch.autograd.Function):
     def forward(ctx, bucket: Bucket, state, pending, *params):
         ctx.bucket, ctx.state = bucket, state
         ctx.set_materialize_grads(False)  # a value the block did not use (its module moved it itself) gets None
-        return tuple(bucket.finish(pending or bucket.issue(state.param_dtype,
-                                                           f"gather {bucket.name} to its compute layout")))
+        return tuple(
+            bucket.finish(pending or bucket.issue(state.param_dtype, f"gather {bucket.name} to its compute layout"))
+        )
 
     @staticmethod
     def backward(ctx, *grads):
@@ -225,16 +243,19 @@ class _GatherBucketLocal(torch.autograd.Function):
     def forward(ctx, bucket: Bucket, state, pending, grad_layouts, *params):
         ctx.bucket, ctx.state, ctx.grad_layouts = bucket, state, grad_layouts
         ctx.set_materialize_grads(False)
-        locals_ = bucket.finish_local(pending or bucket.issue(state.param_dtype,
-                                                              f"gather {bucket.name} to its compute layout"))
+        locals_ = bucket.finish_local(
+            pending or bucket.issue(state.param_dtype, f"gather {bucket.name} to its compute layout")
+        )
         return tuple(t.view_as(t) for t in locals_)
 
     @staticmethod
     def backward(ctx, *grads):
         bucket = ctx.bucket
         bucket.regathered = bucket.pending_regather = None
-        grads = [None if g is None else wrap_local(g, bucket.mesh, layout, p.shape, g.stride())
-                 for g, p, layout in zip(grads, bucket.params, ctx.grad_layouts)]
+        grads = [
+            None if g is None else wrap_local(g, bucket.mesh, layout, p.shape, g.stride())
+            for g, p, layout in zip(grads, bucket.params, ctx.grad_layouts)
+        ]
         return (None, None, None, None) + tuple(bucket.reduce(grads, ctx.state))
 
 
@@ -249,8 +270,7 @@ def gather_bucket(bucket: Bucket, state, grad_layouts=None) -> dict:
         values = _GatherBucketLocal.apply(bucket, state, pending, tuple(grad_layouts), *bucket.params)
     nxt = bucket.next
     if nxt is not None and id(nxt) not in state.prefetched and not gathers_in_graph(nxt.module):
-        state.prefetched[id(nxt)] = nxt.issue(state.param_dtype, f"gather {nxt.name} to its compute layout, "
-                                                                  f"prefetched")
+        state.prefetched[id(nxt)] = nxt.issue(state.param_dtype, f"gather {nxt.name} to its compute layout, prefetched")
     return {id(p): v for p, v in zip(bucket.params, values)}
 
 
@@ -270,8 +290,13 @@ def make_buckets(model, mesh) -> tuple[dict, dict]:
         return {}, {}  # no repeated blocks: every parameter moves on its own
     by_block, by_param, chain = {}, {}, []
     for key, block in blocks._modules.items():  # keys: the blocks' indices in the model (a pipeline stage's too)
-        params = list({id(p): p for p in block.parameters() if isinstance(p, DTensor)
-                       and not getattr(p, "_spmd_shared", False) and shard_dims(p, mesh) is not None}.values())
+        params = list(
+            {
+                id(p): p
+                for p in block.parameters()
+                if isinstance(p, DTensor) and not getattr(p, "_spmd_shared", False) and shard_dims(p, mesh) is not None
+            }.values()
+        )
         if len(params) > 1:
             b = Bucket(f"{path}.{key}" if path else key, block, params, mesh)
             by_block[id(block)] = b
@@ -279,8 +304,16 @@ def make_buckets(model, mesh) -> tuple[dict, dict]:
             chain.append(b)
     for a, b in zip(chain, chain[1:]):  # blocks run in list order: each prefetches the next
         a.next, b.prev = b, a
-    rest = list({id(p): p for p in model.parameters() if isinstance(p, DTensor) and id(p) not in by_param
-                 and not getattr(p, "_spmd_shared", False) and shard_dims(p, mesh) is not None}.values())
+    rest = list(
+        {
+            id(p): p
+            for p in model.parameters()
+            if isinstance(p, DTensor)
+            and id(p) not in by_param
+            and not getattr(p, "_spmd_shared", False)
+            and shard_dims(p, mesh) is not None
+        }.values()
+    )
     if rest:  # the root unit (FSDP2's): gathered once as the model starts, kept until backward
         root = Bucket(type(model).__name__, model, rest, mesh)
         root.keep = True

@@ -17,6 +17,7 @@ compiled block the same move is DTensor's redistribute under a recompute-in-back
 regather, as the compiler sees it); where the grads map holds the gradient beyond the storage layout (ZeRO-1
 and 2) a function whose backward reduces to that layout, or leaves it for the step, as the eager path does.
 """
+
 import functools
 
 import torch
@@ -24,14 +25,19 @@ from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from .. import tags
+from ..gradients.layouts import grads_layout, held_for_step, held_layout, join_unreduced, reduce_for_step, reduce_to
 from .buckets import gather_bucket
 from .host import to_compute, to_host
-from ..gradients.layouts import (grads_layout, held_for_step, held_layout, join_unreduced, reduce_for_step,
-                                 reduce_to)
 from .reshard import BODY_COMPILED_ATTR, CHECKPOINTED_ATTR, reshard_after_forward, storage_key
 
-__all__ = ["gather_param", "gather_block", "gather_module_params", "release_module_params", "gather_shared",
-           "kept_for_backward"]
+__all__ = [
+    "gather_param",
+    "gather_block",
+    "gather_module_params",
+    "release_module_params",
+    "gather_shared",
+    "kept_for_backward",
+]
 
 
 class _GatherParam(torch.autograd.Function):
@@ -68,8 +74,16 @@ def gather_param(p, placements, dtype, reduce_dtype, state, module: str, name: s
         # storage layout in `reduce_dtype` (all-reduce / reduce-scatter, visible to the compiler). While
         # micro-batches accumulate (the compiler guards on the flag: one graph each way) it leaves the
         # gradient unreduced, and the last micro-batch's backward reduces the sum (spmd.runtime.gradients.accumulate).
-        return checkpoint(_redistribute_param, p, tuple(placements), dtype, reduce_dtype, state.accumulating,
-                          use_reentrant=False, context_fn=_recompute_in_backward)
+        return checkpoint(
+            _redistribute_param,
+            p,
+            tuple(placements),
+            dtype,
+            reduce_dtype,
+            state.accumulating,
+            use_reentrant=False,
+            context_fn=_recompute_in_backward,
+        )
     return _GatherParam.apply(p, tuple(placements), dtype, reduce_dtype, state, module, name)
 
 
@@ -113,8 +127,9 @@ _recompute_in_backward = functools.partial(create_selective_checkpoint_contexts,
 
 def gather_block(state, mod):
     """Gathers the bucket of `mod`, if it is a bucketed block, for its modules to find (eager only)."""
-    bucket = None if torch.compiler.is_compiling() or getattr(mod, BODY_COMPILED_ATTR, False) \
-        else state.buckets.get(id(mod))
+    bucket = (
+        None if torch.compiler.is_compiling() or getattr(mod, BODY_COMPILED_ATTR, False) else state.buckets.get(id(mod))
+    )
     if bucket is not None:
         state.bucket_values.update(gather_bucket(bucket, state))
 
@@ -144,8 +159,9 @@ def gather_shared(state, p, compute, module: str) -> DTensor:
     contributions then sum before one reduction)."""
     key = (id(p), tuple(compute))
     if key not in state.shared_gathers:
-        state.shared_gathers[key] = gather_param(p, compute, state.param_dtype, state.reduce_dtype, state,
-                                                 module, p._spmd_name)
+        state.shared_gathers[key] = gather_param(
+            p, compute, state.param_dtype, state.reduce_dtype, state, module, p._spmd_name
+        )
     return state.shared_gathers[key]
 
 

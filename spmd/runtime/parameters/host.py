@@ -6,6 +6,7 @@ gradient is copied back to the host, where the optimizer steps on the shard itse
 host memory is the device and the same path runs: both copies are real copies, so the gathers never read
 the stored shard and the gradient never stays in the tensor the reduction wrote.
 """
+
 import torch
 
 __all__ = ["PARAMS", "host_params", "compute_device", "to_compute", "to_host", "host_tensor"]

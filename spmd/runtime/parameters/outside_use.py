@@ -6,6 +6,7 @@ parallelized model runs forward, the matrix functions below see such a parameter
 compute-layout gather (whose backward reduces the gradient into storage, as every gather's does), and
 `F.linear` first moves its input to the layout that weight needs, as a linear layer's hook does.
 """
+
 import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
@@ -17,8 +18,17 @@ from .gather import gather_shared
 
 __all__ = ["FUNCS", "stored", "call"]
 
-FUNCS = {F.linear, F.embedding, torch.matmul, torch.mm, torch.addmm, torch.bmm, torch.einsum,
-         torch.Tensor.__matmul__, torch.Tensor.matmul}
+FUNCS = {
+    F.linear,
+    F.embedding,
+    torch.matmul,
+    torch.mm,
+    torch.addmm,
+    torch.bmm,
+    torch.einsum,
+    torch.Tensor.__matmul__,
+    torch.Tensor.matmul,
+}
 
 
 def stored(t) -> bool:

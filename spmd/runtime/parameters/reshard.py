@@ -4,19 +4,26 @@ While a module runs forward, tensors autograd saves that alias a gathered parame
 small handle; backward regathers the parameter from its shard when it needs it. Modules under activation
 checkpointing skip this: recomputation regathers anyway.
 """
+
 import contextlib
 
 import torch
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
 
-from ..activations import attention_memory
 from .. import tags
-from .host import to_compute
+from ..activations import attention_memory
 from ..dtensor.wrap import local_of
+from .host import to_compute
 
-__all__ = ["CHECKPOINTED_ATTR", "BODY_COMPILED_ATTR", "gathers_in_graph", "reshard_after_forward", "storage_key",
-           "observe_saved"]
+__all__ = [
+    "CHECKPOINTED_ATTR",
+    "BODY_COMPILED_ATTR",
+    "gathers_in_graph",
+    "reshard_after_forward",
+    "storage_key",
+    "observe_saved",
+]
 
 CHECKPOINTED_ATTR = "_spmd_checkpointed"
 BODY_COMPILED_ATTR = "_spmd_body_compiled"  # a block whose hooks run eager around its compiled body or forward
@@ -26,7 +33,8 @@ def gathers_in_graph(block) -> bool:
     """Whether `block` gathers its parameters inside a compiled graph (compiled whole, or a checkpointed block's
     compiled body), where nothing would take a prefetched bucket."""
     return getattr(block, "_compiled_call_impl", None) is not None or (
-        getattr(block, BODY_COMPILED_ATTR, False) and getattr(block, CHECKPOINTED_ATTR, False))
+        getattr(block, BODY_COMPILED_ATTR, False) and getattr(block, CHECKPOINTED_ATTR, False)
+    )
 
 
 _observers: list[dict] = []

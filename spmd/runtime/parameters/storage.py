@@ -1,13 +1,14 @@
 """Parameters and buffers in their storage layout: each rank's slice of its initial value, from the tensor itself
 or, for a model built on the meta device, from `param_init`, one full tensor at a time."""
+
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import distribute_tensor
 
 from ...layout.annotate import copy_annotations, get_pin
 from ...layout.rules import placements_for
-from .host import host_params, host_tensor
 from ..dtensor.wrap import local_of, wrap_local
+from .host import host_params, host_tensor
 
 __all__ = ["check_param_init", "laid_out_param", "laid_out_buffer"]
 
@@ -35,14 +36,19 @@ def laid_out_param(p, name: str, layout, state, param_init) -> nn.Parameter:
 def laid_out_buffer(b: torch.Tensor, name: str, state, param_init):
     """A buffer as a DTensor in its pinned layout, or the compute layout its axes take."""
     placements = get_pin(b) or placements_for(
-        state.mesh, state.rules.mesh_axes(getattr(b, "_spmd_axes", None) or (None,) * b.dim(), "compute",
-                                          f"buffer {name!r}"), b.shape, f"buffer {name!r}")
+        state.mesh,
+        state.rules.mesh_axes(getattr(b, "_spmd_axes", None) or (None,) * b.dim(), "compute", f"buffer {name!r}"),
+        b.shape,
+        f"buffer {name!r}",
+    )
     return distribute_tensor(_initial_value(b, name, param_init), state.mesh, placements, src_data_rank=None)
 
 
 def _needs_param_init(name: str) -> ValueError:
-    return ValueError(f"{name!r} is on the meta device; pass parallelize(..., param_init=fn) with fn(name, tensor) "
-                      f"returning its initial value (e.g. the model's initializer()), or build the model on a device")
+    return ValueError(
+        f"{name!r} is on the meta device; pass parallelize(..., param_init=fn) with fn(name, tensor) "
+        f"returning its initial value (e.g. the model's initializer()), or build the model on a device"
+    )
 
 
 def _initial_value(t: torch.Tensor, name: str, param_init) -> torch.Tensor:
@@ -53,6 +59,8 @@ def _initial_value(t: torch.Tensor, name: str, param_init) -> torch.Tensor:
     with torch.no_grad():
         value = param_init(name, t)
     if tuple(value.shape) != tuple(t.shape) or value.is_meta:
-        raise ValueError(f"param_init({name!r}) returned {'a meta tensor' if value.is_meta else tuple(value.shape)}; "
-                         f"expected a real tensor of shape {tuple(t.shape)}")
+        raise ValueError(
+            f"param_init({name!r}) returned {'a meta tensor' if value.is_meta else tuple(value.shape)}; "
+            f"expected a real tensor of shape {tuple(t.shape)}"
+        )
     return value.to(t.dtype)

@@ -2,6 +2,7 @@
 N-th block). Recomputation runs under torch's non-reentrant checkpoint; it regathers FSDP parameters (a
 bucketed block's as one bucket, as its forward did) and replays the block's layout moves, so gradients are
 the same as without it."""
+
 import contextlib
 
 import torch
@@ -9,9 +10,9 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from ...layout.blocks import find_blocks
-from ..parameters.buckets import regather_for_recompute
-from ..local.whole_model import drop_local_model
 from ..activations.global_view import GlobalView
+from ..local.whole_model import drop_local_model
+from ..parameters.buckets import regather_for_recompute
 from ..parameters.reshard import BODY_COMPILED_ATTR, CHECKPOINTED_ATTR
 from ..state import STATE_ATTR, Phase, activated
 

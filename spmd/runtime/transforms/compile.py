@@ -9,8 +9,8 @@ compiled forward traces that path too, its gathers inside, as a checkpointed blo
 
 Any other block compiles to one graph per block type, with its parameter gathers, layout moves and gradient
 reductions inside it as functional collectives, so the compiler sees and schedules them. Inside a compiled
-block the pass uses DTensor's own redistribute (the same layouts as in eager, see spmd.runtime.parameters.gather), inductor
-buckets the block's collectives of each kind into one (as spmd.runtime.parameters.buckets does in eager), and
+block the pass uses DTensor's own redistribute (the same layouts as in eager, see spmd.runtime.parameters.gather),
+inductor buckets the block's collectives of each kind into one (as spmd.runtime.parameters.buckets does in eager), and
 ZeRO-3's reshard-after-forward becomes a selective-checkpoint policy: the gathered parameter is recomputed
 (regathered) in backward, not saved. A block under activation checkpointing compiles its body and keeps
 torch's checkpoint outside the graph: the recompute in backward runs the same compiled graph (torch 2.13
@@ -23,16 +23,17 @@ Blocks holding expert modules (a mixture of experts) are refused: the token disp
 tokens per expert are data (the routing), read as Python ints, so dynamo breaks the graph and recompiles
 for every routing (on 2 ranks of moe-tiny it hit its recompile limit and the step did not finish in 400 s).
 """
+
 import torch
 import torch.nn as nn
 
 from ...layout.blocks import find_blocks
-from .checkpointing import compile_body
 from ..experts.dispatch import expert_modules
 from ..local.hook_sets import dress_inside
 from ..parameters.host import host_params
 from ..parameters.reshard import BODY_COMPILED_ATTR, CHECKPOINTED_ATTR
 from ..state import STATE_ATTR
+from .checkpointing import compile_body
 
 __all__ = ["compile_blocks"]
 
@@ -46,14 +47,19 @@ def compile_blocks(model: nn.Module, blocks: str | None = None, bucket: bool = T
     path, block_list = find_blocks(model, blocks)
     routed = [f"{path}.{i}.{name}" for i, block in enumerate(block_list) for name in expert_modules(block)]
     if routed:
-        raise ValueError(f"compile_blocks: the blocks hold expert modules ({', '.join(routed[:2])}, ...), whose token "
-                         f"dispatch has split sizes that depend on the routing: torch.compile breaks the graph and "
-                         f"recompiles for every routing. Run a mixture of experts without compile_blocks (--compile)")
+        raise ValueError(
+            f"compile_blocks: the blocks hold expert modules ({', '.join(routed[:2])}, ...), whose token "
+            f"dispatch has split sizes that depend on the routing: torch.compile breaks the graph and "
+            f"recompiles for every routing. Run a mixture of experts without compile_blocks (--compile)"
+        )
     if host_params(getattr(model, STATE_ATTR, None)):
-        raise ValueError("compile_blocks does not support parallelize(offload='params') (a compiled block gathers "
-                         "parameters where they are stored); leave the blocks eager, or use offload='optimizer'")
+        raise ValueError(
+            "compile_blocks does not support parallelize(offload='params') (a compiled block gathers "
+            "parameters where they are stored); leave the blocks eager, or use offload='optimizer'"
+        )
     if bucket:
         from torch._inductor import config as inductor_config
+
         inductor_config.bucket_all_gathers_fx = "all"
         inductor_config.bucket_reduce_scatters_fx = "all"
         inductor_config.bucket_all_reduces_fx = "all"
