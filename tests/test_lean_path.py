@@ -84,7 +84,7 @@ def _eager_and_compiled_losses(compiled: bool) -> tuple[list[float], int]:
     """3 steps of the benchmark's tiny model under full activation checkpointing, its blocks compiled or not;
     (losses, detaches of DTensors with traced local tensors that went through DTensor's own dispatch)."""
     from benchmarks import overhead
-    from spmd.runtime import detach
+    from spmd.runtime.dtensor import detach
 
     traced = []
     original = detach.dtensor_dispatch

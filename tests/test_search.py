@@ -320,7 +320,7 @@ def test_each_zero_stage_of_a_mesh_with_fsdp_is_a_row_of_its_own():
         rules = spmd.Rules.default(zero=z)
         plan = spmd.explain(model, rules, {"fsdp": 4}, batch_shape=(8, 32))
         row = by[("fsdp=4", z)]
-        assert row.memory == plan.memory
+        assert row.memory == {k: v for k, v in plan.memory.items() if k != "peak"}  # search rows carry no peak
         assert row.comm_bytes == sum(c.bytes for c in plan.collectives if c.kind != "recv")
         assert row.flags == f"--mesh fsdp=4 --zero {z} --ac none --grad-accum 1"
         floors[z] = S.model_state_bytes(model, {"fsdp": 4}, rules)
