@@ -142,16 +142,17 @@ def test_onebit_adam_matches_the_reference_on_four_ranks_and_resumes(tmp_path):
     measured; the checkpoint resumed on fsdp=4 and on dp=4; each against the reference with 4 workers.
 
     Mutations checked: the server error never updated (`s.copy_(...)` dropped in onebit_wire.exchange) fails
-    dp=2,fsdp=2 at step 9, the second compressed one; `worker_error` left out of the state (so not saved:
-    popped in `optim_state`) fails the resume; signs sent one per byte instead of 8 (`pack_signs` returning
-    the bits unpacked) fails the byte count."""
+    dp=2,fsdp=2 at step index 9, the second compressed step (1.7e-1); the error buffers made plain tensors
+    instead of one row per rank (`_per_rank` returning `row`: the checkpoint keeps rank 0's row only) fails
+    the resume on fsdp=4 at its first step (6.3e-2); signs sent one per byte instead of 8 (`pack_signs` and
+    `unpack_signs` without the bit packing: same numerics) fails the byte count (26,544 bytes, not 3,570)."""
     run_distributed(_four_ranks, 4, str(tmp_path / "ckpt"), timeout_s=300)
 
 
 def test_one_process_matches_the_reference_with_one_worker():
     """A plain model in one process is 1-bit Adam with N = 1 (the worker's and the server's compressions,
     no communication). Mutation checked: the frozen variance's bias correction taken at step t instead of at
-    the warm-up's last step fails at step 9."""
+    the warm-up's last step fails at the first compressed step (index 8)."""
     ref = _reference_run(workers=1)
     model = _model()
     opt = _optimizer(model)

@@ -22,8 +22,8 @@ def _isolated(tmp_path_factory, monkeypatch):
 
 def test_onebit_adam_trains_and_resumes_exactly_after_warm_up(tmp_path, monkeypatch):
     """Two exact steps, then compressed ones; the checkpoint after step 3 holds non-zero error feedback and
-    resumes to the same losses. Mutation checked: `init_state` leaving `server_error` out (so a checkpoint
-    lacks it) fails the resume."""
+    resumes to the same losses. Mutation checked: the phase kept in a counter on the optimizer instead of
+    read from the state's `step` (so a resumed run warms up again) fails the resumed losses (5.21 != 5.08)."""
     seen = []
     original = T.optimizer
 
