@@ -42,11 +42,11 @@ def _optimizer(model):
     return spmd.OneBitAdam(model, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, warmup=WARMUP)
 
 
-def _reference_run(workers: int = WORKERS) -> list[tuple[float, dict]]:
+def _reference_run(workers: int = WORKERS, steps: int = STEPS) -> list[tuple[float, dict]]:
     """(global loss, parameters after the step) of each step: each worker's gradient from its batch slice."""
     ref = _model()
     opt, out, b = ReferenceOneBitAdam(ref, workers, LR, BETAS, EPS, WD, WARMUP), [], BATCH // workers
-    for step in range(STEPS):
+    for step in range(steps):
         tokens, targets = _batch(step)
         grads, losses = [], []
         for i in range(workers):
@@ -123,8 +123,7 @@ def _resume(label, spec, ckpt_dir, ref):
     _train(label, model, opt, mesh, ref, range(SAVE_AT, STEPS))
 
 
-def _four_ranks(rank, world, ckpt_dir):
-    ref = _reference_run()
+def _four_ranks(rank, world, ckpt_dir, ref):
     model, opt, mesh = _laid_out("dp=2,fsdp=2")
     _train("dp=2,fsdp=2", model, opt, mesh, ref, range(STEPS))
     model, opt, mesh = _laid_out("fsdp=4")
@@ -146,17 +145,17 @@ def test_onebit_adam_matches_the_reference_on_four_ranks_and_resumes(tmp_path):
     instead of one row per rank (`_per_rank` returning `row`: the checkpoint keeps rank 0's row only) fails
     the resume on fsdp=4 at its first step (6.3e-2); signs sent one per byte instead of 8 (`pack_signs` and
     `unpack_signs` without the bit packing: same numerics) fails the byte count (26,544 bytes, not 3,570)."""
-    run_distributed(_four_ranks, 4, str(tmp_path / "ckpt"), timeout_s=300)
+    run_distributed(_four_ranks, 4, str(tmp_path / "ckpt"), _reference_run(), timeout_s=300)
 
 
 def test_one_process_matches_the_reference_with_one_worker():
     """A plain model in one process is 1-bit Adam with N = 1 (the worker's and the server's compressions,
-    no communication). Mutation checked: the frozen variance's bias correction taken at step t instead of at
-    the warm-up's last step fails at the first compressed step (index 8)."""
-    ref = _reference_run(workers=1)
+    no communication), over the warm-up and 4 compressed steps. Mutation checked: the frozen variance's bias
+    correction taken at step t instead of at the warm-up's last step fails at the first compressed step."""
+    ref = _reference_run(workers=1, steps=WARMUP + 4)
     model = _model()
     opt = _optimizer(model)
-    for step in range(STEPS):
+    for step in range(WARMUP + 4):
         tokens, targets = _batch(step)
         loss = model(tokens, targets)
         loss.backward()

@@ -109,7 +109,7 @@ def _all_gather(served, world: int):
     mine = _rows(served, 1)
     out = mine.new_empty(world, mine.shape[1])
     if world > 1:
-        dist.all_gather_into_tensor(out, mine)
+        dist.all_gather_single(out, mine)
     else:
         out.copy_(mine)
     return _split(out, [signs.shape[1] for signs, _ in served])
