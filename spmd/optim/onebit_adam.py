@@ -170,7 +170,7 @@ class OneBitAdam(torch.optim.Optimizer):
             worker_errors.append(_local(state["worker_error"])[0])
             server_errors.append(_local(state["server_error"])[0])
         with tags.phase("optimizer"), tags.reason("optimizer", "1-bit Adam: compressed momentum all-reduce"):
-            averaged = exchange(vectors, worker_errors, server_errors)
+            averaged = exchange(vectors, worker_errors, server_errors, self.world)
         for (p, group), avg in zip(pairs, averaged):
             state, (b1, b2), lr = self.state[p], group["betas"], group["lr"]
             state["step"] += 1

@@ -51,11 +51,10 @@ def decompress(signs: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return unpack_signs(signs) * scales.unsqueeze(-1)
 
 
-def exchange(vectors, worker_errors, server_errors) -> list[torch.Tensor]:
+def exchange(vectors, worker_errors, server_errors, world: int) -> list[torch.Tensor]:
     """The compressed average of every worker's `vectors` (fp32, each padded: N*c elements), updating this
     worker's `worker_errors` (same shapes) and `server_errors` (c elements each: this rank's chunk) in place.
-    Collective over the default group (N = its size); runs without communication when N is 1."""
-    world = dist.get_world_size() if dist.is_initialized() else 1
+    Collective over the default group of `world` (N) ranks; runs without communication when N is 1."""
     sent = []
     for x, e in zip(vectors, worker_errors):
         y = (x + e).view(world, -1)
