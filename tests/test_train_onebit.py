@@ -72,3 +72,14 @@ def test_onebit_adam_refuses_a_tensor_parallel_model():
     setattr(model, STATE_ATTR, SimpleNamespace(mesh=mesh, offload=None, master="params"))
     with pytest.raises(ValueError, match="this mesh also has tp=2: use a mesh of dp and fsdp only"):
         _check_layout(model)
+
+
+def test_onebit_adam_from_toml(tmp_path):
+    """The TOML keys are the flags' names: `optimizer = "onebit-adam"`, `onebit_warmup = N`."""
+    path = tmp_path / "run.toml"
+    path.write_text('optimizer = "onebit-adam"\nonebit_warmup = 7\nmesh = "dp=2,fsdp=2"\n')
+    cfg = load_config(["--config", str(path)]).validate(4)
+    assert (cfg.optimizer, cfg.onebit_warmup) == ("onebit-adam", 7)
+    path.write_text('optimizer = "onebit-adam"\nonebit_warmup = 7\nmesh = "fsdp=2,cp=2"\n')
+    with pytest.raises(ValueError, match="--mesh has cp=2: use a mesh of dp and fsdp only"):
+        load_config(["--config", str(path)]).validate(4)
