@@ -76,6 +76,7 @@ def _one_step(model, opt, mesh, step):
 
 
 def _train(label, model, opt, mesh, ref, steps):
+    worst = 0.0
     for step in steps:
         loss = _one_step(model, opt, mesh, step)
         want_loss, want = ref[step]
@@ -83,6 +84,9 @@ def _train(label, model, opt, mesh, ref, steps):
         for name, p in model.named_parameters():
             err = norm_rel_err(p.full_tensor(), want[name])
             assert err <= TOL, f"{label} step {step}: parameter {name} off by {err:.2e}"
+            worst = max(worst, err)
+    if dist.get_rank() == 0:
+        print(f"{label}: steps {steps.start}-{steps.stop - 1}, largest parameter error {worst:.1e}")
 
 
 def _check_wire_bytes(model, opt, mesh, step):
