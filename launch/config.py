@@ -43,7 +43,9 @@ class TrainConfig:
     warmup: int = 15  # linear warmup steps, then cosine decay to 10% of lr at `steps`
     weight_decay: float = 0.1
     optimizer: str = "adamw"  # adamw | muon (spmd.Muon on hidden matrices at --muon-lr, AdamW at --lr on the rest)
+    # | onebit-adam (spmd.OneBitAdam: exact AdamW for --onebit-warmup steps, then 1-bit compressed momentum)
     muon_lr: float = 0.02  # Muon's peak lr (its update is scaled to unit spectral norm, not AdamW's)
+    onebit_warmup: int = 100  # --optimizer onebit-adam: exact AdamW steps before the variance freezes
     max_grad_norm: float = 1.0  # global-norm clipping; 0 disables
     max_bad_steps: int = 5  # stop after this many consecutive non-finite steps (skipped); 0: never stop
     dtype: str = "fp32"  # fp32 | bf16 | fp16 (compute dtype; master weights stay fp32)
@@ -217,7 +219,9 @@ def parser() -> argparse.ArgumentParser:
         "profile_dir": "directory for the profiler's rank-tagged files",
         "max_bad_steps": "stop after N consecutive non-finite steps (0: never)",
         "collective_timeout": "seconds a collective waits for a dead or stuck rank",
-        "optimizer": "adamw | muon: Muon on the hidden matrices (whole, on one rank each), AdamW on the rest",
+        "optimizer": "adamw | muon: Muon on the hidden matrices (whole, on one rank each), AdamW on the rest | "
+        "onebit-adam: 1-bit Adam (momentum all-reduced as signs and scales after --onebit-warmup steps)",
+        "onebit_warmup": "--optimizer onebit-adam: exact AdamW steps before the variance freezes (then compression)",
         "muon_lr": "Muon's peak learning rate (the schedule scales it as it scales --lr)",
         "zero": "ZeRO stage 0|1|2|3: which states fsdp shards (1 optimizer, 2 + gradients, 3 + parameters)",
         "master": "params|optimizer: where fp32 master weights live under --dtype bf16/fp16",

@@ -60,9 +60,11 @@ def _scalar_problems(cfg) -> list[str]:
 
 
 def _optimizer_problems(cfg, sizes) -> list[str]:
-    """--optimizer and --muon-lr."""
-    if cfg.optimizer not in ("adamw", "muon"):
-        return [f"--optimizer {cfg.optimizer!r} is not supported; use adamw or muon"]
+    """--optimizer, --muon-lr and --onebit-warmup."""
+    if cfg.optimizer not in ("adamw", "muon", "onebit-adam"):
+        return [f"--optimizer {cfg.optimizer!r} is not supported; use adamw, muon or onebit-adam"]
+    if cfg.optimizer == "onebit-adam":
+        return _onebit_problems(cfg, sizes)
     if cfg.optimizer != "muon":
         return []
     problems = [] if cfg.muon_lr > 0 else [f"--muon-lr must be positive, got {cfg.muon_lr}"]
@@ -75,6 +77,28 @@ def _optimizer_problems(cfg, sizes) -> list[str]:
         problems.append(
             f"--optimizer muon steps on the device; --offload {cfg.offload} moves the step to the host: "
             f"leave --offload out, or use --optimizer adamw"
+        )
+    return problems
+
+
+def _onebit_problems(cfg, sizes) -> list[str]:
+    """What spmd.OneBitAdam cannot run on: it compresses across data-parallel workers (dp, fsdp) only."""
+    problems = [] if cfg.onebit_warmup >= 1 else [f"--onebit-warmup must be >= 1, got {cfg.onebit_warmup}"]
+    other = [f"{a}={n}" for a, n in sizes.items() if n > 1 and a not in ("dp", "fsdp")]
+    if other:
+        problems.append(
+            f"--optimizer onebit-adam compresses the momentum across data-parallel workers (dp, fsdp); "
+            f"--mesh has {', '.join(other)}: use a mesh of dp and fsdp only, or --optimizer adamw"
+        )
+    if cfg.zero != 3 or cfg.rules_table:
+        problems.append(
+            "--optimizer onebit-adam keeps its state in the parameters' storage layout: use --zero 3 and "
+            "no [rules] table (the default rules)"
+        )
+    if cfg.offload or cfg.master != "params":
+        problems.append(
+            "--optimizer onebit-adam steps on the device on the parameters themselves: leave --offload "
+            "out and keep --master params"
         )
     return problems
 

@@ -38,7 +38,12 @@ def adamw(model: torch.nn.Module, cfg) -> torch.optim.AdamW:
 
 def optimizer(model: torch.nn.Module, cfg) -> torch.optim.Optimizer:
     """`--optimizer`: AdamW (`adamw`), or spmd.Muon at --muon-lr on the hidden matrices and AdamW at --lr with
-    --weight-decay on embeddings, head, norms. Each group's `lr_scale` keeps its peak lr under the schedule."""
+    --weight-decay on embeddings, head, norms. Each group's `lr_scale` keeps its peak lr under the schedule.
+    `onebit-adam`: spmd.OneBitAdam with AdamW's betas, --onebit-warmup exact steps."""
+    if cfg.optimizer == "onebit-adam":
+        return spmd.OneBitAdam(
+            model, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=cfg.weight_decay, warmup=cfg.onebit_warmup
+        )
     if cfg.optimizer != "muon":
         return adamw(model, cfg)
     opt = spmd.Muon(

@@ -232,6 +232,8 @@ def train(cfg: TrainConfig, log=True) -> list[dict]:
                             p.grad.div_(scaler.scale)
                 if pipe is not None:  # the norm over every stage, not only this rank's
                     grad_norm = _full(pipe.clip_grad_norm_(max_norm))
+                elif isinstance(opt, spmd.OneBitAdam):  # after warm-up: the local gradients, never reduced
+                    grad_norm = _full(opt.clip_grad_norm_(max_norm))
                 else:
                     grad_norm = _full(torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=None))
                 loss_value = float(loss_sum)  # synchronises with the device

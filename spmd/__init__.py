@@ -17,7 +17,7 @@ from .layout.mesh import MESH_AXES, make_mesh, mesh_sizes, parse_spec
 from .layout.presets import annotate_hf
 from .layout.rules import Rules
 from .layout.sequence import cp_slice, zigzag_positions
-from .optim import Muon
+from .optim import Muon, OneBitAdam
 from .pipeline import Pipeline, build_pipeline, build_traced_pipeline, split_stages, validate_pipeline
 from .runtime.activations.moves import constrain
 from .runtime.optimizer.shard import reduce_gradients, shard_optimizer
@@ -54,6 +54,7 @@ __all__ = [
     "shard_optimizer",
     "search",
     "Muon",
+    "OneBitAdam",
 ]
 
 

@@ -54,5 +54,5 @@ def test_muon_refusals_name_the_fix(flags, world, match):
 
 
 def test_unknown_optimizer_is_refused():
-    with pytest.raises(ValueError, match="--optimizer 'sgd' is not supported; use adamw or muon"):
+    with pytest.raises(ValueError, match="--optimizer 'sgd' is not supported; use adamw, muon or onebit-adam"):
         load_config(["--optimizer", "sgd"]).validate(1)

@@ -1,5 +1,6 @@
 """Optimizers that need more than a shard: Muon (whole matrices, spmd.optim.muon) and the mechanism that
-brings a sharded matrix whole to one rank and its result back (spmd.optim.whole_matrix)."""
+brings a sharded matrix whole to one rank and its result back (spmd.optim.whole_matrix); 1-bit Adam
+(spmd.optim.onebit_adam), whose momentum travels as signs and scales (spmd.optim.onebit_wire)."""
 
 from types import SimpleNamespace
 
@@ -10,6 +11,8 @@ from ..layout.annotate import get_axes
 from ..layout.mesh import MESH_AXES
 from ..layout.rules import Rules, placements_for
 from .muon import NS_COEFFICIENTS, Muon, muon_param_groups, newton_schulz
+from .onebit_adam import OneBitAdam
+from .onebit_wire import wire_bytes as onebit_wire_bytes
 from .whole_matrix import WholeMatrixPlan, box_of
 
 __all__ = [
@@ -20,6 +23,8 @@ __all__ = [
     "WholeMatrixPlan",
     "box_of",
     "muon_comm_bytes",
+    "OneBitAdam",
+    "onebit_wire_bytes",
 ]
 
 
