@@ -23,7 +23,7 @@ import torch.nn as nn
 from .layout.annotate import computes_in_float8
 from .runtime.state import STATE_ATTR
 
-__all__ = ["float8_training", "float8_layers", "computes_in_float8", "INSTALL_HINT"]
+__all__ = ["float8_training", "float8_layers", "float8_notes", "computes_in_float8", "INSTALL_HINT"]
 
 INSTALL_HINT = "pip install torchao (or pip install 'spmd[float8]')"
 SKIPPED_BY_DEFAULT = ("output", "lm_head")
@@ -65,6 +65,26 @@ def float8_training(
 def float8_layers(model: nn.Module) -> list[str]:
     """Names of the layers of `model` that compute in float8."""
     return [name for name, m in model.named_modules() if computes_in_float8(m)]
+
+
+def float8_notes(model: nn.Module, sizes: dict) -> list[str]:
+    """explain's note on the float8 layers of `model` on a mesh of `sizes`; [] when it has none."""
+    layers = float8_layers(model)
+    if not layers:
+        return []
+    rest = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n not in layers]
+    data = [a for a in ("dp", "fsdp", "tp", "cp") if sizes.get(a, 1) > 1]
+    return [
+        f"{len(layers)} of {len(layers) + len(rest)} linear layers compute in float8 (torchao, tensorwise dynamic "
+        f"scales: each operand cast to e4m3, gradients to e5m2, by max|x| over the whole tensor"
+        + (
+            f"; a cast of a tensor split over {'+'.join(data)} all-reduces its max there: the all_reduce rows"
+            if data
+            else ""
+        )
+        + ")"
+        + (f"; in the compute dtype: {', '.join(rest[:3])}{' ...' if len(rest) > 3 else ''}" if rest else "")
+    ]
 
 
 def _torchao():

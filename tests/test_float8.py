@@ -137,3 +137,36 @@ def test_float8_refuses_what_it_cannot_convert(monkeypatch):
     monkeypatch.setitem(sys.modules, "torchao.float8", None)
     with pytest.raises(ImportError, match="pip install torchao"):
         spmd.float8_training(tiny_model())
+
+
+def _train(monkeypatch, *flags):
+    import launch.train as T
+    from launch.config import load_config
+
+    monkeypatch.setattr(T, "peak_flops", lambda dtype, device: (1e11, "test"))
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    return T.train(load_config(["--batch-size", "8", "--seq-len", "64", "--steps", "3", *flags]), log=False)
+
+
+def test_trainer_float8_flag_toml_and_explain(monkeypatch, tmp_path):
+    """`launch.train --float8` (and `float8 = true` in TOML) trains the float8 model: its losses move off fp32's
+    by float8 rounding (more than 1e-5, less than 0.05); explain notes the float8 layers and plans their max
+    all-reduces; without torchao the config check names the fix."""
+    from launch.config import load_config
+
+    monkeypatch.setenv("SPMD_CACHE_DIR", str(tmp_path / "cache"))
+    fp32, float8 = _train(monkeypatch), _train(monkeypatch, "--float8")
+    gaps = [abs(a["loss"] - b["loss"]) for a, b in zip(fp32, float8)]
+    assert min(gaps) > 1e-5 and max(gaps) < 0.05, gaps
+    (tmp_path / "f8.toml").write_text("float8 = true\n")
+    assert load_config(["--config", str(tmp_path / "f8.toml")]).float8
+    plan = spmd.explain(_float8_tiny(), spmd.Rules.default(), {"fsdp": 2}, batch_shape=(4, 16))
+    assert plan.notes and plan.notes[0].startswith("14 of 15 linear layers compute in float8"), plan.notes
+    assert "note: 14 of 15" in plan.table() and plan.to_dict()["notes"] == plan.notes
+    maxima = [c for c in plan.collectives if c.kind == "all_reduce" and "Partial(max)" in c.reason]
+    assert len(maxima) == 4 * 14, len(maxima)  # per layer: the input forward; output gradient x2, input backward
+    assert not spmd.explain(tiny_model(), spmd.Rules.default(), {"fsdp": 2}, batch_shape=(4, 16)).notes
+    monkeypatch.setitem(sys.modules, "torchao.float8", None)
+    with pytest.raises(ValueError, match="--float8 needs torchao.*pip install torchao"):
+        load_config(["--float8"]).validate(1)
