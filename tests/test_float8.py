@@ -170,3 +170,20 @@ def test_trainer_float8_flag_toml_and_explain(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "torchao.float8", None)
     with pytest.raises(ValueError, match="--float8 needs torchao.*pip install torchao"):
         load_config(["--float8"]).validate(1)
+
+
+def test_float8_benchmark_smoke_on_cpu_and_refusal_without_cuda(tmp_path, capsys):
+    """benchmarks/float8.py's code path on CPU (tiny, emulated, eager): both variants timed, the ratio and the
+    report written; without --cpu-smoke and without CUDA it stops with exit code 2 and says why."""
+    import json
+
+    from benchmarks import float8 as bench
+
+    if not torch.cuda.is_available():
+        assert bench.main([]) == 2 and "needs a CUDA GPU" in capsys.readouterr().err
+    assert bench.main(["--cpu-smoke", "--out", str(tmp_path)]) == 0
+    (report,) = [json.loads(p.read_text()) for p in tmp_path.glob("*-float8-tiny.json")]
+    res = report["results"]
+    assert set(res["variants"]) == {"bf16", "float8"} and res["float8_layers"] == "14 of 15"
+    assert res["float8_over_bf16_tokens_per_s"]["rounds"] == 2 and report["environment"]["commit"]
+    assert all(v["tokens_per_s_median"] > 0 for v in res["variants"].values())
