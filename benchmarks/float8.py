@@ -70,7 +70,7 @@ def build(a, float8: bool, device: torch.device):
     if float8:
         spmd.float8_training(model, emulate=device.type != "cuda")
     if a.compile:
-        spmd.compile_blocks(model)
+        spmd.compile_blocks(model, dynamic=False)  # static shapes for both (float8 compiles static)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     return cfg, model, opt
 
