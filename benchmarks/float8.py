@@ -8,6 +8,8 @@ compiles, `--rounds` interleaved rounds (the order alternates) of `--steps` step
 (median, min, max over rounds), the float8 / bf16 ratio as the median of the rounds' ratios with its interval
 (common.median_interval), and each variant's peak memory in its steps above what both models hold
 (parameters, gradients, AdamW states), plus the losses of both at the end (float8 tracks bf16, not equals).
+Rounds stop early, from the second, where another would pass `--budget-s` since the start (builds and compiles
+included), so the run fits one_gpu.sh's 150 s bound; the report gives the rounds run.
 
 Needs a CUDA GPU with float8 matmuls (sm89+: H100, H200, L40S); elsewhere it stops at once with a message.
 `--cpu-smoke`: the tiny model on CPU, float8 emulated, eager, a few steps: the code path, not a measurement;
@@ -37,6 +39,7 @@ def parse(argv):
     ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds")
     ap.add_argument("--steps", type=int, default=3, help="timed steps per variant per round")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps per variant first (the compile)")
+    ap.add_argument("--budget-s", type=float, default=135, help="stop adding rounds (from the 2nd) past this")
     ap.add_argument("--no-compile", dest="compile", action="store_false", help="eager blocks")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny model on CPU, emulated, eager: the code path")
     ap.add_argument("--out", default="", help="directory for the .json/.md (default benchmarks/results)")
@@ -105,6 +108,7 @@ def timed(step, batches, device) -> dict:
 
 
 def measure(a, device) -> dict:
+    start = time.perf_counter()
     runs = {v: build(a, v == "float8", device) for v in VARIANTS}
     cfg = runs["bf16"][0]
     steps = {v: step_fn(model, opt, device) for v, (_, model, opt) in runs.items()}
@@ -119,6 +123,9 @@ def measure(a, device) -> dict:
         chunk = batches[a.warmup + r * a.steps : a.warmup + (r + 1) * a.steps]
         order = VARIANTS if r % 2 == 0 else tuple(reversed(VARIANTS))
         rounds.append({v: timed(steps[v], chunk, device) for v in order})
+        per_round = sum(x["seconds"] for x in rounds[-1].values())
+        if r >= 1 and time.perf_counter() - start + per_round > a.budget_s:
+            break  # another round would pass the time budget (one_gpu.sh's bound): report the rounds run
     from spmd.float8 import float8_layers
 
     linears = sum(isinstance(m, torch.nn.Linear) for m in runs["bf16"][1].modules())
@@ -170,7 +177,7 @@ def markdown(a, report: dict) -> str:
             "",
             f"{env['device']}, torch {env['torch']}, commit {env['commit']}{' (dirty)' if env['dirty'] else ''}, "
             f"{env['date']}. Batch {a.batch} x {a.seq} tokens, {'compiled blocks' if a.compile else 'eager'}, "
-            f"autocast bf16, fused AdamW; {a.rounds} interleaved rounds of {a.steps} steps after {a.warmup} "
+            f"autocast bf16, fused AdamW; {ratio['rounds']} interleaved rounds of {a.steps} steps after {a.warmup} "
             f"warm-up steps. float8 linear layers: {res['float8_layers']} (the output head stays bf16).",
             "",
             common.md_table(
