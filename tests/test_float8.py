@@ -106,6 +106,9 @@ def _compare(spec):
     opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.1) for m in (model, ref))
     for step in range(2):
         loss, ref_loss, got, want = _step(model, ref, mesh, step)
+        if step == 0 and "tp" in spec:  # the pass moved their inputs as a linear layer's (activations.moves)
+            decided = {name for name, _ in getattr(model, STATE_ATTR).decisions}
+            assert {"layers.0.attention.wq", "layers.0.feed_forward.w1"} <= decided, decided
         _check_scales(spec, step, got, want, layers)
         assert abs(loss - ref_loss) <= LOSS_TOL * abs(ref_loss), (spec, step, loss, ref_loss)
         _check_values(spec, step, "gradient", model, ref, grads=True)
