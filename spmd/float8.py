@@ -50,6 +50,11 @@ def float8_training(
     Float8LinearConfig, convert = _torchao()
     skip = set(skip)
     eligible, refused = _eligible(model, skip, min_features)
+    if not eligible and float8_layers(model):
+        raise ValueError(
+            f"float8_training: {type(model).__name__} already computes in float8 ({len(float8_layers(model))} "
+            f"layers) and has no other linear layer to convert; convert a model once"
+        )
     if not eligible:
         raise ValueError(
             f"float8_training: {type(model).__name__} has no linear layer to compute in float8 ("

@@ -132,11 +132,14 @@ def test_float8_specs_match_one_process():
 
 
 def test_float8_refuses_what_it_cannot_convert(monkeypatch):
-    """A model without an eligible linear layer, and a missing torchao, are errors naming the fix."""
+    """A model without an eligible linear layer, one converted already, and a missing torchao are errors naming
+    the fix."""
     with pytest.raises(ValueError, match="no linear layer to compute in float8.*divide by 16"):
         spmd.float8_training(nn.Sequential(nn.Linear(10, 24), nn.ReLU(), nn.Linear(24, 3)))
     with pytest.raises(ValueError, match="output is skipped"):
         spmd.float8_training(nn.ModuleDict({"output": nn.Linear(32, 32)}))
+    with pytest.raises(ValueError, match="already computes in float8 .14 layers"):
+        spmd.float8_training(_float8_tiny())
     monkeypatch.setitem(sys.modules, "torchao.float8", None)
     with pytest.raises(ImportError, match="pip install torchao"):
         spmd.float8_training(tiny_model())
