@@ -55,6 +55,7 @@ class TrainConfig:
     offload: str = ""  # "" | optimizer | params | nvme:DIR: AdamW states and fp32 masters on the host
     # (params: stage-3 parameter shards too; nvme: states in files)
     compile: bool = False  # torch.compile each block (spmd.compile_blocks), checkpointed ones too
+    float8: bool = False  # linear layers compute in float8 (torchao, tensorwise dynamic scales; spmd.float8_training)
     kernels: str = "auto"  # auto | torch | triton: the model's RMSNorm/SwiGLU/RoPE/CE implementation
     # data
     data: str = "stdlib"  # stdlib | PATH_OR_GLOB of text/.jsonl/.parquet files | datasets dir | FILE.bin
@@ -228,6 +229,8 @@ def parser() -> argparse.ArgumentParser:
         "val_data": "validation data, formats as --data (default: a held-out 1%% tail of --data)",
         "val_every": "validate every N steps and after the last (0: never)",
         "val_batches": "batches each validation evaluates",
+        "float8": "block linear layers compute in float8 through torchao (spmd.float8_training; the output head "
+        "stays in --dtype; emulated off CUDA GPUs of sm89+; needs spmd[float8])",
         "offload": "optimizer | params | nvme:DIR: AdamW states and fp32 masters in host memory (params: stage-3 "
         "parameter shards too; nvme: files under DIR), the step on the CPU",
     }

@@ -7,6 +7,7 @@ it and its fix, and `TrainConfig.validate` raises them all at once.
 from __future__ import annotations
 
 from kernels import IMPLS
+from spmd.float8 import INSTALL_HINT as FLOAT8_INSTALL
 from spmd.layout.dtypes import DTYPES
 from spmd.layout.mesh import format_sizes
 from spmd.layout.rules import ZERO_STAGES
@@ -242,6 +243,7 @@ def _model_problems(cfg, world_size: int, sizes: dict, model_cfg) -> list[str]:
         problem = model_cfg.init_problem(cfg.init_from_hf)
         if problem is not None:
             problems.append(f"--init-from-hf {cfg.init_from_hf}: {problem}")
+    problems += _float8_problems(cfg)
     if model_cfg is not None and cfg.compile and getattr(model_cfg, "n_experts", 0):
         problems.append(
             "--compile with a mixture of experts is not supported (the token dispatch's split sizes "
@@ -262,6 +264,17 @@ def _model_problems(cfg, world_size: int, sizes: dict, model_cfg) -> list[str]:
     if pp > 1 and model_cfg is not None:
         problems += _pipeline_problems(cfg, world_size, sizes, model_cfg)
     return problems
+
+
+def _float8_problems(cfg) -> list[str]:
+    """--float8 needs torchao (whether the model has a linear layer to convert, spmd.float8_training says)."""
+    if not cfg.float8:
+        return []
+    try:
+        import torchao.float8  # noqa: F401
+    except ImportError:
+        return [f"--float8 needs torchao, which is not installed: {FLOAT8_INSTALL}, or leave --float8 out"]
+    return []
 
 
 def _pipeline_problems(cfg, world_size: int, sizes: dict, model_cfg) -> list[str]:

@@ -69,6 +69,9 @@ def build_model(cfg: TrainConfig, model_cfg, world: int, device: torch.device):
     torch.manual_seed(cfg.seed)
     with torch.device("meta" if world > 1 else device):
         model = model_cfg.build()
+    if cfg.float8:
+        float8_ready = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+        spmd.float8_training(model, emulate=not float8_ready)
     if world == 1:
         return model, None, 0, 1, None
     mesh = spmd.make_mesh(sizes, device_type=device.type)

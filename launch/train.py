@@ -52,6 +52,7 @@ import models
 import spmd
 from spmd import checkpoint
 from spmd.analysis.record import CollectiveRecorder
+from spmd.float8 import float8_layers
 from spmd.layout.dtypes import DTYPES
 from spmd.runtime.optimizer.shard import refresh_masters
 
@@ -158,12 +159,13 @@ def train(cfg: TrainConfig, log=True) -> list[dict]:
     )
     if rank == 0:
         n = model_cfg.num_params()
+        float8 = f" with {len(float8_layers(model))} linear layers in float8" if cfg.float8 else ""
         metrics.write(
             f"[launch.train] model {cfg.model if not cfg.init_from_hf else cfg.init_from_hf}: "
             f"{n / 1e6:.2f}M params, {fpt / 1e6:.2f} MFLOP/token | "
             f"mesh {cfg.mesh_sizes(world)}{' +sp' if cfg.sequence_parallel() else ''} on {world} "
             f"{device.type} process(es) | batch {cfg.batch_size}x{cfg.seq_len} in {cfg.grad_accum} "
-            f"micro-batch(es) | {cfg.dtype} | ac {cfg.ac}{ac_blocks if ac_blocks else ''} | "
+            f"micro-batch(es) | {cfg.dtype}{float8} | ac {cfg.ac}{ac_blocks if ac_blocks else ''} | "
             f"compiled blocks {compiled if cfg.compile else 'none'} | kernels {model_cfg.kernels} | "
             f"data {cfg.data} ({len(loader.tokens):,} tokens, {cfg.tokenizer}) | "
             f"peak {peak / 1e12:.3g} TFLOP/s per device ({peak_source}) | code {code}"

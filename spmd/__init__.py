@@ -11,6 +11,7 @@ Four rooms that import downward only: `layout` (mesh, rules, annotations), `runt
 
 from .analysis.explain import explain
 from .analysis.plan import Plan
+from .float8 import float8_training
 from .layout.annotate import P, annotate, annotate_by_name
 from .layout.blocks import find_blocks
 from .layout.mesh import MESH_AXES, make_mesh, mesh_sizes, parse_spec
@@ -28,6 +29,7 @@ from .runtime.transforms.compile import compile_blocks
 __all__ = [
     "explain",
     "Plan",
+    "float8_training",
     "P",
     "annotate",
     "annotate_by_name",

@@ -11,6 +11,7 @@ import sys
 import torch
 
 from .analysis.explain import explain
+from .float8 import float8_training
 from .layout.mesh import parse_spec
 from .layout.rules import Rules
 from .layout.rules_table import check_rules_flags, ordered_maps, read_toml, rules_from_table
@@ -161,6 +162,7 @@ def explain_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--master", default="params", help="params|optimizer: where fp32 master weights live")
     ap.add_argument("--reduce-dtype", default="fp32", help="gradient reduction dtype: fp32|bf16")
+    ap.add_argument("--float8", action="store_true", help="linear layers in float8 (spmd.float8_training; torchao)")
     ap.add_argument(
         "--offload",
         default=None,
@@ -174,6 +176,8 @@ def plan_from_args(a: argparse.Namespace):
     cfg = model_config(a)
     with torch.device("meta"):
         model = cfg.build()
+    if a.float8:
+        float8_training(model, emulate=True)
     world = 1
     for s in sizes.values():
         world *= s

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ..float8 import float8_notes
 from ..layout.annotate import fake_copy
 from ..layout.dtypes import as_dtype
 from ..layout.mesh import MESH_AXES, check_sizes, mesh_sizes
@@ -90,10 +91,13 @@ def explain(
     precision = dict(reduce_dtype=as_dtype(reduce_dtype), master=master, offload=offload)
     _check_grad_accum(grad_accum, sizes)
     if dist.is_initialized() and dist.get_backend() != "fake":
-        return _explain_in_child(
+        plan = _explain_in_child(
             model, rules, sizes, batch_shape, dtype, optimizer, pipeline, ac, precision, grad_accum
         )
-    return dry_run(model, rules, sizes, tuple(batch_shape), dtype, optimizer, pipeline, ac, precision, grad_accum)
+    else:
+        plan = dry_run(model, rules, sizes, tuple(batch_shape), dtype, optimizer, pipeline, ac, precision, grad_accum)
+    plan.notes += float8_notes(model, sizes)
+    return plan
 
 
 def _check_grad_accum(grad_accum, sizes: dict) -> None:

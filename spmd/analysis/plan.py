@@ -21,6 +21,7 @@ class Plan:
     memory: dict = field(default_factory=dict)  # bytes per rank
     pipeline: dict = field(default_factory=dict)  # with pp > 1: stages, bubble, send/recv (explain_pipeline.py)
     attention: dict = field(default_factory=dict)  # bytes per rank: "saved" for backward, "peak" of one call
+    notes: list = field(default_factory=list)  # what else the step does differently (linears in float8)
 
     def totals(self, by=("phase", "kind", "axes")) -> dict:
         """Sum of bytes per rank grouped by record fields, e.g. totals(("kind",))."""
@@ -43,6 +44,7 @@ class Plan:
             "comm_bytes_per_step": self.comm_bytes(),
             **({"pipeline": self.pipeline} if self.pipeline else {}),
             **({"attention": self.attention} if self.attention else {}),
+            **({"notes": self.notes} if self.notes else {}),
         }
 
     def to_json(self, indent: int | None = 2) -> str:
@@ -61,6 +63,7 @@ class Plan:
             memory=d["memory"],
             pipeline=d.get("pipeline", {}),
             attention=d.get("attention", {}),
+            notes=d.get("notes", []),
         )
 
     def table(self) -> str:
@@ -99,6 +102,7 @@ class Plan:
             lines.append("memory per rank: " + ", ".join(f"{k} {v / 2**20:,.1f} MiB" for k, v in self.memory.items()))
         if self.attention:
             lines.append(self.attention_line())
+        lines.extend(f"note: {n}" for n in self.notes)
         return "\n".join(lines)
 
     def ring_sends_per_layer(self) -> dict:

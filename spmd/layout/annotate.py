@@ -21,6 +21,7 @@ __all__ = [
     "infer_axes",
     "fake_copy",
     "out_dim",
+    "computes_in_float8",
 ]
 
 AXES_ATTR = "_spmd_axes"  # tuple of logical names / None, one per dim
@@ -141,6 +142,12 @@ def out_dim(module: nn.Module) -> int | None:
     if isinstance(module, nn.Embedding) or type(module).__name__ == "Conv1D":
         return 1
     return None
+
+
+def computes_in_float8(module: nn.Module) -> bool:
+    """Whether `module` is torchao's Float8Linear: its matmuls scale each operand by max|x| over the whole
+    tensor, a statistic of the whole batch, not of one row."""
+    return isinstance(module, nn.Linear) and type(module).__name__ == "Float8Linear"
 
 
 def _infer_one(module, p_name, p, embed_sizes, full):

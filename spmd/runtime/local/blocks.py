@@ -7,8 +7,8 @@ runs on their local tensors and its inputs' local tensors, and its outputs go ba
 input's layout. The local tensors carry their gradient layout across: a parameter's gradient comes back as
 this rank's partial sum over the mesh axes that split the batch, which the bucket reduces as before, and an
 input's gradient in the input's layout. Collectives, ZeRO-3's regather and no_sync are those of the DTensor
-path; only the per-op dispatch is gone. Blocks under activation checkpointing (their recomputation runs
-inside the block, past these hooks), compiled blocks and blocks holding experts keep the DTensor path. An
+path; only the per-op dispatch is gone. Blocks under activation checkpointing (their recomputation runs inside
+the block, past these hooks), compiled blocks, blocks holding experts or float8 layers keep the DTensor path. An
 expert module that routes its tokens itself (spmd.runtime.experts.whole_experts) runs on local tensors the
 same way, inside its block's DTensor path: its inputs are flat tokens split along dim 0.
 
@@ -22,7 +22,7 @@ spmd.runtime.local.edges.
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from ...layout.annotate import get_axes
+from ...layout.annotate import computes_in_float8, get_axes
 from ..dtensor.stack import resume, suspend_top
 from ..dtensor.wrap import local_of
 from ..experts.dispatch import EXPERTS, expert_modules
@@ -78,6 +78,8 @@ def whole_members(modules, mesh, experts_over: str | None = None) -> tuple | Non
     None."""
     params, buffers = [], []
     for m in modules:
+        if computes_in_float8(m):
+            return None  # its scales are maxima over the whole batch: DTensor's path reduces them across ranks
         params += [(m, n, p) for n, p in m._parameters.items() if isinstance(p, DTensor)]
         buffers += [(m, n, b) for n, b in m._buffers.items() if isinstance(b, DTensor)]
     split = mesh.mesh_dim_names.index(experts_over) if experts_over in (mesh.mesh_dim_names or ()) else None

@@ -27,6 +27,7 @@ for every routing (on 2 ranks of moe-tiny it hit its recompile limit and the ste
 import torch
 import torch.nn as nn
 
+from ...layout.annotate import computes_in_float8
 from ...layout.blocks import find_blocks
 from ..experts.dispatch import expert_modules
 from ..local.hook_sets import dress_inside
@@ -63,6 +64,8 @@ def compile_blocks(model: nn.Module, blocks: str | None = None, bucket: bool = T
         inductor_config.bucket_all_gathers_fx = "all"
         inductor_config.bucket_reduce_scatters_fx = "all"
         inductor_config.bucket_all_reduces_fx = "all"
+    if any(computes_in_float8(m) for m in model.modules()):
+        compile_kwargs.setdefault("dynamic", False)  # dynamo's dynamic-shape recompile fails on torchao's float8
     state = getattr(model, STATE_ATTR, None)
     if state is not None:
         compiled = (*state.compiled_params, *(p for block in block_list for p in block.parameters()))
