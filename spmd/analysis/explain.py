@@ -30,7 +30,7 @@ from ..runtime.transforms.checkpointing import apply_activation_checkpointing, p
 from . import record
 from .explain_pipeline import explain_pipeline
 from .fake import fake_world
-from .memory import activation_bytes, local_bytes, memory_per_rank, peak_bytes, unreduced_bytes
+from .memory import activation_bytes, local_bytes, memory_per_rank, peak_bytes, unreduced_bytes, wire_buffer_bytes
 from .optimizer_step import planning_optimizer, record_optimizer_step
 from .plan import Plan
 
@@ -54,6 +54,7 @@ def explain(
     reduce_dtype=torch.float32,
     master: str = "params",
     offload: str | None = None,
+    comm: dict | None = None,
 ) -> Plan:
     """Plans one training step of `model` (forward, backward, gradient reduction) on a mesh of any size.
 
@@ -73,7 +74,9 @@ def explain(
     reduce-scatters of the gradients backward left unreduced (phase `optimizer`). `reduce_dtype`, `master`
     and `offload` mean what they mean to `parallelize`; `plan.memory` counts each state in its layout and
     dtype, host bytes apart (spmd/analysis/memory.py), and `plan.memory["peak"]` is the most tensor bytes a rank
-    holds during the step (memory.peak_bytes; not given under `offload` or with a `pp` axis).
+    holds during the step (memory.peak_bytes; not given under `offload` or with a `pp` axis). `comm`: the
+    wire precision, as `parallelize` takes it: collectives count their quantized bytes (payload + scales)
+    and `plan.memory["wire"]` the packed buffers of the largest quantized collective (in the total).
     """
     dtensor.install()
     pipeline = dict(schedule=schedule, microbatches=microbatches, virtual_stages=virtual_stages, split_cost=split_cost)
@@ -88,6 +91,8 @@ def explain(
     dtype = as_dtype(dtype)
     parse_mode(ac)
     precision = dict(reduce_dtype=as_dtype(reduce_dtype), master=master, offload=offload)
+    if comm is not None:
+        precision["comm"] = comm
     _check_grad_accum(grad_accum, sizes)
     if dist.is_initialized() and dist.get_backend() != "fake":
         return _explain_in_child(
@@ -143,6 +148,9 @@ def dry_run(
         if unreduced > memory["gradients"]:  # held until the last micro-batch's backward reduces them
             memory["total"] += unreduced - memory["gradients"]
             memory["gradients"] = unreduced
+        if getattr(model, STATE_ATTR).wire is not None:
+            memory["wire"] = wire_buffer_bytes(recorder.records, full)
+            memory["total"] += memory["wire"]
         if not (precision or {}).get("offload"):  # offloaded states move through host memory: not modelled
             buffers = sum(local_bytes(b) for b in model.buffers())
             memory["peak"] = peak_bytes(memory, *unreduced_bytes(model, getattr(model, STATE_ATTR)), buffers)
