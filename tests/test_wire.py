@@ -99,3 +99,14 @@ def test_explain_counts_quantized_bytes_and_their_buffers():
     biggest = max(c.bytes for c in int8.collectives if "on the wire" in c.reason and c.kind == "all_to_all")
     assert int8.memory["wire"] >= 2 * biggest * 4 // 3 > 0
     assert int8.memory["total"] == bf16.memory["total"] + int8.memory["wire"]
+
+
+def test_explain_counts_hpz_secondary_copies():
+    """dp=2,fsdp=2 with parameters over both axes: hpZ keeps each parameter's fsdp shard (numel/2 fp32
+    values) from forward to backward, and the plan's backward regathers stay inside fsdp."""
+    shard = {"embed": ("dp", "fsdp")}
+    rules = spmd.Rules(spmd.Rules.default().compute, params=shard, grads=shard, optimizer=shard)
+    plan = spmd.explain(tiny_model(), rules, {"dp": 2, "fsdp": 2}, (BATCH, SEQ), comm={"hpz": "fsdp"})
+    assert plan.memory["hpz"] == sum(p.numel() // 2 * 4 for p in tiny_model().parameters())
+    regathers = [c for c in plan.collectives if c.kind == "all_gather" and c.phase == "backward"]
+    assert regathers and all(c.axes == ("fsdp",) for c in regathers)

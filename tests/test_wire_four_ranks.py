@@ -11,13 +11,18 @@ on `fsdp=4` the reference sums each rank's quantized gradient chunk (computed on
 Block size 16 divides every shard and chunk of the tiny model, so the wire's blocks never straddle two
 parameters and per-parameter quantization is the wire's.
 
+hpZ. Parameters sharded over dp and fsdp with `comm={"hpz": "fsdp"}`: backward's regathers run over fsdp
+alone (S/2 per parameter of S bytes, where the whole group's regather moves 3S/4) and the gradients are the
+one-process model's within 1e-5.
+
 Bytes. One step of the tiny model on `fsdp=4`, recorded: each int8 parameter all-gather moves L + 4*ceil(L/B)
 bytes per rank row where bf16 moves 2L (about half), each int4 gradient reduce-scatter L/2 + 4*ceil(L/B)
 where fp32 moves 4L (about 1/8), both times (n-1) rows; L is read from the uncompressed run of the same step.
 
 Mutations that fail it: summing the dequantized rows in the payload's dtype (bfloat16) in wire/flat.py's
 reduce_scatter fails the gradient numerics; dropping the scales from `packed_bytes`/`quantize` fails the bytes
-and numerics; gathering params uncompressed in buckets.py (no `self.wire`) fails the parameter numerics.
+and numerics; gathering params uncompressed in buckets.py (no `self.wire`) fails the bytes check; keeping no secondary
+copy (`keep_secondary` returning None) fails the hpZ axes.
 """
 
 import torch
@@ -181,7 +186,33 @@ def _bytes_match_formula():
         print(f"int8/bf16 gathers {sum(int8) / sum(bf16):.4f}, int4/fp32 reductions {sum(int4) / sum(fp32):.4f}")
 
 
+def _hpz_regathers_inside_its_axis():
+    """dp=2,fsdp=2 with parameters sharded over both axes: forward gathers over dp+fsdp either way; with
+    hpz="fsdp" every backward regather is over fsdp alone, moving S/2 where the whole group moves 3S/4, and
+    the gradients are the one-process model's."""
+    mesh = spmd.make_mesh({"dp": 2, "fsdp": 2})
+    shard = {"embed": ("dp", "fsdp")}
+    rules = spmd.Rules(spmd.Rules.default().compute, params=shard, grads=shard, optimizer=shard)
+    tokens, targets = global_batch(0)
+    regathers = {}
+    for comm in (None, {"hpz": "fsdp"}):
+        model = spmd.parallelize(tiny_model(), mesh, rules, comm=comm)
+        with CollectiveRecorder(mesh) as rec:
+            model(local_slice(tokens, mesh), local_slice(targets, mesh)).backward()
+        regathers[bool(comm)] = [c for c in rec.records if c.kind == "all_gather" and c.phase == "backward"]
+    ref = tiny_model()
+    ref(tokens, targets).backward()
+    refs = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        _close(p.grad.full_tensor(), refs[name].grad, f"hpz gradient of {name}")
+    whole, inside = regathers[False], regathers[True]
+    assert whole and all(c.axes == ("dp", "fsdp") for c in whole), whole
+    assert all(c.axes == ("fsdp",) for c in inside), inside
+    assert [c.bytes * 3 // 2 for c in inside] == [c.bytes for c in whole]
+
+
 def _run_four(rank, world):
+    _hpz_regathers_inside_its_axis()
     _bytes_match_formula()
     for spec in ("fsdp=4", "dp=2,fsdp=2"):
         mesh = spmd.make_mesh(spmd.parse_spec(spec)[0])

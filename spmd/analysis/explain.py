@@ -27,6 +27,7 @@ from ..runtime.parallelize import no_sync, parallelize
 from ..runtime.parameters.reshard import observe_saved
 from ..runtime.state import STATE_ATTR
 from ..runtime.transforms.checkpointing import apply_activation_checkpointing, parse_mode
+from ..runtime.wire.hpz import secondary_bytes
 from . import record
 from .explain_pipeline import explain_pipeline
 from .fake import fake_world
@@ -76,7 +77,8 @@ def explain(
     dtype, host bytes apart (spmd/analysis/memory.py), and `plan.memory["peak"]` is the most tensor bytes a rank
     holds during the step (memory.peak_bytes; not given under `offload` or with a `pp` axis). `comm`: the
     wire precision, as `parallelize` takes it: collectives count their quantized bytes (payload + scales)
-    and `plan.memory["wire"]` the packed buffers of the largest quantized collective (in the total).
+    and `plan.memory["wire"]` the packed buffers of the largest quantized collective, `plan.memory["hpz"]`
+    hpZ's secondary parameter copies (both in the total).
     """
     dtensor.install()
     pipeline = dict(schedule=schedule, microbatches=microbatches, virtual_stages=virtual_stages, split_cost=split_cost)
@@ -148,9 +150,7 @@ def dry_run(
         if unreduced > memory["gradients"]:  # held until the last micro-batch's backward reduces them
             memory["total"] += unreduced - memory["gradients"]
             memory["gradients"] = unreduced
-        if getattr(model, STATE_ATTR).wire is not None:
-            memory["wire"] = wire_buffer_bytes(recorder.records, full)
-            memory["total"] += memory["wire"]
+        _wire_memory(memory, model, recorder.records, full)
         if not (precision or {}).get("offload"):  # offloaded states move through host memory: not modelled
             buffers = sum(local_bytes(b) for b in model.buffers())
             memory["peak"] = peak_bytes(memory, *unreduced_bytes(model, getattr(model, STATE_ATTR)), buffers)
@@ -161,6 +161,17 @@ def dry_run(
             memory=memory,
             attention=attention,
         )
+
+
+def _wire_memory(memory: dict, model, records, sizes: dict) -> None:
+    """What `comm` adds: the packed buffers of the largest quantized collective, hpZ's secondary copies."""
+    state = getattr(model, STATE_ATTR)
+    if state.wire is not None and state.wire.compressed:
+        memory["wire"] = wire_buffer_bytes(records, sizes)
+        memory["total"] += memory["wire"]
+    if state.wire is not None and state.wire.hpz is not None:
+        memory["hpz"] = secondary_bytes(model, state)
+        memory["total"] += memory["hpz"]
 
 
 def _run_step(model: nn.Module, recorder, tokens, grad_accum: int, positions=None) -> tuple[int, int, dict]:
