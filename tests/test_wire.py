@@ -110,3 +110,30 @@ def test_explain_counts_hpz_secondary_copies():
     assert plan.memory["hpz"] == sum(p.numel() // 2 * 4 for p in tiny_model().parameters())
     regathers = [c for c in plan.collectives if c.kind == "all_gather" and c.phase == "backward"]
     assert regathers and all(c.axes == ("fsdp",) for c in regathers)
+
+
+def test_trainer_flags_and_toml_set_comm(tmp_path):
+    from launch.config import load_config
+
+    cfg = load_config(["--comm-params", "int8", "--comm-grads", "int4", "--hpz", "fsdp", "--mesh", "dp=2,fsdp=2"])
+    assert cfg.validate(4).comm() == {"params": "int8", "grads": "int4", "hpz": "fsdp"}
+    f = tmp_path / "run.toml"
+    f.write_text('comm_params = "fp8"\ncomm_grads = "int8"\n')
+    assert load_config(["--config", str(f)]).validate(4).comm() == {"params": "fp8", "grads": "int8"}
+    assert load_config([]).comm() is None
+
+
+@pytest.mark.parametrize(
+    "flags, match",
+    [
+        (["--comm-params", "int4"], "--comm-params 'int4' is not supported; use int8 or fp8"),
+        (["--comm-grads", "fp8"], "--comm-grads 'fp8' is not supported; use int8 or int4"),
+        (["--hpz", "dp"], "--hpz 'dp' is not an axis of --mesh fsdp=4 with more than one rank"),
+        (["--comm-grads", "int8", "--compile"], "with --compile is not supported"),
+    ],
+)
+def test_trainer_refuses_bad_comm_flags(flags, match):
+    from launch.config import load_config
+
+    with pytest.raises(ValueError, match=match):
+        load_config(flags).validate(4)
