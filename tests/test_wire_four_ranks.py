@@ -7,7 +7,9 @@ the wire does (spmd.runtime.wire.quantize), dequantizes and sums in fp32; the di
 within 1e-5. The tiny Llama with `comm={"params": int8|fp8}` on `fsdp=4`, `dp=2,fsdp=2` and `fsdp=2,tp=2,sp`:
 the reference model holds each parameter with every rank's shard quantized and dequantized as the gather
 does; loss, gradients and parameters after an SGD step agree within 1e-5. With `comm={"grads": int8|int4}`
-on `fsdp=4` the reference sums each rank's quantized gradient chunk (computed on its batch slice) in fp32.
+on `fsdp=4` the reference sums each rank's quantized gradient chunk (computed on its batch slice) in fp32; on
+`dp=2,fsdp=2` (one buffer per block) it follows both hops: the block's rows quantized and summed over fsdp,
+then that shard buffer all-reduced over dp in two quantized halves.
 Block size 16 divides every shard and chunk of the tiny model, so the wire's blocks never straddle two
 parameters and per-parameter quantization is the wire's.
 
@@ -19,10 +21,11 @@ Bytes. One step of the tiny model on `fsdp=4`, recorded: each int8 parameter all
 bytes per rank row where bf16 moves 2L (about half), each int4 gradient reduce-scatter L/2 + 4*ceil(L/B)
 where fp32 moves 4L (about 1/8), both times (n-1) rows; L is read from the uncompressed run of the same step.
 
-Mutations that fail it: summing the dequantized rows in the payload's dtype (bfloat16) in wire/flat.py's
-reduce_scatter fails the gradient numerics; dropping the scales from `packed_bytes`/`quantize` fails the bytes
-and numerics; gathering params uncompressed in buckets.py (no `self.wire`) fails the bytes check; keeping no secondary
-copy (`keep_secondary` returning None) fails the hpZ axes.
+Mutations that fail it (each tried): summing the dequantized rows in bfloat16 in wire/flat.py's
+reduce_scatter fails the gradient numerics; gathering params uncompressed in buckets.py (`self.wire` ->
+None) fails the bytes check; the dp hop of a bucket's reduction in full precision (`all_reduce(..., None)` in
+buckets.py) fails the two-hop gradients; keeping no secondary copy (`keep_secondary` returning None) fails the
+hpZ axes.
 """
 
 import torch
@@ -162,6 +165,33 @@ def _grad_wire_matches(fmt: str):
         _close(p.grad.full_tensor(), want, f"{fmt} gradient of {name}")
 
 
+def _two_hop_grads_match(fmt: str):
+    """dp=2,fsdp=2, comm grads, one bucket buffer per block (bucket_mb=0): hop 1 reduce-scatters each block's
+    buffer over fsdp (each rank's row per destination quantized, summed in fp32), hop 2 all-reduces the
+    summed shard buffer over dp (quantized reduce-scatter of two cuts, quantized all-gather)."""
+    mesh = spmd.make_mesh({"dp": 2, "fsdp": 2})
+    model = spmd.parallelize(tiny_model(), mesh, spmd.Rules.default(), comm={"grads": fmt, "block": BLOCK}, bucket_mb=0)
+    tokens, targets = global_batch(0)
+    model(local_slice(tokens, mesh), local_slice(targets, mesh)).backward()
+    per_rank = {}
+    for r in range(4):  # global rank r = dp * 2 + fsdp holds batch slice r
+        ref = tiny_model()
+        (ref(tokens[2 * r : 2 * r + 2], targets[2 * r : 2 * r + 2]) / 4).backward()
+        per_rank[r] = {n: p.grad for n, p in ref.named_parameters()}
+    dp, f = mesh.get_coordinate()
+    for bucket in model._spmd_state.buckets.values():
+        names = [p._spmd_name for p in bucket.params]
+        dims = [p.placements[1].dim for p in bucket.params]
+
+        def row(r, k):  # rank r's row for fsdp destination k
+            return torch.cat([per_rank[r][n].chunk(2, d)[k].reshape(-1) for n, d in zip(names, dims)])
+
+        shards = [sum(_qdq(row(2 * g + j, f), fmt) for j in range(2)) for g in range(2)]  # per dp group
+        want = _reference_all_reduce(shards, fmt)
+        got = torch.cat([p.grad.to_local().reshape(-1) for p in bucket.params])
+        _close(got, want, f"dp=2,fsdp=2 {fmt} gradients of {bucket.name}")
+
+
 def _recorded_step(comm, param_dtype, kinds) -> list:
     """Bytes of each collective of `kinds` that one training step of the tiny model on fsdp=4 issues."""
     mesh = spmd.make_mesh({"fsdp": 4})
@@ -223,6 +253,7 @@ def _run_four(rank, world):
             _param_wire_matches(spec, fmt)
     for fmt in ("int8", "int4"):
         _grad_wire_matches(fmt)
+        _two_hop_grads_match(fmt)
 
 
 def test_wire_numerics_and_bytes_on_four_ranks():
