@@ -4,10 +4,9 @@ plan counting quantized bytes and the packed buffers' memory.
 
 Bounds: int8 and int4 round to the nearest code, so per block max |x - q(x)| <= scale/2 (scale = block
 absmax / 127 or / 7); fp8 e4m3 rounds to 3 mantissa bits, |x - q(x)| <= 2^-4 |x| among normal values and
-2^-10 * scale among subnormal ones. Mutations that fail it: truncating instead of rounding (`.round()` ->
-`.trunc()`) fails the int bounds; one scale per row instead of per block (`amax(-1)` over the whole row)
-fails the per-block bound on rows of mixed magnitude; clamping int4 codes to -8..7 packed without the +8
-offset fails the round trip.
+2^-10 * scale among subnormal ones. Mutations that fail it (each tried): truncating instead of rounding
+(`.round()` -> `.trunc()`) fails the int bounds; one scale per row instead of per block fails the per-block
+bound on rows of mixed magnitude.
 """
 
 import math
@@ -137,3 +136,16 @@ def test_trainer_refuses_bad_comm_flags(flags, match):
 
     with pytest.raises(ValueError, match=match):
         load_config(flags).validate(4)
+
+
+def test_search_offers_compression_where_parameter_traffic_binds():
+    from spmd.analysis.search_rows import Row, compression_note
+
+    bound = Row("fsdp=8", {"fsdp": 8}, False, compute_s=1.0, activation_comm_s=0.1, param_comm_s=2.0)
+    assert "--comm-params int8 --comm-grads int4" in compression_note(bound)
+    for row in (
+        Row("fsdp=8", {"fsdp": 8}, False, compute_s=3.0, activation_comm_s=0.1, param_comm_s=2.0),  # compute
+        Row("tp=8", {"tp": 8}, False, compute_s=1.0, activation_comm_s=2.0, param_comm_s=0.0),  # activations
+        Row("fsdp=8", {"fsdp": 8}, False, compute_s=1.0, activation_comm_s=0.1, param_comm_s=2.0, schedule="1f1b"),
+    ):
+        assert compression_note(row) == ""
