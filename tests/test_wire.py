@@ -78,6 +78,10 @@ def test_compiled_blocks_refuse_a_quantized_wire():
         model = spmd.parallelize(tiny_model(), mesh, spmd.Rules.default(), comm={"params": "int8"})
         with pytest.raises(ValueError, match="comm=None"):
             spmd.compile_blocks(model, backend="eager")
+        compiled_first = tiny_model()
+        spmd.compile_blocks(compiled_first, backend="eager")
+        with pytest.raises(ValueError, match="comm=None"):
+            spmd.parallelize(compiled_first, mesh, spmd.Rules.default(), comm={"grads": "int4"})
 
 
 def test_explain_counts_quantized_bytes_and_their_buffers():

@@ -94,6 +94,8 @@ def explain(
     parse_mode(ac)
     precision = dict(reduce_dtype=as_dtype(reduce_dtype), master=master, offload=offload)
     if comm is not None:
+        if sizes.get("pp", 1) > 1:
+            raise ValueError("explain: comm= does not apply to pipeline stages yet; plan a pp mesh with comm=None")
         precision["comm"] = comm
     _check_grad_accum(grad_accum, sizes)
     if dist.is_initialized() and dist.get_backend() != "fake":

@@ -31,6 +31,7 @@ from .local.blocks import local_blocks
 from .local.whole_model import whole_model_members
 from .parameters.buckets import make_buckets
 from .parameters.host import host_params
+from .parameters.reshard import BODY_COMPILED_ATTR, gathers_in_graph
 from .parameters.storage import check_param_init, laid_out_buffer, laid_out_param
 from .state import STATE_ATTR, SPMDState
 from .wire import wire_setting
@@ -116,7 +117,8 @@ def parallelize(
     dtensor.install()
     _refuse_foreign_checkpointing(model)
     state = SPMDState(mesh, rules, param_dtype, reduce_dtype, input_axes, master, offload)
-    state.wire = wire_setting(comm, tuple(mesh.mesh_dim_names or ()))
+    compiled = any(gathers_in_graph(m) or getattr(m, BODY_COMPILED_ATTR, False) for m in model.modules())
+    state.wire = wire_setting(comm, tuple(mesh.mesh_dim_names or ()), compiled)
     layouts = param_layouts(model, mesh, rules)  # every check runs before anything changes
     bucket = bucket and not _offloads_stage_3(state, layouts)
     check_param_init(model, param_init)

@@ -28,10 +28,16 @@ class Wire:
         return self.params is not None or self.grads is not None
 
 
-def wire_setting(comm, mesh_axes: tuple) -> Wire | None:
-    """The validated `Wire` for `comm` on a mesh with axes `mesh_axes`; None when nothing is set."""
+def wire_setting(comm, mesh_axes: tuple, compiled: bool = False) -> Wire | None:
+    """The validated `Wire` for `comm` on a mesh with axes `mesh_axes`; None when nothing is set. `compiled`:
+    whether the model holds compiled blocks, which gather through DTensor and have no quantized wire."""
     if comm is None:
         return None
+    if compiled:
+        raise ValueError(
+            "comm= does not apply to compiled blocks (spmd.compile_blocks): they gather and reduce through "
+            "DTensor's redistribute, which has no quantized wire; leave the blocks eager or pass comm=None"
+        )
     if not isinstance(comm, dict):
         raise ValueError(f"comm={comm!r} must be a dict such as {{'params': 'int8', 'grads': 'int4'}} (or None)")
     unknown = sorted(set(comm) - set(_KEYS))
