@@ -153,3 +153,11 @@ def test_search_offers_compression_where_parameter_traffic_binds():
         Row("fsdp=8", {"fsdp": 8}, False, compute_s=1.0, activation_comm_s=0.1, param_comm_s=2.0, schedule="1f1b"),
     ):
         assert compression_note(row) == ""
+
+
+def test_a_one_rank_mesh_and_size_one_axes_move_nothing():
+    comm = {"params": "int8", "grads": "int4"}
+    one = spmd.explain(tiny_model(), spmd.Rules.default(), {"fsdp": 1}, (BATCH, SEQ), comm=comm)
+    assert one.collectives == [] and one.memory["wire"] == 0
+    plan = spmd.explain(tiny_model(), spmd.Rules.default(), {"dp": 1, "fsdp": 4}, (BATCH, SEQ), comm=comm)
+    assert plan.collectives and all(c.axes == ("fsdp",) for c in plan.collectives)
