@@ -5,7 +5,7 @@ plan counting quantized bytes and the packed buffers' memory.
 Bounds: int8 and int4 round to the nearest code, so per block max |x - q(x)| <= scale/2 (scale = block
 absmax / 127 or / 7); fp8 e4m3 rounds to 3 mantissa bits, |x - q(x)| <= 2^-4 |x| among normal values and
 2^-10 * scale among subnormal ones. Mutations that fail it (each tried): truncating instead of rounding
-(`.round()` -> `.trunc()`) fails the int bounds; one scale per row instead of per block fails the per-block
+(`.round_()` -> `.trunc_()`) fails the int bounds; one scale per row instead of per block fails the per-block
 bound on rows of mixed magnitude.
 """
 

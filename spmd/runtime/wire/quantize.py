@@ -28,38 +28,49 @@ def packed_bytes(n: int, fmt: str, block: int) -> int:
     return _payload_bytes(n, fmt) + 4 * math.ceil(n / block)
 
 
+def _parts(n: int, block: int) -> list[tuple[int, int, int]]:
+    """(start, stop, values per block) of the whole blocks and of the short last one: each part a view of
+    the row, no padded copy."""
+    whole = n // block * block
+    return [(a, b, k) for a, b, k in ((0, whole, block), (whole, n, n - whole)) if b > a]
+
+
 def quantize(x: torch.Tensor, fmt: str, block: int) -> torch.Tensor:
     """(rows, L) values -> (rows, packed_bytes(L)) uint8: each row's codes then its fp32 scales."""
     rows, n = x.shape
-    nb = math.ceil(n / block)
-    blocks = torch.nn.functional.pad(x.float(), (0, nb * block - n)).view(rows, nb, block)
-    scale = blocks.abs().amax(-1) / FORMATS[fmt]
-    scaled = blocks / torch.where(scale > 0, scale, 1.0).unsqueeze(-1)
-    if fmt == "fp8":
-        codes = scaled.to(torch.float8_e4m3fn).view(torch.uint8)
-    else:
-        ints = scaled.round().clamp_(-FORMATS[fmt], FORMATS[fmt]).to(torch.int8)
-        codes = ints.view(torch.uint8) if fmt == "int8" else _pack_nibbles(ints.view(rows, -1))
-    codes = codes.reshape(rows, -1)[:, : _payload_bytes(n, fmt)]
-    return torch.cat([codes, scale.contiguous().view(torch.uint8).view(rows, -1)], dim=1)
+    x = x.float()
+    codes, scales = [], []
+    for a, b, k in _parts(n, block):
+        blocks = x[:, a:b].reshape(rows, -1, k)
+        scale = blocks.abs().amax(-1, keepdim=True).div_(FORMATS[fmt])
+        scaled = blocks / torch.where(scale > 0, scale, 1.0)
+        if fmt == "fp8":
+            codes.append(scaled.to(torch.float8_e4m3fn).view(torch.uint8).reshape(rows, -1))
+        else:
+            ints = scaled.round_().clamp_(-FORMATS[fmt], FORMATS[fmt]).to(torch.int8).reshape(rows, -1)
+            codes.append(ints.view(torch.uint8) if fmt == "int8" else ints)
+        scales.append(scale.reshape(rows, -1))
+    payload = torch.cat(codes, dim=1)
+    if fmt == "int4":
+        payload = _pack_nibbles(torch.nn.functional.pad(payload, (0, n % 2)))
+    return torch.cat([payload, torch.cat(scales, dim=1).view(torch.uint8)], dim=1)
 
 
 def dequantize(packed: torch.Tensor, n: int, fmt: str, block: int) -> torch.Tensor:
     """(rows, packed_bytes(n)) uint8 -> (rows, n) fp32 values."""
-    rows = packed.shape[0]
-    nb, payload = math.ceil(n / block), _payload_bytes(n, fmt)
-    scale = (
-        packed[:, payload:].clone(memory_format=torch.contiguous_format).view(torch.float32)
-    )  # a fresh storage: views need aligned offsets
+    rows, payload = packed.shape[0], _payload_bytes(n, fmt)
+    scale = packed[:, payload:].clone(memory_format=torch.contiguous_format).view(torch.float32)
     codes = packed[:, :payload]
-    if fmt == "fp8":
-        values = codes.contiguous().view(torch.float8_e4m3fn).float()
-    elif fmt == "int8":
-        values = codes.contiguous().view(torch.int8).float()
+    if fmt == "int4":
+        codes = _unpack_nibbles(codes)[:, :n]
     else:
-        values = _unpack_nibbles(codes)[:, :n].float()
-    values = torch.nn.functional.pad(values, (0, nb * block - n)).view(rows, nb, block)
-    return (values * scale.unsqueeze(-1)).view(rows, -1)[:, :n]
+        codes = codes.view(torch.float8_e4m3fn if fmt == "fp8" else torch.int8)
+    out = torch.empty(rows, n)
+    for a, b, k in _parts(n, block):
+        blocks = out[:, a:b].view(rows, -1, k)
+        blocks.copy_(codes[:, a:b].reshape(rows, -1, k))
+        blocks.mul_(scale[:, a // block : a // block + blocks.shape[1], None])
+    return out
 
 
 def _pack_nibbles(ints: torch.Tensor) -> torch.Tensor:
