@@ -54,6 +54,9 @@ class TrainConfig:
     master: str = "params"  # fp32 master weights with --dtype bf16/fp16: params | optimizer (spmd.parallelize)
     offload: str = ""  # "" | optimizer | params | nvme:DIR: AdamW states and fp32 masters on the host
     # (params: stage-3 parameter shards too; nvme: states in files)
+    comm_params: str = ""  # "" | int8 | fp8: parameter all-gathers as block-quantized codes + scales (qwZ)
+    comm_grads: str = ""  # "" | int8 | int4: gradient reductions quantized, summed in fp32 (qgZ)
+    hpz: str = ""  # mesh axis of hpZ's secondary parameter shards (backward regathers inside it)
     compile: bool = False  # torch.compile each block (spmd.compile_blocks), checkpointed ones too
     float8: bool = False  # linear layers compute in float8 (torchao, tensorwise dynamic scales; spmd.float8_training)
     kernels: str = "auto"  # auto | torch | triton: the model's RMSNorm/SwiGLU/RoPE/CE implementation
@@ -103,6 +106,11 @@ class TrainConfig:
         if self.rules_table:
             return rules_from_table(self.rules_table, "the config's [rules]")
         return Rules.default(sequence_parallel=self.sequence_parallel(), zero=self.zero)
+
+    def comm(self) -> dict | None:
+        """spmd.parallelize's `comm` from --comm-params, --comm-grads and --hpz (None: nothing set)."""
+        comm = {"params": self.comm_params, "grads": self.comm_grads, "hpz": self.hpz}
+        return {k: v for k, v in comm.items() if v} or None
 
     def dp_size(self, world_size: int) -> int:
         return self.rules().data_parallel_size(self.mesh_sizes(world_size))
@@ -233,6 +241,9 @@ def parser() -> argparse.ArgumentParser:
         "stays in --dtype; emulated off CUDA GPUs of sm89+; needs spmd[float8])",
         "offload": "optimizer | params | nvme:DIR: AdamW states and fp32 masters in host memory (params: stage-3 "
         "parameter shards too; nvme: files under DIR), the step on the CPU",
+        "comm_params": "int8 | fp8: parameter all-gathers as block-quantized codes + fp32 scales (ZeRO++ qwZ)",
+        "comm_grads": "int8 | int4: gradient reductions by a quantized all-to-all, summed in fp32 (ZeRO++ qgZ)",
+        "hpz": "AXIS: keep a secondary parameter shard over AXIS so backward regathers inside it (ZeRO++ hpZ)",
     }
     for f in fields(TrainConfig):
         if f.name == "rules_table":  # TOML only

@@ -15,6 +15,7 @@ from spmd.layout.sequence import check_seq_len
 from spmd.pipeline.runtime import validate_pipeline
 from spmd.runtime.state import MASTERS
 from spmd.runtime.transforms.checkpointing import parse_mode as parse_ac_mode
+from spmd.runtime.wire.setting import GRAD_FORMATS, PARAM_FORMATS
 
 from .profile import parse_steps as parse_profile_steps
 
@@ -32,6 +33,7 @@ def config_problems(cfg, world_size: int = 1, model_cfg=None) -> list[str]:
     sizes, flags = cfg.parse_mesh()
     sizes = sizes or {"fsdp": world_size}
     problems += _mesh_problems(cfg, world_size, sizes, flags) + _optimizer_problems(cfg, sizes)
+    problems += _comm_problems(cfg, sizes)
     if model_cfg is None and (not cfg.init_from_hf or cfg.model.startswith("hf:")):
         try:
             model_cfg = cfg.model_config()
@@ -135,6 +137,28 @@ def _zero_problems(cfg) -> list[str]:
             f"fp32 masters in host memory, the step on the CPU), --offload params (stage-3 parameter "
             f"shards too), --offload nvme:DIR (states in files under DIR) or leave it out"
         )
+    return problems
+
+
+def _comm_problems(cfg, sizes: dict) -> list[str]:
+    """--comm-params, --comm-grads and --hpz (spmd.parallelize's `comm`)."""
+    problems = []
+    if cfg.comm_params not in ("", *filter(None, PARAM_FORMATS)):
+        problems.append(f"--comm-params {cfg.comm_params!r} is not supported; use int8 or fp8, or leave it out")
+    if cfg.comm_grads not in ("", *filter(None, GRAD_FORMATS)):
+        problems.append(f"--comm-grads {cfg.comm_grads!r} is not supported; use int8 or int4, or leave it out")
+    if cfg.hpz and sizes.get(cfg.hpz, 1) == 1:
+        problems.append(
+            f"--hpz {cfg.hpz!r} is not an axis of --mesh {format_sizes(sizes)} with more than one rank; name "
+            f"the axis inside a node that keeps backward's secondary parameter shards (e.g. fsdp), or leave it out"
+        )
+    if cfg.comm() and cfg.compile:
+        problems.append(
+            "--comm-params/--comm-grads/--hpz with --compile is not supported (compiled blocks gather and "
+            "reduce through DTensor, which has no quantized wire); leave --compile out"
+        )
+    if cfg.comm() and sizes.get("pp", 1) > 1:
+        problems.append("--comm-params/--comm-grads/--hpz do not apply to pipeline stages yet; leave them out with pp")
     return problems
 
 

@@ -103,6 +103,7 @@ def build_model(cfg: TrainConfig, model_cfg, world: int, device: torch.device):
                 param_init=model.initializer(cfg.seed),
                 master=cfg.master,
                 offload=cfg.offload or None,
+                comm=cfg.comm(),
             )
     return model, mesh, rules.data_parallel_rank(mesh), rules.data_parallel_size(mesh), pipe
 

@@ -28,10 +28,11 @@ from ..runtime.parallelize import no_sync, parallelize
 from ..runtime.parameters.reshard import observe_saved
 from ..runtime.state import STATE_ATTR
 from ..runtime.transforms.checkpointing import apply_activation_checkpointing, parse_mode
+from ..runtime.wire.hpz import secondary_bytes
 from . import record
 from .explain_pipeline import explain_pipeline
 from .fake import fake_world
-from .memory import activation_bytes, local_bytes, memory_per_rank, peak_bytes, unreduced_bytes
+from .memory import activation_bytes, local_bytes, memory_per_rank, peak_bytes, unreduced_bytes, wire_buffer_bytes
 from .optimizer_step import planning_optimizer, record_optimizer_step
 from .plan import Plan
 
@@ -55,6 +56,7 @@ def explain(
     reduce_dtype=torch.float32,
     master: str = "params",
     offload: str | None = None,
+    comm: dict | None = None,
 ) -> Plan:
     """Plans one training step of `model` (forward, backward, gradient reduction) on a mesh of any size.
 
@@ -74,7 +76,10 @@ def explain(
     reduce-scatters of the gradients backward left unreduced (phase `optimizer`). `reduce_dtype`, `master`
     and `offload` mean what they mean to `parallelize`; `plan.memory` counts each state in its layout and
     dtype, host bytes apart (spmd/analysis/memory.py), and `plan.memory["peak"]` is the most tensor bytes a rank
-    holds during the step (memory.peak_bytes; not given under `offload` or with a `pp` axis).
+    holds during the step (memory.peak_bytes; not given under `offload` or with a `pp` axis). `comm`: the
+    wire precision, as `parallelize` takes it: collectives count their quantized bytes (payload + scales)
+    and `plan.memory["wire"]` the packed buffers of the largest quantized collective, `plan.memory["hpz"]`
+    hpZ's secondary parameter copies (both in the total).
     """
     dtensor.install()
     pipeline = dict(schedule=schedule, microbatches=microbatches, virtual_stages=virtual_stages, split_cost=split_cost)
@@ -89,6 +94,10 @@ def explain(
     dtype = as_dtype(dtype)
     parse_mode(ac)
     precision = dict(reduce_dtype=as_dtype(reduce_dtype), master=master, offload=offload)
+    if comm is not None:
+        if sizes.get("pp", 1) > 1:
+            raise ValueError("explain: comm= does not apply to pipeline stages yet; plan a pp mesh with comm=None")
+        precision["comm"] = comm
     _check_grad_accum(grad_accum, sizes)
     if dist.is_initialized() and dist.get_backend() != "fake":
         plan = _explain_in_child(
@@ -147,6 +156,7 @@ def dry_run(
         if unreduced > memory["gradients"]:  # held until the last micro-batch's backward reduces them
             memory["total"] += unreduced - memory["gradients"]
             memory["gradients"] = unreduced
+        _wire_memory(memory, model, recorder.records, full)
         if not (precision or {}).get("offload"):  # offloaded states move through host memory: not modelled
             buffers = sum(local_bytes(b) for b in model.buffers())
             memory["peak"] = peak_bytes(memory, *unreduced_bytes(model, getattr(model, STATE_ATTR)), buffers)
@@ -157,6 +167,17 @@ def dry_run(
             memory=memory,
             attention=attention,
         )
+
+
+def _wire_memory(memory: dict, model, records, sizes: dict) -> None:
+    """What `comm` adds: the packed buffers of the largest quantized collective, hpZ's secondary copies."""
+    state = getattr(model, STATE_ATTR)
+    if state.wire is not None and state.wire.compressed:
+        memory["wire"] = wire_buffer_bytes(records, sizes)
+        memory["total"] += memory["wire"]
+    if state.wire is not None and state.wire.hpz is not None:
+        memory["hpz"] = secondary_bytes(model, state)
+        memory["total"] += memory["hpz"]
 
 
 def _run_step(model: nn.Module, recorder, tokens, grad_accum: int, positions=None) -> tuple[int, int, dict]:

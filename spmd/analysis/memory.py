@@ -5,7 +5,8 @@ Each state is counted in its own layout (spmd.Rules: params, grads and optimizer
 as stored; gradients in the parameters' dtype (autograd holds them so); optimizer states in the master's
 dtype, plus the fp32 master copy itself when `master="optimizer"` keeps one beside lower-precision parameters
 (the ZeRO paper's K = 12 for Adam: 4 master + 4 + 4 moments). `peak_bytes` adds what is live on top of
-those at the moment a step's live tensor bytes peak, and the model's buffers.
+those at the moment a step's live tensor bytes peak, and the model's buffers. `wire_buffer_bytes`: what a
+quantized wire (spmd.parallelize's `comm`) adds, the packed send and receive buffers of its largest collective.
 """
 
 import math
@@ -20,8 +21,17 @@ from ..runtime.dtensor.wrap import local_of
 from ..runtime.experts.dispatch import EXPERTS
 from ..runtime.parameters.reshard import storage_key
 from ..runtime.state import STATE_ATTR
+from ..runtime.wire.flat import ON_THE_WIRE
 
-__all__ = ["activation_bytes", "local_bytes", "memory_per_rank", "peak_bytes", "unreduced_bytes", "OPTIMIZER_STATES"]
+__all__ = [
+    "activation_bytes",
+    "local_bytes",
+    "memory_per_rank",
+    "peak_bytes",
+    "unreduced_bytes",
+    "wire_buffer_bytes",
+    "OPTIMIZER_STATES",
+]
 
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 0}  # states per parameter element
 
@@ -143,3 +153,16 @@ def _numel(p, layout_attr: str) -> int:
         return local.numel()
     shape, _ = compute_local_shape_and_global_offset(p.shape, p.device_mesh, layout)
     return math.prod(shape)
+
+
+def wire_buffer_bytes(records, sizes: dict) -> int:
+    """The most bytes one quantized collective's packed codes and scales hold on a rank at once: an
+    all-gather's send row and the n rows it receives, an all-to-all's n rows sent and n received."""
+    most = 0
+    for c in records:
+        if ON_THE_WIRE not in c.reason:
+            continue
+        n = math.prod(sizes[a] for a in c.axes)
+        rows = c.bytes * n // (n - 1)  # the ring convention's bytes, back to every row
+        most = max(most, rows + (rows // n if c.kind == "all_gather" else rows))
+    return most

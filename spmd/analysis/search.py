@@ -44,7 +44,7 @@ from .candidates import candidate_specs, candidates, expert_count, mesh_problem,
 from .devices import Device, get_device
 from .search_pipeline import Pipeline, pipeline_sizes, plan_pipeline
 from .search_pool import Progress, Workers, plan_all
-from .search_rows import Row, SearchResult
+from .search_rows import Row, SearchResult, compression_note
 from .step_time import flops_per_token, links, predict, recompute_fraction
 from .summaries import accumulated, as_model, checkpointed, frozen, model_state_bytes, rules_for
 
@@ -347,6 +347,7 @@ def _fill(row: Row, chosen, dev: Device, compute_s: float, n_blocks: int, tokens
         row.step_s += row.bubble_s
     row.tokens_per_s = tokens / row.step_s
     row.mfu = row.tokens_per_s * mfu_per_token_s
+    row.note = compression_note(row)
     if s.memory["total"] > row.budget:
         row.fits = False
         row.note = (

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
-__all__ = ["Row", "SearchResult"]
+__all__ = ["Row", "SearchResult", "compression_note"]
 
 
 @dataclass
@@ -52,6 +52,18 @@ class Row:
         return {**asdict(self), "comm_s": self.comm_s, "flags": self.flags}
 
 
+def compression_note(row: Row) -> str:
+    """A note offering the quantized wire (docs/compression.md) to a spec whose predicted step is bound by
+    parameter and gradient traffic, or "" (activation traffic and pipelines it does not compress)."""
+    dp = row.sizes.get("dp", 1) * row.sizes.get("fsdp", 1)
+    if row.schedule or dp == 1 or not (row.comm_s > row.compute_s and row.param_comm_s > row.activation_comm_s):
+        return ""
+    return (
+        f"communication-bound ({row.param_comm_s:.3g} s of parameter/gradient traffic > {row.compute_s:.3g} s "
+        f"compute): --comm-params int8 --comm-grads int4 move about 1/2 and 1/8 of those bytes"
+    )
+
+
 class SearchResult(list):
     """The ranked rows (fastest first) that fit; `.dropped` holds the rest with the reason."""
 
@@ -92,4 +104,5 @@ def _fmt_row(rank, r: Row) -> str:
         f"{rank:>3} {r.spec:<22} {zero:>4} {r.step_s:>9.4g} {r.compute_s:>9.4g} {r.recompute_s:>8.3g} "
         f"{r.activation_comm_s:>9.4g} {r.param_comm_s:>9.4g} {r.hidden_s:>8.3g} {r.tokens_per_s:>11,.0f} "
         f"{100 * r.mfu:>5.1f}% {r.memory.get('total', 0) / 2**30:>8.2f} {r.comm_bytes / 1e9:>9.3f}  {r.flags}"
+        + (f"  ({r.note})" if r.note else "")
     )

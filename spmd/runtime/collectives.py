@@ -13,6 +13,9 @@ segment, and every rank receives every segment, from which the whole tensors are
 Used by the block buckets' gradient reductions (spmd.runtime.parameters.buckets), the reductions across blocks
 (spmd.runtime.gradients.reducer), ZeRO-1/2's step reductions (spmd.runtime.gradients.step_reduce) and their all-gathers
 of the updated parameters (spmd.runtime.optimizer.shard).
+
+Handed a `wire` (spmd.runtime.wire.Wire) whose `params` or `grads` names a format, a gather or a reduction
+over an axis of more than one rank travels quantized instead (spmd.runtime.wire.flat): payload + scales.
 """
 
 import torch
@@ -21,8 +24,9 @@ import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import Shard
 
 from ..layout.mesh import group_over
+from .wire import flat as wire_flat
 
-__all__ = ["wait", "Flat", "reduce_scatter", "all_reduce", "all_gather", "all_gather_buffer"]
+__all__ = ["wait", "Flat", "reduce_scatter", "all_reduce", "all_gather", "all_gather_buffer", "all_gather_dims"]
 
 # torch 2.13 names the flat collectives *_single and deprecates the *_tensor names; earlier releases have only those
 _all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
@@ -31,7 +35,7 @@ _reduce_scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduc
 
 def wait(t: torch.Tensor) -> torch.Tensor:
     """The value of a collective issued through functional collectives (a plain tensor passes through)."""
-    return t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t
+    return t.wait() if isinstance(t, (funcol.AsyncCollectiveTensor, wire_flat.Pending)) else t
 
 
 class Flat:
@@ -69,24 +73,34 @@ def _padded(row: list, seg: int) -> list:
     return row + ([row[0].new_zeros(short)] if short else [])
 
 
-def reduce_scatter(tensors: list, dims: list, mesh, m: int) -> Flat:
-    """Sums `tensors` over mesh dim `m`; each rank receives its chunk of each along its dim in `dims`."""
+def reduce_scatter(tensors: list, dims: list, mesh, m: int, wire=None) -> Flat:
+    """Sums `tensors` over mesh dim `m`; each rank receives its chunk of each along its dim in `dims`
+    (with `wire.grads`: each rank's chunk quantized, by all-to-all, summed in fp32)."""
     n, rank = mesh.size(m), mesh.get_local_rank(m)
     chunks = [Shard(d)._split_tensor(t, n, with_padding=False)[0] for t, d in zip(tensors, dims)]
     seg = _segment(chunks, n)
     parts = []
     for r in range(n):
         parts += _padded([c[r].reshape(-1) for c in chunks], seg)
-    out = _reduce_scatter(torch.cat(parts), "sum", 0, (mesh, m))
+    if wire is not None and wire.grads is not None and n > 1:
+        out = wire_flat.reduce_scatter(torch.cat(parts).view(n, seg), wire.grads, wire.block, (mesh, m))
+    else:
+        out = _reduce_scatter(torch.cat(parts), "sum", 0, (mesh, m))
     return Flat(out, [c[rank].shape for c in chunks])
 
 
-def all_reduce(tensors: list, mesh, dims) -> Flat:
+def all_reduce(tensors: list, mesh, dims, wire=None) -> Flat:
     """Sums `tensors` over mesh dim `dims` (an int, or several dims as one flattened group); every rank
-    receives each whole."""
+    receives each whole (with `wire.grads`: a quantized reduce-scatter then a quantized all-gather)."""
     dims = (dims,) if isinstance(dims, int) else dims
     group = group_over(mesh, dims)
     out = torch.cat([t.reshape(-1) for t in tensors])
+    if wire is not None and wire.grads is not None:
+        # hop by hop without a flattened group: the inner axis (inside a node) first, as qgZ
+        for g in [group] if group is not None else [mesh.get_group(m) for m in sorted(dims, reverse=True)]:
+            n = dist.get_world_size(g)
+            out = out if n == 1 else wire_flat.all_reduce(out, wire.grads, wire.block, g, n)
+        return Flat(out, [t.shape for t in tensors])
     work = None
     for g in [group] if group is not None else [mesh.get_group(m) for m in dims]:  # else axis by axis
         if work is not None:
@@ -97,14 +111,14 @@ def all_reduce(tensors: list, mesh, dims) -> Flat:
     return Flat(out, [t.shape for t in tensors], work)
 
 
-def all_gather(tensors: list, dims: list, shapes: list, mesh, m: int) -> list:
+def all_gather(tensors: list, dims: list, shapes: list, mesh, m: int, wire=None) -> list:
     """Each rank's chunk (`tensors`) of whole tensors of `shapes`, split along their dims in `dims` over mesh
     dim `m`, gathered: the whole tensors, on every rank."""
     n = mesh.size(m)
     chunks = [_chunk_shapes(s, d, n) for s, d in zip(shapes, dims)]
     seg = _segment(chunks, n)
     buf = torch.cat(_padded([t.reshape(-1) for t in tensors], seg))
-    gathered = wait(all_gather_buffer(buf, mesh, m)).view(n, seg)
+    gathered = wait(all_gather_buffer(buf, mesh, m, wire)).view(n, seg)
     out, at = [], [0] * n
     for c, d in zip(chunks, dims):
         parts = []
@@ -116,6 +130,19 @@ def all_gather(tensors: list, dims: list, shapes: list, mesh, m: int) -> list:
     return out
 
 
-def all_gather_buffer(buffer: torch.Tensor, mesh, m: int) -> torch.Tensor:
-    """Every rank's `buffer` (one flat tensor) over mesh dim `m`, back to back; issued, waited on when read."""
+def all_gather_buffer(buffer: torch.Tensor, mesh, m: int, wire=None) -> torch.Tensor:
+    """Every rank's `buffer` (one flat tensor) over mesh dim `m`, back to back; issued, waited on when read
+    (with `wire.params`: quantized codes + scales travel, dequantized to the buffer's dtype when read)."""
+    if wire is not None and wire.params is not None and mesh.size(m) > 1:
+        return wire_flat.gather(buffer, wire.params, wire.block, (mesh, m), mesh.size(m))
     return _all_gather(buffer, 0, (mesh, m))
+
+
+def all_gather_dims(local: torch.Tensor, dims: dict, mesh, wire=None) -> torch.Tensor:
+    """A tensor whose shards are equal on every rank, gathered over each mesh dim of `dims` ({mesh dim:
+    tensor dim}, in mesh order): the whole tensor along those dims."""
+    for m in sorted(dims):
+        n = mesh.size(m)
+        rows = wait(all_gather_buffer(local.reshape(-1), mesh, m, wire)).view(n, *local.shape)
+        local = torch.cat(list(rows.unbind(0)), dim=dims[m])
+    return local

@@ -31,8 +31,10 @@ from .local.blocks import local_blocks
 from .local.whole_model import whole_model_members
 from .parameters.buckets import make_buckets
 from .parameters.host import host_params
+from .parameters.reshard import BODY_COMPILED_ATTR, gathers_in_graph
 from .parameters.storage import check_param_init, laid_out_buffer, laid_out_param
 from .state import STATE_ATTR, SPMDState
+from .wire import wire_setting
 
 __all__ = ["parallelize", "no_sync", "param_layouts"]
 
@@ -83,6 +85,7 @@ def parallelize(
     master: str = "params",
     offload=None,
     bucket_mb=DEFAULT_BUCKET_MB,
+    comm: dict | None = None,
 ) -> nn.Module:
     """Lays `model` out on `mesh` following `rules`, in place, and returns it.
 
@@ -104,12 +107,18 @@ def parallelize(
     fp32 and are cast when gathered; "optimizer": the parameters are stored in `param_dtype` and the fp32
     copy lives with the optimizer states, in the optimizer map's layout (spmd.shard_optimizer). `offload`: they
     live in host memory ("optimizer"; "nvme:DIR": files; "params": stage-3 parameter shards too, runtime.host).
+
+    `comm`: the wire precision of the gathers and reductions (ZeRO++), e.g. {"params": "int8", "grads":
+    "int4", "block": 4096}: parameters gather as int8/fp8 codes + one fp32 scale per block, gradients reduce
+    by a quantized all-to-all summed in fp32 (spmd.runtime.wire; docs/compression.md).
     """
     if hasattr(model, STATE_ATTR):
         raise ValueError("this model is already parallelized; build a fresh model to lay it out again")
     dtensor.install()
     _refuse_foreign_checkpointing(model)
     state = SPMDState(mesh, rules, param_dtype, reduce_dtype, input_axes, master, offload)
+    compiled = any(gathers_in_graph(m) or getattr(m, BODY_COMPILED_ATTR, False) for m in model.modules())
+    state.wire = wire_setting(comm, tuple(mesh.mesh_dim_names or ()), compiled)
     layouts = param_layouts(model, mesh, rules)  # every check runs before anything changes
     bucket = bucket and not _offloads_stage_3(state, layouts)
     check_param_init(model, param_init)
@@ -157,7 +166,7 @@ def _lay_out_tensors(model: nn.Module, state: SPMDState, layouts: dict, param_in
 
 
 def _install_buckets(model: nn.Module, state: SPMDState, bucket_mb: float):
-    state.buckets, state.bucket_of = make_buckets(model, state.mesh)
+    state.buckets, state.bucket_of = make_buckets(model, state.mesh, state.wire)
     state.local_members = local_blocks(model, state)
     for m in model.modules():
         if id(m) in state.local_members:
@@ -165,7 +174,7 @@ def _install_buckets(model: nn.Module, state: SPMDState, bucket_mb: float):
     whole = whole_model_members(model, state)
     if whole is not None:  # a mesh of one rank: nothing moves anywhere
         state.local_members[id(model)] = whole
-    state.reducer = GradientReducer(state.mesh, bucket_mb) if bucket_mb > 0 else None
+    state.reducer = GradientReducer(state.mesh, bucket_mb, state.wire) if bucket_mb > 0 else None
 
 
 def _refuse_foreign_checkpointing(model: nn.Module) -> None:

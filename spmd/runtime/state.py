@@ -73,6 +73,7 @@ class SPMDState:
         self.bucket_values: dict = {}  # id(param) -> gathered value, while its block runs forward
         self.prefetched: dict = {}  # id(bucket) -> its gather, issued while the block before ran
         self.reducer = None  # reducer.GradientReducer: bucket gradients reduced across blocks
+        self.wire = None  # spmd.runtime.wire.Wire: the precision gathers and reductions travel in (comm=)
         self.local_members: dict = {}  # id(block) -> its (module, name, param): blocks that may run locally
         self.local: list = []  # the local.LocalBlock calls running now
         self.global_view: list = []  # (module, GlobalView, phase before it) entered by the root or a recompute

@@ -38,19 +38,19 @@ class _Issued:
         self.summing = self.scatter is None  # whether `pending` is the last collective
         self.copied = False  # whether its results were handed to the copy-out
 
-    def advance(self, mesh):
+    def advance(self, mesh, wire=None):
         """Waits for the reduce-scatter and issues the all-reduce of its shards (no-op when that is done)."""
         if self.summing:
             return
         self.summing = True
         if self.summed:
             with tags.phase("backward"), tags.reason(self.block, f"all-reduce {self.what}, shards"):
-                self.pending = collectives.all_reduce(self.pending.results(), mesh, self.summed)
+                self.pending = collectives.all_reduce(self.pending.results(), mesh, self.summed, wire)
 
 
 class GradientReducer:
-    def __init__(self, mesh, bucket_mb: float = DEFAULT_BUCKET_MB):
-        self.mesh, self.cap = mesh, int(bucket_mb * 2**20)
+    def __init__(self, mesh, bucket_mb: float = DEFAULT_BUCKET_MB, wire=None):
+        self.mesh, self.cap, self.wire = mesh, int(bucket_mb * 2**20), wire  # wire: spmd.runtime.wire.Wire
         self.first_cap = min(self.cap, int(FIRST_BUCKET_MB * 2**20))
         self.started: set = set()  # keys with a buffer issued in this backward (the later ones take `cap`)
         self.open: dict = {}  # (scatter dim | None, summed dims, dtype) -> [(param, unreduced gradient, block)]
@@ -84,16 +84,16 @@ class GradientReducer:
         what = f"gradients of {', '.join(blocks)} ({len(members)} parameters, one buffer)"
         tensors = [local_of(g) for _, g, _ in members]
         for earlier in self.issued:
-            earlier.advance(self.mesh)
+            earlier.advance(self.mesh, self.wire)
         with tags.phase("backward"):
             if scatter is not None:
                 with tags.reason(blocks[0], f"reduce-scatter {what}"):
                     pending = collectives.reduce_scatter(
-                        tensors, [grads_layout(p)[scatter].dim for p, _, _ in members], self.mesh, scatter
+                        tensors, [grads_layout(p)[scatter].dim for p, _, _ in members], self.mesh, scatter, self.wire
                     )
             else:
                 with tags.reason(blocks[0], f"all-reduce {what}"):
-                    pending = collectives.all_reduce(tensors, self.mesh, summed)
+                    pending = collectives.all_reduce(tensors, self.mesh, summed, self.wire)
         self._copy_out(self.issued)  # those issued before: they have had this buffer's backward to travel
         # the unreduced gradients were copied into the buffer: only their layouts are kept, so each is freed
         # now rather than held to the end of backward (a whole gradient's worth more at the peak)
@@ -115,7 +115,7 @@ class GradientReducer:
             self._issue(key)
         issued, self.issued, self.queued, self.started = self.issued, [], False, set()
         for buffer in issued:
-            buffer.advance(self.mesh)
+            buffer.advance(self.mesh, self.wire)
         if self.copies is not None:
             self._copy_out(issued)
             self.copies.side.join()  # the copy-out waited for those collectives on its stream

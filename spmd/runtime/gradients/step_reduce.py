@@ -16,9 +16,10 @@ from .layouts import reduce_to, slice_onto_shards
 __all__ = ["reduce_all_to"]
 
 
-def reduce_all_to(grads: list, targets: list, why: str) -> list:
+def reduce_all_to(grads: list, targets: list, why: str, wire=None) -> list:
     """[g.redistribute(target)] for DTensor gradients whose placements are partial sums or already the
-    targets', in one collective per mesh axis and kind; `why` tags them for the collective recorder."""
+    targets', in one collective per mesh axis and kind; `why` tags them for the collective recorder; `wire`
+    (spmd.runtime.wire.Wire): the precision the flat reductions travel in."""
     out = list(grads)
     flat = [i for i, (g, t) in enumerate(zip(grads, targets)) if _bucketable(g, t)]
     for i in set(range(len(grads))) - set(flat):
@@ -33,7 +34,7 @@ def reduce_all_to(grads: list, targets: list, why: str) -> list:
         members = [i for i in flat if current[i][m].is_partial() and targets[i][m].is_shard()]
         if members:
             with tags.reason("", f"{why} (one reduce-scatter over {mesh.mesh_dim_names[m]})"):
-                locals_.update(_reduce_scatter(mesh, m, {i: (locals_[i], targets[i][m].dim) for i in members}))
+                locals_.update(_reduce_scatter(mesh, m, {i: (locals_[i], targets[i][m].dim) for i in members}, wire))
             for i in members:
                 current[i][m] = targets[i][m]
     summed: dict = {}  # the mesh dims a gradient is still summed over -> its members
@@ -43,7 +44,7 @@ def reduce_all_to(grads: list, targets: list, why: str) -> list:
             summed.setdefault(dims, []).append(i)
     for dims, members in summed.items():
         with tags.reason("", f"{why} (one all-reduce over {'+'.join(mesh.mesh_dim_names[m] for m in dims)})"):
-            locals_.update(_all_reduce(mesh, dims, {i: locals_[i] for i in members}))
+            locals_.update(_all_reduce(mesh, dims, {i: locals_[i] for i in members}, wire))
         for i in members:
             for m in dims:
                 current[i][m] = Replicate()
@@ -62,11 +63,12 @@ def _bucketable(g: DTensor, target) -> bool:
     )
 
 
-def _reduce_scatter(mesh, m: int, members: dict) -> dict:
+def _reduce_scatter(mesh, m: int, members: dict, wire) -> dict:
     """{i: (local, shard dim)} -> {i: this rank's shard of the sum over mesh axis m}."""
-    pending = collectives.reduce_scatter([t for t, _ in members.values()], [d for _, d in members.values()], mesh, m)
+    tensors, dims = [t for t, _ in members.values()], [d for _, d in members.values()]
+    pending = collectives.reduce_scatter(tensors, dims, mesh, m, wire)
     return dict(zip(members, pending.results()))
 
 
-def _all_reduce(mesh, dims: tuple, members: dict) -> dict:
-    return dict(zip(members, collectives.all_reduce(list(members.values()), mesh, dims).results()))
+def _all_reduce(mesh, dims: tuple, members: dict, wire) -> dict:
+    return dict(zip(members, collectives.all_reduce(list(members.values()), mesh, dims, wire).results()))

@@ -159,7 +159,7 @@ class LocalBlock:
         for (m, n, p), regathers in zip(self.members, regathered):
             local = m.__dict__[n] = self.value(values, p)
             if regathers:
-                regather[storage_key(local)] = (p, p._spmd_compute)
+                regather[storage_key(local)] = (p, p._spmd_compute, None)
         self.put_buffers()
         if regather and not getattr(self.module, CHECKPOINTED_ATTR, False):
             self.hooks = reshard_after_forward(regather, state, self.name)

@@ -131,7 +131,9 @@ def reduce_gradients(model: nn.Module) -> None:
     ]
     grads = [p.grad if dtype is None else p.grad.to(dtype) for p in held]
     with tags.phase("optimizer"):
-        reduced = reduce_all_to(grads, [optim_layout(p) for p in held], "reduce gradient buckets into optimizer shards")
+        reduced = reduce_all_to(
+            grads, [optim_layout(p) for p in held], "reduce gradient buckets into optimizer shards", parts[0][1].wire
+        )
     for p, g in zip(held, reduced):
         p.grad = g.to(p.dtype)
 

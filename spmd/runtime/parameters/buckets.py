@@ -61,6 +61,7 @@ class Bucket:
         self.regathered: dict | None = None  # id(param) -> gathered DTensor, during this bucket's backward
         self.pending_regather = None  # a regather issued ahead, during the next block's backward
         self.keep = False  # the root unit: gathered values stay alive for backward
+        self.wire = None  # spmd.runtime.wire.Wire: the precision the gathers travel in
 
     def issue(self, dtype, why: str):
         """Starts the all-gather of the first mesh axis (asynchronous); `finish` completes the gather. Issued
@@ -77,7 +78,7 @@ class Bucket:
         for group in _by_dtype([i for i, dims in enumerate(self.shard_dims) if m in dims], locals_):
             buffer = torch.cat([locals_[i].reshape(-1) for i in group])
             with tags.reason(self.name, f"{why} ({len(group)} parameters, one buffer)"):
-                launched.append((group, collectives.all_gather_buffer(buffer, self.mesh, m)))
+                launched.append((group, collectives.all_gather_buffer(buffer, self.mesh, m, self.wire)))
         return launched
 
     def finish(self, pending) -> list[DTensor]:
@@ -155,7 +156,7 @@ class Bucket:
                     if _bucketable(g.placements[m], grads_layout(self.params[i])[m], kind, work[i], mesh.size(m))
                 ]
                 for group in _by_dtype(members, {i: local_of(work[i]) for i in members}):
-                    self._reduce_group(work, group, m, kind)
+                    self._reduce_group(work, group, m, kind, state)
         for i, g in work.items():
             storage = grads_layout(self.params[i])
             if tuple(g.placements) != storage:
@@ -184,17 +185,17 @@ class Bucket:
         reducer.add(p, g, scatter[0] if scatter else None, tuple(summed), self.name)
         return True
 
-    def _reduce_group(self, work: dict, group: list, m: int, kind: str):
+    def _reduce_group(self, work: dict, group: list, m: int, kind: str, state):
         mesh, what = self.mesh, f"gradients of {self.name} ({len(group)} parameters, one buffer)"
         tensors = [local_of(work[i]) for i in group]
         if kind == "reduce_scatter":
             with tags.reason(self.name, f"reduce-scatter {what}"):
                 pending = collectives.reduce_scatter(
-                    tensors, [grads_layout(self.params[i])[m].dim for i in group], mesh, m
+                    tensors, [grads_layout(self.params[i])[m].dim for i in group], mesh, m, state.wire
                 )
         else:
             with tags.reason(self.name, f"all-reduce {what}"):
-                pending = collectives.all_reduce(tensors, mesh, m)
+                pending = collectives.all_reduce(tensors, mesh, m, state.wire)
         for i, reduced in zip(group, pending.results()):
             g = work[i]
             placements = list(g.placements)
@@ -281,9 +282,10 @@ def regather_for_recompute(bucket: Bucket, state) -> dict:
     return {id(p): v for p, v in zip(bucket.params, _GatherBucket.apply(bucket, state, pending, *bucket.params))}
 
 
-def make_buckets(model, mesh) -> tuple[dict, dict]:
+def make_buckets(model, mesh, wire=None) -> tuple[dict, dict]:
     """({id(module): Bucket}, {id(param): Bucket}) for the model's repeated blocks and its root unit (the
-    parameters outside the blocks). A bucket holds parameters that shard_dims covers and no two modules share."""
+    parameters outside the blocks). A bucket holds parameters that shard_dims covers and no two modules share;
+    its gathers travel in `wire`'s precision."""
     try:
         path, blocks = find_blocks(model)
     except ValueError:
@@ -304,6 +306,8 @@ def make_buckets(model, mesh) -> tuple[dict, dict]:
             chain.append(b)
     for a, b in zip(chain, chain[1:]):  # blocks run in list order: each prefetches the next
         a.next, b.prev = b, a
+    for b in chain:
+        b.wire = wire
     rest = list(
         {
             id(p): p
@@ -316,7 +320,7 @@ def make_buckets(model, mesh) -> tuple[dict, dict]:
     )
     if rest:  # the root unit (FSDP2's): gathered once as the model starts, kept until backward
         root = Bucket(type(model).__name__, model, rest, mesh)
-        root.keep = True
+        root.keep, root.wire = True, wire
         root.next = chain[0] if chain else None
         by_block[id(model)] = root
         by_param.update({id(p): root for p in rest})

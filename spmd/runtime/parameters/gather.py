@@ -26,6 +26,8 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from .. import tags
 from ..gradients.layouts import grads_layout, held_for_step, held_layout, join_unreduced, reduce_for_step, reduce_to
+from ..wire.hpz import keep_secondary
+from ..wire.param import gather_on_wire
 from .buckets import gather_bucket
 from .host import to_compute, to_host
 from .reshard import BODY_COMPILED_ATTR, CHECKPOINTED_ATTR, reshard_after_forward, storage_key
@@ -49,7 +51,7 @@ class _GatherParam(torch.autograd.Function):
         if tuple(x.placements) == tuple(placements):
             return x.view_as(x) if x is p else x
         with tags.reason(module, f"gather {name} to its compute layout"):
-            return x.redistribute(placements=placements)
+            return gather_on_wire(x, placements, state.wire) or x.redistribute(placements=placements)
 
     @staticmethod
     def backward(ctx, g: DTensor):
@@ -146,7 +148,7 @@ def gather_module_params(state, mod, name: str, param_names, weight_layout=None)
         g = _gathered(state, p, compute, name, compiling)
         mod.__dict__[p_name] = g
         if not compiling and moves_data(p.placements, compute, state.mesh) and not kept_for_backward(state, p):
-            regather[storage_key(g)] = (p, compute)
+            regather[storage_key(g)] = (p, compute, keep_secondary(g, p, compute, state.wire))
     if not regather or compiling or getattr(mod, CHECKPOINTED_ATTR, False):
         return None
     hooks = reshard_after_forward(regather, state, name)

@@ -14,6 +14,7 @@ from torch.distributed.tensor import DTensor
 from .. import tags
 from ..activations import attention_memory
 from ..dtensor.wrap import local_of
+from ..wire.hpz import regather_secondary
 from .host import to_compute
 
 __all__ = [
@@ -47,11 +48,11 @@ def storage_key(t: torch.Tensor) -> int:
 
 
 class _Regather:
-    __slots__ = ("param", "compute", "dtype", "module", "local_view", "spec", "bucket", "state")
+    __slots__ = ("param", "compute", "dtype", "module", "local_view", "spec", "bucket", "state", "secondary")
 
-    def __init__(self, param, compute, dtype, module, t: torch.Tensor, bucket=None, state=None):
+    def __init__(self, param, compute, dtype, module, t: torch.Tensor, bucket=None, state=None, secondary=None):
         self.param, self.compute, self.dtype, self.module, self.bucket = param, compute, dtype, module, bucket
-        self.state = state
+        self.state, self.secondary = state, secondary  # secondary: hpZ's copy (spmd.runtime.wire.hpz)
         local = local_of(t)
         self.local_view = (local.size(), local.stride(), local.storage_offset())
         # a plain tensor is a view of the gathered local shard (experts compute on local tensors)
@@ -60,6 +61,8 @@ class _Regather:
     def materialize(self) -> DTensor:
         if self.bucket is not None:  # the whole block's parameters, gathered once for its backward
             full = self.bucket.regather(self.dtype)[id(self.param)]
+        elif self.secondary is not None:
+            full = regather_secondary(self.secondary, self.compute, self.module, self.param._spmd_name)
         else:
             p = to_compute(self.param.detach(), self.dtype, self.state)
             with tags.reason(self.module, f"regather {self.param._spmd_name} for backward"):
@@ -76,12 +79,14 @@ class _Regather:
 
 
 def reshard_after_forward(gathered: dict, state, module: str):
-    """saved_tensors_hooks that swap tensors aliasing `gathered` ({storage key: (param, compute)})."""
+    """saved_tensors_hooks that swap tensors aliasing `gathered` ({storage key: (param, compute, hpZ's
+    secondary copy or None)})."""
 
     def pack(t):
         hit = gathered.get(storage_key(t))
         if hit is not None:
-            return _Regather(hit[0], hit[1], state.param_dtype, module, t, state.bucket_of.get(id(hit[0])), state)
+            bucket = state.bucket_of.get(id(hit[0]))
+            return _Regather(hit[0], hit[1], state.param_dtype, module, t, bucket, state, hit[2])
         _observe(t)
         return t
 

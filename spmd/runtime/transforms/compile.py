@@ -58,6 +58,12 @@ def compile_blocks(model: nn.Module, blocks: str | None = None, bucket: bool = T
             "compile_blocks does not support parallelize(offload='params') (a compiled block gathers "
             "parameters where they are stored); leave the blocks eager, or use offload='optimizer'"
         )
+    if getattr(getattr(model, STATE_ATTR, None), "wire", None) is not None:
+        raise ValueError(
+            "compile_blocks does not support parallelize(comm=...): a compiled block gathers and reduces "
+            "through DTensor's redistribute, which has no quantized wire format; leave the blocks eager "
+            "(drop --compile) or lay the model out with comm=None"
+        )
     if bucket:
         from torch._inductor import config as inductor_config
 

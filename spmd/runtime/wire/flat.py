@@ -1,0 +1,89 @@
+"""The flat collectives in a quantized wire format (spmd.runtime.collectives hands them over).
+
+* A parameter all-gather (qwZ): each rank quantizes its flat buffer, the packed codes + scales are
+  all-gathered, every rank dequantizes each rank's row back to the buffer's dtype.
+* A gradient reduce-scatter (qgZ): each rank quantizes the row bound for each rank, one all-to-all delivers
+  them, and the receiver dequantizes the n rows and sums them in fp32 (never in the low-precision type).
+* A gradient all-reduce: that reduce-scatter over equal cuts of the flat buffer, then an all-gather of each
+  rank's summed cut in the same wire format (so both hops carry payload + scales, as DeepSpeed's compressed
+  all-reduce does on its server side).
+Each is issued at once and finished when its value is read (`wait`). Its reason for the collective recorder
+gains "<format> on the wire" (explain counts those collectives' packed buffers in `memory["wire"]`).
+"""
+
+import contextlib
+
+import torch
+import torch.distributed._functional_collectives as funcol
+
+from .. import tags
+from .quantize import dequantize, quantize
+
+__all__ = ["Pending", "gather", "reduce_scatter", "all_reduce", "ON_THE_WIRE"]
+
+ON_THE_WIRE = "on the wire"
+
+_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+
+
+def _wait(t):
+    return t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t
+
+
+def _tagged(fmt: str):
+    """The caller's reason, naming the wire format."""
+    now = tags.current_reason()
+    if now is None:
+        return contextlib.nullcontext()
+    module, why, origin = now
+    return tags.reason(module, f"{why}; {fmt} {ON_THE_WIRE}", origin)
+
+
+class Pending:
+    """An issued quantized collective: `wait()` finishes it (dequantizes, sums) once and gives the value."""
+
+    def __init__(self, out, finish):
+        self.out, self.finish, self.value = out, finish, None
+
+    def wait(self) -> torch.Tensor:
+        if self.value is None:
+            self.value = self.finish(_wait(self.out))
+        return self.value
+
+
+def gather(buffer: torch.Tensor, fmt: str, block: int, group, n: int) -> Pending:
+    """Every rank's flat `buffer` over `group` (n ranks), back to back, in the buffer's dtype."""
+    length, dtype = buffer.numel(), buffer.dtype
+    packed = quantize(buffer.reshape(1, -1), fmt, block).view(-1)
+    with _tagged(fmt):
+        out = _all_gather(packed, 0, group)
+    return Pending(out, lambda got: dequantize(got.view(n, -1), length, fmt, block).to(dtype).reshape(-1))
+
+
+def reduce_scatter(rows: torch.Tensor, fmt: str, block: int, group) -> Pending:
+    """rows (n, seg): row r is bound for rank r of `group`; this rank gets the fp32 sum of the rows bound for
+    it (cast back to the rows' dtype)."""
+    n, seg = rows.shape
+    packed = quantize(rows, fmt, block)
+    with _tagged(fmt):
+        out = funcol.all_to_all_single(packed.reshape(-1), None, None, group)
+    return Pending(out, lambda got: _sum_rows(dequantize(got.view(n, -1), seg, fmt, block)).to(rows.dtype))
+
+
+def _sum_rows(values: torch.Tensor) -> torch.Tensor:
+    """The fp32 sum of the rows in rank order, one row at a time (a fixed order: the result is quantized
+    again by an all-reduce, where a last-bit difference could move a value to the next code)."""
+    total = values[0].clone()
+    for row in values[1:]:
+        total += row
+    return total
+
+
+def all_reduce(flat: torch.Tensor, fmt: str, block: int, group, n: int) -> torch.Tensor:
+    """The sum of every rank's `flat` over `group`: a quantized reduce-scatter of n equal cuts (the last
+    padded), then an all-gather of the summed cuts in the same format."""
+    length = flat.numel()
+    cut = -(-length // n)
+    rows = torch.nn.functional.pad(flat.reshape(-1), (0, n * cut - length)).view(n, cut)
+    mine = reduce_scatter(rows, fmt, block, group).wait()
+    return gather(mine, fmt, block, group, n).wait()[:length]
