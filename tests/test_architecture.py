@@ -205,9 +205,8 @@ RUNTIME = ROOT / "spmd" / "runtime"
 MAX_FILES_PER_ROOM = 10
 # measured when the runtime moved into rooms (from 4,427 source lines in 41 flat files, counted as above; 23
 # is_compiling branches in 7 files; _local_tensor 50 times in 18 files), plus transformers' KV cache in training
-# calls (activations/kv_cache.py), plus the wire room (quantized gathers and reductions, hpZ: 4,742 -> 5,124 lines) and float8
-# layers kept on the DTensor path (5,129):
-# the ceilings only come down
+# calls (activations/kv_cache.py), plus the wire room (quantized gathers and reductions, hpZ: 4,742 -> 5,124
+# lines) and float8 layers kept on the DTensor path (5,129): the ceilings only come down
 MAX_RUNTIME_LINES, MAX_IS_COMPILING_FILES, MAX_LOCAL_TENSOR_FILES = 5_129, 7, 4
 DTENSOR_INTERNALS = (
     r"\._local_tensor\b",
