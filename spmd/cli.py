@@ -43,6 +43,7 @@ _CONFIG_KEYS = {
     "zero": "zero",
     "master": "master",
     "offload": "offload",
+    "optimizer": "optimizer",
     "pp_schedule": "pp_schedule",
     "microbatches": "microbatches",
     "virtual_stages": "virtual_stages",
@@ -161,6 +162,11 @@ def explain_parser() -> argparse.ArgumentParser:
         "parameters sharded over fsdp (Rules.default(zero=...); default 3)",
     )
     ap.add_argument("--master", default="params", help="params|optimizer: where fp32 master weights live")
+    ap.add_argument(
+        "--optimizer",
+        default="adamw",
+        help="adamw|muon: muon adds spmd.Muon's exchanges of whole matrices to the step (launch.train's --optimizer)",
+    )
     ap.add_argument("--reduce-dtype", default="fp32", help="gradient reduction dtype: fp32|bf16")
     ap.add_argument("--float8", action="store_true", help="linear layers in float8 (spmd.float8_training; torchao)")
     ap.add_argument(
@@ -190,6 +196,7 @@ def plan_from_args(a: argparse.Namespace):
         sizes,
         batch_shape(a, cfg, world),
         a.dtype,
+        a.optimizer,
         ac=a.ac,
         grad_accum=a.grad_accum,
         schedule=a.pp_schedule,

@@ -2,7 +2,7 @@
 
     python -m spmd.explain --model 8b --mesh fsdp=8,tp=8,sp --batch 8 --seq 4096 --dtype bf16 [--ac full]
                            [--grad-accum 2] [--json FILE] [--zero 1|2|3] [--master params|optimizer]
-                           [--reduce-dtype fp32|bf16] [--offload optimizer|params|nvme:DIR]
+                           [--reduce-dtype fp32|bf16] [--offload optimizer|params|nvme:DIR] [--optimizer adamw|muon]
     python -m spmd.explain --config launch/configs/tiny_rules.toml [flags]   # the trainer's file and its rules
 
 prints `plan.table()` of a registry model (meta tensors, no devices) laid out by the default rules of ZeRO

@@ -66,7 +66,7 @@ MUTANTS = [
         "spmd/analysis/explain.py",
         "            activations = activation_bytes(saved, model)\n",
         "            activations = activation_bytes(saved, model) * 104 // 100\n",
-        "tests/test_spmd_numerics.py::test_spec_matches_one_device_and_its_plan[fsdp=4]",
+        "tests/test_spmd_numerics.py::test_spec_matches_one_device_and_its_plan[data_axes]",
     ),
     # the fp32 master copy beside bf16 parameters counted in the parameters' dtype
     Mutant(

@@ -13,7 +13,7 @@ gradient and every parameter agree within 1e-5, norm-relative (the tolerance and
 test_spmd_numerics; OPT, two Llama-like families and four more compare in float64, see `_in_float64`). transformers'
 Llama and the nanoGPT run every spec; the other families the three that take every path a family's annotations feed
 (data axes only, on local tensors with a replica group; heads and mlp split 4 ways; fsdp x tp with the sequence-parallel
-regions). One launch per model runs all its specs.
+regions). One launch runs a group of models, each on all its specs.
 """
 
 import pytest
@@ -173,27 +173,18 @@ def _matches_one_device(rank, world, kind, specs, tol=TOL):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "kind",
+    "kinds, specs",
     [
-        "llama",
-        "llama_padded",
-        "mistral",
-        "gpt2",
-        "nanogpt",
-        "qwen2",
-        "qwen3",
-        "gemma",
-        "granite",
-        "stablelm",
-        "cohere",
-        "phi",
-        "phi3",
-        "gpt_neox",
+        (("llama", "nanogpt"), SPECS),
+        (("llama_padded", "mistral", "gpt2", "qwen2", "qwen3", "gemma"), FAMILY_SPECS),
+        (("granite", "stablelm", "cohere", "phi", "phi3", "gpt_neox"), FAMILY_SPECS),
     ],
+    ids=["every_spec", "families_a", "families_b"],
 )
-def test_model_matches_one_device(kind):
-    specs = SPECS if kind in ("llama", "nanogpt") else FAMILY_SPECS
-    run_distributed(_matches_one_device, 4, kind, specs, timeout_s=600)
+def test_model_matches_one_device(kinds, specs):
+    """One launch per group (a process's second model on a spec reuses DTensor's sharding rules decided for
+    the first: a launch per model paid them again)."""
+    run_distributed(_each_matches_one_device, 4, kinds, specs, timeout_s=900)
 
 
 # layers that are Llama's under other names and settings: OLMo, OLMo 3 (norms over all heads, split with them),
@@ -521,13 +512,19 @@ def test_opt_flattening_its_tokens_matches_one_device_under_sequence_parallel():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["gemma3_text", "olmo2", "starcoder2", "exaone4"])
-def test_model_matches_one_device_in_float64(kind):
+def test_model_matches_one_device_in_float64():
     """Gemma 3 (an embedding scaled by a 0-d buffer, whose vocab-parallel partial sums stay partial), OLMo 2
     (one norm over all key heads, split over tp), Starcoder2 (a bias on every projection) and EXAONE 4 (per-head q/k
     norms after the projections), with grouped key/value heads, on the family specs: loss, gradients and parameters
-    after 3 steps within 4e-6 of one process in float64 (transformers' norms stay float32, see `_in_float64`)."""
-    run_distributed(_in_float64, 4, kind, FAMILY_SPECS, timeout_s=600)
+    after 3 steps within 4e-6 of one process in float64 (transformers' norms stay float32, see `_in_float64`).
+    One launch runs the four."""
+    kinds = ("gemma3_text", "olmo2", "starcoder2", "exaone4")
+    run_distributed(_each_in_float64, 4, kinds, FAMILY_SPECS, timeout_s=900)
+
+
+def _each_in_float64(rank, world, kinds, specs):
+    for kind in kinds:
+        _in_float64(rank, world, kind, specs)
 
 
 def _in_float64(rank, world, kind, specs):

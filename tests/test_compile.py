@@ -88,6 +88,16 @@ def _compiled_steps(rank, world, spec, ac, accum, backend, zero=3):
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
 
 
+def _each_compiled(rank, world, cases):
+    """Several `_compiled_steps` cases in one launch, each counting its graphs from a reset compiler."""
+    from torch._dynamo.utils import counters
+
+    for case in cases:
+        torch._dynamo.reset()
+        counters.clear()
+        _compiled_steps(rank, world, *case)
+
+
 def _check_block_gradients_unreduced(model):
     """Under no_sync a compiled block leaves each gradient a partial sum over the data axes (reduced once, by
     the last micro-batch's backward)."""
@@ -119,8 +129,12 @@ def _check_block_gradients_in_step_layout(model, zero):
 
 
 @pytest.mark.slow
-def test_compiled_checkpointed_accumulated_steps_match_one_device():
-    run_distributed(_compiled_steps, 4, "fsdp=2,tp=2,sp", "selective:2", 2, "aot_eager", timeout_s=600)
+def test_compiled_checkpointed_accumulated_steps_and_zero_stages_1_and_2_match_one_device():
+    """In one launch, on fsdp x tp x sp with aot_eager: ZeRO-3 (the default), then stages 1 and 2, whose compiled
+    blocks hold gradients as the stage says (stage 2 reduce-scattered onto the optimizer's shards in backward,
+    stage 1 unreduced for the step); the numbers stay one device's."""
+    cases = [("fsdp=2,tp=2,sp", "selective:2", 2, "aot_eager", zero) for zero in (3, 1, 2)]
+    run_distributed(_each_compiled, 4, cases, timeout_s=600)
 
 
 @pytest.mark.slow
@@ -133,14 +147,6 @@ def test_inductor_with_collectives_in_the_graphs_matches_one_device():
     run_distributed(_compiled_steps, 4, "fsdp=2,tp=2,sp", "selective:2", 2, "inductor", timeout_s=900)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("zero", [1, 2])
-def test_compiled_zero_stages_1_and_2_match_one_device(zero):
-    """Compiled blocks hold gradients as the stage says: stage 2 reduce-scattered onto the optimizer's shards in
-    backward, stage 1 unreduced for the step; the numbers stay one device's."""
-    run_distributed(_compiled_steps, 4, "fsdp=2,tp=2,sp", "selective:2", 2, "aot_eager", zero, timeout_s=600)
-
-
 _GRAPH_TAKES_DTENSOR = []  # per graph compiled in this process: whether any of its inputs is a DTensor
 
 
@@ -151,15 +157,16 @@ def _recording_backend(gm, example_inputs):
     return aot_eager(gm, example_inputs)
 
 
-def _local_compiled_steps(rank, world, spec):
-    _compiled_steps(rank, world, spec, "none", 2, _recording_backend)
-    assert _GRAPH_TAKES_DTENSOR and not any(_GRAPH_TAKES_DTENSOR), _GRAPH_TAKES_DTENSOR
+def _local_compiled_steps(rank, world, specs):
+    for spec in specs:
+        _GRAPH_TAKES_DTENSOR.clear()
+        _each_compiled(rank, world, [(spec, "none", 2, _recording_backend)])
+        assert _GRAPH_TAKES_DTENSOR and not any(_GRAPH_TAKES_DTENSOR), (spec, _GRAPH_TAKES_DTENSOR)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("spec", ["fsdp=4", "dp=2,fsdp=2"])
-def test_data_only_blocks_compile_their_forward_on_local_tensors(spec):
-    run_distributed(_local_compiled_steps, 4, spec, timeout_s=600)
+def test_data_only_blocks_compile_their_forward_on_local_tensors():
+    run_distributed(_local_compiled_steps, 4, ["fsdp=4", "dp=2,fsdp=2"], timeout_s=600)
 
 
 class _GatedBlock(nn.Module):

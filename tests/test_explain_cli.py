@@ -43,6 +43,28 @@ def test_cli_prints_the_plan_table(tmp_path):
     assert json.loads((tmp_path / "plan.json").read_text()) == json.loads(plan.to_json())
 
 
+def test_the_trainers_config_with_muon_plans_muons_exchanges(tmp_path, capsys):
+    """launch.train's TOML with `optimizer = "muon"` (its --optimizer muon) makes the command plan spmd.Muon's
+    step: the table of spmd.explain(optimizer="muon"), whose two all-to-alls (held against a real step in
+    tests/test_muon.py) add to the step's total (mutation: explain ignoring `optimizer` fails here)."""
+    from spmd.cli import explain_main
+
+    config = tmp_path / "train.toml"
+    config.write_text(
+        'model = "tiny"\nmesh = "fsdp=4"\nbatch_size = 8\nseq_len = 16\ndtype = "fp32"\noptimizer = "muon"\n'
+    )
+    assert explain_main(["--config", str(config)]) == 0
+    with torch.device("meta"):
+        model = models.preset("tiny").build()
+    plan = spmd.explain(model, spmd.Rules.default(), {"fsdp": 4}, batch_shape=(8, 16), optimizer="muon")
+    assert capsys.readouterr().out == plan.table() + "\n"
+    rows = [c for c in plan.collectives if c.op.startswith("spmd.optim.whole_matrix")]
+    assert [(c.kind, c.phase) for c in rows] == [("all_to_all", "optimizer")] * 2
+    adamw = _plan({"fsdp": 4}, sp=False)
+    assert plan.comm_bytes() == adamw.comm_bytes() + sum(c.bytes for c in rows)  # tiny's ranks move alike
+    assert plan.memory["optimizer"] < adamw.memory["optimizer"]  # one momentum per matrix, not two moments
+
+
 def test_ac_keeps_block_inputs_only_and_replays_the_forward():
     def replayed(plan):  # forward layout moves issued again while backward recomputes the blocks
         return [c for c in plan.collectives if c.phase == "backward" and c.reason.startswith("move input")]
@@ -62,6 +84,8 @@ def test_bad_arguments_are_one_line_errors(capsys):
         (["--model", "nope"], "unknown model preset 'nope'"),
         (["--ac", "bogus"], "activation checkpointing mode must be"),
         (["--registry", "no_such_registry"], "--registry 'no_such_registry' cannot be imported"),
+        (["--optimizer", "lion"], "optimizer 'lion' is not one explain plans; use one of adamw"),
+        (["--optimizer", "muon", "--mesh", "pp=2,fsdp=2"], "plan it on a mesh without pp and without offload"),
     ]:
         assert main([*ARGS, *argv]) == 2
         err = capsys.readouterr().err

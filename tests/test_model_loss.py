@@ -3,7 +3,6 @@ over every rank's non-ignored tokens, where the ranks hold different numbers of 
 smoothing and class weights. 4 gloo processes against one; loss and gradients within 1e-5 (fp32), on a
 data-parallel spec and with the vocab split over tp."""
 
-import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -85,22 +84,26 @@ def _matches_one_device(rank, world, spec, label_smoothing, weighted, form="flat
         assert err <= 1e-5, f"{spec}: gradient of {name} off by {err:.2e}"
 
 
-@pytest.mark.parametrize("label_smoothing, weighted", [(0.0, False), (0.1, False), (0.0, True), (0.1, True)])
-def test_uneven_ignored_tokens_give_the_one_device_loss(label_smoothing, weighted):
-    for spec in ("dp=4", "dp=2,tp=2"):
-        run_distributed(_matches_one_device, 4, spec, label_smoothing, weighted, timeout_s=300)
+def _each_case(rank, world, cases):
+    for case in cases:
+        _matches_one_device(rank, world, *case)
 
 
-@pytest.mark.parametrize(
-    "form, label_smoothing, weighted",
-    [
-        ("classes second", 0.0, False),
-        ("classes second", 0.1, True),
-        ("log-probabilities", 0.0, False),
-        ("log-probabilities", 0.0, True),
-    ],
-)
-def test_other_forms_of_the_loss_give_the_one_device_loss(form, label_smoothing, weighted):
-    """The class dim second ([B, V, T] logits), and F.nll_loss on log-probabilities."""
-    for spec in ("dp=4", "dp=2,tp=2"):
-        run_distributed(_matches_one_device, 4, spec, label_smoothing, weighted, form, timeout_s=300)
+SPECS = ("dp=4", "dp=2,tp=2")
+
+
+def test_uneven_ignored_tokens_give_the_one_device_loss():
+    """With and without label smoothing and class weights, on each of SPECS: all in one launch."""
+    combos = [(0.0, False), (0.1, False), (0.0, True), (0.1, True)]
+    run_distributed(_each_case, 4, [(spec, *c) for c in combos for spec in SPECS], timeout_s=300)
+
+
+def test_other_forms_of_the_loss_give_the_one_device_loss():
+    """The class dim second ([B, V, T] logits), and F.nll_loss on log-probabilities; all in one launch."""
+    combos = [
+        (0.0, False, "classes second"),
+        (0.1, True, "classes second"),
+        (0.0, False, "log-probabilities"),
+        (0.0, True, "log-probabilities"),
+    ]
+    run_distributed(_each_case, 4, [(spec, *c) for c in combos for spec in SPECS], timeout_s=300)

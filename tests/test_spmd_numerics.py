@@ -98,13 +98,20 @@ def _train_and_compare(rank, world, spec, tied=False, planned=None):
             assert err <= TOL, f"{spec} step {step}: parameter {name} off by {err:.2e}"
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("spec", SPECS)
-def test_spec_matches_one_device_and_its_plan(spec):
-    run_distributed(_train_and_compare, 4, spec, False, _planned_memory(spec), timeout_s=240)
+def _each_spec(rank, world, cases):
+    for spec, tied, planned in cases:
+        _train_and_compare(rank, world, spec, tied, planned)
 
 
 @pytest.mark.slow
-def test_tied_embeddings_match_one_device():
-    """The embedding and output share one weight: gathered once per forward, its gradient reduced once."""
-    run_distributed(_train_and_compare, 4, "fsdp=2,tp=2,sp", True, timeout_s=240)
+@pytest.mark.parametrize(
+    "specs", [SPECS[:3], SPECS[3:]], ids=["data_axes", "tensor_parallel"]
+)  # one launch per group: a process's later specs reuse DTensor's sharding rules decided for its first
+def test_spec_matches_one_device_and_its_plan(specs):
+    """Each spec of the group in turn, in one launch of 4 processes; with tensor parallelism also tied
+    embeddings on fsdp=2,tp=2,sp (the embedding and output share one weight: gathered once per forward, its
+    gradient reduced once)."""
+    cases = [(spec, False, _planned_memory(spec)) for spec in specs]
+    if "fsdp=2,tp=2,sp" in specs:
+        cases.append(("fsdp=2,tp=2,sp", True, None))
+    run_distributed(_each_spec, 4, cases, timeout_s=600)

@@ -33,7 +33,7 @@ from . import record
 from .explain_pipeline import explain_pipeline
 from .fake import fake_world
 from .memory import activation_bytes, local_bytes, memory_per_rank, peak_bytes, unreduced_bytes, wire_buffer_bytes
-from .optimizer_step import planning_optimizer, record_optimizer_step
+from .optimizer_step import OPTIMIZERS, planning_optimizer, record_optimizer_step
 from .plan import Plan
 
 __all__ = ["explain", "dry_run", "training_loss"]
@@ -70,6 +70,9 @@ def explain(
     trainer runs them (--grad-accum K): K forward/backward passes of batch/K, the first K-1 under `no_sync`;
     the plan lists every pass's collectives, the activations of one micro-batch and, for K > 1, the gradients
     the passes accumulate unreduced (their compute layout).
+    `optimizer`: `adamw` (or `adam`, `sgd`: the states memory counts) or `muon` (spmd.Muon: the step's two
+    all-to-alls of whole matrices join the phase `optimizer`, each rank's bytes in a row's `per_rank`, and
+    the plan's totals are the busiest rank's; one momentum per Muon matrix, AdamW's two states elsewhere).
 
     The ZeRO stage is the rules' (`Rules.default(zero=k)`): with optimizer or grads maps that shard beyond
     the params map the step includes spmd.shard_optimizer's AdamW step, its all-gathers and, under ZeRO-1, the
@@ -99,6 +102,7 @@ def explain(
             raise ValueError("explain: comm= does not apply to pipeline stages yet; plan a pp mesh with comm=None")
         precision["comm"] = comm
     _check_grad_accum(grad_accum, sizes)
+    _check_optimizer(optimizer, sizes, offload)
     if dist.is_initialized() and dist.get_backend() != "fake":
         plan = _explain_in_child(
             model, rules, sizes, batch_shape, dtype, optimizer, pipeline, ac, precision, grad_accum
@@ -116,6 +120,16 @@ def _check_grad_accum(grad_accum, sizes: dict) -> None:
         raise ValueError(
             "explain does not plan grad_accum > 1 with a pp axis yet; pass grad_accum=1 and give "
             "the pipeline its micro-batches with microbatches="
+        )
+
+
+def _check_optimizer(optimizer, sizes: dict, offload) -> None:
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer {optimizer!r} is not one explain plans; use one of {', '.join(OPTIMIZERS)}")
+    if optimizer == "muon" and (sizes.get("pp", 1) > 1 or offload):
+        raise ValueError(
+            "spmd.Muon exchanges whole matrices over the whole mesh on the device: plan it on a mesh "
+            "without pp and without offload"
         )
 
 
@@ -146,7 +160,7 @@ def dry_run(
                 f"{'*'.join(rules.batch_axes())}={data_parallel} times grad_accum={grad_accum}"
             )
         recorder = record.CollectiveRecorder(mesh)
-        opt = planning_optimizer(model)
+        opt = planning_optimizer(model, optimizer)
         with fake:
             tokens = torch.zeros(batch // (data_parallel * grad_accum), seq // full["cp"], dtype=torch.long)
             positions = rank_positions(tokens.shape, mesh)

@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from ..layout.annotate import get_axes
+from ..optim.muon import muon_param_groups
 from ..runtime.dtensor.wrap import local_of
 from ..runtime.experts.dispatch import EXPERTS
 from ..runtime.parameters.reshard import storage_key
@@ -33,7 +34,8 @@ __all__ = [
     "OPTIMIZER_STATES",
 ]
 
-OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 0}  # states per parameter element
+OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 0, "muon": 2}  # states per parameter element
+MUON_MATRIX_STATES = 1  # spmd.Muon's momentum on its matrices (AdamW's two on the rest)
 
 
 def activation_bytes(saved: dict, model: nn.Module) -> int:
@@ -101,7 +103,7 @@ def memory_per_rank(model: nn.Module, optimizer: str, activations: int = 0, stat
         if state.offload.startswith("nvme:")
         else state.offload
     )
-    states = OPTIMIZER_STATES[optimizer]
+    muon = {id(p) for p in muon_param_groups(model)[0]} if optimizer == "muon" else set()
     params = grads = 0
     opt, grads_host = [], []  # per parameter
     for p in {id(p): p for p in model.parameters()}.values():
@@ -109,6 +111,7 @@ def memory_per_rank(model: nn.Module, optimizer: str, activations: int = 0, stat
         grads += _numel(p, "_spmd_grads") * p.element_size()
         separate = copies and p.dtype != torch.float32 and p.dtype.is_floating_point
         master_size = 4 if separate else p.element_size()
+        states = MUON_MATRIX_STATES if id(p) in muon else OPTIMIZER_STATES[optimizer]
         opt.append(_numel(p, "_spmd_optim") * master_size * (states + (separate or offload in ("optimizer", "nvme"))))
         grads_host.append(_numel(p, "_spmd_optim") * master_size)
     mem = {

@@ -30,8 +30,19 @@ class Plan:
             out[tuple(getattr(c, f) for f in by)] += c.bytes
         return dict(out)
 
-    def comm_bytes(self, phase: str | None = None) -> int:
-        return sum(c.bytes for c in self.collectives if phase is None or c.phase == phase)
+    def comm_bytes(self, phase: str | None = None, rank: int | None = None) -> int:
+        """Bytes per step (of `phase`, or all) that `rank` moves; without `rank`, the busiest rank's. Ranks
+        differ only by collectives with a `per_rank` list (spmd.Muon's exchanges)."""
+        rows = [c for c in self.collectives if phase is None or c.phase == phase]
+        spread = max((len(c.per_rank) for c in rows), default=0)
+        if rank is None and spread:
+            return max(self.comm_bytes(phase, r) for r in range(spread))
+        return sum(c.bytes_of(rank) for c in rows)
+
+    def comm_bytes_per_rank(self) -> list[int]:
+        """Bytes per step of each rank (by global rank) where ranks differ, else []."""
+        spread = max((len(c.per_rank) for c in self.collectives), default=0)
+        return [self.comm_bytes(rank=r) for r in range(spread)]
 
     def to_dict(self) -> dict:
         return {
@@ -42,6 +53,7 @@ class Plan:
             "decisions": [d.to_dict() for d in self.decisions],
             "memory": self.memory,
             "comm_bytes_per_step": self.comm_bytes(),
+            **({"comm_bytes_per_rank": self.comm_bytes_per_rank()} if self.comm_bytes_per_rank() else {}),
             **({"pipeline": self.pipeline} if self.pipeline else {}),
             **({"attention": self.attention} if self.attention else {}),
             **({"notes": self.notes} if self.notes else {}),
@@ -57,7 +69,15 @@ class Plan:
             batch_shape=tuple(d["batch_shape"]),
             dtype=d["dtype"],
             collectives=[
-                Collective(**{**c, "axes": tuple(c["axes"]), "shape": tuple(c["shape"])}) for c in d["collectives"]
+                Collective(
+                    **{
+                        **c,
+                        "axes": tuple(c["axes"]),
+                        "shape": tuple(c["shape"]),
+                        "per_rank": tuple(c.get("per_rank", ())),
+                    }
+                )
+                for c in d["collectives"]
             ],
             decisions=[Decision(**x) for x in d["decisions"]],
             memory=d["memory"],
@@ -87,9 +107,13 @@ class Plan:
             count, total = rows[key]
             lines.append(f"{phase:<9} {module:<32} {kind:<14} {axes:<9} {count:>5} {each:>14,} {total:>14,}  {why}")
         lines.append("")
-        for (ph,), total in sorted(self.totals(("phase",)).items(), key=lambda kv: order.get(kv[0][0], 3)):
-            lines.append(f"total {ph:<9} {total:>16,} B")
+        for ph in sorted({c.phase for c in self.collectives}, key=lambda ph: order.get(ph, 3)):
+            lines.append(f"total {ph:<9} {self.comm_bytes(ph):>16,} B")
         lines.append(f"total step      {self.comm_bytes():>16,} B")
+        spread = self.comm_bytes_per_rank()
+        if spread:
+            each = ", ".join(f"{b:,}" for b in spread) if len(spread) <= 8 else f"{min(spread):,} to {max(spread):,}"
+            lines[-1] += f" (the busiest rank's; per rank: {each})"
         if self.decisions:
             lines.append("")
             lines.append("layout decisions (per rank, bytes of each alternative):")

@@ -7,7 +7,7 @@ that DTensor inserts on its own inside an op is tagged `implicit` (a layout the 
 Bytes are per rank on the wire for ring algorithms, the convention of the reference formulas:
 all_gather and reduce_scatter move S*(n-1)/n for a full tensor of S bytes; all_reduce moves 2*S*(n-1)/n;
 a send or recv moves its tensor; an all_to_all with split sizes moves the rows this rank sends to the
-others (S*(n-1)/n when the splits are even).
+others (S*(n-1)/n of its input when the splits are even), whichever API issued it.
 Steps are the same algorithms' rounds, each one message latency on the critical path: n-1 for all_gather,
 reduce_scatter, all_to_all and broadcast, 2(n-1) for all_reduce (a reduce-scatter then an all-gather), 1 for a
 send or recv.
@@ -62,6 +62,11 @@ class Collective:
     origin: str = "planned"  # planned | op | implicit
     dtype: str = ""
     shape: tuple = ()
+    per_rank: tuple = ()  # bytes of each rank (by global rank) where ranks differ (spmd.Muon's); `bytes` the most
+
+    def bytes_of(self, rank: int | None) -> int:
+        """This collective's bytes on `rank` (None: `bytes`)."""
+        return self.per_rank[rank] if rank is not None and self.per_rank else self.bytes
 
     def to_dict(self):
         return asdict(self)
@@ -140,6 +145,9 @@ class CollectiveRecorder(TorchDispatchMode):
             n = pg.size() if pg is not None else 1
             full = t.numel() * t.element_size()
             nbytes = full if kind in ("send", "recv") else wire_bytes(kind, full, n)
+            if kind == "all_to_all" and args[4]:  # (output, input, group, out splits, in splits): as funcol's
+                t, row = args[1], args[1][0].numel() * args[1].element_size() if args[1].shape[0] else 0
+                nbytes = (sum(args[4]) - args[4][pg.rank()]) * row
             self._add(kind, self._axes(pg.group_name) if pg is not None else (), nbytes, str(func), t)
         return out
 

@@ -20,6 +20,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from ..runtime import tags
+
 __all__ = ["WholeMatrixPlan", "box_of"]
 
 
@@ -88,9 +90,11 @@ class WholeMatrixPlan:
         """Each rank's local shards of the matrices in, `fn(whole, m)` of each matrix out, as local shards."""
         if self.world == 1:
             return [fn(s, m) for m, s in enumerate(shards)]
-        wholes = self._gather(shards)
+        with tags.phase("optimizer"), tags.reason("(optimizer)", "whole matrices to their owners"):
+            wholes = self._gather(shards)
         results = {m: fn(w, m) for m, w in wholes.items()}
-        return self._scatter(results, shards)
+        with tags.phase("optimizer"), tags.reason("(optimizer)", "results back to the shards"):
+            return self._scatter(results, shards)
 
     def _gather(self, shards) -> dict[int, torch.Tensor]:
         send = [[] for _ in range(self.world)]
@@ -141,15 +145,24 @@ class WholeMatrixPlan:
 
     def bytes_per_rank(self, element_size: int = 4) -> list[int]:
         """Bytes each rank receives per apply (gather + scatter), from the plan alone."""
-        got = [0] * self.world
+        moved = self.exchanges(element_size)
+        return [g + s for g, s in zip(moved["gather"]["received"], moved["scatter"]["received"])]
+
+    def exchanges(self, element_size: int = 4) -> dict:
+        """Bytes per rank (index: mesh position) of each all-to-all of an apply, from the plan alone:
+        {"gather" | "scatter": {"sent": [...], "received": [...]}}, counting only what crosses between ranks."""
+        moved = {x: {"sent": [0] * self.world, "received": [0] * self.world} for x in ("gather", "scatter")}
         for m, o in enumerate(self.owners):
             for r in range(self.world):
-                n = math.prod(self.box(m, r)[1])
-                if r != o and self.sends_to_owner(m, r):
-                    got[o] += n * element_size
-                if r != o:
-                    got[r] += n * element_size
-        return got
+                n = math.prod(self.box(m, r)[1]) * element_size
+                if r == o:
+                    continue
+                if self.sends_to_owner(m, r):
+                    moved["gather"]["sent"][r] += n
+                    moved["gather"]["received"][o] += n
+                moved["scatter"]["sent"][o] += n
+                moved["scatter"]["received"][r] += n
+        return moved
 
 
 def _unravel(i: int, shape) -> tuple[int, ...]:
