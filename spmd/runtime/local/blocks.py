@@ -27,7 +27,6 @@ from ..dtensor.stack import resume, suspend_top
 from ..dtensor.wrap import local_of
 from ..experts.dispatch import EXPERTS, expert_modules
 from ..experts.whole_experts import routes_itself
-from ..parameters.buckets import gather_bucket
 from ..parameters.gather import gather_param, gather_shared, kept_for_backward, moves_data
 from ..parameters.reshard import CHECKPOINTED_ATTR, reshard_after_forward, storage_key
 from .edges import batch_grad_layout, to_local, wrap_outputs
@@ -152,7 +151,7 @@ class LocalBlock:
         state = self.state
         bucket = state.buckets.get(id(self.module))  # None: a layer of the root unit, gathered as the model began
         grad_layouts, regathered = _static_facts(state, self.module, bucket, self.members, self.split)
-        values = {} if bucket is None else gather_bucket(bucket, state, grad_layouts)
+        values = {} if bucket is None else bucket.gather(state, grad_layouts)
         regather = {}
         for (m, n, p), regathers in zip(self.members, regathered):
             local = m.__dict__[n] = self.value(values, p)

@@ -17,7 +17,6 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from ..activations.moves import map_tensors
 from ..experts.dispatch import expert_modules
-from ..parameters.buckets import gather_bucket
 from ..parameters.reshard import CHECKPOINTED_ATTR
 from .blocks import LocalBlock, whole_members
 from .edges import from_local, to_local
@@ -64,7 +63,7 @@ class LocalModel(LocalBlock):
         values = {}
         for bucket in _forward_order(state, self.module):
             # on one rank no mesh axis splits the batch: each gradient comes back in its compute layout
-            values.update(gather_bucket(bucket, state, [p._spmd_compute for p in bucket.params]))
+            values.update(bucket.gather(state, [p._spmd_compute for p in bucket.params]))
         for m, n, p in self.members:
             m.__dict__[n] = self.value(values, p)
         self.put_buffers()

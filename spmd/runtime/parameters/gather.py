@@ -24,10 +24,8 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from .. import tags
-from ..gradients.layouts import grads_layout, held_for_step, held_layout, join_unreduced, reduce_for_step, reduce_to
-from .buckets import gather_bucket
-from .host import to_compute, to_host
+from ..gradients.layouts import grads_layout, held_for_step, reduce_gradient
+from .group import ParamGroup
 from .reshard import BODY_COMPILED_ATTR, CHECKPOINTED_ATTR, reshard_after_forward, storage_key
 
 __all__ = [
@@ -38,34 +36,6 @@ __all__ = [
     "gather_shared",
     "kept_for_backward",
 ]
-
-
-class _GatherParam(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, p: DTensor, placements, dtype, reduce_dtype, state, module, name):
-        ctx.p, ctx.storage = p, grads_layout(p)
-        ctx.reduce_dtype, ctx.state, ctx.module, ctx.name = reduce_dtype, state, module, name
-        x = to_compute(p, dtype, state)
-        if tuple(x.placements) == tuple(placements):
-            return x.view_as(x) if x is p else x
-        with tags.reason(module, f"gather {name} to its compute layout"):
-            return x.redistribute(placements=placements)
-
-    @staticmethod
-    def backward(ctx, g: DTensor):
-        p = ctx.p
-        if ctx.reduce_dtype is not None and g.dtype != ctx.reduce_dtype:
-            g = g.to(ctx.reduce_dtype)
-        if not ctx.state.sync:
-            return to_host(g, p, ctx.state), None, None, None, None, None, None
-        if held_for_step(p):
-            with tags.reason(ctx.module, f"reduce gradient of {ctx.name} but over the axes its step shards"):
-                return reduce_for_step(p, g).to(p.dtype), None, None, None, None, None, None
-        g = join_unreduced(p, g)
-        if tuple(g.placements) != ctx.storage:
-            with tags.reason(ctx.module, f"reduce gradient of {ctx.name} to its storage layout"):
-                g = reduce_to(g, ctx.storage)
-        return to_host(g, p, ctx.state), None, None, None, None, None, None
 
 
 def gather_param(p, placements, dtype, reduce_dtype, state, module: str, name: str) -> DTensor:
@@ -84,7 +54,7 @@ def gather_param(p, placements, dtype, reduce_dtype, state, module: str, name: s
             use_reentrant=False,
             context_fn=_recompute_in_backward,
         )
-    return _GatherParam.apply(p, tuple(placements), dtype, reduce_dtype, state, module, name)
+    return ParamGroup(name, None, [p], state.mesh, flat=False).unshard_one(state, placements, module)
 
 
 def _redistribute_param(p, placements, dtype, reduce_dtype, unreduced):
@@ -97,7 +67,7 @@ class _CompiledGather(torch.autograd.Function):
     """The compiled move of a parameter whose gradient does not simply reduce to its storage layout: its
     backward leaves the gradient unreduced while micro-batches accumulate, and otherwise reduces it to the
     grads map's layout (ZeRO-2: a reduce-scatter onto the optimizer's shards) or, for a step that reduces
-    it (ZeRO-1), only over the axes the grads map shards."""
+    it (ZeRO-1), only over the axes the grads map shards (spmd.runtime.gradients.layouts.reduce_gradient)."""
 
     @staticmethod
     def forward(ctx, p: DTensor, placements, dtype, reduce_dtype, unreduced: bool):
@@ -109,11 +79,8 @@ class _CompiledGather(torch.autograd.Function):
     def backward(ctx, g: DTensor):
         if ctx.reduce_dtype is not None and g.dtype != ctx.reduce_dtype:
             g = g.to(ctx.reduce_dtype)
-        target = tuple(g.placements) if ctx.unreduced else ctx.grads
-        if ctx.held:  # partial sums stay partial (the compiler traces this first with a replicated guess)
-            target = held_layout(g.placements, ctx.grads)
-        if tuple(g.placements) != target:
-            g = reduce_to(g, target)
+        # partial sums stay partial when held (the compiler traces this first with a replicated guess)
+        g = reduce_gradient(g, ctx.grads, ctx.held, ctx.unreduced)
         return g.to(ctx.dtype), None, None, None, None
 
 
@@ -131,7 +98,7 @@ def gather_block(state, mod):
         None if torch.compiler.is_compiling() or getattr(mod, BODY_COMPILED_ATTR, False) else state.buckets.get(id(mod))
     )
     if bucket is not None:
-        state.bucket_values.update(gather_bucket(bucket, state))
+        state.bucket_values.update(bucket.gather(state))
 
 
 def gather_module_params(state, mod, name: str, param_names, weight_layout=None):

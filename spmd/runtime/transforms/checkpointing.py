@@ -12,7 +12,6 @@ from torch.utils.checkpoint import checkpoint
 from ...layout.blocks import find_blocks
 from ..activations.global_view import GlobalView
 from ..local.whole_model import drop_local_model
-from ..parameters.buckets import regather_for_recompute
 from ..parameters.reshard import BODY_COMPILED_ATTR, CHECKPOINTED_ATTR
 from ..state import STATE_ATTR, Phase, activated
 
@@ -95,7 +94,7 @@ def _bucket_gathered(state, block: nn.Module):
     if bucket is None or id(bucket.params[0]) in state.bucket_values:  # forward: the hook gathered them
         yield
         return
-    values = regather_for_recompute(bucket, state)
+    values = bucket.gather(state, why=f"regather {bucket.name} for recompute")
     state.bucket_values.update(values)
     try:
         yield
