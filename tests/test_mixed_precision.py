@@ -29,7 +29,7 @@ differs from the recipe's flips some tokens' top-k experts (on one process alrea
 different tokens), and the experts' gradients then differ by 0.07 to 0.12, far above GRAD_TOL; fp32 expert
 parallelism is held to one process in tests/test_moe.py.
 
-Kills (tests/mutants.py): `Bucket.issue` copying the bf16-rounded values back into the fp32 parameters, which
+Kills (tests/mutants.py): `ParamGroup.issue` copying the bf16-rounded values back into the fp32 parameters, which
 `test_lean_path.py`'s one-step cast test did not notice.
 """
 

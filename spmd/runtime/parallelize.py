@@ -92,7 +92,7 @@ def parallelize(
     A scalar (the loss), alone or in a dict, tuple or ModelOutput, comes back plain, equal on every rank.
 
     `bucket`: each block's parameters, and the rest as a root unit, gather in one collective per mesh axis
-    (spmd.runtime.parameters.buckets), gradients reduce across blocks in `bucket_mb` MB buffers
+    (spmd.runtime.parameters.group), gradients reduce across blocks in `bucket_mb` MB buffers
     (spmd.runtime.gradients.reducer), data-only blocks run on local tensors (spmd.runtime.local.blocks). False (and
     offload="params") moves each alone.
 

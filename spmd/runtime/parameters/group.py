@@ -58,20 +58,22 @@ class ParamGroup:
         self.regathered: dict | None = None  # id(param) -> gathered DTensor, during this group's backward
         self.pending_regather = None  # a regather issued ahead, during the next block's backward
         self.keep = False  # the root unit: gathered values stay alive for backward
-        self.local_facts: dict = {}  # batch split -> (gradient layouts, regathered): a local block's, fixed
+        self.values: dict | None = None  # id(param) -> gathered value, while its block runs forward
+        self.prefetched = None  # its gather, issued while the block before ran
 
     def gather(self, state, grad_layouts=None, why: str | None = None) -> dict:
         """{id(param): value} in the compute layout, differentiable (reductions in backward). Finishes the gather
         issued ahead for this group, if any, and issues the next block's. With `grad_layouts` (one per parameter)
         the values are local tensors whose gradients take those layouts. `why`: a gather of its own (a
         checkpointed block's recompute), neither prefetched nor prefetching."""
-        pending = self.issue(state.param_dtype, why) if why else state.prefetched.pop(id(self), None)
+        if why:
+            pending = self.issue(state.param_dtype, why)
+        else:
+            pending, self.prefetched = self.prefetched, None
         values = _Unshard.apply(self, state, pending, grad_layouts, None, self.name, *self.params)
         nxt = self.next
-        if not why and nxt is not None and id(nxt) not in state.prefetched and not gathers_in_graph(nxt.module):
-            state.prefetched[id(nxt)] = nxt.issue(
-                state.param_dtype, f"gather {nxt.name} to its compute layout, prefetched"
-            )
+        if not why and nxt is not None and nxt.prefetched is None and not gathers_in_graph(nxt.module):
+            nxt.prefetched = nxt.issue(state.param_dtype, f"gather {nxt.name} to its compute layout, prefetched")
         return {id(p): v for p, v in zip(self.params, values)}
 
     def unshard_one(self, state, placements, module: str) -> DTensor:

@@ -91,13 +91,11 @@ def _bucket_gathered(state, block: nn.Module):
     """While a bucketed block recomputes (its forward hook does not run again), its parameters gathered as
     one bucket instead of one by one."""
     bucket = None if state is None or getattr(block, BODY_COMPILED_ATTR, False) else state.buckets.get(id(block))
-    if bucket is None or id(bucket.params[0]) in state.bucket_values:  # forward: the hook gathered them
+    if bucket is None or bucket.values:  # forward: the hook gathered them
         yield
         return
-    values = bucket.gather(state, why=f"regather {bucket.name} for recompute")
-    state.bucket_values.update(values)
+    bucket.values = bucket.gather(state, why=f"regather {bucket.name} for recompute")
     try:
         yield
     finally:
-        for key in values:
-            state.bucket_values.pop(key, None)
+        bucket.values = None
