@@ -130,7 +130,7 @@ def _start_step(state: SPMDState) -> None:
     """The root's forward begins: what a forward or backward that stopped early left is forgotten."""
     state.move_cache.clear()
     state.shared_gathers.clear()
-    for group in state.buckets.values():
+    for group in state.groups.values():
         group.prefetched = None
     if state.reducer is not None:
         state.reducer.reset()

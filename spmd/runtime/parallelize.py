@@ -157,7 +157,7 @@ def _lay_out_tensors(model: nn.Module, state: SPMDState, layouts: dict, param_in
 
 
 def _install_buckets(model: nn.Module, state: SPMDState, bucket_mb: float):
-    state.buckets, state.bucket_of = make_buckets(model, state.mesh)
+    state.groups, state.group_of = make_buckets(model, state.mesh)
     state.local_members = local_blocks(model, state)
     for m in model.modules():
         if id(m) in state.local_members:

@@ -69,8 +69,8 @@ class SPMDState:
         self.targets: dict = {}  # (what, axes or placements, shape) -> placements: fixed
         self.saved_hooks: list = []  # per running module: its reshard-after-forward hooks, or None
         self.shared_gathers: dict = {}  # gathered copies of parameters several modules hold
-        self.buckets: dict = {}  # id(block) -> the Bucket its parameters gather and reduce in
-        self.bucket_of: dict = {}  # id(param) -> its Bucket
+        self.groups: dict = {}  # id(block) -> the flat ParamGroup its parameters gather and reduce in
+        self.group_of: dict = {}  # id(param) -> its flat ParamGroup
         self.reducer = None  # reducer.GradientReducer: bucket gradients reduced across blocks
         self.local_members: dict = {}  # id(block) -> its (module, name, param): blocks that may run locally
         self.local: list = []  # the local.LocalBlock calls running now

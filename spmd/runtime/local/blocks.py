@@ -47,7 +47,7 @@ def local_blocks(model, state) -> dict:
         if members is not None:
             found[id(m)] = members
             setattr(m, _INSIDE_ATTR, True)
-    for bucket in state.buckets.values():
+    for bucket in state.groups.values():
         if bucket.module is model:
             continue  # the root unit: the model itself, whose inputs and outputs are not a block's
         if any(id(m) in experts for m in bucket.module.modules()):
@@ -55,7 +55,7 @@ def local_blocks(model, state) -> dict:
         members = whole_members(bucket.module.modules(), mesh)
         if members is not None:
             found[id(bucket.module)] = members
-    root = state.buckets.get(id(model))
+    root = state.groups.get(id(model))
     if root is not None:
         rooted = {id(p) for p in root.params}
         for m in model.modules():
@@ -149,7 +149,7 @@ class LocalBlock:
     def enter(self, args, kwargs):
         """Gathers the block's parameters into its modules as local tensors; returns the local inputs."""
         state = self.state
-        bucket = state.buckets.get(id(self.module))  # None: a layer of the root unit, gathered as the model began
+        bucket = state.groups.get(id(self.module))  # None: a layer of the root unit, gathered as the model began
         grad_layouts, regathered = self.facts.get(self.split) or self._facts(bucket)
         values = {} if bucket is None else bucket.gather(state, grad_layouts)
         regather = {}

@@ -83,7 +83,7 @@ class LocalModel(LocalBlock):
 
 def _forward_order(state, model):
     """The buckets in the order forward uses them: the root unit's, then the blocks' (each prefetches the next)."""
-    bucket = state.buckets.get(id(model)) or next((b for b in state.buckets.values() if b.prev is None), None)
+    bucket = state.groups.get(id(model)) or next((b for b in state.groups.values() if b.prev is None), None)
     while bucket is not None:
         yield bucket
         bucket = bucket.next

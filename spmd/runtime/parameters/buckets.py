@@ -58,7 +58,7 @@ def make_buckets(model, mesh) -> tuple[dict, dict]:
 def drop_root_unit(state, model) -> None:
     """Leaves the parameters outside the blocks out of any bucket: each moves on its own, and is regathered
     in backward rather than kept from forward (a pipeline stage's micro-batches would each keep a copy)."""
-    root = state.buckets.pop(id(model), None)
+    root = state.groups.pop(id(model), None)
     if root is not None:
         for p in root.params:
-            state.bucket_of.pop(id(p), None)
+            state.group_of.pop(id(p), None)

@@ -82,7 +82,7 @@ _recompute_in_backward = functools.partial(create_selective_checkpoint_contexts,
 
 def gather_block(state, mod, compiling: bool):
     """Gathers the flat group of `mod`, if it is a block's, for its modules to find (eager only)."""
-    group = None if compiling or getattr(mod, BODY_COMPILED_ATTR, False) else state.buckets.get(id(mod))
+    group = None if compiling or getattr(mod, BODY_COMPILED_ATTR, False) else state.groups.get(id(mod))
     if group is not None:
         group.values = group.gather(state)
 
@@ -120,7 +120,7 @@ def gathered_param(state, p, compute, module: str, compiling: bool) -> DTensor:
     (eager), or a group of one."""
     if getattr(p, "_spmd_shared", False):
         return gather_shared(state, p, compute, module)
-    group = None if compiling or compute is not p._spmd_compute else state.bucket_of.get(id(p))
+    group = None if compiling or compute is not p._spmd_compute else state.group_of.get(id(p))
     if group is not None and group.values:  # gathered with its block (the compiler: no guard on it)
         return group.values[id(p)]
     return gather_param(state, p, compute, module)
@@ -128,7 +128,7 @@ def gathered_param(state, p, compute, module: str, compiling: bool) -> DTensor:
 
 def release_module_params(state, mod, param_names, hooks, compiling: bool):
     """After `mod`'s forward: its gathered parameters leave the module (and its group's values the state)."""
-    group = None if compiling else state.buckets.get(id(mod))
+    group = None if compiling else state.groups.get(id(mod))
     if group is not None:
         group.values = None
     if hooks is not None:
@@ -142,7 +142,7 @@ def release_module_params(state, mod, param_names, hooks, compiling: bool):
 
 def kept_for_backward(state, p) -> bool:
     """Whether `p` stays gathered from forward to backward (the root unit's, as FSDP2's root)."""
-    bucket = state.bucket_of.get(id(p))
+    bucket = state.group_of.get(id(p))
     return bucket is not None and bucket.keep
 
 

@@ -81,7 +81,7 @@ def reshard_after_forward(gathered: dict, state, module: str):
     def pack(t):
         hit = gathered.get(storage_key(t))
         if hit is not None:
-            return _Regather(hit[0], hit[1], state.param_dtype, module, t, state.bucket_of.get(id(hit[0])), state)
+            return _Regather(hit[0], hit[1], state.param_dtype, module, t, state.group_of.get(id(hit[0])), state)
         _observe(t)
         return t
 

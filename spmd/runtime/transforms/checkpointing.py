@@ -90,7 +90,7 @@ def recomputing(state):
 def _bucket_gathered(state, block: nn.Module):
     """While a bucketed block recomputes (its forward hook does not run again), its parameters gathered as
     one bucket instead of one by one."""
-    bucket = None if state is None or getattr(block, BODY_COMPILED_ATTR, False) else state.buckets.get(id(block))
+    bucket = None if state is None or getattr(block, BODY_COMPILED_ATTR, False) else state.groups.get(id(block))
     if bucket is None or bucket.values:  # forward: the hook gathered them
         yield
         return
