@@ -27,7 +27,7 @@ from ..dtensor.stack import resume, suspend_top
 from ..dtensor.wrap import local_of
 from ..experts.dispatch import EXPERTS, expert_modules
 from ..experts.whole_experts import routes_itself
-from ..parameters.gather import gathered_param, kept_for_backward, moves_data
+from ..parameters.gather import gathered_param, moves_data, regathering_group
 from ..parameters.reshard import CHECKPOINTED_ATTR, reshard_after_forward, storage_key
 from .edges import batch_grad_layout, to_local, wrap_outputs
 
@@ -153,10 +153,10 @@ class LocalBlock:
         grad_layouts, regathered = self.facts.get(self.split) or self._facts(bucket)
         values = {} if bucket is None else bucket.gather(state, grad_layouts)
         regather = {}
-        for (m, n, p), regathers in zip(self.members, regathered):
+        for (m, n, p), group in zip(self.members, regathered):
             local = m.__dict__[n] = self.value(values, p)
-            if regathers:
-                regather[storage_key(local)] = (p, p._spmd_compute)
+            if group is not None:
+                regather[storage_key(local)] = (p, p._spmd_compute, group)
         self.put_buffers()
         if regather and not getattr(self.module, CHECKPOINTED_ATTR, False):
             self.hooks = reshard_after_forward(regather, state, self.name)
@@ -183,13 +183,14 @@ class LocalBlock:
         return to_local(gathered_param(self.state, p, p._spmd_compute, self.name, False), self.split)
 
     def _facts(self, bucket) -> tuple:
-        """(the group's gradient layouts, whether each member is regathered for backward) for this batch split:
-        fixed once laid out, so worked out on the first call and kept with the members."""
+        """(the group's gradient layouts, the group that regathers each member for backward or None) for this
+        batch split: fixed once laid out, so worked out on the first call and kept with the members."""
         split, mesh = self.split, self.state.mesh
         layouts = None if bucket is None else [batch_grad_layout(p._spmd_compute, split) for p in bucket.params]
+        groups = [regathering_group(self.state, p) for _, _, p in self.members]
         regathered = [
-            moves_data(p.placements, p._spmd_compute, mesh) and not kept_for_backward(self.state, p)
-            for _, _, p in self.members
+            g if moves_data(p.placements, p._spmd_compute, mesh) and not g.keep else None
+            for g, (_, _, p) in zip(groups, self.members)
         ]
         self.facts[split] = (layouts, regathered)
         return layouts, regathered

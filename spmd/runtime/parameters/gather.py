@@ -31,7 +31,7 @@ __all__ = [
     "release_module_params",
     "gather_shared",
     "gathered_param",
-    "kept_for_backward",
+    "regathering_group",
 ]
 
 
@@ -97,8 +97,9 @@ def gather_module_params(state, mod, name: str, param_names, weight_layout, comp
         compute = weight_layout if (weight_layout is not None and p_name == "weight") else p._spmd_compute
         g = gathered_param(state, p, compute, name, compiling)
         mod.__dict__[p_name] = g
-        if not compiling and moves_data(p.placements, compute, state.mesh) and not kept_for_backward(state, p):
-            regather[storage_key(g)] = (p, compute)
+        group = None if compiling or not moves_data(p.placements, compute, state.mesh) else regathering_group(state, p)
+        if group is not None and not group.keep:  # the root unit keeps its values from forward
+            regather[storage_key(g)] = (p, compute, group)
     if not regather or compiling or getattr(mod, CHECKPOINTED_ATTR, False):
         return None
     hooks = reshard_after_forward(regather, state, name)
@@ -140,10 +141,9 @@ def release_module_params(state, mod, param_names, hooks, compiling: bool):
             mod.__dict__.pop(n, None)
 
 
-def kept_for_backward(state, p) -> bool:
-    """Whether `p` stays gathered from forward to backward (the root unit's, as FSDP2's root)."""
-    bucket = state.group_of.get(id(p))
-    return bucket is not None and bucket.keep
+def regathering_group(state, p) -> ParamGroup:
+    """The group that regathers `p` for backward: its flat group's, else a group of one."""
+    return state.group_of.get(id(p)) or ParamGroup(p._spmd_name, None, [p], state.mesh, flat=False)
 
 
 def moves_data(storage, compute, mesh) -> bool:

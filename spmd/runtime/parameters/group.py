@@ -1,18 +1,18 @@
 """A parameter group: one or more parameters that move together, and every move they make (FSDP2's
-FSDPParamGroup). A block's parameters, the root unit (the parameters outside the blocks) and the whole model on
-one rank are flat groups; a parameter that moves on its own is a group of one.
+FSDPParamGroup). A block's parameters and the root unit (the parameters outside the blocks) are flat groups (the
+whole model on one rank gathers them all); a parameter that moves on its own is a group of one.
 
 Unshard: a flat group, before its block runs forward, flattens its members' local shards per mesh axis into one
 buffer, all-gathers it and cuts the result back into per-parameter tensors in the compute dtype (handed out as
 DTensors, or as local tensors for a block that runs on them); a group of one casts its parameter and
-redistributes it to the layout its module computes in, whatever the move. The gather can be issued one block
+redistributes it to the layout its module computes in, whatever the move. A flat gather can be issued one block
 ahead (`issue`, FSDP2's prefetch) and finished when the block starts (`finish`). Regather: under ZeRO-3 a flat
-group's backward regathers it once, on the first saved tensor it needs, and starts the previous block's; the
-root unit keeps its values from forward (`keep`). Reduce: the gradients, cast to the reduce dtype, reach the layout
-the grads map gives them (spmd.runtime.gradients.layouts.reduce_gradient: held for a ZeRO-1 step, or unreduced
-under no_sync), a flat group's partial sums in one reduce-scatter and one all-reduce per mesh axis (or handed to
-the reducer that spans blocks, spmd.runtime.gradients.reducer), then cast back to the parameters' dtype (and
-copied to the host under offload="params"). Which move a group makes is fixed when it is made: `flat`.
+group's backward regathers it once, on the first saved tensor it needs, and starts the previous block's; a group
+of one regathers its parameter alone; the root unit keeps its values (`keep`). Reduce: the gradients, cast to the
+reduce dtype, reach the layout the grads map gives them (gradients.layouts.reduce_gradient: held for a ZeRO-1 step,
+or unreduced under no_sync), a flat group's partial sums in one reduce-scatter and one all-reduce per mesh axis (or
+handed to the reducer that spans blocks, gradients.reducer), then cast back to the parameters' dtype (and copied to
+the host under offload="params"). Which move a group makes is fixed when it is made: `flat`.
 """
 
 import torch
@@ -80,12 +80,12 @@ class ParamGroup:
         """A group of one: its parameter in `placements` and the compute dtype, differentiable."""
         return _Unshard.apply(self, state, None, None, tuple(placements), module, *self.params)[0]
 
-    def _moved(self, state, placements, module: str) -> DTensor:
-        p = self.params[0]
+    def _moved(self, state, placements, module: str, why: str = "gather {} to its compute layout", p=None) -> DTensor:
+        p = self.params[0] if p is None else p  # (detached to regather in backward)
         x = to_compute(p, state.param_dtype, state)
-        if tuple(x.placements) == placements:
+        if tuple(x.placements) == tuple(placements):
             return x.view_as(x) if x is p else x
-        with tags.reason(module, f"gather {p._spmd_name} to its compute layout"):
+        with tags.reason(module, why.format(self.params[0]._spmd_name)):
             return x.redistribute(placements=placements)
 
     def issue(self, dtype, why: str):
@@ -132,9 +132,13 @@ class ParamGroup:
                     offset += t.numel()
         return locals_
 
-    def regather(self, dtype) -> dict:
+    def regather(self, dtype, state=None, compute=None, module: str = "") -> dict:
         """The parameters for this group's backward, gathered once (or finished, when prefetched), and the
-        previous block's regather started so it runs during this block's backward."""
+        previous block's regather started so it runs during this block's backward. A group of one regathers its
+        parameter to `compute` each time it is asked (for `module`)."""
+        if not self.flat:  # (in the compute dtype, as `dtype` is)
+            p = self.params[0]
+            return {id(p): self._moved(state, compute, module, "regather {} for backward", p.detach())}
         if self.regathered is None:
             pending = self.pending_regather or self.issue(dtype, f"regather {self.name} for backward")
             self.pending_regather = None

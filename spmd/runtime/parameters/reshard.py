@@ -11,10 +11,8 @@ import torch
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
 
-from .. import tags
 from ..activations import attention_memory
 from ..dtensor.wrap import local_of
-from .host import to_compute
 
 __all__ = [
     "CHECKPOINTED_ATTR",
@@ -47,10 +45,10 @@ def storage_key(t: torch.Tensor) -> int:
 
 
 class _Regather:
-    __slots__ = ("param", "compute", "dtype", "module", "local_view", "spec", "bucket", "state")
+    __slots__ = ("param", "compute", "dtype", "module", "local_view", "spec", "group", "state")
 
-    def __init__(self, param, compute, dtype, module, t: torch.Tensor, bucket=None, state=None):
-        self.param, self.compute, self.dtype, self.module, self.bucket = param, compute, dtype, module, bucket
+    def __init__(self, param, compute, dtype, module, t: torch.Tensor, group, state):
+        self.param, self.compute, self.dtype, self.module, self.group = param, compute, dtype, module, group
         self.state = state
         local = local_of(t)
         self.local_view = (local.size(), local.stride(), local.storage_offset())
@@ -58,12 +56,8 @@ class _Regather:
         self.spec = (t.device_mesh, t.placements, t.shape, t.stride()) if isinstance(t, DTensor) else None
 
     def materialize(self) -> DTensor:
-        if self.bucket is not None:  # the whole block's parameters, gathered once for its backward
-            full = self.bucket.regather(self.dtype)[id(self.param)]
-        else:
-            p = to_compute(self.param.detach(), self.dtype, self.state)
-            with tags.reason(self.module, f"regather {self.param._spmd_name} for backward"):
-                full = p.redistribute(p.device_mesh, self.compute)
+        # a flat group's whole block, gathered once for its backward; a group of one's parameter alone
+        full = self.group.regather(self.dtype, self.state, self.compute, self.module)[id(self.param)]
         size, stride, offset = self.local_view
         local = local_of(full)
         if isinstance(local, AsyncCollectiveTensor):
@@ -76,12 +70,13 @@ class _Regather:
 
 
 def reshard_after_forward(gathered: dict, state, module: str):
-    """saved_tensors_hooks that swap tensors aliasing `gathered` ({storage key: (param, compute)})."""
+    """saved_tensors_hooks that swap tensors aliasing `gathered` ({storage key: (param, compute, its group)}): the
+    group regathers it in backward (spmd.runtime.parameters.group)."""
 
     def pack(t):
         hit = gathered.get(storage_key(t))
         if hit is not None:
-            return _Regather(hit[0], hit[1], state.param_dtype, module, t, state.group_of.get(id(hit[0])), state)
+            return _Regather(hit[0], hit[1], state.param_dtype, module, t, hit[2], state)
         _observe(t)
         return t
 
