@@ -144,7 +144,7 @@ def parameters(cfg) -> list[Param]:
 
 
 def parameter_units(params: list[Param], tied: bool = False) -> dict:
-    """The units spmd gathers in one buffer each (spmd/runtime/buckets.py): every block, the root (the
+    """The units spmd gathers in one buffer each (spmd/runtime/parameters/buckets.py): every block, the root (the
     parameters outside the blocks, gathered once and kept for backward as FSDP2's root), and a tied weight on
     its own (two modules use it). Keys in forward order."""
     units: dict[str, list] = {"root": []}

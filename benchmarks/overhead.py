@@ -150,7 +150,7 @@ def profile(step, steps: int) -> dict:
             calls["DTensor output wraps (Python)"] += nc
         elif file.endswith("tensor/_api.py") and func == "redistribute":
             calls["redistribute calls"] += nc
-        elif file.endswith("spmd/runtime/params.py") and func == "gather_param":
+        elif file.endswith("spmd/runtime/parameters/gather.py") and func == "gather_param":
             calls["parameter gathers (gather_param)"] += nc
         elif file.endswith("nn/modules/module.py") and func == "_call_impl":
             calls["module forward calls"] += nc

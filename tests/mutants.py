@@ -33,7 +33,7 @@ class Mutant(NamedTuple):
 MUTANTS = [
     # the bf16 gather writes its rounded values back into the fp32 parameters: the masters are destroyed
     Mutant(
-        "spmd/runtime/parameters/buckets.py",
+        "spmd/runtime/parameters/group.py",
         "                locals_ = cast_locals(locals_, dtype)\n",
         "                locals_ = cast_locals(locals_, dtype)\n"
         "                for p, low in zip(self.params, locals_):\n"

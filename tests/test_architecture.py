@@ -202,12 +202,14 @@ def test_no_module_swaps_a_class_or_an_entry_in_sys_modules():
 
 
 RUNTIME = ROOT / "spmd" / "runtime"
-MAX_FILES_PER_ROOM = 10
-# measured when the runtime moved into rooms (from 4,427 source lines in 41 flat files, counted as above; 23
-# is_compiling branches in 7 files; _local_tensor 50 times in 18 files), plus transformers' KV cache in training
-# calls (activations/kv_cache.py), plus the wire room (quantized gathers and reductions, hpZ: 4,742 -> 5,124
-# lines) and float8 layers kept on the DTensor path (5,129): the ceilings only come down
-MAX_RUNTIME_LINES, MAX_IS_COMPILING_FILES, MAX_LOCAL_TENSOR_FILES = 5_129, 7, 4
+MAX_FILES_PER_ROOM = 8
+# measured when every parameter's moves became one parameter group's (spmd/runtime/parameters/group.py); before
+# the rooms: 4,427 source lines in 41 flat files, counted as above; 23 is_compiling branches in 7 files;
+# _local_tensor 50 times in 18 files; 21 _spmd_ attribute names. The ceilings only come down. Whether the compiler
+# traces is asked in one place (spmd.runtime.state.tracing), and its answer read at the call sites counted here.
+# 4,733 lines then, plus the wire room (quantized gathers and reductions, hpZ) and float8's path: 5,119.
+MAX_RUNTIME_LINES, MAX_IS_COMPILING_FILES, MAX_LOCAL_TENSOR_FILES = 5_119, 1, 3
+MAX_TRACING_CALLS, MAX_SPMD_ATTRIBUTES, MAX_LONGEST_RUNTIME_FUNCTION = 13, 19, 46
 DTENSOR_INTERNALS = (
     r"\._local_tensor\b",
     r"_op_dispatcher",
@@ -253,3 +255,23 @@ def test_runtime_counts_do_not_creep_back():
     assert len(compiling) <= MAX_IS_COMPILING_FILES, compiling
     local = _files_matching(r"\._local_tensor\b", ROOT / "spmd")
     assert len(local) <= MAX_LOCAL_TENSOR_FILES, local
+
+
+def test_bookkeeping_and_branches_do_not_creep_back():
+    """The `_spmd_` attribute names spmd sets or reads on the user's objects, the call sites that ask whether the
+    compiler traces, and the longest function in the runtime stay at or below their ceilings. Mutation: a line
+    `_X = "_spmd_extra"` in spmd/runtime/tags.py fails it."""
+    import re
+
+    texts = [f.read_text() for f in (ROOT / "spmd").rglob("*.py")]
+    attributes = sorted({a for t in texts for a in re.findall(r"\b_spmd_[a-z_]+\b", t)})
+    assert len(attributes) <= MAX_SPMD_ATTRIBUTES, attributes
+    calls = sum(len(re.findall(r"(?<!def )\btracing\(\)", t)) for t in texts)
+    assert calls <= MAX_TRACING_CALLS, f"{calls} call sites ask whether the compiler traces"
+    longest = max(
+        source_lines(text, f.lineno, f.end_lineno)
+        for text in (p.read_text() for p in RUNTIME.rglob("*.py"))
+        for f in ast.walk(ast.parse(text))
+        if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+    )
+    assert longest <= MAX_LONGEST_RUNTIME_FUNCTION, f"the runtime's longest function has {longest} lines"

@@ -179,7 +179,7 @@ def _mixed_precision_casts(rank, world):
     model = spmd.parallelize(plain, mesh, spmd.Rules.default(), param_dtype=torch.bfloat16)  # reduce_dtype fp32
     with _CountOps() as ours:
         model(local_slice(tokens, mesh), local_slice(targets, mesh)).backward()
-    assert len(model._spmd_state.buckets) == 3  # the root unit and two blocks
+    assert len(model._spmd_state.groups) == 3  # the root unit and two blocks
     # the parameters go to bf16 before their all-gather, the gradients to fp32 before their reduce-scatter: one
     # foreach copy per bucket each way, and one more per block for ZeRO-3's regather in backward
     assert ours.seen.get("_foreach_copy_") == 2 * 3 + 2

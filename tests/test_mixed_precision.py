@@ -39,7 +39,7 @@ on this model (1.1e-2 on Llama, which GRAD_TOL = 4 EPS holds), and two bf16 runs
 differ by as much: measured 4.9e-2 (experts, embedding). A flipped token costs 7e-2 to 1.2e-1, a wrong
 reduction far more. Losses and masters keep GRAD_TOL and MASTER_TOL (measured 6.5e-5 and 1.7e-4).
 
-Kills (tests/mutants.py): `Bucket.issue` copying the bf16-rounded values back into the fp32 parameters, which
+Kills (tests/mutants.py): `ParamGroup.issue` copying the bf16-rounded values back into the fp32 parameters, which
 `test_lean_path.py`'s one-step cast test did not notice.
 """
 

@@ -179,7 +179,7 @@ def _two_hop_grads_match(fmt: str):
         (ref(tokens[2 * r : 2 * r + 2], targets[2 * r : 2 * r + 2]) / 4).backward()
         per_rank[r] = {n: p.grad for n, p in ref.named_parameters()}
     dp, f = mesh.get_coordinate()
-    for bucket in model._spmd_state.buckets.values():
+    for bucket in model._spmd_state.groups.values():
         names = [p._spmd_name for p in bucket.params]
         dims = [p.placements[1].dim for p in bucket.params]
 

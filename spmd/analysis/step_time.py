@@ -11,7 +11,7 @@ parameter traffic the runtime hides behind compute.
                  then dp), else across nodes (InfiniBand); an all-reduce over n ranks is 2(n-1) steps;
     micro-batches (gradient accumulation, K): every collective of a micro-batch runs K times, except the
                  gradient reductions, which run once (spmd.no_sync holds them back; summaries.accumulated);
-    overlap    = what spmd.runtime.parameters.buckets overlaps: a block's parameter gather issued while the block before
+    overlap    = what spmd.runtime.parameters.group overlaps: a block's parameter gather issued while the block before
                  computes (FSDP2's prefetch; in backward the regather of the block before, when it is not
                  checkpointed). Prefetched gathers hide behind the compute of their phase, at most all of
                  it, on a device whose collectives progress while it computes (Device.overlaps_comm); the

@@ -41,7 +41,7 @@ __all__ = [
 ]
 
 # how a collective's time is spent: "gather" parameters (critical path), "prefetch-forward"/"prefetch-backward"
-# (a block's gather issued while the block before computes, spmd.runtime.parameters.buckets), "reduce" gradients (once
+# (a block's gather issued while the block before computes, spmd.runtime.parameters.group), "reduce" gradients (once
 # per step under gradient accumulation), "activation" (tensor/sequence-parallel moves, losses)
 TRAFFIC = ("activation", "gather", "prefetch-forward", "prefetch-backward", "reduce")
 EMPTY_GROUP = (0, 0, 0)  # a Summary group no collective falls in: count, bytes, ring steps

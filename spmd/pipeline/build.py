@@ -26,7 +26,6 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ..layout.blocks import find_blocks
 from ..layout.rules import local_shape
-from ..runtime.local.whole_model import OUTPUTS_LOCAL_ATTR
 from ..runtime.parallelize import parallelize
 from ..runtime.parameters.buckets import drop_root_unit
 from ..runtime.state import STATE_ATTR
@@ -314,7 +313,6 @@ def lay_out_stage(
     allow, so there parameters move one by one; and since several micro-batches run forward before their
     backward, the parameters outside the blocks are not kept gathered as a root unit (a copy per
     micro-batch) but move one by one, regathered in backward. Then the stage's activation checkpointing."""
-    setattr(stage, OUTPUTS_LOCAL_ATTR, True)  # the stage hands torch's pipelining local tensors
     parallelize(
         stage,
         stage_mesh,
@@ -328,6 +326,7 @@ def lay_out_stage(
         offload=offload,
     )
     drop_root_unit(getattr(stage, STATE_ATTR), stage)
+    getattr(stage, STATE_ATTR).outputs_local = True  # the stage hands torch's pipelining local tensors
     checkpoint_stage(stage, info, every, blocks)
 
 

@@ -29,7 +29,7 @@ from .local import hook_sets
 from .local.blocks import enter_local
 from .local.whole_model import enter_local_model
 from .parameters.gather import gather_block, gather_module_params, release_module_params
-from .state import Phase, SPMDState
+from .state import Phase, SPMDState, tracing
 
 __all__ = ["module_hooks"]
 
@@ -92,29 +92,23 @@ def _pre_hook(state: SPMDState, name: str, module: nn.Module, is_root: bool, ent
     def hook(mod, args, kwargs):
         if state.local:  # inside a block running on local tensors (spmd.runtime.local.blocks): nothing moves here
             return None
-        if is_root and not torch.compiler.is_compiling():
+        compiling = tracing()
+        if is_root and not compiling:
             entry.append(_marks(state))
         active.push(state)
         tags.push_module(name)
         if is_root:
-            state.move_cache.clear()
-            state.shared_gathers.clear()
-            state.prefetched.clear()  # left over only if a forward stopped early
-            if state.reducer is not None:
-                state.reducer.reset()  # left over only if a backward stopped early
-            local = enter_local_model(state, mod, name, args, kwargs)
-            if local is not None:
-                return local
+            _start_step(state)
+        local = None if compiling else (enter_local_model if is_root else enter_local)(state, mod, name, args, kwargs)
+        if local is not None:
+            return local
+        if is_root:
             args = tuple(_to_dtensor(state, a, i) for i, a in enumerate(args))
             kwargs = {k: _to_dtensor(state, v, k) for k, v in kwargs.items()}
-        else:
-            local = enter_local(state, mod, name, args, kwargs)
-            if local is not None:
-                return local
-            if not torch.compiler.is_compiling():  # (compile_blocks dresses a block before compiling it)
-                hook_sets.dress_inside(mod)  # this call takes the DTensor path: the modules inside move things
-        gather_block(state, mod)  # before the global view goes on: under a torch-function mode each op costs twice
-        if not torch.compiler.is_compiling() and (is_root or state.phase not in (Phase.FORWARD, Phase.RECOMPUTE)):
+        elif not compiling:  # (compile_blocks dresses a block before compiling it)
+            hook_sets.dress_inside(mod)  # this call takes the DTensor path: the modules inside move things
+        gather_block(state, mod, compiling)  # before the global view: under a torch-function mode each op costs twice
+        if not compiling and (is_root or state.phase not in (Phase.FORWARD, Phase.RECOMPUTE)):
             # the root's forward, or a module called on its own (the compiler must not read the phase: it differs
             # between forward and recompute, and a guard on it recompiles)
             state.global_view.append((mod, GlobalView(state), state.phase))
@@ -124,12 +118,22 @@ def _pre_hook(state: SPMDState, name: str, module: nn.Module, is_root: bool, ent
         if is_linear and args and isinstance(args[0], DTensor):
             x, weight_layout = move_linear_input(state, name, mod._parameters["weight"], args[0], kind == 1)
             args = (x,) + tuple(args[1:])
-        hooks = gather_module_params(state, mod, name, param_names, weight_layout)
-        if not torch.compiler.is_compiling():  # (no hooks under the compiler; the stack's depth is not guarded)
+        hooks = gather_module_params(state, mod, name, param_names, weight_layout, compiling)
+        if not compiling:  # (no hooks under the compiler; the stack's depth is not guarded)
             state.saved_hooks.append(hooks)
         return args, kwargs
 
     return hook
+
+
+def _start_step(state: SPMDState) -> None:
+    """The root's forward begins: what a forward or backward that stopped early left is forgotten."""
+    state.move_cache.clear()
+    state.shared_gathers.clear()
+    for group in state.groups.values():
+        group.prefetched = None
+    if state.reducer is not None:
+        state.reducer.reset()
 
 
 def _post_hook(state: SPMDState, module: nn.Module, is_root: bool, entry: list):
@@ -137,14 +141,15 @@ def _post_hook(state: SPMDState, module: nn.Module, is_root: bool, entry: list):
     has_children = next(module.children(), None) is not None
 
     def hook(mod, args, output):
+        compiling = tracing()
         try:
-            return leave(mod, output)
+            return leave(mod, output, compiling)
         finally:
-            if is_root and entry and not torch.compiler.is_compiling():
+            if is_root and entry and not compiling:
                 _unwind(state, entry.pop())  # nothing left entered, however the forward ended (it may have raised)
                 state.phase = Phase.BACKWARD if _awaits_backward(output) else Phase.IDLE
 
-    def leave(mod, output):
+    def leave(mod, output, compiling: bool):
         if state.local:
             if state.local[-1].module is not mod:
                 return None
@@ -154,10 +159,8 @@ def _post_hook(state: SPMDState, module: nn.Module, is_root: bool, entry: list):
             tags.pop_module()
             active.pop()
             return output
-        compiling = torch.compiler.is_compiling()
-        release_module_params(
-            state, mod, param_names, state.saved_hooks.pop() if not compiling and state.saved_hooks else None
-        )
+        hooks = state.saved_hooks.pop() if not compiling and state.saved_hooks else None
+        release_module_params(state, mod, param_names, hooks, compiling)
         if has_children:
             state.move_cache.clear()
         else:

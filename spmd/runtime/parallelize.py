@@ -95,7 +95,7 @@ def parallelize(
     A scalar (the loss), alone or in a dict, tuple or ModelOutput, comes back plain, equal on every rank.
 
     `bucket`: each block's parameters, and the rest as a root unit, gather in one collective per mesh axis
-    (spmd.runtime.parameters.buckets), gradients reduce across blocks in `bucket_mb` MB buffers
+    (spmd.runtime.parameters.group), gradients reduce across blocks in `bucket_mb` MB buffers
     (spmd.runtime.gradients.reducer), data-only blocks run on local tensors (spmd.runtime.local.blocks). False (and
     offload="params") moves each alone.
 
@@ -166,7 +166,7 @@ def _lay_out_tensors(model: nn.Module, state: SPMDState, layouts: dict, param_in
 
 
 def _install_buckets(model: nn.Module, state: SPMDState, bucket_mb: float):
-    state.buckets, state.bucket_of = make_buckets(model, state.mesh, state.wire)
+    state.groups, state.group_of = make_buckets(model, state.mesh, state.wire)
     state.local_members = local_blocks(model, state)
     for m in model.modules():
         if id(m) in state.local_members:

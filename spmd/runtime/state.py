@@ -22,6 +22,7 @@ __all__ = [
     "activated",
     "push",
     "pop",
+    "tracing",
 ]
 
 STATE_ATTR = "_spmd_state"
@@ -68,21 +69,20 @@ class SPMDState:
         self.targets: dict = {}  # (what, axes or placements, shape) -> placements: fixed
         self.saved_hooks: list = []  # per running module: its reshard-after-forward hooks, or None
         self.shared_gathers: dict = {}  # gathered copies of parameters several modules hold
-        self.buckets: dict = {}  # id(block) -> the Bucket its parameters gather and reduce in
-        self.bucket_of: dict = {}  # id(param) -> its Bucket
-        self.bucket_values: dict = {}  # id(param) -> gathered value, while its block runs forward
-        self.prefetched: dict = {}  # id(bucket) -> its gather, issued while the block before ran
+        self.groups: dict = {}  # id(block) -> the flat ParamGroup its parameters gather and reduce in
+        self.group_of: dict = {}  # id(param) -> its flat ParamGroup
         self.reducer = None  # reducer.GradientReducer: bucket gradients reduced across blocks
         self.wire = None  # spmd.runtime.wire.Wire: the precision gathers and reductions travel in (comm=)
         self.local_members: dict = {}  # id(block) -> its (module, name, param): blocks that may run locally
         self.local: list = []  # the local.LocalBlock calls running now
+        self.outputs_local = False  # the model hands out local tensors (a pipeline stage's, to torch's pipelining)
         self.global_view: list = []  # (module, GlobalView, phase before it) entered by the root or a recompute
 
     def target(self, key: tuple, decide):
         """The placements `decide()` gives for `key` (a constrain's, a model input's, a block input's on the active
         mesh axes), decided once: they follow from the rules, the mesh and the shape alone. Not cached while the
         compiler traces (it would guard on the map)."""
-        if torch.compiler.is_compiling():
+        if tracing():
             return decide()
         hit = self.targets.get(key)
         if hit is None:
@@ -96,6 +96,13 @@ class SPMDState:
         if self.master == "optimizer" and self.param_dtype is not None and dtype.is_floating_point:
             return self.param_dtype
         return dtype
+
+
+def tracing() -> bool:
+    """Whether the compiler traces this call (a compiled block's graph, which serves every block of its type):
+    then nothing is cached, pushed or tagged, and parameters move by DTensor's redistribute. The one place that
+    asks; the hooks ask once per call and hand the answer on."""
+    return torch.compiler.is_compiling()
 
 
 _active: list[SPMDState] = []
@@ -129,7 +136,7 @@ def _set_top():
 
 
 def push(state: SPMDState):
-    if not torch.compiler.is_compiling():  # a compiled block runs inside the root's or its recompute's push
+    if not tracing():  # a compiled block runs inside the root's or its recompute's push
         _active.append(state)
         _set_top()
 
@@ -145,7 +152,7 @@ def unwind_to(n: int) -> None:
 
 
 def pop():
-    if not torch.compiler.is_compiling() and _active:
+    if not tracing() and _active:
         _active.pop()
         _set_top()
 

@@ -8,7 +8,7 @@ tagged: compiled graphs issue their collectives without a dispatch mode to see t
 import contextlib
 import contextvars
 
-import torch
+from .state import tracing
 
 __all__ = [
     "reason",
@@ -29,7 +29,7 @@ _module_stack: list[str] = []
 
 @contextlib.contextmanager
 def reason(module: str, why: str, origin: str = "planned"):
-    if torch.compiler.is_compiling():
+    if tracing():
         yield
         return
     token = _context.set((module, why, origin))
@@ -49,12 +49,12 @@ def phase(name: str):
 
 
 def push_module(name: str):
-    if not torch.compiler.is_compiling():
+    if not tracing():
         _module_stack.append(name)
 
 
 def pop_module():
-    if not torch.compiler.is_compiling() and _module_stack:
+    if not tracing() and _module_stack:
         _module_stack.pop()
 
 
@@ -68,7 +68,7 @@ def unwind_to(n: int) -> None:
 
 def current_module() -> str:
     """The innermost running module's name; "" under the compiler (a graph serves every block of a type)."""
-    if torch.compiler.is_compiling():
+    if tracing():
         return ""
     return _module_stack[-1] if _module_stack else ""
 

@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from ...layout.rules import placements_for
 from .. import tags
 from ..local.edges import to_local
-from ..state import active_state
+from ..state import active_state, tracing
 
 __all__ = [
     "Decision",
@@ -142,9 +142,10 @@ class _Move(torch.autograd.Function):
 def move(x: DTensor, placements, module: str, why: str, grad_placements=None) -> DTensor:
     """Redistributes `x` to `placements`. `grad_placements` overrides the gradient's layout on the way back."""
     placements = tuple(placements)
-    if tuple(x.placements) == placements and (grad_placements is None or torch.compiler.is_compiling()):
+    compiling = tracing()
+    if tuple(x.placements) == placements and (grad_placements is None or compiling):
         return x
-    if torch.compiler.is_compiling():
+    if compiling:
         # DTensor's own redistribute traces to functional collectives; its backward brings the gradient
         # back to x's layout (Partial sources get Replicate), the same layout _Move's backward gives
         return x.redistribute(placements=placements)
@@ -162,16 +163,15 @@ def move_linear_input(state, name, w, x, transposed: bool = False):
     el = torch.finfo(state.param_dtype).bits // 8 if state.param_dtype else w.element_size()
     compute = _transpose(w._spmd_compute) if transposed else tuple(w._spmd_compute)
     shape = tuple(reversed(w.shape)) if transposed else tuple(w.shape)
-    if torch.compiler.is_compiling():
-        # the same decision without its bookkeeping: a graph that names its module serves only that module
+    if tracing():
+        # the same decision without its bookkeeping: a graph that names its module serves only that module, and the
+        # compiler merges repeated moves itself (and cannot key a cache by id)
         x_target, w_target, _ = linear_layouts(x, shape, compute, el, "")
+        moved = _move_input(x, x_target, name)
     else:
         x_target, w_target, decisions = linear_layouts(x, shape, compute, el, name)
         for d in decisions:
             state.decisions[(name, d.mesh_axis)] = d
-    if torch.compiler.is_compiling():  # the compiler merges repeated moves itself (and cannot key a cache by id)
-        moved = _move_input(x, x_target, name)
-    else:
         key = (id(x), x_target)
         if key not in state.move_cache:
             state.move_cache[key] = (x, _move_input(x, x_target, name))
@@ -195,7 +195,7 @@ def _transpose(placements) -> tuple:
 
 
 def constrain(x: torch.Tensor, *axes) -> torch.Tensor:
-    if torch.compiler.is_compiling() or not isinstance(x, DTensor):
+    if tracing() or not isinstance(x, DTensor):
         return _constrain(x, axes)
     with torch._C.DisableTorchFunction():  # the global view has nothing to do here; under it each op costs twice
         return _constrain(x, axes)

@@ -6,6 +6,8 @@ reduce-scatters them into the optimizer's shards."""
 
 from torch.distributed.tensor import DTensor
 
+from .. import tags
+
 __all__ = [
     "grads_layout",
     "reduce_to",
@@ -14,8 +16,7 @@ __all__ = [
     "held_for_step",
     "HELD_ATTR",
     "optim_layout",
-    "reduce_for_step",
-    "held_layout",
+    "reduce_gradient",
 ]
 
 HELD_ATTR = "_spmd_reduce_at_step"  # set by shard_optimizer on a parameter its step reduces (ZeRO-1)
@@ -31,15 +32,29 @@ def grads_layout(p) -> tuple:
     return tuple(getattr(p, "_spmd_grads", None) or p.placements)
 
 
-def reduce_for_step(p, g: DTensor) -> DTensor:
-    """ZeRO-1's backward: `g` (plus the gradient a no_sync pass left) brought to the grads map's size: onto
-    the mesh axes that shard it (a slice, or a reduce-scatter of a partial sum); on the axes that replicate
-    it, partial sums stay for the step to reduce-scatter into the optimizer's shards."""
-    if p.grad is not None and tuple(p.grad.placements) == tuple(g.placements):
-        g = g + p.grad.to(g.dtype)
-        p.grad = None
-    held = held_layout(g.placements, grads_layout(p))
-    return reduce_to(g, held) if held != tuple(g.placements) else g
+def reduce_gradient(g: DTensor, grads, held: bool, unreduced: bool, p=None, where: tuple | None = None) -> DTensor:
+    """One gradient, in the reduce dtype, brought to the layout backward leaves it in: as computed while
+    micro-batches accumulate (`unreduced`); for a ZeRO-1 step (`held`) on the grads map's shards, partial sums kept
+    on the axes it replicates for the step to reduce-scatter; else the grads map's layout `grads`. `p`: its
+    parameter in eager, whose gradient held back under no_sync joins it, once (a compiled graph cannot read
+    p.grad: there a held gradient reaches its shards while micro-batches accumulate too). `where`: (module,
+    parameter name) the collectives are tagged with; None in a compiled graph, where nothing is tagged."""
+    if unreduced and (p is not None or not held):
+        return g
+    if held:
+        if p is not None and p.grad is not None and tuple(p.grad.placements) == tuple(g.placements):
+            g = g + p.grad.to(g.dtype)
+            p.grad = None
+        target, why = held_layout(g.placements, grads), "but over the axes its step shards"
+    else:
+        g = g if p is None else join_unreduced(p, g)
+        target, why = tuple(grads), "to its storage layout"
+    if tuple(g.placements) == target:
+        return g
+    if where is None:
+        return reduce_to(g, target)
+    with tags.reason(where[0], f"reduce gradient of {where[1]} {why}"):
+        return reduce_to(g, target)
 
 
 def held_layout(current, grads) -> tuple:

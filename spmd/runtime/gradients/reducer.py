@@ -1,7 +1,7 @@
 """Gradient reductions that span blocks, in buckets of a set size (DDP's, 25 MB by default).
 
-A bucket's backward (spmd.runtime.parameters.buckets) hands over each gradient whose reduction is at most one
-reduce-scatter (onto its shards over one mesh axis: FSDP) followed by one all-reduce (over the mesh axes that
+A flat parameter group's backward (spmd.runtime.parameters.group) hands over each gradient whose reduction is at
+most one reduce-scatter (onto its shards over one mesh axis: FSDP) followed by one all-reduce (over the mesh axes that
 replicate it: DP, HSDP's dp axis, the dp and tp axes of a sequence-parallel norm weight, summed over their
 flattened group in one collective). They join the open buffer of their reduction and dtype; a buffer that
 reaches the size is issued at once, asynchronously, while backward goes on. A buffer that reduce-scatters and
@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 from .. import collectives, tags
 from ..dtensor.stack import after_backward
 from ..dtensor.wrap import cast, local_of, wrap_local
-from .layouts import grads_layout, reduce_to
+from .layouts import grads_layout, reduce_gradient
 
 __all__ = ["GradientReducer", "DEFAULT_BUCKET_MB", "FIRST_BUCKET_MB"]
 
@@ -126,9 +126,7 @@ class GradientReducer:
                 for m in reduced_dims:
                     placements[m] = grads_layout(p)[m]
                 value = wrap_local(reduced, self.mesh, placements, shape, stride)
-                if tuple(value.placements) != grads_layout(p):
-                    value = reduce_to(value, grads_layout(p))
-                value = cast(value, p.dtype)
+                value = cast(reduce_gradient(value, grads_layout(p), False, False), p.dtype)
                 p.grad = value if p.grad is None else p.grad + value
                 if self.copies is not None:
                     self.copies.ready(p)

@@ -27,8 +27,7 @@ from ..dtensor.stack import resume, suspend_top
 from ..dtensor.wrap import local_of
 from ..experts.dispatch import EXPERTS, expert_modules
 from ..experts.whole_experts import routes_itself
-from ..parameters.buckets import gather_bucket
-from ..parameters.gather import gather_param, gather_shared, kept_for_backward, moves_data
+from ..parameters.gather import gathered_param, moves_data, regathering_group
 from ..parameters.reshard import CHECKPOINTED_ATTR, reshard_after_forward, storage_key
 from .edges import batch_grad_layout, to_local, wrap_outputs
 
@@ -36,7 +35,7 @@ __all__ = ["local_blocks", "enter_local", "LocalBlock", "whole_members"]
 
 
 def local_blocks(model, state) -> dict:
-    """{id(module): ([(module, name, param)], [(module, name, buffer)])} for the bucketed blocks, and the
+    """{id(module): ([(module, name, param)], [(module, name, buffer)], facts)} for the bucketed blocks, and the
     root unit's leaf modules, whose parameters and buffers are all replicated in compute on every mesh axis
     of size > 1, and that hold no experts; and for the expert modules that route their tokens themselves."""
     mesh = state.mesh
@@ -48,7 +47,7 @@ def local_blocks(model, state) -> dict:
         if members is not None:
             found[id(m)] = members
             setattr(m, _INSIDE_ATTR, True)
-    for bucket in state.buckets.values():
+    for bucket in state.groups.values():
         if bucket.module is model:
             continue  # the root unit: the model itself, whose inputs and outputs are not a block's
         if any(id(m) in experts for m in bucket.module.modules()):
@@ -56,7 +55,7 @@ def local_blocks(model, state) -> dict:
         members = whole_members(bucket.module.modules(), mesh)
         if members is not None:
             found[id(bucket.module)] = members
-    root = state.buckets.get(id(model))
+    root = state.groups.get(id(model))
     if root is not None:
         rooted = {id(p) for p in root.params}
         for m in model.modules():
@@ -73,7 +72,7 @@ def local_blocks(model, state) -> dict:
 
 
 def whole_members(modules, mesh, experts_over: str | None = None) -> tuple | None:
-    """(parameters, buffers) of `modules` as (module, name, tensor), when every one is replicated in compute
+    """(parameters, buffers, {}) of `modules` as (module, name, tensor), when every one is replicated in compute
     on the mesh axes of size > 1 (or, with `experts_over`, split there on its leading `experts` dim); else
     None."""
     params, buffers = [], []
@@ -94,7 +93,7 @@ def whole_members(modules, mesh, experts_over: str | None = None) -> tuple | Non
     replicated = all(whole(p, p._spmd_compute) for _, _, p in params) and all(
         whole(b, b.placements) for _, _, b in buffers
     )
-    return (params, buffers) if replicated else None
+    return (params, buffers, {}) if replicated else None
 
 
 def _batch_layout(args, kwargs, state) -> tuple | None:
@@ -143,7 +142,7 @@ class LocalBlock:
 
     def __init__(self, state, module, name: str, members: tuple, layout: tuple):
         self.state, self.module, self.name, self.layout = state, module, name, layout
-        self.members, self.buffers = members
+        self.members, self.buffers, self.facts = members
         self.split = tuple(p.is_shard() for p in layout)
         self.hooks = None
         self.batch = None
@@ -152,14 +151,14 @@ class LocalBlock:
     def enter(self, args, kwargs):
         """Gathers the block's parameters into its modules as local tensors; returns the local inputs."""
         state = self.state
-        bucket = state.buckets.get(id(self.module))  # None: a layer of the root unit, gathered as the model began
-        grad_layouts, regathered = _static_facts(state, self.module, bucket, self.members, self.split)
-        values = {} if bucket is None else gather_bucket(bucket, state, grad_layouts)
+        bucket = state.groups.get(id(self.module))  # None: a layer of the root unit, gathered as the model began
+        grad_layouts, regathered = self.facts.get(self.split) or self._facts(bucket)
+        values = {} if bucket is None else bucket.gather(state, grad_layouts)
         regather = {}
-        for (m, n, p), regathers in zip(self.members, regathered):
+        for (m, n, p), group in zip(self.members, regathered):
             local = m.__dict__[n] = self.value(values, p)
-            if regathers:
-                regather[storage_key(local)] = (p, p._spmd_compute, None)
+            if group is not None:
+                regather[storage_key(local)] = (p, p._spmd_compute, group)
         self.put_buffers()
         if regather and not getattr(self.module, CHECKPOINTED_ATTR, False):
             self.hooks = reshard_after_forward(regather, state, self.name)
@@ -179,20 +178,24 @@ class LocalBlock:
             resume(self.mode)
 
     def value(self, gathered: dict, p) -> torch.Tensor:
-        """`p`'s local value: from `gathered` (its bucket's), else, outside the bucket, the root unit's, a shared
-        parameter's or one moving on its own."""
+        """`p`'s local value: from `gathered` (its group's), else as a module's parameter outside its group."""
         local = gathered.get(id(p))
         if local is not None:
             return local
-        state = self.state
-        g = (
-            gather_shared(state, p, p._spmd_compute, self.name)
-            if getattr(p, "_spmd_shared", False)
-            else state.bucket_values.get(id(p))
-        )
-        if g is None:
-            g = gather_param(p, p._spmd_compute, state.param_dtype, state.reduce_dtype, state, self.name, p._spmd_name)
-        return to_local(g, self.split)
+        return to_local(gathered_param(self.state, p, p._spmd_compute, self.name, False), self.split)
+
+    def _facts(self, bucket) -> tuple:
+        """(the group's gradient layouts, the group that regathers each member for backward or None) for this
+        batch split: fixed once laid out, so worked out on the first call and kept with the members."""
+        split, mesh = self.split, self.state.mesh
+        layouts = None if bucket is None else [batch_grad_layout(p._spmd_compute, split) for p in bucket.params]
+        groups = [regathering_group(self.state, p) for _, _, p in self.members]
+        regathered = [
+            g if moves_data(p.placements, p._spmd_compute, mesh) and not g.keep else None
+            for g, (_, _, p) in zip(groups, self.members)
+        ]
+        self.facts[split] = (layouts, regathered)
+        return layouts, regathered
 
     def put_buffers(self) -> None:
         """The modules' own buffers (rotary tables, an embedding's scale) as local tensors."""
@@ -203,24 +206,6 @@ class LocalBlock:
         """Takes the local parameters and buffers out of the modules: their DTensors show through again."""
         for m, n, _ in (*self.members, *self.buffers):
             m.__dict__.pop(n, None)
-
-
-_STATIC_ATTR = "_spmd_local_facts"  # on a block: {split: (grad layouts, regathered)}, fixed once laid out
-
-
-def _static_facts(state, module, bucket, members, split) -> tuple:
-    """(the bucket's parameters' gradient layouts, whether each member is regathered for backward) for a block
-    fed a batch split over the mesh axes `split`: fixed once laid out, so worked out on the first call."""
-    facts = module.__dict__.setdefault(_STATIC_ATTR, {})
-    hit = facts.get(split)
-    if hit is None:
-        layouts = None if bucket is None else [batch_grad_layout(p._spmd_compute, split) for p in bucket.params]
-        regathered = [
-            moves_data(p.placements, p._spmd_compute, state.mesh) and not kept_for_backward(state, p)
-            for _, _, p in members
-        ]
-        hit = facts[split] = (layouts, regathered)
-    return hit
 
 
 def _suspend_global_view(state):
@@ -235,11 +220,9 @@ _INSIDE_ATTR = "_spmd_local_inside"  # on a module that runs on local tensors in
 
 def enter_local(state, mod, name: str, args, kwargs):
     """(args, kwargs) on local tensors when `mod` is a data-only block fed batch-split inputs (and pushes
-    the call on `state.local`); None otherwise."""
+    the call on `state.local`); None otherwise. Eager calls only (a compiled block takes the DTensor path)."""
     # a checkpointed block recomputes past its own hooks; a module inside it runs its hooks again
-    if torch.compiler.is_compiling() or (
-        getattr(mod, CHECKPOINTED_ATTR, False) and not getattr(mod, _INSIDE_ATTR, False)
-    ):
+    if getattr(mod, CHECKPOINTED_ATTR, False) and not getattr(mod, _INSIDE_ATTR, False):
         return None
     members = state.local_members.get(id(mod))
     if members is None:

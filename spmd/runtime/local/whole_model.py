@@ -2,7 +2,7 @@
 
 Every parameter's compute layout there is its stored local tensor (cast to the compute dtype, if one is set).
 The model's call gathers every bucket once, in forward order (one autograd node each, whose backward lays out
-and reduces the gradients as a block's does, spmd.runtime.parameters.buckets), puts the local values in the modules, and
+and reduces the gradients as a block's does, spmd.runtime.parameters.group), puts the local values in the modules, and
 runs the model's own forward with no DTensor in it: no per-op dispatch and no global view. The hooks of the
 modules inside return at once; they stay for a module called on its own, outside the model's call. The loss
 comes back plain, the other tensor outputs as DTensors replicated on the mesh, as the DTensor path returns
@@ -12,19 +12,15 @@ A model with a block under activation checkpointing takes the per-block path ins
 recompute runs in backward, after the model's call has ended and its local values have left the modules.
 """
 
-import torch
 from torch.distributed.tensor import DTensor, Replicate
 
 from ..activations.moves import map_tensors
 from ..experts.dispatch import expert_modules
-from ..parameters.buckets import gather_bucket
 from ..parameters.reshard import CHECKPOINTED_ATTR
 from .blocks import LocalBlock, whole_members
 from .edges import from_local, to_local
 
-__all__ = ["OUTPUTS_LOCAL_ATTR", "whole_model_members", "enter_local_model", "drop_local_model"]
-
-OUTPUTS_LOCAL_ATTR = "_spmd_outputs_local"  # on a model whose outputs are local tensors (a pipeline stage's)
+__all__ = ["whole_model_members", "enter_local_model", "drop_local_model"]
 
 
 def whole_model_members(model, state) -> tuple | None:
@@ -39,9 +35,9 @@ def whole_model_members(model, state) -> tuple | None:
 
 def enter_local_model(state, model, name: str, args, kwargs):
     """(args, kwargs) on local tensors when the whole model runs locally (and pushes the call on
-    `state.local`); None otherwise."""
+    `state.local`); None otherwise. Eager calls only."""
     members = state.local_members.get(id(model))
-    if members is None or torch.compiler.is_compiling():
+    if members is None:
         return None
     call = LocalModel(state, model, name, members, (Replicate(),) * state.mesh.ndim)
     out = call.enter(args, kwargs)
@@ -64,7 +60,7 @@ class LocalModel(LocalBlock):
         values = {}
         for bucket in _forward_order(state, self.module):
             # on one rank no mesh axis splits the batch: each gradient comes back in its compute layout
-            values.update(gather_bucket(bucket, state, [p._spmd_compute for p in bucket.params]))
+            values.update(bucket.gather(state, [p._spmd_compute for p in bucket.params]))
         for m, n, p in self.members:
             m.__dict__[n] = self.value(values, p)
         self.put_buffers()
@@ -73,7 +69,7 @@ class LocalModel(LocalBlock):
     def leave(self, output):
         """Drops the local values; a scalar output stays plain, any other tensor becomes a replicated DTensor."""
         self.drop_values()
-        if getattr(self.module, OUTPUTS_LOCAL_ATTR, False):
+        if self.state.outputs_local:
             return output
         mesh, layout = self.state.mesh, self.layout
 
@@ -87,7 +83,7 @@ class LocalModel(LocalBlock):
 
 def _forward_order(state, model):
     """The buckets in the order forward uses them: the root unit's, then the blocks' (each prefetches the next)."""
-    bucket = state.buckets.get(id(model)) or next((b for b in state.buckets.values() if b.prev is None), None)
+    bucket = state.groups.get(id(model)) or next((b for b in state.groups.values() if b.prev is None), None)
     while bucket is not None:
         yield bucket
         bucket = bucket.next

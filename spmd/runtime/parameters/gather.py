@@ -1,21 +1,16 @@
-"""How parameters move: from their storage layout to their compute layout before use, and their gradients back.
-
-Every way a parameter moves is chosen here, once per module call:
-* with its block (`gather_block`): the parameters of a repeated block gather in one collective per mesh
-  axis and reduce their gradients the same way (spmd.runtime.parameters.buckets);
-* one by one (`gather_param`), for parameters outside a bucket; a parameter several modules share (tied
-  embeddings) gathers once per forward, so its gradient contributions sum before one reduction;
-* inside a compiled block, as DTensor's redistribute that the compiler sees.
+"""How a module's parameters reach their compute layout before it runs, and leave after: every move is a
+parameter group's (spmd.runtime.parameters.group), chosen here once per module call:
+* with its block (`gather_block`): the flat group of a repeated block gathers in one collective per mesh axis and
+  reduces its gradients the same way;
+* one by one (`gather_param`), a group of one, for parameters outside a flat group; a parameter several modules
+  share (tied embeddings) gathers once per forward, so its gradient contributions sum before one reduction;
+* inside a compiled block, as DTensor's redistribute that the compiler sees, under a recompute-in-backward policy
+  (ZeRO-3's regather, as the compiler sees it); where the grads map holds the gradient beyond the storage layout
+  (ZeRO-1 and 2) or micro-batches accumulate, a function whose backward is the groups' reduction of one gradient
+  (spmd.runtime.gradients.layouts.reduce_gradient).
 After a module's forward its gathered parameters are dropped and regathered for backward (ZeRO-3,
-spmd.runtime.parameters.reshard), unless the module is under activation checkpointing, which regathers by recomputing.
-
-`gather_param(p, placements)` brings one parameter to its compute layout (cast to the compute dtype first,
-so an FSDP gather moves bf16); its backward casts the gradient to the reduce dtype and reduces it into the
-storage layout: all-reduce over replicated axes, reduce-scatter over sharded ones. Under `no_sync` the
-gradient stays unreduced until the step that syncs; under ZeRO-1 until the optimizer step. Inside a
-compiled block the same move is DTensor's redistribute under a recompute-in-backward policy (ZeRO-3's
-regather, as the compiler sees it); where the grads map holds the gradient beyond the storage layout (ZeRO-1
-and 2) a function whose backward reduces to that layout, or leaves it for the step, as the eager path does.
+spmd.runtime.parameters.reshard), unless the module is under activation checkpointing, which regathers by
+recomputing. `compiling` (whether the compiler traces this call) is the hooks' to decide, once per call.
 """
 
 import functools
@@ -24,12 +19,10 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from .. import tags
-from ..gradients.layouts import grads_layout, held_for_step, held_layout, join_unreduced, reduce_for_step, reduce_to
+from ..gradients.layouts import grads_layout, held_for_step, reduce_gradient
+from ..state import tracing
 from ..wire.hpz import keep_secondary
-from ..wire.param import gather_on_wire
-from .buckets import gather_bucket
-from .host import to_compute, to_host
+from .group import ParamGroup
 from .reshard import BODY_COMPILED_ATTR, CHECKPOINTED_ATTR, reshard_after_forward, storage_key
 
 __all__ = [
@@ -38,55 +31,19 @@ __all__ = [
     "gather_module_params",
     "release_module_params",
     "gather_shared",
-    "kept_for_backward",
+    "gathered_param",
+    "regathering_group",
 ]
 
 
-class _GatherParam(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, p: DTensor, placements, dtype, reduce_dtype, state, module, name):
-        ctx.p, ctx.storage = p, grads_layout(p)
-        ctx.reduce_dtype, ctx.state, ctx.module, ctx.name = reduce_dtype, state, module, name
-        x = to_compute(p, dtype, state)
-        if tuple(x.placements) == tuple(placements):
-            return x.view_as(x) if x is p else x
-        with tags.reason(module, f"gather {name} to its compute layout"):
-            return gather_on_wire(x, placements, state.wire) or x.redistribute(placements=placements)
-
-    @staticmethod
-    def backward(ctx, g: DTensor):
-        p = ctx.p
-        if ctx.reduce_dtype is not None and g.dtype != ctx.reduce_dtype:
-            g = g.to(ctx.reduce_dtype)
-        if not ctx.state.sync:
-            return to_host(g, p, ctx.state), None, None, None, None, None, None
-        if held_for_step(p):
-            with tags.reason(ctx.module, f"reduce gradient of {ctx.name} but over the axes its step shards"):
-                return reduce_for_step(p, g).to(p.dtype), None, None, None, None, None, None
-        g = join_unreduced(p, g)
-        if tuple(g.placements) != ctx.storage:
-            with tags.reason(ctx.module, f"reduce gradient of {ctx.name} to its storage layout"):
-                g = reduce_to(g, ctx.storage)
-        return to_host(g, p, ctx.state), None, None, None, None, None, None
-
-
-def gather_param(p, placements, dtype, reduce_dtype, state, module: str, name: str) -> DTensor:
-    if torch.compiler.is_compiling():
-        # Inside a compiled block: DTensor's redistribute, whose backward reduces the gradient to the
-        # storage layout in `reduce_dtype` (all-reduce / reduce-scatter, visible to the compiler). While
-        # micro-batches accumulate (the compiler guards on the flag: one graph each way) it leaves the
-        # gradient unreduced, and the last micro-batch's backward reduces the sum (spmd.runtime.gradients.accumulate).
-        return checkpoint(
-            _redistribute_param,
-            p,
-            tuple(placements),
-            dtype,
-            reduce_dtype,
-            state.accumulating,
-            use_reentrant=False,
-            context_fn=_recompute_in_backward,
-        )
-    return _GatherParam.apply(p, tuple(placements), dtype, reduce_dtype, state, module, name)
+def gather_param(state, p, placements, module: str) -> DTensor:
+    """`p` in `placements` and the compute dtype, differentiable: its gradient is reduced in backward."""
+    if tracing():
+        # While micro-batches accumulate (the compiler guards on the flag: one graph each way) the gradient stays
+        # unreduced, and the last micro-batch's backward reduces the sum (spmd.runtime.gradients.accumulate).
+        args = (p, tuple(placements), state.param_dtype, state.reduce_dtype, state.accumulating)
+        return checkpoint(_redistribute_param, *args, use_reentrant=False, context_fn=_recompute_in_backward)
+    return ParamGroup(p._spmd_name, None, [p], state.mesh, flat=False).unshard_one(state, placements, module)
 
 
 def _redistribute_param(p, placements, dtype, reduce_dtype, unreduced):
@@ -99,7 +56,7 @@ class _CompiledGather(torch.autograd.Function):
     """The compiled move of a parameter whose gradient does not simply reduce to its storage layout: its
     backward leaves the gradient unreduced while micro-batches accumulate, and otherwise reduces it to the
     grads map's layout (ZeRO-2: a reduce-scatter onto the optimizer's shards) or, for a step that reduces
-    it (ZeRO-1), only over the axes the grads map shards."""
+    it (ZeRO-1), only over the axes the grads map shards (spmd.runtime.gradients.layouts.reduce_gradient)."""
 
     @staticmethod
     def forward(ctx, p: DTensor, placements, dtype, reduce_dtype, unreduced: bool):
@@ -111,11 +68,8 @@ class _CompiledGather(torch.autograd.Function):
     def backward(ctx, g: DTensor):
         if ctx.reduce_dtype is not None and g.dtype != ctx.reduce_dtype:
             g = g.to(ctx.reduce_dtype)
-        target = tuple(g.placements) if ctx.unreduced else ctx.grads
-        if ctx.held:  # partial sums stay partial (the compiler traces this first with a replicated guess)
-            target = held_layout(g.placements, ctx.grads)
-        if tuple(g.placements) != target:
-            g = reduce_to(g, target)
+        # partial sums stay partial when held (the compiler traces this first with a replicated guess)
+        g = reduce_gradient(g, ctx.grads, ctx.held, ctx.unreduced)
         return g.to(ctx.dtype), None, None, None, None
 
 
@@ -127,28 +81,28 @@ def _always_recompute(ctx, op, *args, **kwargs):
 _recompute_in_backward = functools.partial(create_selective_checkpoint_contexts, _always_recompute)
 
 
-def gather_block(state, mod):
-    """Gathers the bucket of `mod`, if it is a bucketed block, for its modules to find (eager only)."""
-    bucket = (
-        None if torch.compiler.is_compiling() or getattr(mod, BODY_COMPILED_ATTR, False) else state.buckets.get(id(mod))
-    )
-    if bucket is not None:
-        state.bucket_values.update(gather_bucket(bucket, state))
+def gather_block(state, mod, compiling: bool):
+    """Gathers the flat group of `mod`, if it is a block's, for its modules to find (eager only)."""
+    group = None if compiling or getattr(mod, BODY_COMPILED_ATTR, False) else state.groups.get(id(mod))
+    if group is not None:
+        group.values = group.gather(state)
 
 
-def gather_module_params(state, mod, name: str, param_names, weight_layout=None):
+def gather_module_params(state, mod, name: str, param_names, weight_layout, compiling: bool):
     """Puts `mod`'s parameters, in their compute layout, where attribute lookup finds them first
     (`mod.__dict__`), and returns the saved-tensor hooks that drop them after forward, or None.
     `weight_layout` overrides the compute layout of `mod.weight` (a linear layer's decision)."""
-    compiling = torch.compiler.is_compiling()
     regather = {}
     for p_name in param_names:
         p = mod._parameters[p_name]
         compute = weight_layout if (weight_layout is not None and p_name == "weight") else p._spmd_compute
-        g = _gathered(state, p, compute, name, compiling)
+        g = gathered_param(state, p, compute, name, compiling)
         mod.__dict__[p_name] = g
-        if not compiling and moves_data(p.placements, compute, state.mesh) and not kept_for_backward(state, p):
-            regather[storage_key(g)] = (p, compute, keep_secondary(g, p, compute, state.wire))
+        group = None if compiling or not moves_data(p.placements, compute, state.mesh) else regathering_group(state, p)
+        if group is not None and not group.keep:  # the root unit keeps its values from forward
+            if not group.flat:  # hpZ: backward regathers from a secondary shard kept now, inside its axis
+                group.secondary = keep_secondary(g, p, compute, state.wire)
+            regather[storage_key(g)] = (p, compute, group)
     if not regather or compiling or getattr(mod, CHECKPOINTED_ATTR, False):
         return None
     hooks = reshard_after_forward(regather, state, name)
@@ -161,31 +115,28 @@ def gather_shared(state, p, compute, module: str) -> DTensor:
     contributions then sum before one reduction)."""
     key = (id(p), tuple(compute))
     if key not in state.shared_gathers:
-        state.shared_gathers[key] = gather_param(
-            p, compute, state.param_dtype, state.reduce_dtype, state, module, p._spmd_name
-        )
+        state.shared_gathers[key] = gather_param(state, p, compute, module)
     return state.shared_gathers[key]
 
 
-def _gathered(state, p, compute, module: str, compiling: bool) -> DTensor:
+def gathered_param(state, p, compute, module: str, compiling: bool) -> DTensor:
+    """`p` in `compute` for `module`: a shared parameter's one gather, its group's value while its block runs
+    (eager), or a group of one."""
     if getattr(p, "_spmd_shared", False):
         return gather_shared(state, p, compute, module)
-    if not compiling and state.bucket_values and compute is p._spmd_compute:  # (compiler: no guard on it)
-        g = state.bucket_values.get(id(p))  # gathered with its block
-        if g is not None:
-            return g
-    return gather_param(p, compute, state.param_dtype, state.reduce_dtype, state, module, p._spmd_name)
+    group = None if compiling or compute is not p._spmd_compute else state.group_of.get(id(p))
+    if group is not None and group.values:  # gathered with its block (the compiler: no guard on it)
+        return group.values[id(p)]
+    return gather_param(state, p, compute, module)
 
 
-def release_module_params(state, mod, param_names, hooks):
-    """After `mod`'s forward: its gathered parameters leave the module (and its bucket's values the state)."""
-    bucket = None if torch.compiler.is_compiling() else state.buckets.get(id(mod))
-    if bucket is not None:
-        for p in bucket.params:
-            state.bucket_values.pop(id(p), None)
+def release_module_params(state, mod, param_names, hooks, compiling: bool):
+    """After `mod`'s forward: its gathered parameters leave the module (and its group's values the state)."""
+    group = None if compiling else state.groups.get(id(mod))
+    if group is not None:
+        group.values = None
     if hooks is not None:
         hooks.__exit__(None, None, None)
-    compiling = torch.compiler.is_compiling()
     for n in param_names:
         if compiling:  # torch 2.11's compiler cannot trace removing a module's attribute; pointing the name back
             mod.__dict__[n] = mod._parameters[n]  # at the stored parameter drops the gathered tensor the same way
@@ -193,10 +144,9 @@ def release_module_params(state, mod, param_names, hooks):
             mod.__dict__.pop(n, None)
 
 
-def kept_for_backward(state, p) -> bool:
-    """Whether `p` stays gathered from forward to backward (the root unit's, as FSDP2's root)."""
-    bucket = state.bucket_of.get(id(p))
-    return bucket is not None and bucket.keep
+def regathering_group(state, p) -> ParamGroup:
+    """The group that regathers `p` for backward: its flat group's, else a group of one."""
+    return state.group_of.get(id(p)) or ParamGroup(p._spmd_name, None, [p], state.mesh, flat=False)
 
 
 def moves_data(storage, compute, mesh) -> bool:

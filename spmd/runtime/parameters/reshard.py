@@ -11,11 +11,8 @@ import torch
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
 
-from .. import tags
 from ..activations import attention_memory
 from ..dtensor.wrap import local_of
-from ..wire.hpz import regather_secondary
-from .host import to_compute
 
 __all__ = [
     "CHECKPOINTED_ATTR",
@@ -48,25 +45,19 @@ def storage_key(t: torch.Tensor) -> int:
 
 
 class _Regather:
-    __slots__ = ("param", "compute", "dtype", "module", "local_view", "spec", "bucket", "state", "secondary")
+    __slots__ = ("param", "compute", "dtype", "module", "local_view", "spec", "group", "state")
 
-    def __init__(self, param, compute, dtype, module, t: torch.Tensor, bucket=None, state=None, secondary=None):
-        self.param, self.compute, self.dtype, self.module, self.bucket = param, compute, dtype, module, bucket
-        self.state, self.secondary = state, secondary  # secondary: hpZ's copy (spmd.runtime.wire.hpz)
+    def __init__(self, param, compute, dtype, module, t: torch.Tensor, group, state):
+        self.param, self.compute, self.dtype, self.module, self.group = param, compute, dtype, module, group
+        self.state = state
         local = local_of(t)
         self.local_view = (local.size(), local.stride(), local.storage_offset())
         # a plain tensor is a view of the gathered local shard (experts compute on local tensors)
         self.spec = (t.device_mesh, t.placements, t.shape, t.stride()) if isinstance(t, DTensor) else None
 
     def materialize(self) -> DTensor:
-        if self.bucket is not None:  # the whole block's parameters, gathered once for its backward
-            full = self.bucket.regather(self.dtype)[id(self.param)]
-        elif self.secondary is not None:
-            full = regather_secondary(self.secondary, self.compute, self.module, self.param._spmd_name)
-        else:
-            p = to_compute(self.param.detach(), self.dtype, self.state)
-            with tags.reason(self.module, f"regather {self.param._spmd_name} for backward"):
-                full = p.redistribute(p.device_mesh, self.compute)
+        # a flat group's whole block, gathered once for its backward; a group of one's parameter alone
+        full = self.group.regather(self.dtype, self.state, self.compute, self.module)[id(self.param)]
         size, stride, offset = self.local_view
         local = local_of(full)
         if isinstance(local, AsyncCollectiveTensor):
@@ -79,14 +70,13 @@ class _Regather:
 
 
 def reshard_after_forward(gathered: dict, state, module: str):
-    """saved_tensors_hooks that swap tensors aliasing `gathered` ({storage key: (param, compute, hpZ's
-    secondary copy or None)})."""
+    """saved_tensors_hooks that swap tensors aliasing `gathered` ({storage key: (param, compute, its group)}): the
+    group regathers it in backward (spmd.runtime.parameters.group)."""
 
     def pack(t):
         hit = gathered.get(storage_key(t))
         if hit is not None:
-            bucket = state.bucket_of.get(id(hit[0]))
-            return _Regather(hit[0], hit[1], state.param_dtype, module, t, bucket, state, hit[2])
+            return _Regather(hit[0], hit[1], state.param_dtype, module, t, hit[2], state)
         _observe(t)
         return t
 

@@ -12,7 +12,6 @@ from torch.utils.checkpoint import checkpoint
 from ...layout.blocks import find_blocks
 from ..activations.global_view import GlobalView
 from ..local.whole_model import drop_local_model
-from ..parameters.buckets import regather_for_recompute
 from ..parameters.reshard import BODY_COMPILED_ATTR, CHECKPOINTED_ATTR
 from ..state import STATE_ATTR, Phase, activated
 
@@ -91,14 +90,12 @@ def recomputing(state):
 def _bucket_gathered(state, block: nn.Module):
     """While a bucketed block recomputes (its forward hook does not run again), its parameters gathered as
     one bucket instead of one by one."""
-    bucket = None if state is None or getattr(block, BODY_COMPILED_ATTR, False) else state.buckets.get(id(block))
-    if bucket is None or id(bucket.params[0]) in state.bucket_values:  # forward: the hook gathered them
+    bucket = None if state is None or getattr(block, BODY_COMPILED_ATTR, False) else state.groups.get(id(block))
+    if bucket is None or bucket.values:  # forward: the hook gathered them
         yield
         return
-    values = regather_for_recompute(bucket, state)
-    state.bucket_values.update(values)
+    bucket.values = bucket.gather(state, why=f"regather {bucket.name} for recompute")
     try:
         yield
     finally:
-        for key in values:
-            state.bucket_values.pop(key, None)
+        bucket.values = None

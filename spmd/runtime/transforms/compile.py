@@ -10,7 +10,8 @@ compiled forward traces that path too, its gathers inside, as a checkpointed blo
 Any other block compiles to one graph per block type, with its parameter gathers, layout moves and gradient
 reductions inside it as functional collectives, so the compiler sees and schedules them. Inside a compiled
 block the pass uses DTensor's own redistribute (the same layouts as in eager, see spmd.runtime.parameters.gather),
-inductor buckets the block's collectives of each kind into one (as spmd.runtime.parameters.buckets does in eager), and
+inductor buckets the block's collectives of each kind into one (as a flat parameter group does in eager,
+spmd.runtime.parameters.group), and
 ZeRO-3's reshard-after-forward becomes a selective-checkpoint policy: the gathered parameter is recomputed
 (regathered) in backward, not saved. A block under activation checkpointing compiles its body and keeps
 torch's checkpoint outside the graph: the recompute in backward runs the same compiled graph (torch 2.13
@@ -44,7 +45,7 @@ def compile_blocks(model: nn.Module, blocks: str | None = None, bucket: bool = T
     indices compiled (every block). Apply activation checkpointing first: a checkpointed block compiles the
     body its checkpoint recomputes. `bucket` turns on inductor's bucketing of all-gathers, reduce-scatters and
     all-reduces (a global inductor setting): a block's collectives of one kind merge into one, as
-    spmd.runtime.parameters.buckets does in eager. `compile_kwargs` go to `torch.compile`."""
+    spmd.runtime.parameters.group does in eager. `compile_kwargs` go to `torch.compile`."""
     path, block_list = find_blocks(model, blocks)
     routed = [f"{path}.{i}.{name}" for i, block in enumerate(block_list) for name in expert_modules(block)]
     if routed:

@@ -1,0 +1,284 @@
+"""A parameter group: one or more parameters that move together, and every move they make (FSDP2's
+FSDPParamGroup). A block's parameters and the root unit (the parameters outside the blocks) are flat groups (the
+whole model on one rank gathers them all); a parameter that moves on its own is a group of one.
+
+Unshard: a flat group, before its block runs forward, flattens its members' local shards per mesh axis into one
+buffer, all-gathers it and cuts the result back into per-parameter tensors in the compute dtype (handed out as
+DTensors, or as local tensors for a block that runs on them); a group of one casts its parameter and
+redistributes it to the layout its module computes in, whatever the move. A flat gather can be issued one block
+ahead (`issue`, FSDP2's prefetch) and finished when the block starts (`finish`). Regather: under ZeRO-3 a flat
+group's backward regathers it once, on the first saved tensor it needs, and starts the previous block's; a group
+of one regathers its parameter alone; the root unit keeps its values (`keep`). Reduce: the gradients, cast to the
+reduce dtype, reach the layout the grads map gives them (gradients.layouts.reduce_gradient: held for a ZeRO-1 step,
+or unreduced under no_sync), a flat group's partial sums in one reduce-scatter and one all-reduce per mesh axis (or
+handed to the reducer that spans blocks, gradients.reducer), then cast back to the parameters' dtype (and copied to
+the host under offload="params"). Which move a group makes is fixed when it is made: `flat`.
+"""
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from .. import collectives, tags
+from ..dtensor.wrap import cast_all, cast_locals, local_of, wrap_local
+from ..gradients.layouts import grads_layout, held_for_step, join_unreduced, reduce_gradient, slice_onto_shards
+from ..wire.hpz import regather_secondary
+from ..wire.param import gather_on_wire
+from .host import host_params, to_compute, to_host
+from .reshard import CHECKPOINTED_ATTR, gathers_in_graph
+
+__all__ = ["ParamGroup", "shard_dims"]
+
+
+def shard_dims(p, mesh) -> dict | None:
+    """{mesh dim: tensor dim} that p's storage shards and its compute layout replicates, or None when the
+    move is anything else (the parameter then moves on its own)."""
+    dims, sharded = {}, set()
+    for m, (s, c) in enumerate(zip(p.placements, p._spmd_compute)):
+        if mesh.size(m) == 1:
+            continue
+        if s.is_shard():
+            if s.dim in sharded:
+                return None  # two mesh axes on one tensor dim: the order of shards matters
+            sharded.add(s.dim)
+        if s == c:
+            continue
+        if not (s.is_shard() and c.is_replicate()):
+            return None
+        dims[m] = s.dim
+    return dims
+
+
+class ParamGroup:
+    """Parameters that gather and reduce together: flat (one buffer per mesh axis), or one parameter on its own."""
+
+    def __init__(self, name: str, module, params: list, mesh, flat: bool = True, wire=None):
+        self.name, self.module, self.params, self.mesh, self.flat = name, module, params, mesh, flat
+        self.wire = wire  # spmd.runtime.wire.Wire: the precision a flat group's gathers and reductions travel in
+        self.secondary = None  # a group of one under hpZ: the shard its backward regathers from (wire.hpz)
+        self.shard_dims = [shard_dims(p, mesh) for p in params] if flat else None
+        assert not flat or all(d is not None for d in self.shard_dims), "flat members must pass shard_dims"
+        self.next: ParamGroup | None = None  # the blocks before and after, in forward order
+        self.prev: ParamGroup | None = None
+        self.regathered: dict | None = None  # id(param) -> gathered DTensor, during this group's backward
+        self.pending_regather = None  # a regather issued ahead, during the next block's backward
+        self.keep = False  # the root unit: gathered values stay alive for backward
+        self.values: dict | None = None  # id(param) -> gathered value, while its block runs forward
+        self.prefetched = None  # its gather, issued while the block before ran
+
+    def gather(self, state, grad_layouts=None, why: str | None = None) -> dict:
+        """{id(param): value} in the compute layout, differentiable (reductions in backward). Finishes the gather
+        issued ahead for this group, if any, and issues the next block's. With `grad_layouts` (one per parameter)
+        the values are local tensors whose gradients take those layouts. `why`: a gather of its own (a
+        checkpointed block's recompute), neither prefetched nor prefetching."""
+        if why:
+            pending = self.issue(state.param_dtype, why)
+        else:
+            pending, self.prefetched = self.prefetched, None
+        values = _Unshard.apply(self, state, pending, grad_layouts, None, self.name, *self.params)
+        nxt = self.next
+        if not why and nxt is not None and nxt.prefetched is None and not gathers_in_graph(nxt.module):
+            nxt.prefetched = nxt.issue(state.param_dtype, f"gather {nxt.name} to its compute layout, prefetched")
+        return {id(p): v for p, v in zip(self.params, values)}
+
+    def unshard_one(self, state, placements, module: str) -> DTensor:
+        """A group of one: its parameter in `placements` and the compute dtype, differentiable."""
+        return _Unshard.apply(self, state, None, None, tuple(placements), module, *self.params)[0]
+
+    def _moved(self, state, placements, module: str, why: str = "gather {} to its compute layout", p=None) -> DTensor:
+        p = self.params[0] if p is None else p  # (detached to regather in backward)
+        x = to_compute(p, state.param_dtype, state)
+        if tuple(x.placements) == tuple(placements):
+            return x.view_as(x) if x is p else x
+        with tags.reason(module, why.format(self.params[0]._spmd_name)):
+            return gather_on_wire(x, placements, state.wire) or x.redistribute(placements=placements)
+
+    def issue(self, dtype, why: str):
+        """Starts the all-gather of the first mesh axis (asynchronous); `finish` completes the gather. Issued
+        one block ahead, it runs while the previous block computes (FSDP2's prefetch)."""
+        with torch.no_grad():
+            locals_ = [local_of(p) for p in self.params]
+            if dtype is not None:
+                locals_ = cast_locals(locals_, dtype)
+            axes = sorted({m for dims in self.shard_dims for m in dims})
+            return locals_, axes, (self._launch(locals_, axes[0], why) if axes else []), why
+
+    def _launch(self, locals_, m: int, why: str) -> list:
+        launched = []
+        for group in _by_dtype([i for i, dims in enumerate(self.shard_dims) if m in dims], locals_):
+            buffer = torch.cat([locals_[i].reshape(-1) for i in group])
+            with tags.reason(self.name, f"{why} ({len(group)} parameters, one buffer)"):
+                launched.append((group, collectives.all_gather_buffer(buffer, self.mesh, m, self.wire)))
+        return launched
+
+    def finish(self, pending) -> list[DTensor]:
+        """Every parameter in its compute layout (cast to the dtype `issue` got): one all-gather per mesh axis."""
+        # the DTensor constructor itself: from_local's autograd function would be a node for nothing here
+        return [
+            wrap_local(local.view_as(local), self.mesh, p._spmd_compute, p.shape, p.stride())
+            for p, local in zip(self.params, self.finish_local(pending))
+        ]
+
+    def finish_local(self, pending) -> list[torch.Tensor]:
+        """`finish`'s values as this rank's local tensors."""
+        locals_, axes, launched, why = pending
+        locals_ = list(locals_)
+        for k, m in enumerate(axes):
+            if k:
+                launched = self._launch(locals_, m, why)
+            n = self.mesh.size(m)
+            for group, out in launched:
+                out = collectives.wait(out).view(n, -1)
+                offset = 0
+                for i in group:
+                    t = locals_[i]
+                    pieces = [out[r, offset : offset + t.numel()].view(t.shape) for r in range(n)]
+                    locals_[i] = torch.cat(pieces, dim=self.shard_dims[i][m])
+                    offset += t.numel()
+        return locals_
+
+    def regather(self, dtype, state=None, compute=None, module: str = "") -> dict:
+        """The parameters for this group's backward, gathered once (or finished, when prefetched), and the
+        previous block's regather started so it runs during this block's backward. A group of one regathers its
+        parameter to `compute` each time it is asked (for `module`)."""
+        if not self.flat:  # (in the compute dtype, as `dtype` is)
+            p = self.params[0]
+            if self.secondary is not None:
+                return {id(p): regather_secondary(self.secondary, compute, module, p._spmd_name)}
+            return {id(p): self._moved(state, compute, module, "regather {} for backward", p.detach())}
+        if self.regathered is None:
+            pending = self.pending_regather or self.issue(dtype, f"regather {self.name} for backward")
+            self.pending_regather = None
+            with torch.no_grad():
+                values = self.finish(pending)
+            self.regathered = {id(p): v for p, v in zip(self.params, values)}
+            prev = self.prev
+            if prev is not None and prev.regathered is None and prev.pending_regather is None and prev.reshards():
+                prev.pending_regather = prev.issue(dtype, f"regather {prev.name} for backward, prefetched")
+        return self.regathered
+
+    def reshards(self) -> bool:
+        """Whether this block's backward regathers (not under activation checkpointing)."""
+        return not getattr(self.module, CHECKPOINTED_ATTR, False)
+
+    def reduce(self, grads: list, state, module: str | None = None) -> list:
+        """Gradients (compute layout) -> the layout backward leaves them in, in their parameters' dtype: a flat
+        group's partial sums bound for the grads map in one buffer per mesh axis and kind (or handed to the reducer
+        across blocks), every other gradient alone. `module`: the module a group of one was gathered for."""
+        if state.reduce_dtype is not None:
+            grads = cast_all(grads, state.reduce_dtype)
+        out, work = [None] * len(grads), {}
+        for i, (p, g) in enumerate(zip(self.params, grads)):
+            if g is None:
+                continue
+            if self.flat and state.sync and not held_for_step(p) and not _in_place(p, g):
+                work[i] = slice_onto_shards(join_unreduced(p, g), grads_layout(p))
+                if state.reducer is not None and self._hand_over(p, work[i], state.reducer):
+                    del work[i]  # reduced with other blocks' gradients, by the end of backward
+                continue
+            where = (module or self.name, p._spmd_name)
+            out[i] = reduce_gradient(g, grads_layout(p), held_for_step(p), not state.sync, p, where)
+        if work:
+            self._reduce_flat(work)
+        for i, g in work.items():
+            p = self.params[i]
+            out[i] = reduce_gradient(g, grads_layout(p), False, False, p, (self.name, p._spmd_name))
+        if host_params(state):
+            return [None if g is None else to_host(g, p, state) for g, p in zip(out, self.params)]
+        return cast_all(out, [p.dtype for p in self.params])
+
+    def _reduce_flat(self, work: dict) -> None:
+        """One reduce-scatter, then one all-reduce, per mesh axis for the partial sums in `work` (in place)."""
+        mesh = self.mesh
+        for kind in ("reduce_scatter", "all_reduce"):
+            for m in (m for m in range(mesh.ndim) if mesh.size(m) > 1):
+                members = [
+                    i
+                    for i, g in work.items()
+                    if _bucketable(g.placements[m], grads_layout(self.params[i])[m], kind, work[i], mesh.size(m))
+                ]
+                for group in _by_dtype(members, {i: local_of(work[i]) for i in members}):
+                    self._reduce_group(work, group, m, kind)
+
+    def _hand_over(self, p, g, reducer) -> bool:
+        """Gives `g` to the cross-block reducer when a reduce-scatter over one mesh axis and an all-reduce over
+        the others that replicate it (either may be absent) complete it."""
+        storage = grads_layout(p)
+        scatter, summed = [], []
+        for m in range(self.mesh.ndim):
+            n = self.mesh.size(m)
+            if n == 1 or g.placements[m] == storage[m]:
+                continue
+            if _bucketable(g.placements[m], storage[m], "reduce_scatter", g, n):
+                scatter.append(m)
+            elif _bucketable(g.placements[m], storage[m], "all_reduce", g, n):
+                summed.append(m)
+            else:
+                return False
+        if len(scatter) > 1 or not (scatter or summed):
+            return False
+        reducer.add(p, g, scatter[0] if scatter else None, tuple(summed), self.name)
+        return True
+
+    def _reduce_group(self, work: dict, group: list, m: int, kind: str):
+        mesh, what = self.mesh, f"gradients of {self.name} ({len(group)} parameters, one buffer)"
+        tensors = [local_of(work[i]) for i in group]
+        if kind == "reduce_scatter":
+            with tags.reason(self.name, f"reduce-scatter {what}"):
+                dims = [grads_layout(self.params[i])[m].dim for i in group]
+                pending = collectives.reduce_scatter(tensors, dims, mesh, m, self.wire)
+        else:
+            with tags.reason(self.name, f"all-reduce {what}"):
+                pending = collectives.all_reduce(tensors, mesh, m, self.wire)
+        for i, reduced in zip(group, pending.results()):
+            g = work[i]
+            placements = list(g.placements)
+            placements[m] = grads_layout(self.params[i])[m]
+            work[i] = DTensor.from_local(
+                reduced, mesh, tuple(placements), run_check=False, shape=g.shape, stride=g.stride()
+            )
+
+
+def _in_place(p, g) -> bool:
+    """Nothing to reduce: no mesh axis splits what `g` was computed from, and no gradient is held back."""
+    return p.grad is None and tuple(g.placements) == grads_layout(p)
+
+
+def _bucketable(current, storage, kind: str, g, n: int) -> bool:
+    if not (current.is_partial() and getattr(current, "reduce_op", "sum") == "sum"):
+        return False
+    if kind == "reduce_scatter":
+        return storage.is_shard() and local_of(g).shape[storage.dim] % n == 0
+    return storage.is_replicate()
+
+
+def _by_dtype(members: list, tensors) -> list[list]:
+    groups: dict = {}
+    for i in members:
+        groups.setdefault(tensors[i].dtype, []).append(i)
+    return list(groups.values())
+
+
+class _Unshard(torch.autograd.Function):
+    """A group's gather: its values in forward, its reduction in backward (one autograd node per group)."""
+
+    @staticmethod
+    def forward(ctx, group: ParamGroup, state, pending, grad_layouts, placements, module: str, *params):
+        ctx.group, ctx.state, ctx.grad_layouts, ctx.module = group, state, grad_layouts, module
+        ctx.set_materialize_grads(False)  # a value the block did not use (its module moved it itself) gets None
+        if not group.flat:
+            return (group._moved(state, placements, module),)
+        pending = pending or group.issue(state.param_dtype, f"gather {group.name} to its compute layout")
+        if grad_layouts is None:
+            return tuple(group.finish(pending))
+        return tuple(t.view_as(t) for t in group.finish_local(pending))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        group = ctx.group
+        group.regathered = group.pending_regather = None  # the block's backward is done with its regathered values
+        if ctx.grad_layouts is not None:
+            grads = [
+                None if g is None else wrap_local(g, group.mesh, layout, p.shape, g.stride())
+                for g, p, layout in zip(grads, group.params, ctx.grad_layouts)
+            ]
+        return (None,) * 6 + tuple(group.reduce(list(grads), ctx.state, ctx.module))
