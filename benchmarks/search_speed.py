@@ -77,6 +77,9 @@ def compare(rev: str, args: dict, rounds: int) -> dict:
 
 
 def report(rev: str, args: dict, rounds: int, out: str) -> int:
+    rev = subprocess.run(
+        ["git", "-C", str(common.ROOT), "rev-parse", rev], capture_output=True, text=True, check=True
+    ).stdout.strip()
     result = compare(rev, args, rounds)
     env = common.environment()
     b, a = result["before"], result["after"]
