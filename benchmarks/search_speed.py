@@ -96,11 +96,12 @@ def report(rev: str, args: dict, rounds: int, out: str) -> int:
     markdown = (
         f"# spmd.search time before and after\n\n{args['model']} on {args['world']} x {args['device']}, batch "
         f"{tuple(args['batch_shape'])}, {args['dtype']}, specs {args['specs'] or 'all'}; {rounds} interleaved "
-        f"rounds, one process each (workers=1), load average {env.get('loadavg_1m')} at the end.\n\n"
+        f"rounds, one process each (workers=1), load average {env.get('loadavg_1m', 0):.1f} at the end.\n\n"
         + "\n".join(lines)
         + f"\n\nCPU time {ratio:.2f}x less; same rows before and after: **{result['same_rows']}**.\n"
     )
-    stem = Path(out) / f"{common.today()}-search-speed-{args['model']}-{args['world']}x{args['device']}"
+    subset = f"-{len(args['specs'])}-specs" if args["specs"] else ""
+    stem = Path(out) / f"{common.today()}-search-speed-{args['model']}-{args['world']}x{args['device']}{subset}"
     js, md = common.write(stem, {"environment": env, "against": rev, "args": args, **result}, markdown)
     print(markdown, f"wrote {js} and {md}", sep="\n")
     return 0
