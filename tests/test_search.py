@@ -76,6 +76,37 @@ def test_full_checkpointing_derived_from_a_1_block_copy_equals_explain():
         assert fast.memory == full.memory, spec
 
 
+def test_blocks_sharing_an_outside_tensor_are_planned_from_both_copies():
+    """A Hugging Face Llama's blocks all take the rotary cos/sin its model makes: saved once without
+    checkpointing, once per checkpointed block with it, so derived.full_from_none undercounts its activations.
+    The search checks the derivation on its first spec and plans such a model from the 1- and 2-block copies:
+    its plan under `full` equals explain's. Mutation it kills: _plan_full returning the derived plans unchecked."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=64,
+        attn_implementation="sdpa",
+    )
+    model = transformers.LlamaForCausalLM(config)
+    spmd.annotate_hf(model)
+    sizes, key, rules = {"fsdp": 2, "tp": 2}, ((("fsdp", 2), ("tp", 2)), True, 3), summaries.rules_for(True, 3)
+    full = summaries.summarize(spmd.explain(model, rules, sizes, batch_shape=(8, 16), dtype="bf16", ac="full"))
+    args = (model, sizes, True, (8, 16), "bf16", rules)
+    nones = {key: summaries.planned(*args, "none", 1, block=True)}
+    derived_full = derived.full_from_none(nones[key], summaries.planned(*args, "full", 1, block=summaries.ONE_BLOCK))
+    assert derived_full.memory["activations"] < full.memory["activations"]
+    fulls = S._plan_full(model, {key: [1]}, nones, (8, 16, "bf16"), (None, S.Progress(False)))
+    assert fulls[key].memory == full.memory
+    assert {g: v for g, v in fulls[key].groups.items() if v[0]} == full.groups
+
+
 def test_a_mixture_of_experts_is_searched_over_ep_dividing_its_experts():
     """ep joins the candidates only for a model with experts, and only where it divides them; an MoE plan
     (all-to-alls at balanced routing, expert parameters per rank) extrapolates from 1 and 2 blocks exactly."""

@@ -231,8 +231,7 @@ def _fit(net, todo, shape, budget, pinned, workers) -> dict:
             if modes != ["none"] and not isinstance(none, Exception) and not _fits(none, modes, budget)
         }
         nones.update(_plan_round(net, needs, "none", shape, workers, block=True))
-        ones = _plan_round(net, needs, "full", shape, workers, block=ONE_BLOCK)
-        fulls = {key: full_from_none(nones[key], one) for key, one in ones.items()}
+        fulls = _plan_full(net, needs, nones, shape, workers)
         for key in list(pending):
             k, none, full = pending[key][0], nones[key], fulls.get(key)
             error = next((s for s in (none, full) if isinstance(s, Exception)), None)
@@ -241,6 +240,28 @@ def _fit(net, todo, shape, budget, pinned, workers) -> dict:
             if error is not None or out[key][0].memory["total"] <= budget or not pending[key]:
                 del pending[key]
     return out
+
+
+def _plan_full(net, needs: dict, nones: dict, shape, workers) -> dict:
+    """{spec key: plan under full checkpointing} of `needs`: derived from its plan without checkpointing and a
+    1-block dry run (derived.full_from_none) where, on the first spec, the derived plan equals the one of the
+    1- and 2-block copies under full. It does not for a model whose blocks share a tensor made outside them
+    (a Hugging Face decoder's rotary cos/sin): the blocks save it once without checkpointing, each checkpointed
+    block once more. Such a model is planned from both copies."""
+    ones = _plan_round(net, needs, "full", shape, workers, block=ONE_BLOCK)
+    fulls = {key: full_from_none(nones[key], one) for key, one in ones.items()}
+    probe = next((key for key, full in fulls.items() if not isinstance(full, Exception)), None)
+    if probe is None:
+        return fulls
+    exact = _plan_round(net, {probe: needs[probe]}, "full", shape, workers, block=True)[probe]
+    derived = fulls[probe]
+    if isinstance(exact, Exception):
+        return _plan_round(net, needs, "full", shape, workers, block=True)
+    if {g: v for g, v in derived.groups.items() if any(v)} == {g: v for g, v in exact.groups.items() if any(v)} and (
+        derived.memory == exact.memory
+    ):
+        return {**fulls, probe: exact}
+    return _plan_round(net, needs, "full", shape, workers, block=True)
 
 
 def _plan(net, model, todo, shape, budget, pinned, how) -> dict:
