@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from .summaries import EMPTY_GROUP, Summary
 
-__all__ = ["full_from_none", "regathered"]
+__all__ = ["full_from_none", "regathered", "same_plan"]
 
 
 def regathered(s: Summary) -> Summary:
@@ -43,3 +43,11 @@ def full_from_none(none, one_full):
     out = one_full + block * repeats
     out.block, out.blocks = block, none.blocks
     return out
+
+
+def same_plan(a, b) -> bool:
+    """Whether two plans (or errors) agree: every collective group that holds any, and every memory figure."""
+    if isinstance(a, Exception) or isinstance(b, Exception):
+        return False
+    used = lambda s: {g: v for g, v in s.groups.items() if any(v)}  # noqa: E731
+    return used(a) == used(b) and a.memory == b.memory

@@ -41,7 +41,7 @@ from ..layout.blocks import find_blocks
 from ..layout.rules import ZERO_STAGES, Rules
 from ..runtime.transforms.checkpointing import parse_mode
 from .candidates import candidate_specs, candidates, expert_count, mesh_problem, spec_name, zero_stages
-from .derived import full_from_none
+from .derived import full_from_none, same_plan
 from .devices import Device, get_device
 from .search_pipeline import Pipeline, pipeline_sizes, plan_pipeline
 from .search_pool import Progress, Workers, plan_all
@@ -254,12 +254,7 @@ def _plan_full(net, needs: dict, nones: dict, shape, workers) -> dict:
     if probe is None:
         return fulls
     exact = _plan_round(net, {probe: needs[probe]}, "full", shape, workers, block=True)[probe]
-    derived = fulls[probe]
-    if isinstance(exact, Exception):
-        return _plan_round(net, needs, "full", shape, workers, block=True)
-    if {g: v for g, v in derived.groups.items() if any(v)} == {g: v for g, v in exact.groups.items() if any(v)} and (
-        derived.memory == exact.memory
-    ):
+    if same_plan(fulls[probe], exact):
         return {**fulls, probe: exact}
     return _plan_round(net, needs, "full", shape, workers, block=True)
 
