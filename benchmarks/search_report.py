@@ -8,6 +8,9 @@ shared).
 `--published` instead plans the runs torchtitan published (benchmarks/llama3_h100_202412_torchtitan.md, H100
 96 GB at 500 W) and writes results/<date>-search-vs-published.{json,md} with the error of each prediction
 (predicted / published - 1: positive means the planner is optimistic).
+
+`--against REV [--specs ...] [--rounds N]` instead times the search at commit REV and in this tree, rounds
+interleaved, and writes results/<date>-search-speed-<model>-<world>x<device>.{json,md} (benchmarks/search_speed.py).
 """
 
 import argparse
@@ -18,7 +21,7 @@ from pathlib import Path
 
 import models
 import spmd
-from benchmarks import common
+from benchmarks import common, search_speed
 from spmd.analysis.devices import DEVICES
 
 # (label, model, world, spec, global batch shape, ac, published tokens/s per GPU, published GiB, how they ran)
@@ -125,11 +128,17 @@ def main(argv=None) -> int:
     ap.add_argument("--workers", type=int, default=min(os.cpu_count() or 1, 8))
     ap.add_argument("--published", action="store_true", help="plan torchtitan's published runs instead")
     ap.add_argument("--out", default=str(common.RESULTS))
+    ap.add_argument("--against", default="", help="REV: time the search at REV and here, interleaved (search_speed)")
+    ap.add_argument("--rounds", type=int, default=3, help="with --against: runs of each tree")
+    ap.add_argument("--specs", nargs="*", default=None, help="with --against: search only these specs")
     a = ap.parse_args(argv)
     if a.published:
         return published(a.out)
     cfg = models.preset(a.model)
     batch_shape = (a.batch or a.world, a.seq or min(cfg.max_seq_len, 4096))
+    if a.against:
+        args = dict(model=a.model, world=a.world, device=a.device, batch_shape=batch_shape, dtype=a.dtype)
+        return search_speed.report(a.against, {**args, "specs": a.specs}, a.rounds, a.out)
     rows, took = timed_search(cfg, a.world, a.device, batch_shape=batch_shape, dtype=a.dtype, workers=a.workers)
     report = {"environment": common.environment(), "args": vars(a), "search": took, **rows.to_dict()}
     name = a.model.replace(":", "-")

@@ -11,7 +11,7 @@ import torch
 import models
 import spmd
 from models.llama import Llama, LlamaConfig
-from spmd.analysis import summaries
+from spmd.analysis import derived, summaries
 from spmd.analysis.devices import DEVICES, Device
 from spmd.analysis.search import ac_modes
 
@@ -49,6 +49,58 @@ def test_block_extrapolation_equals_the_full_plan():
         fast = summaries.plan_summary(model, sizes, "sp" in flags, (8, 16), "fp32")
         assert {k: v for k, v in fast.groups.items() if v[0]} == full.groups
         assert fast.memory == full.memory
+
+
+def test_full_checkpointing_derived_from_a_1_block_copy_equals_explain():
+    """The search plans full checkpointing from the plan without it and one dry run of a 1-block copy
+    (spmd/analysis/derived.py); on a sample of specs (ZeRO 3 in bf16 with its prefetched regathers and sp,
+    ZeRO 2 at two micro-batches with the cp ring) that plan equals explain's of the whole 3-block model under `full`:
+    every collective group (count, bytes, ring steps) and every memory figure. Mutations it kills:
+    full_from_none without `regathered` (regathers stay prefetched), or without the 1-block copy's change
+    (`block = regathered(none.block)`)."""
+    model = tiny(n_layers=3)
+    for spec, zero, k, dtype in (("fsdp=2,tp=2,sp", 3, 1, "bf16"), ("fsdp=2,cp=2", 2, 2, "fp32")):
+        sizes, flags = spmd.parse_spec(spec)
+        rules = summaries.rules_for("sp" in flags, zero)
+        plan = spmd.explain(model, rules, sizes, batch_shape=(8, 16), dtype=dtype, ac="full", grad_accum=k)
+        full = summaries.summarize(plan)
+        summaries._cache.clear()
+        args = (model, sizes, "sp" in flags, (8, 16), dtype, rules)
+        none = summaries.planned(*args, "none", k, block=True)
+        fast = derived.full_from_none(none, summaries.planned(*args, "full", k, block=summaries.ONE_BLOCK))
+        assert {g: v for g, v in fast.groups.items() if v[0]} == full.groups, spec
+        assert fast.memory == full.memory, spec
+
+
+def test_blocks_sharing_an_outside_tensor_are_planned_from_both_copies():
+    """A Hugging Face Llama's blocks all take the rotary cos/sin its model makes: saved once without
+    checkpointing, once per checkpointed block with it, so derived.full_from_none undercounts its activations.
+    The search checks the derivation on its first spec and plans such a model from the 1- and 2-block copies:
+    its plan under `full` equals explain's. Mutation it kills: _plan_full returning the derived plans unchecked."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=64,
+        attn_implementation="sdpa",
+    )
+    model = transformers.LlamaForCausalLM(config)
+    spmd.annotate_hf(model)
+    sizes, key, rules = {"fsdp": 2, "tp": 2}, ((("fsdp", 2), ("tp", 2)), True, 3), summaries.rules_for(True, 3)
+    full = summaries.summarize(spmd.explain(model, rules, sizes, batch_shape=(8, 16), dtype="bf16", ac="full"))
+    args = (model, sizes, True, (8, 16), "bf16", rules)
+    nones = {key: summaries.planned(*args, "none", 1, block=True)}
+    derived_full = derived.full_from_none(nones[key], summaries.planned(*args, "full", 1, block=summaries.ONE_BLOCK))
+    assert derived_full.memory["activations"] < full.memory["activations"]
+    fulls = S._plan_full(model, {key: [1]}, nones, (8, 16, "bf16"), (None, S.Progress(False)))
+    assert fulls[key].memory == full.memory
+    assert {g: v for g, v in fulls[key].groups.items() if v[0]} == full.groups
 
 
 def test_a_mixture_of_experts_is_searched_over_ep_dividing_its_experts():

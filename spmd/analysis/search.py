@@ -41,12 +41,13 @@ from ..layout.blocks import find_blocks
 from ..layout.rules import ZERO_STAGES, Rules
 from ..runtime.transforms.checkpointing import parse_mode
 from .candidates import candidate_specs, candidates, expert_count, mesh_problem, spec_name, zero_stages
+from .derived import full_from_none, same_plan
 from .devices import Device, get_device
 from .search_pipeline import Pipeline, pipeline_sizes, plan_pipeline
 from .search_pool import Progress, Workers, plan_all
 from .search_rows import Row, SearchResult, compression_note
 from .step_time import flops_per_token, links, predict, recompute_fraction
-from .summaries import accumulated, as_model, checkpointed, frozen, model_state_bytes, rules_for
+from .summaries import ONE_BLOCK, accumulated, as_model, checkpointed, frozen, model_state_bytes, rules_for
 
 __all__ = [
     "Row",
@@ -117,6 +118,7 @@ def search(
     compute_s = flops_per_token(net, seq) * batch * seq / world_size / (dev.peak(dtype) * dev.efficiency)
     unplanned = _screen(net, tried, world_size, budget)
     todo = [c for c in tried if _floor_key(c) not in unplanned]
+    shown = Progress(progress)
     chosen = _plan(
         net,
         model,
@@ -124,7 +126,7 @@ def search(
         (batch, seq, str(dtype)),
         budget,
         (ac, grad_accum),
-        (workers or 1, Progress(progress), pipeline or Pipeline()),
+        (workers or 1, shown, pipeline or Pipeline()),
     )
     ranked, dropped = [], []
     for sizes, sp, z in tried:
@@ -158,6 +160,7 @@ def search(
         "ac": ac,
         "grad_accum": grad_accum,
         "zero": zero,
+        "dry_runs": shown.dry_runs,
     }
     return SearchResult(ranked[:top] if top else ranked, dropped, meta)
 
@@ -227,8 +230,8 @@ def _fit(net, todo, shape, budget, pinned, workers) -> dict:
             for key, none in nones.items()
             if modes != ["none"] and not isinstance(none, Exception) and not _fits(none, modes, budget)
         }
-        fulls = _plan_round(net, needs, "full", shape, workers)
         nones.update(_plan_round(net, needs, "none", shape, workers, block=True))
+        fulls = _plan_full(net, needs, nones, shape, workers)
         for key in list(pending):
             k, none, full = pending[key][0], nones[key], fulls.get(key)
             error = next((s for s in (none, full) if isinstance(s, Exception)), None)
@@ -237,6 +240,23 @@ def _fit(net, todo, shape, budget, pinned, workers) -> dict:
             if error is not None or out[key][0].memory["total"] <= budget or not pending[key]:
                 del pending[key]
     return out
+
+
+def _plan_full(net, needs: dict, nones: dict, shape, workers) -> dict:
+    """{spec key: plan under full checkpointing} of `needs`: derived from its plan without checkpointing and a
+    1-block dry run (derived.full_from_none) where, on the first spec, the derived plan equals the one of the
+    1- and 2-block copies under full. It does not for a model whose blocks share a tensor made outside them
+    (a Hugging Face decoder's rotary cos/sin): the blocks save it once without checkpointing, each checkpointed
+    block once more. Such a model is planned from both copies."""
+    ones = _plan_round(net, needs, "full", shape, workers, block=ONE_BLOCK)
+    fulls = {key: full_from_none(nones[key], one) for key, one in ones.items()}
+    probe = next((key for key, full in fulls.items() if not isinstance(full, Exception)), None)
+    if probe is None:
+        return fulls
+    exact = _plan_round(net, {probe: needs[probe]}, "full", shape, workers, block=True)[probe]
+    if same_plan(fulls[probe], exact):
+        return {**fulls, probe: exact}
+    return _plan_round(net, needs, "full", shape, workers, block=True)
 
 
 def _plan(net, model, todo, shape, budget, pinned, how) -> dict:
@@ -262,11 +282,12 @@ def _fit_pipelines(net, todo, shape, budget, ac, how: Pipeline) -> dict:
     return {_key(c): plan_pipeline(net, _key(c), shape, budget, modes, how) for c in todo}
 
 
-def _plan_round(net, pending: dict, mode: str, shape, workers, block: bool = False) -> dict:
+def _plan_round(net, pending: dict, mode: str, shape, workers, block=False) -> dict:
     """{spec key: plan or error} of each pending spec at its next K with checkpointing `mode`, in one plan_all;
-    `block`: with one block's share (checkpointing composes from it). `workers`: (Workers, Progress)."""
+    `block`: with one block's share (checkpointing composes from it), or ONE_BLOCK: the 1-block copy's plan
+    alone (derived.full_from_none). `workers`: (Workers, Progress)."""
     batch, seq, dtype = shape
-    jobs = {key: _job(key, ks[0], mode, batch, seq, dtype) + (mode == "full" or block,) for key, ks in pending.items()}
+    jobs = {key: _job(key, ks[0], mode, batch, seq, dtype) + (block,) for key, ks in pending.items()}
     pool, progress = workers
     progress.stage = f"--ac {mode}"
     planned = plan_all(net, sorted(set(jobs.values()), key=repr), pool, progress) if jobs else {}

@@ -13,7 +13,7 @@ import torch.nn as nn
 
 from ..layout.annotate import fake_copy
 from .fake import kept_worlds
-from .summaries import Summary, _blocks, _cache, _cache_key, as_model, planned, rules_for
+from .summaries import DRY_RUNS, Summary, _blocks, _cache, _cache_key, as_model, planned, rules_for
 
 __all__ = ["plan_all", "Progress", "Workers", "stop_on_term"]
 
@@ -26,6 +26,7 @@ class Progress:
 
     def __init__(self, on: bool, stream=None):
         self.on, self.stream, self.start, self.stage = on, stream or sys.stderr, time.perf_counter(), ""
+        self.dry_runs = 0  # explain dry runs made for the search, in this process and its workers
 
     def show(self, done: int, total: int) -> None:
         if self.on:
@@ -79,9 +80,10 @@ def _plan_one(model, job):
 
 
 def _plan_group(jobs):
-    """The dry runs of one mesh, one after another in one fake world."""
+    """The dry runs of one mesh, one after another in one fake world: ([(job, plan)], dry runs made)."""
+    before = DRY_RUNS[0]
     with kept_worlds():
-        return [(job, _plan_one(_worker_model, job)) for job in jobs]
+        return [(job, _plan_one(_worker_model, job)) for job in jobs], DRY_RUNS[0] - before
 
 
 def _job_key(net, job):
@@ -129,9 +131,10 @@ def plan_all(net: nn.Module, jobs: list, workers: Workers | None = None, progres
     batch_shape, dtype, ac, grad_accum, block): `planned`'s arguments, with the rules as `rules_for(sp, zero)`."""
     progress = progress or Progress(False)
     groups = _by_mesh([j for j in jobs if _job_key(net, j) not in _cache])
-    results = {}
+    results, before = {}, DRY_RUNS[0]
     if workers is not None and workers.processes > 1 and len(groups) > 1:
-        for i, done in enumerate(workers.map(groups), 1):
+        for i, (done, dry_runs) in enumerate(workers.map(groups), 1):
+            progress.dry_runs += dry_runs
             for job, out in done:
                 results[job] = out
                 if isinstance(out, Summary):
@@ -145,4 +148,5 @@ def plan_all(net: nn.Module, jobs: list, workers: Workers | None = None, progres
     for job in jobs:
         if job not in results:
             results[job] = _plan_one(net, job)
+    progress.dry_runs += DRY_RUNS[0] - before
     return results

@@ -38,6 +38,8 @@ __all__ = [
     "rules_for",
     "TRAFFIC",
     "traffic",
+    "ONE_BLOCK",
+    "DRY_RUNS",
 ]
 
 # how a collective's time is spent: "gather" parameters (critical path), "prefetch-forward"/"prefetch-backward"
@@ -159,6 +161,8 @@ def rules_for(sp: bool, zero: int | None) -> Rules:
 
 
 _cache: dict = {}
+DRY_RUNS = [0]  # explain dry runs `planned` made in this process (the search reports how many)
+ONE_BLOCK = "1-block copy"  # planned(block=ONE_BLOCK): the plan of the model cut to its first block
 
 
 def _cache_key(model, sizes, sp, batch_shape, dtype, rules, ac="none"):
@@ -224,25 +228,22 @@ def planned(
 ) -> Summary:
     """The plan of the full model with `ac` none or full and `grad_accum` as explain gives it (cached); `.block`
     is one block's share (None for a model of fewer than 2 blocks, and for one of 2 unless `block`: the model
-    is its own 2-block copy, one dry run)."""
+    is its own 2-block copy, one dry run). `block=ONE_BLOCK`: the plan of the 1-block copy alone (one dry run;
+    spmd/analysis/derived.py makes full checkpointing's plan from it)."""
     sizes = dict(sizes)
     name, blocks = _blocks(model)
     block = block or len(blocks) > 2
     key = _cache_key(model, sizes, sp, batch_shape, dtype, rules, (ac, grad_accum, block))
     if key in _cache:
         return _cache[key][1]
-    run = lambda m: summarize(
-        explain(
-            m,
-            rules,
-            sizes,
-            batch_shape=batch_shape,
-            dtype=dtype,
-            ac=ac,  # noqa: E731
-            grad_accum=grad_accum,
-        )
-    )
-    if len(blocks) < 2 or not block:
+
+    def run(m):
+        DRY_RUNS[0] += 1
+        return summarize(explain(m, rules, sizes, batch_shape=batch_shape, dtype=dtype, ac=ac, grad_accum=grad_accum))
+
+    if block == ONE_BLOCK:
+        out = run(_truncated(model, name, 1) if blocks else model)
+    elif len(blocks) < 2 or not block:
         out = run(model)
     else:
         one, two = run(_truncated(model, name, 1)), run(_truncated(model, name, 2))
