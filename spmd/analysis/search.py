@@ -367,8 +367,7 @@ def _fill(row: Row, chosen, dev: Device, compute_s: float, n_blocks: int, tokens
         row.bubble_s = row.step_s * pipe["bubble"] / (1 - pipe["bubble"])
         row.step_s += row.bubble_s
     row.tokens_per_s = tokens / row.step_s
-    row.mfu = row.tokens_per_s * mfu_per_token_s
-    row.note = compression_note(row)
+    row.mfu, row.note = row.tokens_per_s * mfu_per_token_s, compression_note(row)
     if s.memory["total"] > row.budget:
         row.fits = False
         row.note = (
