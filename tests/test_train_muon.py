@@ -10,12 +10,7 @@ from launch.config import load_config
 SMALL = ["--batch-size", "8", "--seq-len", "64", "--warmup", "2", "--lr", "3e-3", "--optimizer", "muon"]
 
 
-@pytest.fixture(autouse=True)
-def _isolated(tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("SPMD_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "spmd-cache"))
-    monkeypatch.setattr(T, "peak_flops", lambda dtype, device: (1e11, "test"))
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
-        monkeypatch.delenv(var, raising=False)
+pytestmark = pytest.mark.usefixtures("isolated_trainer")
 
 
 def test_muon_trains_and_resumes_exactly(tmp_path, monkeypatch):
