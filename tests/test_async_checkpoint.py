@@ -20,7 +20,8 @@ import spmd
 from models.llama import Llama, LlamaConfig
 from spmd import checkpoint
 from spmd.checkpoint import async_save
-from tests.test_train import _isolated  # noqa: F401  (an autouse fixture: no peak-FLOP measurement, own cache)
+
+pytestmark = pytest.mark.usefixtures("isolated_trainer")
 
 
 def _tiny_model(world: int):

@@ -22,7 +22,9 @@ from safetensors.torch import load_file, save_file
 
 import launch.train as T
 from spmd.checkpoint.verify import file_record
-from tests.test_train import SMALL, _isolated  # noqa: F401  (_isolated: an autouse fixture)
+from tests.test_train import SMALL
+
+pytestmark = pytest.mark.usefixtures("isolated_trainer")
 
 RANK_FILE = "rank-00000.safetensors"
 KEY = "model.tok_embeddings.weight"

@@ -20,7 +20,9 @@ import pytest
 import launch.train as T
 from launch.startup import code_version
 from spmd import checkpoint
-from tests.test_train import SMALL, _isolated, _train  # noqa: F401  (_isolated: an autouse fixture)
+from tests.test_train import SMALL, _train
+
+pytestmark = pytest.mark.usefixtures("isolated_trainer")
 
 REPO = Path(__file__).resolve().parents[1]
 FAULT_TRAIN = str(REPO / "tests" / "fault_train.py")

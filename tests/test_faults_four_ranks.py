@@ -14,7 +14,9 @@ import torch.distributed.distributed_c10d as c10d
 from dist_utils import run_distributed
 from torch.distributed.tensor.debug import CommDebugMode
 
-from tests.test_train import SMALL, _isolated  # noqa: F401  (_isolated: an autouse fixture)
+from tests.test_train import SMALL
+
+pytestmark = pytest.mark.usefixtures("isolated_trainer")
 
 COLLECTIVES = (
     "all_gather_object",

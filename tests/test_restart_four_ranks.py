@@ -16,7 +16,9 @@ from dist_utils import run_distributed
 
 from tests.test_faults import FAULT_TRAIN, REPO, _env, _jsonl
 from tests.test_faults_four_ranks import _differing, _main
-from tests.test_train import SMALL, _isolated  # noqa: F401  (_isolated: an autouse fixture)
+from tests.test_train import SMALL
+
+pytestmark = pytest.mark.usefixtures("isolated_trainer")
 
 STEPS = ["--steps", "4", "--ckpt-every", "2", "--ckpt-keep", "0"]
 # each mesh, and the rank killed before step 3 (a tp rank; a rank of the last pipeline stage)

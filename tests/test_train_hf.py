@@ -9,7 +9,9 @@ import launch.train as T
 from launch.config import load_config
 from launch.export import export
 from spmd import checkpoint
-from tests.test_train import SMALL, _isolated, _jsonl, _torchrun  # noqa: F401  (fixture)
+from tests.test_train import SMALL, _jsonl, _torchrun
+
+pytestmark = pytest.mark.usefixtures("isolated_trainer")
 
 transformers = pytest.importorskip("transformers")
 

@@ -7,7 +7,9 @@ import torch
 
 import models
 from spmd import checkpoint
-from tests.test_train import SMALL, _isolated, _jsonl, _torchrun, _train  # noqa: F401  (_isolated: fixture)
+from tests.test_train import SMALL, _jsonl, _torchrun, _train
+
+pytestmark = pytest.mark.usefixtures("isolated_trainer")
 
 STEPS = ["--model", "moe-tiny", "--steps", "4"]
 

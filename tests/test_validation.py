@@ -24,7 +24,8 @@ from launch.tokenizer import ByteTokenizer
 from launch.validate import Validator, build_loaders
 from models.llama import Llama, LlamaConfig
 from spmd import checkpoint
-from tests.test_train import _isolated  # noqa: F401  (an autouse fixture: no peak-FLOP measurement, own cache)
+
+pytestmark = pytest.mark.usefixtures("isolated_trainer")
 
 B, S, K = 8, 64, 2  # batch, sequence length, validation batches
 COMMON = [
