@@ -17,7 +17,8 @@ step 150 python3 -m benchmarks.mfu --model 1b --nproc 1 --no-native --specs fsdp
 step 170 python3 -m benchmarks.overhead --models 1b --dtypes bf16 --batch 8 --seq 2048 --per-block --compile \
     --steps 10 --warmup 3 --tag per-block-8x2048
 step 30 python3 -m benchmarks.overhead_mfu benchmarks/results/*-overhead-per-block-8x2048.json
-# float8 linears (torchao, tensorwise) against bf16, 1B compiled, 4 x 2048: tokens/s ratio and step peak memory
-step 150 python3 -m benchmarks.float8 --model 1b
+# float8 linears (torchao, tensorwise) against bf16, 1B compiled, 8 x 2048: tokens/s ratio and step peak memory
+# (needs torchao: pip install 'spmd[float8]')
+step 150 python3 -m benchmarks.float8 --model 1b --batch 8
 # only what this run wrote: a fresh checkout gives every committed result a new mtime too
 (cd benchmarks/results && tar cf "$OUT/results.tar" $(find . -type f -newer "$OUT/.start")) 2>>"$L"
