@@ -54,7 +54,7 @@ class TrainConfig:
     master: str = "params"  # fp32 master weights with --dtype bf16/fp16: params | optimizer (spmd.parallelize)
     offload: str = ""  # "" | optimizer | params | nvme:DIR: AdamW states and fp32 masters on the host
     # (params: stage-3 parameter shards too; nvme: states in files)
-    comm_params: str = ""  # "" | int8 | fp8: parameter all-gathers as block-quantized codes + scales (qwZ)
+    comm_params: str = ""  # "" | int8 | fp8 | float8: parameter all-gathers in a wire format (qwZ)
     comm_grads: str = ""  # "" | int8 | int4: gradient reductions quantized, summed in fp32 (qgZ)
     hpz: str = ""  # mesh axis of hpZ's secondary parameter shards (backward regathers inside it)
     compile: bool = False  # torch.compile each block (spmd.compile_blocks), checkpointed ones too
@@ -241,7 +241,8 @@ def parser() -> argparse.ArgumentParser:
         "stays in --dtype; emulated off CUDA GPUs of sm89+; needs spmd[float8])",
         "offload": "optimizer | params | nvme:DIR: AdamW states and fp32 masters in host memory (params: stage-3 "
         "parameter shards too; nvme: files under DIR), the step on the CPU",
-        "comm_params": "int8 | fp8: parameter all-gathers as block-quantized codes + fp32 scales (ZeRO++ qwZ)",
+        "comm_params": "int8 | fp8 | float8: parameter all-gathers as block-quantized codes + fp32 scales (ZeRO++ "
+        "qwZ); float8: float8 layers' weights in float8 with their tensorwise scales (with --float8)",
         "comm_grads": "int8 | int4: gradient reductions by a quantized all-to-all, summed in fp32 (ZeRO++ qgZ)",
         "hpz": "AXIS: keep a secondary parameter shard over AXIS so backward regathers inside it (ZeRO++ hpZ)",
     }

@@ -144,7 +144,12 @@ def _comm_problems(cfg, sizes: dict) -> list[str]:
     """--comm-params, --comm-grads and --hpz (spmd.parallelize's `comm`)."""
     problems = []
     if cfg.comm_params not in ("", *filter(None, PARAM_FORMATS)):
-        problems.append(f"--comm-params {cfg.comm_params!r} is not supported; use int8 or fp8, or leave it out")
+        problems.append(f"--comm-params {cfg.comm_params!r} is not supported; use int8, fp8 or float8, or leave it out")
+    if cfg.comm_params == "float8" and not cfg.float8:
+        problems.append(
+            "--comm-params float8 gathers float8 layers' weights in float8 and needs --float8; add --float8, "
+            "or use --comm-params fp8 (block-wise scales, any parameter)"
+        )
     if cfg.comm_grads not in ("", *filter(None, GRAD_FORMATS)):
         problems.append(f"--comm-grads {cfg.comm_grads!r} is not supported; use int8 or int4, or leave it out")
     if cfg.hpz and sizes.get(cfg.hpz, 1) == 1:

@@ -20,6 +20,12 @@ that gradient by about (1/8) / sqrt(T K) = 1.4e-3 of its norm (T = 128, K = 64);
 most 1.0e-4 on gradients (tp: another summation order), 1.7e-5 on parameters. With local scales every
 element re-rounds: gradients 0.15 off, parameters 0.047, the loss 2.0e-4.
 
+The same launch gathers the weights in float8 (`comm={"params": "float8"}`) on `fsdp=4` and `fsdp=2,tp=2,sp`
+and holds the run to the same one-process model and tolerances: the codes that travel are the ones the layer's
+own cast would make. And one bf16 step on fsdp=4: each block's gather moves (n-1)(bf16 bytes/(n-1) - float8
+weight values per rank) bytes, the float8 weights at one byte per value. Kills: the scales' max all-reduce left
+out (each rank scales its shard by its own max: scales off by 8%); the weights gathered at full precision.
+
 Kills (tests/mutants.py): blocks holding float8 layers run on local tensors (the `computes_in_float8` check in
 spmd/runtime/local/blocks.py removed), so activation scales are per-rank maxima: fails on fsdp=4.
 """
@@ -33,13 +39,15 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 import spmd
-from spmd.float8 import float8_layers
+from spmd.analysis.record import CollectiveRecorder
+from spmd.float8 import computes_in_float8, float8_layers
 from spmd.runtime.state import STATE_ATTR
 from tests.dist_utils import run_distributed
 from tests.spmd_cases import global_batch, local_slice, norm_rel_err, tiny_model
 
 TOL, LOSS_TOL, SCALE_TOL = 3e-3, 1e-5, 1e-5
 SPECS = ["fsdp=4", "dp=2,fsdp=2", "fsdp=2,tp=2,sp"]
+WIRE_SPECS = ["fsdp=4", "fsdp=2,tp=2,sp"]
 CASTS_PER_LAYER = 6  # forward: input, weight; backward: output gradient twice, weight, input
 
 
@@ -94,13 +102,13 @@ def _step(model, ref, mesh, step):
     return loss.item(), ref_loss.item(), got, want
 
 
-def _compare(spec):
+def _compare(spec, comm=None):
     sizes, flags = spmd.parse_spec(spec)
     mesh = spmd.make_mesh(sizes)
     ref, model = _float8_tiny(), _float8_tiny()
     layers = len(float8_layers(model))
     assert layers == 14 and "output" not in float8_layers(model)
-    spmd.parallelize(model, mesh, spmd.Rules.default(sequence_parallel="sp" in flags))
+    spmd.parallelize(model, mesh, spmd.Rules.default(sequence_parallel="sp" in flags), comm=comm)
     local = getattr(model, STATE_ATTR).local_members
     assert not [n for n, m in model.named_modules() if id(m) in local and float8_layers(m)], spec
     opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.1) for m in (model, ref))
@@ -121,9 +129,37 @@ def _compare(spec):
         spmd.float8_training(model, emulate=True)
 
 
+def _gather_bytes(comm) -> list:
+    """(module, bytes) of each all-gather in one bf16 step of the float8 tiny model on fsdp=4."""
+    mesh = spmd.make_mesh({"fsdp": 4})
+    model = spmd.parallelize(_float8_tiny(), mesh, spmd.Rules.default(), param_dtype=torch.bfloat16, comm=comm)
+    tokens, targets = global_batch(0)
+    with CollectiveRecorder(mesh) as rec:
+        model(local_slice(tokens, mesh), local_slice(targets, mesh)).backward()
+    return [(c.module, c.bytes) for c in rec.records if c.kind == "all_gather"], model
+
+
+def _float8_gathers_move_a_byte_per_weight_value():
+    """Each block's gather moves its float8 weights at 1 byte per value where bf16 moves 2, the rest as bf16:
+    bf16 bytes - (n - 1) * (float8 weight values per rank), gather by gather."""
+    n = 4
+    plain, _ = _gather_bytes(None)
+    wire, model = _gather_bytes({"params": "float8"})
+    blocks = dict(model.named_modules())
+    assert [m for m, _ in wire] == [m for m, _ in plain], (wire, plain)
+    for (module, full), (_, got) in zip(plain, wire):
+        block = blocks.get(module)  # None: the root unit (embedding, norm, output head: no float8 layer)
+        f8 = 0 if block is None else sum(m.weight.numel() for m in block.modules() if computes_in_float8(m))
+        assert got == full - (n - 1) * f8 // n, (module, got, full, f8)
+        assert block is None or got <= 0.51 * full, (module, got, full)  # a block is its float8 weights, nearly
+
+
 def _every_spec(rank, world):
     for spec in SPECS:
         _compare(spec)
+    for spec in WIRE_SPECS:  # the weights gather in float8, cast with the one-device scale
+        _compare(spec, {"params": "float8"})
+    _float8_gathers_move_a_byte_per_weight_value()
 
 
 @pytest.mark.slow

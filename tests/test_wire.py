@@ -60,6 +60,7 @@ def test_bytes_are_payload_plus_one_fp32_scale_per_block():
         ({"block": 0}, "comm['block']=0"),
         ({"block": 33}, "comm['block']=33"),
         ({"hpz": "node"}, "comm['hpz']='node'"),
+        ({"params": "float8"}, "call spmd.float8_training(model) before parallelize"),
         ({"param": "int8"}, "unknown keys ['param']"),
         ("int8", "must be a dict"),
     ],
@@ -129,7 +130,8 @@ def test_trainer_flags_and_toml_set_comm(tmp_path):
 @pytest.mark.parametrize(
     "flags, match",
     [
-        (["--comm-params", "int4"], "--comm-params 'int4' is not supported; use int8 or fp8"),
+        (["--comm-params", "int4"], "--comm-params 'int4' is not supported; use int8, fp8 or float8"),
+        (["--comm-params", "float8"], "--comm-params float8 gathers float8 layers' weights .* needs --float8"),
         (["--comm-grads", "fp8"], "--comm-grads 'fp8' is not supported; use int8 or int4"),
         (["--hpz", "dp"], "--hpz 'dp' is not an axis of --mesh fsdp=4 with more than one rank"),
         (["--comm-grads", "int8", "--compile"], "with --compile is not supported"),

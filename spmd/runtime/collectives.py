@@ -25,6 +25,7 @@ from torch.distributed.tensor import Shard
 
 from ..layout.mesh import group_over
 from .wire import flat as wire_flat
+from .wire.quantize import BLOCKWISE
 
 __all__ = ["wait", "Flat", "reduce_scatter", "all_reduce", "all_gather", "all_gather_buffer", "all_gather_dims"]
 
@@ -133,7 +134,7 @@ def all_gather(tensors: list, dims: list, shapes: list, mesh, m: int, wire=None)
 def all_gather_buffer(buffer: torch.Tensor, mesh, m: int, wire=None) -> torch.Tensor:
     """Every rank's `buffer` (one flat tensor) over mesh dim `m`, back to back; issued, waited on when read
     (with `wire.params`: quantized codes + scales travel, dequantized to the buffer's dtype when read)."""
-    if wire is not None and wire.params is not None and mesh.size(m) > 1:
+    if wire is not None and wire.params in BLOCKWISE and mesh.size(m) > 1:
         return wire_flat.gather(buffer, wire.params, wire.block, (mesh, m), mesh.size(m))
     return _all_gather(buffer, 0, (mesh, m))
 

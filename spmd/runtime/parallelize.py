@@ -16,7 +16,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from ..layout.annotate import get_pin, infer_axes
+from ..layout.annotate import computes_in_float8, get_pin, infer_axes
 from ..layout.heads import check_heads_divide
 from ..layout.mesh import flatten_groups, mesh_sizes
 from ..layout.rules import Rules, _as_axes, placements_for
@@ -118,7 +118,8 @@ def parallelize(
     _refuse_foreign_checkpointing(model)
     state = SPMDState(mesh, rules, param_dtype, reduce_dtype, input_axes, master, offload)
     compiled = any(gathers_in_graph(m) or getattr(m, BODY_COMPILED_ATTR, False) for m in model.modules())
-    state.wire = wire_setting(comm, tuple(mesh.mesh_dim_names or ()), compiled)
+    float8 = any(computes_in_float8(m) for m in model.modules())
+    state.wire = wire_setting(comm, tuple(mesh.mesh_dim_names or ()), compiled, float8)
     layouts = param_layouts(model, mesh, rules)  # every check runs before anything changes
     bucket = bucket and not _offloads_stage_3(state, layouts)
     check_param_init(model, param_init)

@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor
 from .. import collectives, tags
 from ..dtensor.wrap import cast_all, cast_locals, local_of, wrap_local
 from ..gradients.layouts import grads_layout, held_for_step, join_unreduced, reduce_gradient, slice_onto_shards
+from ..wire.float8 import float8_weights, gather_members
 from ..wire.hpz import regather_secondary
 from ..wire.param import gather_on_wire
 from .host import host_params, to_compute, to_host
@@ -104,10 +105,16 @@ class ParamGroup:
 
     def _launch(self, locals_, m: int, why: str) -> list:
         launched = []
+        float8 = float8_weights(self.module) if self.wire is not None and self.wire.params == "float8" else ()
         for group in _by_dtype([i for i, dims in enumerate(self.shard_dims) if m in dims], locals_):
-            buffer = torch.cat([locals_[i].reshape(-1) for i in group])
             with tags.reason(self.name, f"{why} ({len(group)} parameters, one buffer)"):
-                launched.append((group, collectives.all_gather_buffer(buffer, self.mesh, m, self.wire)))
+                if float8:
+                    marks = [id(self.params[i]) in float8 for i in group]
+                    out = gather_members([locals_[i] for i in group], marks, self.mesh, m)
+                else:
+                    buffer = torch.cat([locals_[i].reshape(-1) for i in group])
+                    out = collectives.all_gather_buffer(buffer, self.mesh, m, self.wire)
+                launched.append((group, out))
         return launched
 
     def finish(self, pending) -> list[DTensor]:

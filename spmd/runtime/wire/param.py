@@ -5,6 +5,7 @@ from torch.distributed.tensor import DTensor
 
 from .. import collectives
 from ..dtensor.wrap import local_of, wrap_local
+from .quantize import BLOCKWISE
 
 __all__ = ["gather_on_wire"]
 
@@ -13,7 +14,7 @@ def gather_on_wire(x: DTensor, placements: tuple, wire) -> DTensor | None:
     """`x` in `placements` through the quantized flat all-gather, or None when the move is not only
     un-sharding even shards (one mesh axis per tensor dim), or nothing travels quantized."""
     mesh = x.device_mesh
-    if wire is None or wire.params is None:
+    if wire is None or wire.params not in BLOCKWISE:  # float8 weights travel in float8 in flat groups only
         return None
     dims, seen = {}, set()
     for m, (s, c) in enumerate(zip(x.placements, placements)):

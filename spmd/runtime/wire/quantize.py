@@ -12,11 +12,12 @@ import math
 
 import torch
 
-__all__ = ["DEFAULT_BLOCK", "FORMATS", "quantize", "dequantize", "packed_bytes"]
+__all__ = ["DEFAULT_BLOCK", "FORMATS", "BLOCKWISE", "quantize", "dequantize", "packed_bytes"]
 
 # DeepSpeed's ZeRO++ quantizer (CUDAQuantizer) aims at groups of about 4k values (target at most 8000)
 DEFAULT_BLOCK = 4096
 FORMATS = {"int8": 127.0, "int4": 7.0, "fp8": 448.0}  # format -> largest code
+BLOCKWISE = tuple(FORMATS)  # (comm's "float8" is tensorwise: spmd.runtime.wire.float8)
 
 
 def _payload_bytes(n: int, fmt: str) -> int:

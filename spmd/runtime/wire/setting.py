@@ -1,6 +1,6 @@
 """The `comm` setting of spmd.parallelize: in what precision parameters and gradients travel.
 
-`comm={"params": "int8" | "fp8" | None, "grads": "int8" | "int4" | None, "block": N, "hpz": axis | None}`
+`comm={"params": "int8" | "fp8" | "float8" | None, "grads": "int8" | "int4" | None, "block": N, "hpz": axis | None}`
 is checked here, whole, before anything moves; a bad key or value names the fix. `hpz` names the mesh
 axis that keeps a secondary copy of the parameter shards for backward's regather (ZeRO++'s hpZ).
 """
@@ -11,7 +11,7 @@ from .quantize import DEFAULT_BLOCK
 
 __all__ = ["Wire", "wire_setting", "PARAM_FORMATS", "GRAD_FORMATS"]
 
-PARAM_FORMATS = (None, "int8", "fp8")
+PARAM_FORMATS = (None, "int8", "fp8", "float8")
 GRAD_FORMATS = (None, "int8", "int4")
 _KEYS = ("params", "grads", "block", "hpz")
 
@@ -28,9 +28,10 @@ class Wire:
         return self.params is not None or self.grads is not None
 
 
-def wire_setting(comm, mesh_axes: tuple, compiled: bool = False) -> Wire | None:
+def wire_setting(comm, mesh_axes: tuple, compiled: bool = False, float8: bool = False) -> Wire | None:
     """The validated `Wire` for `comm` on a mesh with axes `mesh_axes`; None when nothing is set. `compiled`:
-    whether the model holds compiled blocks, which gather through DTensor and have no quantized wire."""
+    whether the model holds compiled blocks, which gather through DTensor and have no quantized wire. `float8`:
+    whether it holds float8 layers (spmd.float8_training), whose weights `params="float8"` gathers."""
     if comm is None:
         return None
     if compiled:
@@ -46,6 +47,11 @@ def wire_setting(comm, mesh_axes: tuple, compiled: bool = False) -> Wire | None:
     wire = Wire(**comm)
     _check(wire.params, PARAM_FORMATS, "params", "the parameter all-gathers")
     _check(wire.grads, GRAD_FORMATS, "grads", "the gradient reductions")
+    if wire.params == "float8" and not float8:
+        raise ValueError(
+            "comm['params']='float8' gathers the weights of float8 layers in float8, and this model has none; "
+            "call spmd.float8_training(model) before parallelize, or use 'fp8' (block-wise scales, any parameter)"
+        )
     if isinstance(wire.block, bool) or not isinstance(wire.block, int) or wire.block < 2 or wire.block % 2:
         raise ValueError(
             f"comm['block']={wire.block!r} must be an even int >= 2 (values per fp32 scale); the default "
