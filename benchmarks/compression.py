@@ -123,6 +123,9 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=1, help="sequences per rank in the throughput runs")
     p.add_argument("--seq", type=int, default=16)
     p.add_argument("--throughput-only", action="store_true")
+    p.add_argument("--convergence-only", action="store_true")
+    p.add_argument("--options", nargs="+", choices=list(OPTIONS), default=list(OPTIONS), metavar="NAME")
+    p.add_argument("--tag", default="", help="appended to the results' name")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -132,9 +135,10 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         losses = {}
         if not args.throughput_only:
-            losses = {name: _train(args.model, args.spec, args.steps, name, args.nproc, tmp) for name in OPTIONS}
-        speed = _throughput(args, tmp)
-    return publish(f"compression-{args.model}", *_report(args, losses, speed))
+            losses = {name: _train(args.model, args.spec, args.steps, name, args.nproc, tmp) for name in args.options}
+        speed = {} if args.convergence_only else _throughput(args, tmp)
+    tag = f"-{args.tag}" if args.tag else ""
+    return publish(f"compression-{args.model}{tag}", *_report(args, losses, speed))
 
 
 def _report(args, losses, speed):
@@ -145,6 +149,13 @@ def _report(args, losses, speed):
             [n, args.steps, v["first"], v["last"], v["tail_mean"], v["tail_mean"] / base] for n, v in losses.items()
         ]
         parts.append(md_table(["comm", "steps", "first loss", "last loss", "mean of last 10%", "/ none"], rows))
+    if speed:
+        parts += _speed_table(args, speed)
+    report = {"environment": environment(), "args": vars(args), "losses": losses, "throughput": speed}
+    return report, "\n\n".join(parts)
+
+
+def _speed_table(args, speed) -> list:
     base = speed["none"]
     rows = []
     for name, v in speed.items():
@@ -153,13 +164,12 @@ def _report(args, losses, speed):
         spread = (max(ratios) - min(ratios)) / med
         tps = statistics.median(v["tokens_per_s"])
         rows.append([name, tps, med, spread, v["bytes"], v["bytes"] / base["bytes"]])
-    parts.append(md_table(["comm", "tokens/s", "/ none (median)", "spread", "bytes/rank/step", "bytes / none"], rows))
-    parts.append(
+    head = ["comm", "tokens/s", "/ none (median)", "spread", "bytes/rank/step", "bytes / none"]
+    note = (
         f"Throughput: {args.rounds} interleaved rounds of {args.round_steps} steps, batch {args.batch} x "
         f"{args.seq} per rank; ratios per round against the uncompressed wire, spread (max-min)/median."
     )
-    report = {"environment": environment(), "args": vars(args), "losses": losses, "throughput": speed}
-    return report, "\n\n".join(parts)
+    return [md_table(head, rows), note]
 
 
 if __name__ == "__main__":

@@ -18,8 +18,9 @@ alone (S/2 per parameter of S bytes, where the whole group's regather moves 3S/4
 one-process model's within 1e-5.
 
 Bytes. One step of the tiny model on `fsdp=4`, recorded: each int8 parameter all-gather moves L + 4*ceil(L/B)
-bytes per rank row where bf16 moves 2L (about half), each int4 gradient reduce-scatter L/2 + 4*ceil(L/B)
-where fp32 moves 4L (about 1/8), both times (n-1) rows; L is read from the uncompressed run of the same step.
+bytes per rank row where bf16 moves 2L (about half), each int4 gradient reduce-scatter L/2 + 4*ceil(L/B4)
+where fp32 moves 4L (about 1/8), both times (n-1) rows (B = 4096, B4 = 256: int4's finer default blocks);
+L is read from the uncompressed run of the same step.
 
 Mutations that fail it (each tried): summing the dequantized rows in bfloat16 in wire/flat.py's
 reduce_scatter fails the gradient numerics; gathering params uncompressed in buckets.py (`self.wire` ->
@@ -34,7 +35,7 @@ import torch.distributed as dist
 import spmd
 from spmd.analysis.record import CollectiveRecorder
 from spmd.runtime import collectives
-from spmd.runtime.wire import Wire, dequantize, packed_bytes, quantize
+from spmd.runtime.wire import INT4_BLOCK, Wire, dequantize, packed_bytes, quantize
 from tests.dist_utils import run_distributed
 from tests.spmd_cases import global_batch, local_slice, tiny_model
 
@@ -211,7 +212,7 @@ def _bytes_match_formula():
     fp32 = _recorded_step(None, None, ("reduce_scatter",))
     int4 = _recorded_step({"grads": "int4"}, None, ("reduce_scatter", "all_to_all"))
     lengths = [b // (4 * (n - 1)) for b in fp32]
-    assert int4 == [packed_bytes(L, "int4", block) * (n - 1) for L in lengths], (int4, lengths)
+    assert int4 == [packed_bytes(L, "int4", INT4_BLOCK) * (n - 1) for L in lengths], (int4, lengths)
     if dist.get_rank() == 0:
         print(f"int8/bf16 gathers {sum(int8) / sum(bf16):.4f}, int4/fp32 reductions {sum(int4) / sum(fp32):.4f}")
 
