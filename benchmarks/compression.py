@@ -8,20 +8,38 @@ full-precision wire: the loss it trains to, and the speed where communication do
    (target: within 2%).
 2. Throughput (`--throughput-only` runs this alone): one 4-process launch lays out the model once per option
    and times training steps (forward, backward, SGD) on a tiny batch, so the wire dominates; the options
-   alternate for `--rounds` rounds of `--round-steps` steps each. Per option: tokens/s (median), its ratio to
-   the uncompressed wire in the same round (median, spread (max-min)/median), and the bytes per rank per step
-   the collective recorder measures.
+   take turns for `--rounds` rounds of `--round-steps` steps each. `--link-mbit N` runs that launch in a
+   private network namespace whose loopback `tc` throttles to N Mbit/s (every rank's traffic shares it, as
+   ranks share a slow link), so communication, not this CPU, bounds the step:
+
+       python -m benchmarks.compression --throughput-only --link-mbit 500 --rounds 9 --round-steps 2 --tag link
+
+   Per option: tokens/s (median), its ratio to the uncompressed wire in the same round (median, 95%
+   distribution-free interval), and the bytes per rank per step the collective recorder measures.
+3. The convergence curves go to a PNG beside the results (benchmarks.compression_plot).
 """
 
 import argparse
 import json
 import os
+import shlex
 import statistics
 import sys
 import tempfile
 import time
 
-from benchmarks.common import environment, md_table, publish, read_jsonl, run, torchrun
+from benchmarks.common import (
+    RESULTS,
+    device_slug,
+    environment,
+    md_table,
+    median_interval,
+    publish,
+    read_jsonl,
+    run,
+    today,
+    torchrun,
+)
 
 OPTIONS = {
     "none": {},
@@ -67,8 +85,9 @@ def _step(model, tokens):
             p.grad = None
 
 
-def _worker(model_name, spec, rounds, round_steps, batch, seq, out):
-    """Inside torchrun: every option laid out once, timed in interleaved rounds on the same batch."""
+def _worker(args):
+    """Inside torchrun: every option laid out once, timed in interleaved rounds on the same batch, each round
+    starting one option later (no option always runs first)."""
     import torch
     import torch.distributed as dist
 
@@ -76,8 +95,9 @@ def _worker(model_name, spec, rounds, round_steps, batch, seq, out):
 
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
-    models = {name: _build(model_name, spec, comm or None) for name, comm in OPTIONS.items()}
-    tokens = torch.randint(0, 512, (batch, seq + 1), generator=torch.Generator().manual_seed(dist.get_rank()))
+    models = {name: _build(args.model, args.spec, OPTIONS[name] or None) for name in args.options}
+    seed = torch.Generator().manual_seed(dist.get_rank())
+    tokens = torch.randint(0, 512, (args.batch, args.seq + 1), generator=seed)
     wire = {}
     for name, model in models.items():
         _step(model, tokens)  # warm-up
@@ -85,19 +105,20 @@ def _worker(model_name, spec, rounds, round_steps, batch, seq, out):
             _step(model, tokens)
         wire[name] = sum(c.bytes for c in rec.records)
     seconds = {name: [] for name in models}
-    for _ in range(rounds):
-        for name, model in models.items():
+    names = list(models)
+    for r in range(args.rounds):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
             dist.barrier()
             start = time.perf_counter()
-            for _ in range(round_steps):
-                _step(model, tokens)
+            for _ in range(args.round_steps):
+                _step(models[name], tokens)
             took = torch.tensor([time.perf_counter() - start])
             dist.all_reduce(took, op=dist.ReduceOp.MAX)  # a step ends when its slowest rank ends
             seconds[name].append(took.item())
     if dist.get_rank() == 0:
-        tokens_per_round = round_steps * batch * seq * dist.get_world_size()
+        tokens_per_round = args.round_steps * args.batch * args.seq * dist.get_world_size()
         rows = {n: {"tokens_per_s": [tokens_per_round / s for s in v], "bytes": wire[n]} for n, v in seconds.items()}
-        with open(out, "w") as f:
+        with open(args.out, "w") as f:
             json.dump(rows, f)
     dist.destroy_process_group()
 
@@ -106,8 +127,12 @@ def _throughput(args, tmp) -> dict:
     out = os.path.join(tmp, "throughput.json")
     cmd = ["-m", "benchmarks.compression", "--worker", "--out", out, "--model", args.model, "--spec", args.spec]
     cmd += ["--rounds", str(args.rounds), "--round-steps", str(args.round_steps)]
-    cmd += ["--batch", str(args.batch), "--seq", str(args.seq)]
-    run(torchrun(args.nproc) + cmd, timeout=3600)
+    cmd += ["--batch", str(args.batch), "--seq", str(args.seq), "--options", *args.options]
+    cmd = torchrun(args.nproc) + cmd
+    if args.link_mbit:  # a private network namespace: its own loopback, throttled, touching no other process
+        tbf = f"tc qdisc add dev lo root tbf rate {args.link_mbit}mbit burst 1mb limit 256mb"
+        cmd = ["unshare", "-rn", "sh", "-c", f"ip link set lo up && {tbf} && exec {shlex.join(cmd)}"]
+    run(cmd, timeout=3600, env={"GLOO_SOCKET_IFNAME": "lo"} if args.link_mbit else None)
     with open(out) as f:
         return json.load(f)
 
@@ -122,19 +147,39 @@ def main(argv=None) -> int:
     p.add_argument("--round-steps", type=int, default=3)
     p.add_argument("--batch", type=int, default=1, help="sequences per rank in the throughput runs")
     p.add_argument("--seq", type=int, default=16)
+    p.add_argument("--link-mbit", type=int, default=0, help="time over a loopback throttled to this rate")
     p.add_argument("--throughput-only", action="store_true")
+    p.add_argument("--convergence-only", action="store_true")
+    p.add_argument("--options", nargs="+", choices=list(OPTIONS), default=list(OPTIONS), metavar="NAME")
+    p.add_argument("--tag", default="", help="appended to the results' name")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
-        _worker(args.model, args.spec, args.rounds, args.round_steps, args.batch, args.seq, args.out)
+        _worker(args)
         return 0
     with tempfile.TemporaryDirectory() as tmp:
         losses = {}
         if not args.throughput_only:
-            losses = {name: _train(args.model, args.spec, args.steps, name, args.nproc, tmp) for name in OPTIONS}
-        speed = _throughput(args, tmp)
-    return publish(f"compression-{args.model}", *_report(args, losses, speed))
+            losses = {name: _train(args.model, args.spec, args.steps, name, args.nproc, tmp) for name in args.options}
+        speed = {} if args.convergence_only else _throughput(args, tmp)
+    name = f"compression-{args.model}" + (f"-{args.tag}" if args.tag else "")
+    report, markdown = _report(args, losses, speed)
+    if losses:
+        markdown += _plot({n: v["losses"] for n, v in losses.items()}, name)
+    return publish(name, report, markdown)
+
+
+def _plot(losses: dict, name: str) -> str:
+    """The convergence curves beside the results (benchmarks.compression_plot); a markdown link, or ''."""
+    try:
+        from benchmarks.compression_plot import render
+
+        path = render(losses, RESULTS / f"{today()}-{device_slug()}-{name}.png")
+    except ImportError:
+        print("[compression] matplotlib is not installed: no plot (pip install 'spmd[bench]')", file=sys.stderr)
+        return ""
+    return f"\n\n![loss per step, smoothed, and its ratio to the uncompressed run]({path.name})"
 
 
 def _report(args, losses, speed):
@@ -145,21 +190,27 @@ def _report(args, losses, speed):
             [n, args.steps, v["first"], v["last"], v["tail_mean"], v["tail_mean"] / base] for n, v in losses.items()
         ]
         parts.append(md_table(["comm", "steps", "first loss", "last loss", "mean of last 10%", "/ none"], rows))
-    base = speed["none"]
-    rows = []
-    for name, v in speed.items():
-        ratios = [a / b for a, b in zip(v["tokens_per_s"], base["tokens_per_s"])]
-        med = statistics.median(ratios)
-        spread = (max(ratios) - min(ratios)) / med
-        tps = statistics.median(v["tokens_per_s"])
-        rows.append([name, tps, med, spread, v["bytes"], v["bytes"] / base["bytes"]])
-    parts.append(md_table(["comm", "tokens/s", "/ none (median)", "spread", "bytes/rank/step", "bytes / none"], rows))
-    parts.append(
-        f"Throughput: {args.rounds} interleaved rounds of {args.round_steps} steps, batch {args.batch} x "
-        f"{args.seq} per rank; ratios per round against the uncompressed wire, spread (max-min)/median."
-    )
+    if speed:
+        parts += _speed_table(args, speed)
     report = {"environment": environment(), "args": vars(args), "losses": losses, "throughput": speed}
     return report, "\n\n".join(parts)
+
+
+def _speed_table(args, speed) -> list:
+    base, rows = speed["none"], []
+    for name, v in speed.items():
+        ratio = median_interval([a / b for a, b in zip(v["tokens_per_s"], base["tokens_per_s"])])
+        tps = statistics.median(v["tokens_per_s"])
+        interval = f"{ratio['low']:.3f}-{ratio['high']:.3f} ({ratio['verdict']})"
+        rows.append([name, tps, ratio["median"], interval, v["bytes"], v["bytes"] / base["bytes"]])
+    head = ["comm", "tokens/s", "/ none (median)", "95% interval", "bytes/rank/step", "bytes / none"]
+    link = f"a loopback throttled to {args.link_mbit} Mbit/s (tc tbf, all ranks' traffic)" if args.link_mbit else "gloo"
+    note = (
+        f"Throughput over {link}: {args.rounds} interleaved rounds of {args.round_steps} steps (forward, backward, "
+        f"SGD), batch {args.batch} x {args.seq} per rank; each option's tokens/s over the uncompressed wire's in "
+        "the same round, the median with its distribution-free 95% interval (benchmarks.common.median_interval)."
+    )
+    return [md_table(head, rows), note]
 
 
 if __name__ == "__main__":

@@ -2,11 +2,14 @@
 bytes = payload + scales, the `comm` setting refused with a clear error before anything moves, and explain's
 plan counting quantized bytes and the packed buffers' memory.
 
-Bounds: int8 and int4 round to the nearest code, so per block max |x - q(x)| <= scale/2 (scale = block
-absmax / 127 or / 7); fp8 e4m3 rounds to 3 mantissa bits, |x - q(x)| <= 2^-4 |x| among normal values and
-2^-10 * scale among subnormal ones. Mutations that fail it (each tried): truncating instead of rounding
-(`.round_()` -> `.trunc_()`) fails the int bounds; one scale per row instead of per block fails the per-block
-bound on rows of mixed magnitude.
+Bounds: int8 rounds to the nearest code, so per block max |x - q(x)| <= scale/2 (scale = block absmax /
+127); int4 rounds stochastically to one of the two codes around a value, |x - q(x)| < scale (absmax / 7),
+and without bias: over values spread inside half a code step the mean error is a small fraction of a
+step where nearest rounding's is a quarter; fp8 e4m3 rounds to 3 mantissa bits, |x - q(x)| <= 2^-4 |x| among
+normal values and 2^-10 * scale among subnormal ones. Mutations that fail it (each tried): truncating
+instead of rounding (`.round_()` -> `.trunc_()`) fails the int8 bound; rounding int4 to the nearest code
+fails the unbiasedness; adding the draw without flooring (`.floor_()` -> `.round_()`) fails the int4 bound;
+one scale per row instead of per block fails the per-block bound on rows of mixed magnitude.
 """
 
 import math
@@ -42,8 +45,19 @@ def test_every_block_is_within_its_format_bound(fmt, block):
         if fmt == "fp8":
             bound = 2**-4 * xb.abs() + 2**-10 * scale
         else:
-            bound = scale / 2
+            bound = scale / 2 if fmt == "int8" else scale
         assert (err <= bound * (1 + 1e-5) + 1e-30).all(), (fmt, block, start, (err - bound).max())
+
+
+def test_int4_rounds_without_bias():
+    """Values spread over [0, 1/2) code step in blocks whose largest value is 7 steps: nearest rounding would
+    drop every one to 0, -1/4 step on average; stochastic rounding moves them by ~0 on average."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.rand(64, 256, generator=g) / 2
+    x[:, 0] = 7.0  # the block's largest value: a scale of exactly one per code
+    err = dequantize(quantize(x, "int4", 256), 256, "int4", 256)[:, 1:] - x[:, 1:]
+    assert err.abs().max() < 1.0
+    assert abs(err.mean().item()) < 0.01, f"int4 rounding is biased by {err.mean().item():.4f} of a step"
 
 
 def test_bytes_are_payload_plus_one_fp32_scale_per_block():

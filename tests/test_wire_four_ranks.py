@@ -9,7 +9,10 @@ the reference model holds each parameter with every rank's shard quantized and d
 does; loss, gradients and parameters after an SGD step agree within 1e-5. With `comm={"grads": int8|int4}`
 on `fsdp=4` the reference sums each rank's quantized gradient chunk (computed on its batch slice) in fp32; on
 `dp=2,fsdp=2` (one buffer per block) it follows both hops: the block's rows quantized and summed over fsdp,
-then that shard buffer all-reduced over dp in two quantized halves.
+then that shard buffer all-reduced over dp in two quantized halves. On `fsdp=2,tp=2,sp` the partial gradients
+each rank puts on the wire are read under no_sync (their plain sum is the one-process model's gradients),
+and the reference reduces every rank's in one process as the blocks' buffers do: the fsdp reduce-scatter
+of all of a block's gradients, then the quantized tp all-reduce of its norms' sequence-parallel partials.
 Block size 16 divides every shard and chunk of the tiny model, so the wire's blocks never straddle two
 parameters and per-parameter quantization is the wire's.
 
@@ -18,14 +21,16 @@ alone (S/2 per parameter of S bytes, where the whole group's regather moves 3S/4
 one-process model's within 1e-5.
 
 Bytes. One step of the tiny model on `fsdp=4`, recorded: each int8 parameter all-gather moves L + 4*ceil(L/B)
-bytes per rank row where bf16 moves 2L (about half), each int4 gradient reduce-scatter L/2 + 4*ceil(L/B)
-where fp32 moves 4L (about 1/8), both times (n-1) rows; L is read from the uncompressed run of the same step.
+bytes per rank row where bf16 moves 2L (about half), each int4 gradient reduce-scatter L/2 + 4*ceil(L/B4)
+where fp32 moves 4L (about 1/8), both times (n-1) rows (B = 4096, B4 = 256: int4's finer default blocks);
+L is read from the uncompressed run of the same step.
 
 Mutations that fail it (each tried): summing the dequantized rows in bfloat16 in wire/flat.py's
 reduce_scatter fails the gradient numerics; gathering params uncompressed in buckets.py (`self.wire` ->
 None) fails the bytes check; the dp hop of a bucket's reduction in full precision (`all_reduce(..., None)` in
-buckets.py) fails the two-hop gradients; keeping no secondary copy (`keep_secondary` returning None) fails the
-hpZ axes.
+buckets.py) fails the two-hop gradients; the tp hop of an all-reduce in full precision (collectives.all_reduce
+calling dist.all_reduce) fails the fsdp=2,tp=2,sp gradients of the norms; keeping no secondary copy
+(`keep_secondary` returning None) fails the hpZ axes.
 """
 
 import torch
@@ -34,7 +39,7 @@ import torch.distributed as dist
 import spmd
 from spmd.analysis.record import CollectiveRecorder
 from spmd.runtime import collectives
-from spmd.runtime.wire import Wire, dequantize, packed_bytes, quantize
+from spmd.runtime.wire import INT4_BLOCK, Wire, dequantize, packed_bytes, quantize
 from tests.dist_utils import run_distributed
 from tests.spmd_cases import global_batch, local_slice, tiny_model
 
@@ -192,6 +197,92 @@ def _two_hop_grads_match(fmt: str):
         _close(got, want, f"dp=2,fsdp=2 {fmt} gradients of {bucket.name}")
 
 
+def _grads_layout_of(model) -> dict:
+    from spmd.runtime.gradients.layouts import grads_layout
+
+    return {p._spmd_name: tuple(grads_layout(p)) for p in model.parameters()}
+
+
+def _tp_grads_match(fmt: str):
+    """fsdp=2,tp=2,sp, comm grads, one buffer per block (bucket_mb=0). The partial gradients each rank puts on
+    the wire are read from the same layout under no_sync (backward leaves them unreduced); summed in full
+    precision they are the one-process model's gradients (within 1e-5), and every rank's are gathered. The
+    reference then follows each block's buffers in one process: per kind (reduce-scatter, then all-reduce)
+    and mesh axis, the members' rows concatenated as the runtime packs them, quantized, summed in fp32
+    (all-reduces in two quantized hops). Every rank's reduced gradient must equal it within 1e-5."""
+    sizes, _ = spmd.parse_spec("fsdp=2,tp=2,sp")
+    mesh = spmd.make_mesh(sizes)
+    rules = spmd.Rules.default(sequence_parallel=True)
+    tokens, targets = global_batch(0)
+    plain = spmd.parallelize(tiny_model(), mesh, rules, bucket_mb=0)
+    with spmd.no_sync(plain):
+        plain(local_slice(tokens, mesh), local_slice(targets, mesh)).backward()
+    ref = tiny_model()
+    ref(tokens, targets).backward()
+    refs = dict(ref.named_parameters())
+    for name, p in plain.named_parameters():
+        _close(p.grad.full_tensor(), refs[name].grad, f"tp partial gradients of {name}, summed")
+    mine = {name: (p.grad.to_local(), tuple(p.grad.placements)) for name, p in plain.named_parameters()}
+    every = [None] * 4
+    dist.all_gather_object(every, mine)
+    model = spmd.parallelize(tiny_model(), mesh, rules, comm={"grads": fmt, "block": BLOCK}, bucket_mb=0)
+    model(local_slice(tokens, mesh), local_slice(targets, mesh)).backward()
+    want = _reference_reduction(mesh, model, every, fmt)
+    for name, p in model.named_parameters():
+        _close(p.grad.to_local(), want[name], f"fsdp=2,tp=2,sp {fmt} gradient of {name}")
+
+
+def _reference_reduction(mesh, model, every: list, fmt: str) -> dict:
+    """This rank's reduced gradients, from every rank's unreduced ones, as each block's buffers reduce them."""
+    layouts, me = _grads_layout_of(model), dist.get_rank()
+    vals = {r: {n: t for n, (t, _) in every[r].items()} for r in range(4)}
+    placed = {n: list(pl) for n, (_, pl) in every[0].items()}
+    for bucket in model._spmd_state.groups.values():
+        names = [p._spmd_name for p in bucket.params]
+        for n in names:  # replicated where the storage shards: each rank keeps its slice
+            for m, (c, s) in enumerate(zip(placed[n], layouts[n])):
+                if c.is_replicate() and s.is_shard():
+                    for r in range(4):
+                        vals[r][n] = vals[r][n].chunk(mesh.size(m), s.dim)[_coordinate(mesh, r)[m]]
+                    placed[n][m] = s
+        for kind in ("reduce_scatter", "all_reduce"):
+            for m in range(mesh.ndim):
+                wanted = (lambda s: s.is_shard()) if kind == "reduce_scatter" else (lambda s: s.is_replicate())
+                members = [n for n in names if placed[n][m].is_partial() and wanted(layouts[n][m])]
+                if members:
+                    _reduce_members(mesh, m, kind, members, vals, layouts, fmt)
+                    for n in members:
+                        placed[n][m] = layouts[n][m]
+    assert all(tuple(placed[n]) == layouts[n] for n in placed), "a gradient the reference did not reduce"
+    return vals[me]
+
+
+def _coordinate(mesh, rank: int) -> list[int]:
+    return (mesh.mesh == rank).nonzero()[0].tolist()
+
+
+def _reduce_members(mesh, m: int, kind: str, members: list, vals: dict, layouts: dict, fmt: str):
+    """One buffer's reduction over mesh dim m in every group of ranks along it, as the wire runs it."""
+    for group in mesh.mesh.transpose(m, -1).reshape(-1, mesh.size(m)).tolist():
+        if kind == "reduce_scatter":
+            dims = [layouts[n][m].dim for n in members]
+            pieces = {j: [vals[j][n].chunk(len(group), d) for n, d in zip(members, dims)] for j in group}
+            for k, r in enumerate(group):
+                rows = [torch.cat([c[k].reshape(-1) for c in pieces[j]]) for j in group]
+                summed, shapes = sum(_qdq(row, fmt) for row in rows), [c[k].shape for c in pieces[r]]
+                vals[r].update(zip(members, _split(summed, shapes)))
+        else:
+            shapes = [vals[group[0]][n].shape for n in members]
+            rows = [torch.cat([vals[j][n].reshape(-1) for n in members]) for j in group]
+            summed = _reference_all_reduce(rows, fmt)
+            for r in group:
+                vals[r].update(zip(members, _split(summed, shapes)))
+
+
+def _split(flat: torch.Tensor, shapes: list) -> list:
+    return [t.reshape(s) for t, s in zip(flat.split([s.numel() for s in shapes]), shapes)]
+
+
 def _recorded_step(comm, param_dtype, kinds) -> list:
     """Bytes of each collective of `kinds` that one training step of the tiny model on fsdp=4 issues."""
     mesh = spmd.make_mesh({"fsdp": 4})
@@ -211,7 +302,7 @@ def _bytes_match_formula():
     fp32 = _recorded_step(None, None, ("reduce_scatter",))
     int4 = _recorded_step({"grads": "int4"}, None, ("reduce_scatter", "all_to_all"))
     lengths = [b // (4 * (n - 1)) for b in fp32]
-    assert int4 == [packed_bytes(L, "int4", block) * (n - 1) for L in lengths], (int4, lengths)
+    assert int4 == [packed_bytes(L, "int4", INT4_BLOCK) * (n - 1) for L in lengths], (int4, lengths)
     if dist.get_rank() == 0:
         print(f"int8/bf16 gathers {sum(int8) / sum(bf16):.4f}, int4/fp32 reductions {sum(int4) / sum(fp32):.4f}")
 
@@ -254,6 +345,8 @@ def _run_four(rank, world):
     for fmt in ("int8", "int4"):
         _grad_wire_matches(fmt)
         _two_hop_grads_match(fmt)
+        _tp_grads_match(fmt)
+        _tp_grads_match(fmt)
 
 
 def test_wire_numerics_and_bytes_on_four_ranks():

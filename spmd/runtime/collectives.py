@@ -84,7 +84,7 @@ def reduce_scatter(tensors: list, dims: list, mesh, m: int, wire=None) -> Flat:
     for r in range(n):
         parts += _padded([c[r].reshape(-1) for c in chunks], seg)
     if wire is not None and wire.grads is not None and n > 1:
-        out = wire_flat.reduce_scatter(torch.cat(parts).view(n, seg), wire.grads, wire.block, (mesh, m))
+        out = wire_flat.reduce_scatter(torch.cat(parts).view(n, seg), wire.grads, wire.block_for(wire.grads), (mesh, m))
     else:
         out = _reduce_scatter(torch.cat(parts), "sum", 0, (mesh, m))
     return Flat(out, [c[rank].shape for c in chunks])
@@ -100,7 +100,7 @@ def all_reduce(tensors: list, mesh, dims, wire=None) -> Flat:
         # hop by hop without a flattened group: the inner axis (inside a node) first, as qgZ
         for g in [group] if group is not None else [mesh.get_group(m) for m in sorted(dims, reverse=True)]:
             n = dist.get_world_size(g)
-            out = out if n == 1 else wire_flat.all_reduce(out, wire.grads, wire.block, g, n)
+            out = out if n == 1 else wire_flat.all_reduce(out, wire.grads, wire.block_for(wire.grads), g, n)
         return Flat(out, [t.shape for t in tensors])
     work = None
     for g in [group] if group is not None else [mesh.get_group(m) for m in dims]:  # else axis by axis
@@ -135,7 +135,7 @@ def all_gather_buffer(buffer: torch.Tensor, mesh, m: int, wire=None) -> torch.Te
     """Every rank's `buffer` (one flat tensor) over mesh dim `m`, back to back; issued, waited on when read
     (with `wire.params`: quantized codes + scales travel, dequantized to the buffer's dtype when read)."""
     if wire is not None and wire.params in BLOCKWISE and mesh.size(m) > 1:
-        return wire_flat.gather(buffer, wire.params, wire.block, (mesh, m), mesh.size(m))
+        return wire_flat.gather(buffer, wire.params, wire.block_for(wire.params), (mesh, m), mesh.size(m))
     return _all_gather(buffer, 0, (mesh, m))
 
 

@@ -1,14 +1,9 @@
-"""The flat collectives in a quantized wire format (spmd.runtime.collectives hands them over).
-
-* A parameter all-gather (qwZ): each rank quantizes its flat buffer, the packed codes + scales are
-  all-gathered, every rank dequantizes each rank's row back to the buffer's dtype.
-* A gradient reduce-scatter (qgZ): each rank quantizes the row bound for each rank, one all-to-all delivers
-  them, and the receiver dequantizes the n rows and sums them in fp32 (never in the low-precision type).
-* A gradient all-reduce: that reduce-scatter over equal cuts of the flat buffer, then an all-gather of each
-  rank's summed cut in the same wire format (so both hops carry payload + scales, as DeepSpeed's compressed
-  all-reduce does on its server side).
-Each is issued at once and finished when its value is read (`wait`). Its reason for the collective recorder
-gains "<format> on the wire" (explain counts those collectives' packed buffers in `memory["wire"]`).
+"""The flat collectives in a quantized wire format (spmd.runtime.collectives hands them over): a parameter
+all-gather (qwZ: packed codes + scales gathered, each row dequantized to the buffer's dtype); a gradient
+reduce-scatter (qgZ: the row bound for each rank quantized, one all-to-all, the n rows dequantized and summed
+in fp32, never in the low-precision type); a gradient all-reduce (that reduce-scatter over equal cuts, then
+an all-gather of the summed cuts in the same format, as DeepSpeed's compressed all-reduce's server side).
+Each is finished when its value is read (`wait`); its recorder reason gains "<format> on the wire".
 """
 
 import contextlib
@@ -61,8 +56,7 @@ def gather(buffer: torch.Tensor, fmt: str, block: int, group, n: int) -> Pending
 
 
 def reduce_scatter(rows: torch.Tensor, fmt: str, block: int, group) -> Pending:
-    """rows (n, seg): row r is bound for rank r of `group`; this rank gets the fp32 sum of the rows bound for
-    it (cast back to the rows' dtype)."""
+    """rows (n, seg), row r bound for rank r of `group`: the fp32 sum of those bound here, in the rows' dtype."""
     n, seg = rows.shape
     packed = quantize(rows, fmt, block)
     with _tagged(fmt):
@@ -71,8 +65,7 @@ def reduce_scatter(rows: torch.Tensor, fmt: str, block: int, group) -> Pending:
 
 
 def _sum_rows(values: torch.Tensor) -> torch.Tensor:
-    """The fp32 sum of the rows in rank order, one row at a time (a fixed order: the result is quantized
-    again by an all-reduce, where a last-bit difference could move a value to the next code)."""
+    """The fp32 sum of the rows in rank order (fixed: an all-reduce requantizes it, a last bit can move a code)."""
     total = values[0].clone()
     for row in values[1:]:
         total += row

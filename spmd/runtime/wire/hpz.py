@@ -1,11 +1,8 @@
 """ZeRO++'s hpZ: a secondary copy of a parameter's shards, kept from forward to backward, sharded only over
-the `comm["hpz"]` mesh axis (the ranks inside a node), so backward's regather stays inside that axis.
-
-A parameter qualifies when its storage shards it over the hpz axis and over another axis its compute layout
-replicates (a params map such as `embed -> (dp, fsdp)`): forward gathers over the whole data-parallel
-group; as forward drops the gathered value, this rank keeps the slice of it that the hpz axis alone would
-give it (a local copy, no collective), and backward all-gathers that slice over the hpz axis only. The copy
-costs (numel / hpz size) elements per parameter while its module waits for backward (`secondary_bytes`).
+the `comm["hpz"]` mesh axis (inside a node), so backward's regather stays inside it. A parameter qualifies when
+its storage shards it over that axis and over another its compute layout replicates (`embed -> (dp, fsdp)`):
+forward gathers over the whole group, keeps the slice the hpz axis alone would give this rank (a local copy),
+and backward all-gathers that over the hpz axis; numel / hpz size elements each meanwhile (`secondary_bytes`).
 """
 
 import torch

@@ -1,21 +1,21 @@
 """Block-wise symmetric quantization of flat payloads, one fp32 scale per block of `block` values.
 
-Each row of a (rows, L) tensor is cut into blocks of `block` values (the last may be short); a block's scale
-is its largest magnitude over the format's largest code, and each value travels as its nearest code times
-that scale. int8 codes are -127..127; int4 codes -7..7, two per byte (low nibble first); fp8 is
-`torch.float8_e4m3fn` (largest 448), whose rounding is relative (3 mantissa bits: at most 2^-4 of the
-value, or 2^-10 of the scale among subnormals). A row packs into bytes as its codes then its scales, so one
-uint8 tensor carries both: `packed_bytes(L)` = payload + 4 * ceil(L / block).
+A block's scale is its largest magnitude over the format's largest code. int8 (-127..127) rounds to the
+nearest code; int4 (-7..7, two per byte, low nibble first) rounds stochastically, free of nearest rounding's
+bias toward zero, its draw a hash of the scaled value's bits (stateless, reproducible), in finer blocks
+(`INT4_BLOCK`, as ZeRO++'s 4-bit groups); fp8 is e4m3 (largest 448: at most 2^-4 of the value, 2^-10 of the
+scale among subnormals). A row packs as codes then scales: `packed_bytes(L)` = payload + 4 * ceil(L / block).
 """
 
 import math
 
 import torch
 
-__all__ = ["DEFAULT_BLOCK", "FORMATS", "BLOCKWISE", "quantize", "dequantize", "packed_bytes"]
+__all__ = ["DEFAULT_BLOCK", "INT4_BLOCK", "FORMATS", "BLOCKWISE", "quantize", "dequantize", "packed_bytes"]
 
 # DeepSpeed's ZeRO++ quantizer (CUDAQuantizer) aims at groups of about 4k values (target at most 8000)
 DEFAULT_BLOCK = 4096
+INT4_BLOCK = 256
 FORMATS = {"int8": 127.0, "int4": 7.0, "fp8": 448.0}  # format -> largest code
 BLOCKWISE = tuple(FORMATS)  # (comm's "float8" is tensorwise: spmd.runtime.wire.float8)
 
@@ -48,13 +48,23 @@ def quantize(x: torch.Tensor, fmt: str, block: int) -> torch.Tensor:
         if fmt == "fp8":
             codes.append(scaled.to(torch.float8_e4m3fn).view(torch.uint8).reshape(rows, -1))
         else:
-            ints = scaled.round_().clamp_(-FORMATS[fmt], FORMATS[fmt]).to(torch.int8).reshape(rows, -1)
+            ints = _round(scaled, fmt).clamp_(-FORMATS[fmt], FORMATS[fmt]).to(torch.int8).reshape(rows, -1)
             codes.append(ints.view(torch.uint8) if fmt == "int8" else ints)
         scales.append(scale.reshape(rows, -1))
     payload = torch.cat(codes, dim=1)
     if fmt == "int4":
         payload = _pack_nibbles(torch.nn.functional.pad(payload, (0, n % 2)))
     return torch.cat([payload, torch.cat(scales, dim=1).view(torch.uint8)], dim=1)
+
+
+def _round(scaled: torch.Tensor, fmt: str) -> torch.Tensor:
+    """int8: to the nearest code; int4: up with probability equal to the fraction (murmur3's finalizer)."""
+    if fmt != "int4":
+        return scaled.round_()
+    h = scaled.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    for shift, mult in ((16, 0x85EBCA6B), (13, 0xC2B2AE35)):
+        h = ((h ^ (h >> shift)) * mult) & 0xFFFFFFFF
+    return scaled.add_(((h ^ (h >> 16)) >> 8).float() / 2.0**24).floor_()  # 24 bits: never 1.0
 
 
 def dequantize(packed: torch.Tensor, n: int, fmt: str, block: int) -> torch.Tensor:

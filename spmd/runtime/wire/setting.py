@@ -7,7 +7,7 @@ axis that keeps a secondary copy of the parameter shards for backward's regather
 
 from dataclasses import dataclass
 
-from .quantize import DEFAULT_BLOCK
+from .quantize import DEFAULT_BLOCK, INT4_BLOCK
 
 __all__ = ["Wire", "wire_setting", "PARAM_FORMATS", "GRAD_FORMATS"]
 
@@ -20,8 +20,12 @@ _KEYS = ("params", "grads", "block", "hpz")
 class Wire:
     params: str | None = None  # parameter all-gathers: quantized payload + scales
     grads: str | None = None  # gradient reductions: qgZ's quantized all-to-all, summed in fp32
-    block: int = DEFAULT_BLOCK
+    block: int | None = None  # values per fp32 scale; None: each format's default (`block_for`)
     hpz: str | None = None
+
+    def block_for(self, fmt: str) -> int:
+        """Values per scale in format `fmt`: the `block` given, else INT4_BLOCK for int4, DEFAULT_BLOCK else."""
+        return self.block or (INT4_BLOCK if fmt == "int4" else DEFAULT_BLOCK)
 
     @property
     def compressed(self) -> bool:
@@ -52,10 +56,10 @@ def wire_setting(comm, mesh_axes: tuple, compiled: bool = False, float8: bool = 
             "comm['params']='float8' gathers the weights of float8 layers in float8, and this model has none; "
             "call spmd.float8_training(model) before parallelize, or use 'fp8' (block-wise scales, any parameter)"
         )
-    if isinstance(wire.block, bool) or not isinstance(wire.block, int) or wire.block < 2 or wire.block % 2:
+    if wire.block is not None and (type(wire.block) is not int or wire.block < 2 or wire.block % 2):
         raise ValueError(
             f"comm['block']={wire.block!r} must be an even int >= 2 (values per fp32 scale); the default "
-            f"is {DEFAULT_BLOCK}"
+            f"is {DEFAULT_BLOCK} ({INT4_BLOCK} for int4 gradients)"
         )
     if wire.hpz is not None and wire.hpz not in mesh_axes:
         raise ValueError(
