@@ -30,6 +30,11 @@ from benchmarks import common
 def parse(argv):
     ap = argparse.ArgumentParser(prog="python -m benchmarks.tree_ab", description=__doc__.split("\n\n")[0])
     ap.add_argument("--old", required=True, help="the revision to compare against (anything git rev-parse takes)")
+    ap.add_argument(
+        "--old-tree",
+        default="",
+        help="that revision's tree, already exported (a machine without the git history); --old is its full hash",
+    )
     ap.add_argument("--pairs", type=int, default=4, help="pairs of single rounds, the order alternating")
     ap.add_argument("--tag", default="mfu", help="suffix of the results' name")
     ap.add_argument("--timeout", type=float, default=900, help="seconds per benchmark run")
@@ -65,9 +70,12 @@ def _tokens_per_s(tree: Path, commit: str, mfu_args: list, out: Path, timeout: f
 def measure(a) -> dict:
     new_commit = common.git_commit()
     with tempfile.TemporaryDirectory() as tmp:
-        old_tree, out = Path(tmp, "old"), Path(tmp, "out")
-        old_tree.mkdir()
-        old_commit = _export(a.old, old_tree)
+        old_tree, out = Path(a.old_tree or Path(tmp, "old")).resolve(), Path(tmp, "out")
+        if a.old_tree:
+            old_commit = a.old
+        else:
+            old_tree.mkdir()
+            old_commit = _export(a.old, old_tree)
         trees = {"old": (old_tree, old_commit), "new": (common.ROOT, new_commit["commit"])}
         pairs = []
         for i in range(a.pairs):
