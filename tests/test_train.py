@@ -123,11 +123,14 @@ def test_compiled_blocks_track_eager(monkeypatch):
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
 
 
-@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
-def test_low_precision_tracks_fp32(dtype):
+def test_low_precision_tracks_fp32():
+    """bf16 and fp16 runs of 10 steps stay within 0.05 of the fp32 run's loss at every step; one
+    test, so the fp32 run is trained once for both."""
     ref = _train("--steps", "10")
-    low = _train("--steps", "10", "--dtype", dtype)
-    assert max(abs(a["loss"] - b["loss"]) for a, b in zip(ref, low)) < 0.05
+    for dtype in ("bf16", "fp16"):
+        low = _train("--steps", "10", "--dtype", dtype)
+        assert len(low) == len(ref) == 10, (dtype, len(low), len(ref))
+        assert max(abs(a["loss"] - b["loss"]) for a, b in zip(ref, low)) < 0.05, dtype
 
 
 def test_init_from_hf(tmp_path):
