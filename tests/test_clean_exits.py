@@ -8,15 +8,15 @@ native code. Mutations that fail it: AsyncSaver not making `destroy_process_grou
 `latest` yet); `release_groups` not clearing the meshes' `_pg_registry` (the groups' worker threads live on).
 
 `test_short_tp_scripts_exit_zero_under_load` (benchmarks.clean_exits): 3 torchrun launches of 4 processes,
-one per case, all 3 at once (12 processes on the cores), of a user script that lays the model out on tp=4 (and tp=4,sp), trains 3 AdamW steps and ends
-with `destroy_process_group()` twice (each guarded by `is_initialized()`), one of them with an `AsyncSaver`
-checkpoint started after the last step and never waited for. Each launch must exit 0 with every rank's loss
-written and the checkpoint committed. Mutation that fails it: AsyncSaver no longer making
-`destroy_process_group` and the interpreter's exit wait for the save in flight: the writer, still in a gloo
-collective as the interpreter finalizes, aborts its rank (SIGABRT) and the checkpoint is never committed, in
-every launch, so one launch of each case kills it (a second round of the three doubled the test's time, about
-35 CPU-seconds, and caught nothing the first did not). The many-launch count, for a rarer race, is the
-benchmark's (`python -m benchmarks.clean_exits --launches 30`).
+one per case, all 3 at once (12 processes on the cores), of a user script that lays the model out on tp=4 (and
+tp=4,sp), trains 3 AdamW steps and ends with `destroy_process_group()` twice (each guarded by
+`is_initialized()`), one of them with an `AsyncSaver` checkpoint started after the last step and never waited
+for. Each launch must exit 0 with every rank's loss written and the checkpoint committed. Mutation that fails
+it: AsyncSaver no longer making `destroy_process_group` and the interpreter's exit wait for the save in flight:
+the writer, still in a gloo collective as the interpreter finalizes, aborts its rank (SIGABRT) and the
+checkpoint is never committed, in every launch, so one launch of each case kills it (a second round of the
+three doubled the test's cost, about 65 CPU-seconds, and caught nothing the first did not). The many-launch
+count, for a rarer race, is the benchmark's (`python -m benchmarks.clean_exits --launches 30`).
 """
 
 import datetime
