@@ -21,6 +21,12 @@ import torch.multiprocessing as mp
 
 from spmd.layout.mesh import exit_process
 
+HF_MODELING = (
+    "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi", "phi3", "gpt2", "gpt_neox", "opt",
+    "granite", "stablelm", "cohere", "olmo", "olmo2", "olmo3", "olmoe", "starcoder2", "mixtral", "qwen2_moe",
+    "qwen3_moe", "gpt_oss", "glm", "glm4", "glm4_moe", "ernie4_5_moe", "deepseek_v3", "smollm3", "nemotron",
+    "seed_oss", "arcee", "exaone4", "helium", "falcon",
+)  # fmt: skip
 PRELOAD = [
     "torch",
     "torch._dynamo",
@@ -32,10 +38,8 @@ PRELOAD = [
     "models",
     "transformers",
     "tests.dist_utils",
-    *(
-        f"transformers.models.{m}.modeling_{m}"
-        for m in ("llama", "mistral", "qwen2", "gemma", "phi3", "gpt2", "gpt_neox", "opt")
-    ),
+    # every family test_any_model builds: a worker importing them itself paid about 6 s (x4 ranks) per launch
+    *(f"transformers.models.{m}.modeling_{m}" for m in HF_MODELING),
 ]
 
 

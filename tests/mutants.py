@@ -82,6 +82,13 @@ MUTANTS = [
         "            self.scale, self.good = max(self.scale, 1.0), 0\n",
         "tests/test_train.py::test_fp16_on_four_processes_skips_an_overflowing_step_on_every_rank",
     ),
+    # --compile compiles no block: the trainer runs eager
+    Mutant(
+        "launch/train.py",
+        "    compiled = spmd.compile_blocks(model) if cfg.compile else []\n",
+        "    compiled = []\n",
+        "tests/test_train.py::test_compiled_blocks_track_eager",
+    ),
     # blocks holding float8 layers run on local tensors: each rank scales its activations by its own maxima
     Mutant(
         "spmd/runtime/local/blocks.py",
