@@ -151,12 +151,12 @@ class ParamGroup:
                 values = self.finish(pending)
             self.regathered = {id(p): v for p, v in zip(self.params, values)}
             prev = self.prev
-            if prev is not None and prev.regathered is None and prev.pending_regather is None and prev.reshards():
+            if prev is not None and prev.regathered is None and prev.pending_regather is None and prev.reshards:
                 prev.pending_regather = prev.issue(dtype, f"regather {prev.name} for backward, prefetched")
         return self.regathered
 
-    def reshards(self) -> bool:
-        """Whether this block's backward regathers (not under activation checkpointing)."""
+    @property
+    def reshards(self) -> bool:  # whether this block's backward regathers (not under activation checkpointing)
         return not getattr(self.module, CHECKPOINTED_ATTR, False)
 
     def reduce(self, grads: list, state, module: str | None = None) -> list:
