@@ -1,11 +1,11 @@
-"""The commands `python -m spmd.explain` and `python -m spmd.search` (`explain_main`, `search_main`): their model
-flags, how a result is printed and saved. The package's `spmd.explain` and `spmd.search` are the functions
-(spmd.analysis); the command modules are scripts that run these."""
+"""The commands `python -m spmd.explain` and `python -m spmd.search` (`explain_main`, and
+spmd.search_command.search_main): their model flags, how a result is printed and saved. The package's
+`spmd.explain` and `spmd.search` are the functions (spmd.analysis); the command modules are scripts that run
+these."""
 
 import argparse
 import importlib
 import json
-import os
 import sys
 
 import torch
@@ -14,7 +14,7 @@ from .analysis.explain import explain
 from .float8 import float8_training
 from .layout.mesh import parse_spec
 from .layout.rules import Rules
-from .layout.rules_table import check_rules_flags, ordered_maps, read_toml, rules_from_table
+from .layout.rules_table import check_rules_flags, read_toml, rules_from_table
 
 __all__ = [
     "add_model_args",
@@ -27,7 +27,6 @@ __all__ = [
     "explain_parser",
     "plan_from_args",
     "explain_main",
-    "search_main",
     "run_command",
 ]
 
@@ -215,97 +214,12 @@ def explain_main(argv=None) -> int:
     return report("spmd.explain", a.json, lambda: plan_from_args(a))
 
 
-def search_main(argv=None) -> int:
-    from .analysis.search import search
-    from .analysis.search_pipeline import Pipeline
-    from .analysis.search_pool import stop_on_term
-
-    ap = argparse.ArgumentParser(
-        prog="python -m spmd.search",
-        description=sys.modules["spmd.analysis.search"].__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    ap.add_argument("--world", type=int, default=64, help="number of devices")
-    ap.add_argument("--device", default="h100", help="h100|h200|a100|cpu")
-    add_model_args(ap, batch_default="world")
-    ap.add_argument("--budget-gib", type=float, default=None, help="memory budget per rank (default 90%% of device)")
-    ap.add_argument(
-        "--ac",
-        default=None,
-        help="assume this activation checkpointing (none|full|selective:N) instead of the least that fits",
-    )
-    ap.add_argument(
-        "--grad-accum",
-        type=int,
-        default=None,
-        help="assume this many micro-batches per step instead of the fewest that fit",
-    )
-    ap.add_argument(
-        "--zero",
-        type=int,
-        default=None,
-        help="assume this ZeRO stage (1|2|3) on meshes with an fsdp axis instead of trying each",
-    )
-    ap.add_argument("--max-pp", type=int, default=1, help="also try pipelines of up to this many stages")
-    ap.add_argument("--pp-schedule", default="1f1b", help="the pipelines' schedule (launch.train's --pp-schedule)")
-    ap.add_argument(
-        "--microbatches",
-        type=int,
-        default=0,
-        help="pipeline micro-batches per step (0: the schedule's default, pp or 2 pp)",
-    )
-    ap.add_argument("--top", type=int, default=None)
-    ap.add_argument("--workers", type=int, default=min(os.cpu_count() or 1, 8), help="planning processes")
-    a = parse_args(ap, argv, "spmd.search")
-    if a is None:
-        return 2
-    stop_on_term()
-
-    def ranked():
-        cfg = model_config(a)
-        zero, sp = _pinned_by_rules(a)
-        return search(
-            cfg,
-            a.world,
-            a.device,
-            None if a.budget_gib is None else a.budget_gib * 2**30,
-            batch_shape(a, cfg, a.world),
-            a.dtype,
-            a.top,
-            workers=a.workers,
-            ac=a.ac,
-            grad_accum=a.grad_accum,
-            zero=zero,
-            sequence_parallel=sp,
-            progress=True,
-            max_pp=a.max_pp,
-            pipeline=Pipeline(a.pp_schedule, a.microbatches),
-        )
-
-    return report("spmd.search", a.json, ranked)
-
-
-def _pinned_by_rules(a):
-    """(zero, sequence_parallel) for `search`: `--config`'s [rules.*] tables pin both where they are a default
-    table; the search tries meshes under Rules.default only, so another table is an error naming the fix."""
-    rules = config_rules(a, None)
-    if rules is None:
-        return a.zero, (False, True)
-    if ordered_maps(rules) != ordered_maps(Rules.default(rules.sequence_parallel, rules.zero_stage)):
-        raise ValueError(
-            f"config file {a.config}: spmd.search ranks meshes under Rules.default's tables; plan "
-            f"these [rules.*] tables on a mesh with `python -m spmd.explain --config {a.config} --mesh "
-            f"SPEC`, or state a default table (docs/layouts-and-rules.md)"
-        )
-    return rules.zero_stage, (rules.sequence_parallel,)
-
-
 def run_command(module_name: str, main) -> None:
     """The body of a command module (spmd/explain.py, spmd/search.py): runs `main` as `python -m module_name`.
     Imported instead, the module would take the place of the package's function of the same name."""
     if module_name != "__main__":
         raise ImportError(
             f"spmd.{main.__name__.split('_')[0]} is a command (python -m); its code is "
-            f"spmd.cli.{main.__name__}, and the function of that name is the package's"
+            f"{main.__module__}.{main.__name__}, and the function of that name is the package's"
         )
     raise SystemExit(main())

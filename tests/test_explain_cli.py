@@ -110,7 +110,8 @@ def test_explain_and_search_take_a_local_hugging_face_directory(tmp_path, capsys
         num_key_value_heads=2,
         max_position_embeddings=64,
     ).save_pretrained(hf_dir)
-    from spmd.cli import explain_main, search_main
+    from spmd.cli import explain_main
+    from spmd.search_command import search_main
 
     assert (
         explain_main(

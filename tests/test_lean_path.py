@@ -24,8 +24,8 @@ def _pass_hooks(m) -> int:
     )
 
 
-def _grads_match_plain(model, tokens, targets, mesh):
-    plain = tiny_model()
+def _grads_match_plain(model, tokens, targets, mesh, plain=None):
+    plain = tiny_model() if plain is None else plain
     plain(tokens, targets).backward()
     model(local_slice(tokens, mesh), local_slice(targets, mesh)).backward()
     for (name, p), q in zip(model.named_parameters(), plain.parameters()):
@@ -151,10 +151,59 @@ def _layouts_decided_once(rank, world):
     assert len(decided) > first  # a new sequence length: each constrain decides for its new shape
 
 
+class _TiedHead(torch.nn.Module):
+    """An embedding and an output projection sharing one weight, no repeated blocks: every parameter moves on
+    its own, on the DTensor path."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.head = torch.nn.Embedding(512, 16), torch.nn.Linear(16, 512, bias=False)
+        self.head.weight = self.embed.weight
+        spmd.annotate(self.embed.weight, "vocab", "embed")
+
+    def forward(self, tokens, targets):
+        logits = self.head(self.embed(tokens))
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def _groups_of_one_made_once(rank, world):
+    """A tied weight under fsdp=2 is a group of one, gathered once per forward for both modules and regathered
+    for each in backward: on the local path (the tiny Llama's root unit) and on the DTensor path (no blocks)."""
+    from spmd.runtime.parameters import group
+
+    mesh = spmd.make_mesh({"fsdp": 2})
+    made, init = [], group.ParamGroup.__init__
+    group.ParamGroup.__init__ = lambda self, name, *a, **k: made.append(name) or init(self, name, *a, **k)
+    try:
+        for build, name in (
+            (lambda: tiny_model(tie_embeddings=True), "tok_embeddings.weight"),
+            (_TiedHead, "embed.weight"),
+        ):
+            model = spmd.parallelize(build(), mesh, spmd.Rules.default())
+            del made[:]  # the flat groups parallelize makes
+            counts = []
+            for _ in range(3):
+                model.zero_grad(set_to_none=True)
+                _grads_match_plain(model, *global_batch(0), mesh, plain=build())
+                counts.append(len(made))
+            assert made == [name] and counts == [1, 1, 1], (made, counts)
+    finally:
+        group.ParamGroup.__init__ = init
+
+
+def _made_once(rank, world):
+    _layouts_decided_once(rank, world)
+    _groups_of_one_made_once(rank, world)
+
+
 def test_layout_decisions_are_made_once_per_shape():
     """The layouts of the model's inputs and of each `constrain` follow from the rules and the shape: decided
-    on the first step, reused on the next (no per-step Python work that does not change between steps)."""
-    run_distributed(_layouts_decided_once, 2, timeout_s=180)
+    on the first step, reused on the next (no per-step Python work that does not change between steps). So is
+    a parameter's group of one: a tied weight's gather and its regathers for each module share one group, made
+    on its first move (gradients equal the plain model's within 1e-5). Mutation: `regathering_group` making a
+    fresh group of one per call makes 3 groups on the first step and 2 on each later one (DTensor path)."""
+    run_distributed(_made_once, 2, timeout_s=180)
 
 
 class _CountOps(torch.utils._python_dispatch.TorchDispatchMode):

@@ -11,9 +11,10 @@ from torch.distributed.tensor import Replicate, Shard
 
 import launch.train as T
 from launch.config import load_config
-from spmd.cli import explain_parser, parse_args, plan_from_args, search_main
+from spmd.cli import explain_parser, parse_args, plan_from_args
 from spmd.layout.rules import Rules
 from spmd.layout.rules_table import ordered_maps
+from spmd.search_command import search_main
 
 SHIPPED = Path(__file__).resolve().parents[1] / "launch" / "configs" / "tiny_rules.toml"
 # the default's compute map with mlp left out: the MLP computes whole on every tp rank

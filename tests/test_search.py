@@ -398,7 +398,7 @@ def test_flops_follow_design_formula():
 
 
 def test_cli_prints_a_table(capsys):
-    from spmd.cli import search_main
+    from spmd.search_command import search_main
 
     assert (
         search_main(

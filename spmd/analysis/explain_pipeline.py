@@ -15,10 +15,10 @@ from ..layout.annotate import fake_copy
 from ..layout.blocks import find_blocks
 from ..layout.rules import local_shape
 from ..layout.sequence import rank_positions
-from ..pipeline.build import lay_out_stage, without_pp
 from ..pipeline.runtime import bubble_fraction, default_microbatches, validate_pipeline
 from ..pipeline.split import split_stages
 from ..pipeline.stage import LocalModel, StageModule, has_parts
+from ..pipeline.stage_layout import lay_out_stage, without_pp
 from ..runtime.parameters.reshard import observe_saved
 from ..runtime.state import STATE_ATTR
 from ..runtime.transforms.checkpointing import parse_mode

@@ -14,7 +14,8 @@ and (`failed()`) from the trainer's next step.
 State in memory-mapped files (offload="nvme:DIR", possibly larger than host memory) is not copied to host
 buffers: such a save is written synchronously from the files (`save`), piece by piece.
 A save in flight when the script ends is finished in order, so that a script may end right after `save()`:
-`torch.distributed.destroy_process_group()` first waits for every save in flight (whose collectives run on a
+`torch.distributed.destroy_process_group()` (wrapped by spmd.runtime.dtensor.teardown, which the first
+AsyncSaver installs) first waits for every save in flight (whose collectives run on a
 group it would destroy), and so does the interpreter's exit (an atexit handler; a writer still running in
 native code as the interpreter finalizes aborts the process, "terminate called without an active exception").
 A save that fails there raises from `destroy_process_group` after the groups are gone, or, at exit, is
@@ -23,10 +24,7 @@ Choice: this thread over DCP's `async_save` with `HuggingFaceStorageWriter`, whi
 files, the per-file SHA-256 index, the atomic `latest` and the interrupted-save points rather than keep them.
 """
 
-import atexit
-import functools
 import os
-import sys
 import threading
 import weakref
 from pathlib import Path
@@ -35,6 +33,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
+from ..runtime import dtensor
+from ..runtime.dtensor.teardown import before_destroy
 from ..runtime.optimizer.offload import file_backed
 from .common import all_gather
 from .save import Job, prepare, save, write
@@ -60,7 +60,8 @@ class AsyncSaver:
         self._error: BaseException | None = None
         self._pending: Path | None = None
         _SAVERS.add(self)
-        _finish_saves_before_exit()
+        before_destroy(finish_saves, _let_go_of_groups, "spmd.checkpoint")
+        dtensor.install()  # destroy_process_group and the interpreter's exit wait for the saves in flight
 
     def save(
         self,
@@ -130,38 +131,8 @@ def finish_saves() -> list[BaseException]:
     return errors
 
 
-def _finish_saves_before_exit() -> None:
-    """Makes `destroy_process_group()` and the interpreter's exit wait for the saves in flight (once)."""
-    destroy = dist.destroy_process_group
-    if getattr(destroy, "_finishes_saves", False):
-        return
-
-    @functools.wraps(destroy)
-    def destroy_process_group(group=None):
-        world = group is None or group is dist.GroupMember.WORLD
-        errors = finish_saves() if world else []
-        destroy(group)
-        if world:
-            _let_go_of_groups()
-        if errors:
-            raise errors[0]
-
-    destroy_process_group._finishes_saves = True
-    dist.destroy_process_group = dist.distributed_c10d.destroy_process_group = destroy_process_group
-    atexit.register(_finish_saves_at_exit)
-
-
 def _let_go_of_groups() -> None:
     """Drops each saver's group (destroyed with the world, or about to be at exit), so that its gloo workers are
     joined when the groups go rather than in the interpreter's finalization (spmd.layout.mesh.release_groups)."""
     for saver in list(_SAVERS):
         saver._group = None
-
-
-def _finish_saves_at_exit() -> None:
-    errors = finish_saves()
-    _let_go_of_groups()
-    if errors:
-        print(f"spmd.checkpoint: {errors[0]}", file=sys.stderr, flush=True)
-        sys.stdout.flush()
-        os._exit(1)

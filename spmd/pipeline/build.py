@@ -22,30 +22,20 @@ weight tied across the first and last stage then has its two gradients summed ov
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
 from ..layout.blocks import find_blocks
 from ..layout.rules import local_shape
-from ..runtime.parallelize import parallelize
-from ..runtime.parameters.buckets import drop_root_unit
 from ..runtime.state import STATE_ATTR
-from ..runtime.transforms.checkpointing import checkpoint_block, parse_mode
+from ..runtime.transforms.checkpointing import parse_mode
 from .cut import cut_stage, plan_cut, sum_tied_grads, trace_uses
-from .runtime import SPLIT_BACKWARD, PipelineRuntime, default_microbatches, validate_pipeline
+from .runtime import PipelineRuntime, default_microbatches, validate_pipeline
 from .shapes import fake_model, hidden_of
 from .split import split_stages
 from .stage import LocalModel, NamedParams, StageModule, has_blocks_loss, has_parts
+from .stage_layout import check_no_shared_params, lay_out_stage, release_others, without_pp
 
-__all__ = ["Pipeline", "build_pipeline", "checkpoint_stage", "without_pp"]
-
-
-def without_pp(mesh: DeviceMesh) -> tuple[DeviceMesh, DeviceMesh]:
-    """(mesh with a pp dim and at least one other, the submesh without pp)."""
-    names = tuple(n for n in mesh.mesh_dim_names if n != "pp")
-    if not names:  # a pp-only mesh: spmd.parallelize needs a mesh to lay the stage out on
-        mesh = init_device_mesh(mesh.device_type, (mesh.size(), 1), mesh_dim_names=("pp", "dp"))
-        names = ("dp",)
-    return mesh, mesh[names]
+__all__ = ["Pipeline", "build_pipeline"]
 
 
 def _make_stage_class():
@@ -238,7 +228,7 @@ def build_pipeline(
     rank = full_mesh.get_local_rank("pp")
     shadow = fake_model(model)
     if traced is None:
-        _check_no_shared_params(model, split)
+        check_no_shared_params(model, split)
         cut, make = None, lambda info: StageModule(model, split, info.index, hidden_axes, loss_fn)
     else:  # the model's own forward, cut at block boundaries
         cut = plan_cut(model, split, traced)
@@ -268,7 +258,7 @@ def build_pipeline(
         if cut is None
         else cut.held
     )
-    _release_others(model, split, rank, held)
+    release_others(model, split, rank, held)
     union = (
         LocalModel(model, split, [s.index for s in split.stages_of_rank(rank)])
         if cut is None
@@ -288,84 +278,6 @@ def build_pipeline(
         hidden_axes,
         cut,
     )
-
-
-def lay_out_stage(
-    stage: nn.Module,
-    info,
-    stage_mesh,
-    rules,
-    schedule: str,
-    every: int,
-    blocks: nn.ModuleList,
-    *,
-    hidden_axes,
-    token_axes,
-    param_dtype=None,
-    reduce_dtype=torch.float32,
-    param_init=None,
-    master="params",
-    offload=None,
-) -> None:
-    """One stage module laid out by spmd.parallelize on the mesh without pp, with what a pipeline changes: a
-    split backward (`zero-bubble`, `zbv`) differentiates each parameter on its own in its weight pass
-    (torch.autograd.grad from the input pass's intermediates), which a bucket's one gather node does not
-    allow, so there parameters move one by one; and since several micro-batches run forward before their
-    backward, the parameters outside the blocks are not kept gathered as a root unit (a copy per
-    micro-batch) but move one by one, regathered in backward. Then the stage's activation checkpointing."""
-    parallelize(
-        stage,
-        stage_mesh,
-        rules,
-        param_dtype=param_dtype,
-        reduce_dtype=reduce_dtype,
-        bucket=schedule not in SPLIT_BACKWARD,
-        input_axes={0: hidden_axes if not info.first else token_axes, "targets": token_axes, "positions": token_axes},
-        param_init=param_init,
-        master=master,
-        offload=offload,
-    )
-    drop_root_unit(getattr(stage, STATE_ATTR), stage)
-    getattr(stage, STATE_ATTR).outputs_local = True  # the stage hands torch's pipelining local tensors
-    checkpoint_stage(stage, info, every, blocks)
-
-
-def checkpoint_stage(stage: nn.Module, info, every: int, blocks: nn.ModuleList) -> None:
-    """Checkpoints the stage's blocks whose index in the whole model (`blocks`) is a multiple of `every` (0:
-    none), the blocks apply_activation_checkpointing picks on the unsplit model."""
-    for i in info.blocks:
-        if every and i % every == 0:
-            checkpoint_block(stage, blocks[i])
-
-
-def _check_no_shared_params(model, split):
-    blocks = model.get_submodule(split.block_path)
-    owner = {}
-    for info in split.stages:
-        mods = [blocks[i] for i in info.blocks] + [
-            model.get_submodule(n) for n in (split.pre if info.first else []) + (split.post if info.last else [])
-        ]
-        for m in mods:
-            for name, p in m.named_parameters():
-                if owner.setdefault(id(p), info.index) != info.index:
-                    raise ValueError(
-                        f"parameter {name!r} is shared by pipeline stages {owner[id(p)]} and "
-                        f"{info.index} (tied embeddings?); untie it to split the model into stages"
-                    )
-
-
-def _release_others(model, split, rank, held):
-    """Frees the parameters of stages this rank does not run (`held`: stage -> modules outside the blocks)."""
-    blocks = model.get_submodule(split.block_path)
-    mine = {name for s in split.stages_of_rank(rank) for name in held[s.index]}
-    for info in split.stages:
-        if info.rank == rank:
-            continue
-        for i in info.blocks:
-            blocks[i].to("meta")
-        for name in held[info.index]:
-            if name not in mine:
-                model.get_submodule(name).to("meta")
 
 
 def _pp_pair_group(mesh, pp_ranks):

@@ -28,8 +28,9 @@ from torch.utils._pytree import tree_leaves
 
 from ..runtime.activations.moves import constrain
 from ..runtime.experts.dispatch import balanced_routing
+from .costs import default_example
 from .shapes import StageBoundary, fake_inputs, fake_model
-from .split import default_example, outside_blocks
+from .split import outside_blocks
 
 __all__ = ["CutPlan", "trace_uses", "plan_cut", "cut_stage", "sum_tied_grads"]
 

@@ -14,12 +14,10 @@ and 2pp-1-r, what ZBV expects).
 
 from dataclasses import asdict, dataclass, field
 
-import torch
 import torch.nn as nn
 
 from ..layout.blocks import find_blocks
-from ..runtime.experts.dispatch import balanced_routing
-from .shapes import fake_inputs, fake_model
+from .costs import stage_flops
 
 __all__ = [
     "COSTS",
@@ -29,7 +27,6 @@ __all__ = [
     "min_max_partition",
     "stage_ranks",
     "outside_blocks",
-    "default_example",
 ]
 
 COSTS = ("flops", "params")
@@ -160,64 +157,6 @@ def _own_params(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters(recurse=False))
 
 
-def default_example(model: nn.Module):
-    cfg = getattr(model, "cfg", None) or getattr(model, "config", None)
-    seq = min(int(getattr(cfg, "max_seq_len", 0) or getattr(cfg, "max_position_embeddings", 0) or 128), 2048)
-    return (torch.zeros(1, seq, dtype=torch.long),)
-
-
-def _count_flops(model: nn.Module, block_list: nn.ModuleList, example_inputs):
-    """(FLOPs before the blocks, per block, after the blocks, names of modules run before/after), forward only,
-    on a fake-tensor copy of the model."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    meta, mode = fake_model(model)
-    meta_blocks = meta.get_submodule(_path_of(model, block_list))
-    counter = FlopCounterMode(display=False)
-    total = lambda: sum(counter.flop_counts["Global"].values())  # noqa: E731
-    marks, order = {}, []
-    block_ids = {id(b) for b in meta_blocks}
-    inside = {id(m) for b in meta_blocks for m in b.modules()}
-    hooks = [
-        meta_blocks[0].register_forward_pre_hook(lambda m, a: (marks.setdefault("start", total()), None)[1]),
-        meta_blocks[-1].register_forward_hook(lambda m, a, o: marks.__setitem__("end", total())),
-    ]
-    names = {id(m): n for n, m in meta.named_modules()}
-    for m in meta.modules():
-        if id(m) not in inside or id(m) in block_ids:
-            hooks.append(
-                m.register_forward_pre_hook(
-                    lambda mod, a: order.append((names[id(mod)], "start" in marks and "end" in marks))
-                )
-            )
-    inputs = fake_inputs(mode, example_inputs)
-    try:
-        with mode, counter, torch.no_grad(), balanced_routing(meta):
-            meta(*inputs)
-    finally:
-        for h in hooks:
-            h.remove()
-    if "start" not in marks:
-        raise ValueError("the forward of the example input never ran the blocks; pass example_inputs that do")
-    per_block = []
-    prefix = (
-        f"{type(meta).__name__}.{_path_of(model, block_list)}."
-        if _path_of(model, block_list)
-        else f"{type(meta).__name__}."
-    )
-    counts = counter.get_flop_counts()
-    for i in range(len(meta_blocks)):
-        per_block.append(sum(counts.get(f"{prefix}{i}", {}).values()))
-    return marks["start"], per_block, total() - marks["end"], order
-
-
-def _path_of(model: nn.Module, target: nn.Module) -> str:
-    for name, m in model.named_modules():
-        if m is target:
-            return name
-    raise ValueError("the block list is not a submodule of the model")
-
-
 def _block_list(model: nn.Module, blocks: str | None, n_stages: int):
     try:
         path, block_list = find_blocks(model, blocks)
@@ -257,17 +196,6 @@ def outside_blocks(model: nn.Module, block_list) -> tuple[list, list, int, int]:
     return pre, post, pre_params, post_params
 
 
-def _flops(model: nn.Module, block_list, cost: str, example_inputs):
-    """_count_flops on the example inputs; balanced by parameters, FLOPs are only reported, when the default
-    input runs the model (else None: "not counted")."""
-    if cost == "flops" or example_inputs is not None:
-        return _count_flops(model, block_list, example_inputs if example_inputs is not None else default_example(model))
-    try:
-        return _count_flops(model, block_list, default_example(model))
-    except Exception:  # noqa: BLE001  (a model that takes other inputs)
-        return None
-
-
 def split_stages(
     model: nn.Module,
     n_stages: int,
@@ -297,7 +225,7 @@ def split_stages(
     pre, post, pre_params, post_params = outside_blocks(model, block_list)
     flops_pre = flops_post = 0
     block_flops = [0] * n
-    counted = _flops(model, block_list, cost, example_inputs)
+    counted = stage_flops(model, block_list, cost, example_inputs)
     if counted is not None:
         flops_pre, block_flops, flops_post, order = counted
         ran_after = {name for name, after in order if after}

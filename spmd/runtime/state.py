@@ -71,6 +71,7 @@ class SPMDState:
         self.shared_gathers: dict = {}  # gathered copies of parameters several modules hold
         self.groups: dict = {}  # id(block) -> the flat ParamGroup its parameters gather and reduce in
         self.group_of: dict = {}  # id(param) -> its flat ParamGroup
+        self.singles: dict = {}  # id(param) -> its group of one, made at its first move (parameters.gather)
         self.reducer = None  # reducer.GradientReducer: bucket gradients reduced across blocks
         self.wire = None  # spmd.runtime.wire.Wire: the precision gathers and reductions travel in (comm=)
         self.local_members: dict = {}  # id(block) -> its (module, name, param): blocks that may run locally

@@ -46,11 +46,7 @@ def as_dtensor(t: torch.Tensor, mesh, placements) -> DTensor:
 def cast(t: DTensor, dtype) -> DTensor:
     """`t.to(dtype)` for a gradient: the cast of its local tensor in the same layout (elementwise, so partial
     sums stay partial sums), without DTensor's dispatch, one per parameter per step in mixed precision."""
-    if t.dtype == dtype:
-        return t
-    if t.requires_grad:
-        return t.to(dtype)
-    return wrap_local(t._local_tensor.to(dtype), t.device_mesh, t.placements, t.shape, t.stride())
+    return cast_all([t], dtype)[0]
 
 
 def cast_all(ts: list, dtypes) -> list:

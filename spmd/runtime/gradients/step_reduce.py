@@ -34,7 +34,9 @@ def reduce_all_to(grads: list, targets: list, why: str, wire=None) -> list:
         members = [i for i in flat if current[i][m].is_partial() and targets[i][m].is_shard()]
         if members:
             with tags.reason("", f"{why} (one reduce-scatter over {mesh.mesh_dim_names[m]})"):
-                locals_.update(_reduce_scatter(mesh, m, {i: (locals_[i], targets[i][m].dim) for i in members}, wire))
+                dims = [targets[i][m].dim for i in members]
+                pending = collectives.reduce_scatter([locals_[i] for i in members], dims, mesh, m, wire)
+                locals_.update(zip(members, pending.results()))
             for i in members:
                 current[i][m] = targets[i][m]
     summed: dict = {}  # the mesh dims a gradient is still summed over -> its members
@@ -44,7 +46,8 @@ def reduce_all_to(grads: list, targets: list, why: str, wire=None) -> list:
             summed.setdefault(dims, []).append(i)
     for dims, members in summed.items():
         with tags.reason("", f"{why} (one all-reduce over {'+'.join(mesh.mesh_dim_names[m] for m in dims)})"):
-            locals_.update(_all_reduce(mesh, dims, {i: locals_[i] for i in members}, wire))
+            pending = collectives.all_reduce([locals_[i] for i in members], mesh, dims, wire)
+            locals_.update(zip(members, pending.results()))
         for i in members:
             for m in dims:
                 current[i][m] = Replicate()
@@ -61,14 +64,3 @@ def _bucketable(g: DTensor, target) -> bool:
         and all(not p.is_partial() or p.reduce_op == "sum" for p in g.placements)
         and all(p == t or p.is_partial() or (p.is_replicate() and t.is_shard()) for p, t in zip(g.placements, target))
     )
-
-
-def _reduce_scatter(mesh, m: int, members: dict, wire) -> dict:
-    """{i: (local, shard dim)} -> {i: this rank's shard of the sum over mesh axis m}."""
-    tensors, dims = [t for t, _ in members.values()], [d for _, d in members.values()]
-    pending = collectives.reduce_scatter(tensors, dims, mesh, m, wire)
-    return dict(zip(members, pending.results()))
-
-
-def _all_reduce(mesh, dims: tuple, members: dict, wire) -> dict:
-    return dict(zip(members, collectives.all_reduce(list(members.values()), mesh, dims, wire).results()))

@@ -158,7 +158,7 @@ class LocalBlock:
         for (m, n, p), group in zip(self.members, regathered):
             local = m.__dict__[n] = self.value(values, p)
             if group is not None:
-                regather[storage_key(local)] = (p, p._spmd_compute, group)
+                regather[storage_key(local)] = (p, p._spmd_compute, group, None)
         self.put_buffers()
         if regather and not getattr(self.module, CHECKPOINTED_ATTR, False):
             self.hooks = reshard_after_forward(regather, state, self.name)

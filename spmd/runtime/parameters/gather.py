@@ -2,8 +2,9 @@
 parameter group's (spmd.runtime.parameters.group), chosen here once per module call:
 * with its block (`gather_block`): the flat group of a repeated block gathers in one collective per mesh axis and
   reduces its gradients the same way;
-* one by one (`gather_param`), a group of one, for parameters outside a flat group; a parameter several modules
-  share (tied embeddings) gathers once per forward, so its gradient contributions sum before one reduction;
+* one by one (`gather_param`), a group of one (made at the parameter's first move and kept for its regathers),
+  for parameters outside a flat group; a parameter several modules share (tied embeddings) gathers once per
+  forward, so its gradient contributions sum before one reduction;
 * inside a compiled block, as DTensor's redistribute that the compiler sees, under a recompute-in-backward policy
   (ZeRO-3's regather, as the compiler sees it); where the grads map holds the gradient beyond the storage layout
   (ZeRO-1 and 2) or micro-batches accumulate, a function whose backward is the groups' reduction of one gradient
@@ -43,7 +44,7 @@ def gather_param(state, p, placements, module: str) -> DTensor:
         # unreduced, and the last micro-batch's backward reduces the sum (spmd.runtime.gradients.accumulate).
         args = (p, tuple(placements), state.param_dtype, state.reduce_dtype, state.accumulating)
         return checkpoint(_redistribute_param, *args, use_reentrant=False, context_fn=_recompute_in_backward)
-    return ParamGroup(p._spmd_name, None, [p], state.mesh, flat=False).unshard_one(state, placements, module)
+    return single_group(state, p).unshard_one(state, placements, module)
 
 
 def _redistribute_param(p, placements, dtype, reduce_dtype, unreduced):
@@ -73,12 +74,10 @@ class _CompiledGather(torch.autograd.Function):
         return g.to(ctx.dtype), None, None, None, None
 
 
-def _always_recompute(ctx, op, *args, **kwargs):
-    return CheckpointPolicy.MUST_RECOMPUTE
-
-
 # ZeRO-3 under the compiler: the gathered parameter is recomputed (regathered) in backward, not saved
-_recompute_in_backward = functools.partial(create_selective_checkpoint_contexts, _always_recompute)
+_recompute_in_backward = functools.partial(
+    create_selective_checkpoint_contexts, lambda ctx, op, *args, **kwargs: CheckpointPolicy.MUST_RECOMPUTE
+)
 
 
 def gather_block(state, mod, compiling: bool):
@@ -100,9 +99,9 @@ def gather_module_params(state, mod, name: str, param_names, weight_layout, comp
         mod.__dict__[p_name] = g
         group = None if compiling or not moves_data(p.placements, compute, state.mesh) else regathering_group(state, p)
         if group is not None and not group.keep:  # the root unit keeps its values from forward
-            if not group.flat:  # hpZ: backward regathers from a secondary shard kept now, inside its axis
-                group.secondary = keep_secondary(g, p, compute, state.wire)
-            regather[storage_key(g)] = (p, compute, group)
+            # hpZ: a group of one's backward regathers from a secondary shard kept now, inside its axis
+            secondary = None if group.flat else keep_secondary(g, p, compute, state.wire)
+            regather[storage_key(g)] = (p, compute, group, secondary)
     if not regather or compiling or getattr(mod, CHECKPOINTED_ATTR, False):
         return None
     hooks = reshard_after_forward(regather, state, name)
@@ -145,8 +144,15 @@ def release_module_params(state, mod, param_names, hooks, compiling: bool):
 
 
 def regathering_group(state, p) -> ParamGroup:
-    """The group that regathers `p` for backward: its flat group's, else a group of one."""
-    return state.group_of.get(id(p)) or ParamGroup(p._spmd_name, None, [p], state.mesh, flat=False)
+    """The group that regathers `p` for backward: its flat group's, else its group of one."""
+    return state.group_of.get(id(p)) or single_group(state, p)
+
+
+def single_group(state, p) -> ParamGroup:
+    """`p`'s group of one, made at its first move and kept: its gathers and regathers all go through it."""
+    if id(p) not in state.singles:
+        state.singles[id(p)] = ParamGroup(p._spmd_name, None, [p], state.mesh, flat=False)
+    return state.singles[id(p)]
 
 
 def moves_data(storage, compute, mesh) -> bool:

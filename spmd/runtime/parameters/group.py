@@ -55,7 +55,6 @@ class ParamGroup:
     def __init__(self, name: str, module, params: list, mesh, flat: bool = True, wire=None):
         self.name, self.module, self.params, self.mesh, self.flat = name, module, params, mesh, flat
         self.wire = wire  # spmd.runtime.wire.Wire: the precision a flat group's gathers and reductions travel in
-        self.secondary = None  # a group of one under hpZ: the shard its backward regathers from (wire.hpz)
         self.shard_dims = [shard_dims(p, mesh) for p in params] if flat else None
         assert not flat or all(d is not None for d in self.shard_dims), "flat members must pass shard_dims"
         self.next: ParamGroup | None = None  # the blocks before and after, in forward order
@@ -143,14 +142,14 @@ class ParamGroup:
                     offset += t.numel()
         return locals_
 
-    def regather(self, dtype, state=None, compute=None, module: str = "") -> dict:
+    def regather(self, dtype, state=None, compute=None, module: str = "", secondary=None) -> dict:
         """The parameters for this group's backward, gathered once (or finished, when prefetched), and the
         previous block's regather started so it runs during this block's backward. A group of one regathers its
-        parameter to `compute` each time it is asked (for `module`)."""
+        parameter to `compute` each time it is asked (for `module`), from its hpZ `secondary` shard if kept."""
         if not self.flat:  # (in the compute dtype, as `dtype` is)
             p = self.params[0]
-            if self.secondary is not None:
-                return {id(p): regather_secondary(self.secondary, compute, module, p._spmd_name)}
+            if secondary is not None:
+                return {id(p): regather_secondary(secondary, compute, module, p._spmd_name)}
             return {id(p): self._moved(state, compute, module, "regather {} for backward", p.detach())}
         if self.regathered is None:
             pending = self.pending_regather or self.issue(dtype, f"regather {self.name} for backward")
@@ -159,12 +158,12 @@ class ParamGroup:
                 values = self.finish(pending)
             self.regathered = {id(p): v for p, v in zip(self.params, values)}
             prev = self.prev
-            if prev is not None and prev.regathered is None and prev.pending_regather is None and prev.reshards():
+            if prev is not None and prev.regathered is None and prev.pending_regather is None and prev.reshards:
                 prev.pending_regather = prev.issue(dtype, f"regather {prev.name} for backward, prefetched")
         return self.regathered
 
-    def reshards(self) -> bool:
-        """Whether this block's backward regathers (not under activation checkpointing)."""
+    @property
+    def reshards(self) -> bool:  # whether this block's backward regathers (not under activation checkpointing)
         return not getattr(self.module, CHECKPOINTED_ATTR, False)
 
     def reduce(self, grads: list, state, module: str | None = None) -> list:

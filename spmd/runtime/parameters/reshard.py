@@ -45,11 +45,10 @@ def storage_key(t: torch.Tensor) -> int:
 
 
 class _Regather:
-    __slots__ = ("param", "compute", "dtype", "module", "local_view", "spec", "group", "state")
+    __slots__ = ("hit", "module", "local_view", "spec", "state")
 
-    def __init__(self, param, compute, dtype, module, t: torch.Tensor, group, state):
-        self.param, self.compute, self.dtype, self.module, self.group = param, compute, dtype, module, group
-        self.state = state
+    def __init__(self, hit: tuple, module, t: torch.Tensor, state):
+        self.hit, self.module, self.state = hit, module, state  # (param, compute, group, hpZ secondary or None)
         local = local_of(t)
         self.local_view = (local.size(), local.stride(), local.storage_offset())
         # a plain tensor is a view of the gathered local shard (experts compute on local tensors)
@@ -57,7 +56,8 @@ class _Regather:
 
     def materialize(self) -> DTensor:
         # a flat group's whole block, gathered once for its backward; a group of one's parameter alone
-        full = self.group.regather(self.dtype, self.state, self.compute, self.module)[id(self.param)]
+        p, compute, group, secondary = self.hit
+        full = group.regather(self.state.param_dtype, self.state, compute, self.module, secondary)[id(p)]
         size, stride, offset = self.local_view
         local = local_of(full)
         if isinstance(local, AsyncCollectiveTensor):
@@ -70,13 +70,13 @@ class _Regather:
 
 
 def reshard_after_forward(gathered: dict, state, module: str):
-    """saved_tensors_hooks that swap tensors aliasing `gathered` ({storage key: (param, compute, its group)}): the
-    group regathers it in backward (spmd.runtime.parameters.group)."""
+    """saved_tensors_hooks that swap tensors aliasing `gathered` ({storage key: (param, compute, its group, its hpZ
+    secondary shard or None)}): the group regathers it in backward (spmd.runtime.parameters.group)."""
 
     def pack(t):
         hit = gathered.get(storage_key(t))
         if hit is not None:
-            return _Regather(hit[0], hit[1], state.param_dtype, module, t, hit[2], state)
+            return _Regather(hit, module, t, state)
         _observe(t)
         return t
 
