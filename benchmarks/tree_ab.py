@@ -67,7 +67,14 @@ def _tokens_per_s(tree: Path, commit: str, mfu_args: list, out: Path, timeout: f
     return {row["spec"]: row["spmd"]["tokens_per_s"] for row in report["rows"]}
 
 
-def measure(a) -> dict:
+def _summary(old_commit: str, new_commit: dict, pairs: list) -> dict:
+    specs = list(pairs[0]["new"])
+    ratios = {s: common.median_interval([p["new"][s] / p["old"][s] for p in pairs]) for s in specs}
+    return {"old": old_commit, "new": new_commit, "specs": specs, "pairs": pairs, "ratios": ratios}
+
+
+def measure(a, env: dict) -> dict:
+    """The pairs, each written out as it ends: a run stopped by a time limit keeps the pairs it finished."""
     new_commit = common.git_commit()
     with tempfile.TemporaryDirectory() as tmp:
         old_tree, out = Path(a.old_tree or Path(tmp, "old")).resolve(), Path(tmp, "out")
@@ -84,9 +91,13 @@ def measure(a) -> dict:
                 print(f"[tree_ab] pair {i + 1}/{a.pairs}: {name}", file=sys.stderr, flush=True)
                 got[name] = _tokens_per_s(*trees[name], a.mfu_args, out, a.timeout)
             pairs.append(got)
-    specs = list(pairs[0]["new"])
-    ratios = {s: common.median_interval([p["new"][s] / p["old"][s] for p in pairs]) for s in specs}
-    return {"old": old_commit, "new": new_commit, "specs": specs, "pairs": pairs, "ratios": ratios}
+            m = _summary(old_commit, new_commit, pairs)
+            common.write(_stem(a), {"environment": env, "args": vars(a), **m}, markdown(a, m, env))
+    return m
+
+
+def _stem(a) -> Path:
+    return common.RESULTS / f"{common.today()}-{common.device_slug()}-tree-ab-{a.tag}"
 
 
 def markdown(a, m: dict, env: dict) -> str:
@@ -109,7 +120,7 @@ def markdown(a, m: dict, env: dict) -> str:
 def main(argv=None) -> int:
     a = parse(sys.argv[1:] if argv is None else argv)
     env = common.environment()
-    m = measure(a)
+    m = measure(a, env)
     return common.publish(f"tree-ab-{a.tag}", {"environment": env, "args": vars(a), **m}, markdown(a, m, env))
 
 
