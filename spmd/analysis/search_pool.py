@@ -16,7 +16,7 @@ from .derived import same_plan, zero2_from
 from .fake import kept_worlds
 from .summaries import DRY_RUNS, Summary, _blocks, _cache, _cache_key, as_model, planned, rules_for
 
-__all__ = ["plan_all", "Progress", "Workers", "stop_on_term"]
+__all__ = ["plan_all", "Progress", "Workers", "stop_on_term", "verdict"]
 
 _worker_model = None
 
@@ -152,14 +152,23 @@ def _at_zero(job: tuple, zero: int) -> tuple:
 def _zero2_trusted(net: nn.Module, siblings: dict, workers, progress) -> bool:
     """Whether derived.zero2_from holds for `net`: checked once per model (kept in summaries' cache) on the first
     ZeRO 2 job against its dry run."""
-    key = ("zero2_from holds", _job_key(net, next(iter(siblings)))[0])
-    if key not in _cache:
+    if verdict(net, "zero2_from") is None:
         job = min(siblings, key=repr)
         done = _dry_run_all(net, [job, *siblings[job]], workers, progress)
         if isinstance(done[job], Exception):
             return False  # nothing to check it on: plan this round's ZeRO 2 jobs, check on a later one
-        _cache[key] = (None, same_plan(zero2_from(*(done[s] for s in siblings[job])), done[job]))
-    return _cache[key][1]
+        verdict(net, "zero2_from", same_plan(zero2_from(*(done[s] for s in siblings[job])), done[job]))
+    return verdict(net, "zero2_from")
+
+
+def verdict(net: nn.Module, rule: str, held: bool | None = None) -> bool | None:
+    """Whether a derivation `rule` held for `net` (None: not checked yet); with `held`, remembers it. Kept in
+    summaries' plan cache (its `clear()` forgets it, and a model named by no config is kept alive with it):
+    checked on one job, a rule is trusted for the model's other jobs."""
+    key = (f"{rule} holds", _cache_key(net, {}, False, (), "", None)[0])
+    if held is not None:
+        _cache[key] = (net if getattr(net, "cfg", None) is None else None, held)
+    return _cache.get(key, (None, None))[1]
 
 
 def _dry_run_all(net: nn.Module, jobs: list, workers: Workers | None, progress: Progress) -> dict:
