@@ -130,10 +130,16 @@ class Workers:
 def plan_all(net: nn.Module, jobs: list, workers: Workers | None = None, progress: Progress | None = None) -> dict:
     """{job: Summary or ValueError}, planned in this process or by `workers`. A job is (sizes, sp, zero,
     batch_shape, dtype, ac, grad_accum, block): `planned`'s arguments, with the rules as `rules_for(sp, zero)`.
-    A ZeRO 2 job is derived from the same job at ZeRO 1 and 3 (derived.zero2_from) once the derivation held
-    for this model on its first job; where it did not, or either stage fails to lay out, it is dry-run."""
+    A ZeRO 2 job whose ZeRO 1 and 3 siblings are planned too (or cached) is derived from them (derived.zero2_from)
+    once the derivation held for this model on a first job; where it did not, or either stage fails to lay out,
+    it is dry-run."""
     progress = progress or Progress(False)
-    siblings = {j: (_at_zero(j, 1), _at_zero(j, 3)) for j in jobs if j[2] == 2}
+    asked = set(jobs)
+    siblings = {  # derived where ZeRO 1 and 3 are planned anyway: a sibling planned for it alone saves nothing
+        j: sibs
+        for j, sibs in ((j, (_at_zero(j, 1), _at_zero(j, 3))) for j in jobs if j[2] == 2)
+        if all(s in asked or _job_key(net, s) in _cache for s in sibs)
+    }
     trusted = _zero2_trusted(net, siblings, workers, progress) if siblings else False
     dry = sorted({s for j in jobs for s in (siblings[j] if trusted and j in siblings else (j,))}, key=repr)
     results = _dry_run_all(net, dry, workers, progress)
