@@ -72,6 +72,32 @@ def test_full_checkpointing_derived_from_a_1_block_copy_equals_explain():
         assert fast.memory == full.memory, spec
 
 
+def test_zero2_derived_from_zero1_and_zero3_equals_explain():
+    """The search plans ZeRO 2 from the same mesh's ZeRO 1 and ZeRO 3 plans (derived.zero2_from: ZeRO 1's with
+    ZeRO 3's gradient reductions and gradient bytes). On a sample of specs (tp with sp in bf16; dp x fsdp under
+    full checkpointing at two micro-batches, gradients held unreduced) it equals explain's dry run of the whole
+    3-block model at ZeRO 2: every collective group (count, bytes, ring steps) and every memory figure, and the
+    derived block share extrapolates to it. Mutations it kills: zero2_from keeping ZeRO 1's reductions (one
+    reduce-scatter in the step) or ZeRO 1's gradient bytes."""
+    model = tiny(n_layers=3)
+    for spec, ac, k, dtype in (("fsdp=2,tp=2,sp", "none", 1, "bf16"), ("dp=2,fsdp=2", "full", 2, "fp32")):
+        sizes, flags = spmd.parse_spec(spec)
+        sp = "sp" in flags
+        plan = spmd.explain(
+            model, summaries.rules_for(sp, 2), sizes, batch_shape=(8, 16), dtype=dtype, ac=ac, grad_accum=k
+        )
+        want = summaries.summarize(plan)
+        summaries._cache.clear()
+        z1, z3 = (
+            summaries.planned(model, sizes, sp, (8, 16), dtype, summaries.rules_for(sp, z), ac, k, True) for z in (1, 3)
+        )
+        got = derived.zero2_from(z1, z3)
+        assert {g: v for g, v in got.groups.items() if v[0]} == want.groups, spec
+        assert got.memory == want.memory, spec
+        dry = summaries.planned(model, sizes, sp, (8, 16), dtype, summaries.rules_for(sp, 2), ac, k, True)
+        assert derived.same_plan(got.block, dry.block), spec  # what selective checkpointing composes from
+
+
 def test_blocks_sharing_an_outside_tensor_are_planned_from_both_copies():
     """A Hugging Face Llama's blocks all take the rotary cos/sin its model makes: saved once without
     checkpointing, once per checkpointed block with it, so derived.full_from_none undercounts its activations.

@@ -1,5 +1,5 @@
 """Plans the search derives from plans it already has, instead of dry-running them: full activation
-checkpointing from the plan without it and one dry run of a 1-block copy.
+checkpointing from the plan without it and one dry run of a 1-block copy; ZeRO 2 from ZeRO 1 and ZeRO 3.
 
 A model of L identical blocks plans as `one + (L-1) x block` (summaries.planned: `one` is the 1-block copy,
 `block` what a second block adds). Checkpointing every block changes two things, both per block:
@@ -13,13 +13,22 @@ A model of L identical blocks plans as `one + (L-1) x block` (summaries.planned:
 So `block_full = regathered(block_none) + (one_full - one_none)` and the plan is `one_full + (L-1) x
 block_full`: one dry run (the 1-block copy under `full`) where the 2-block copy took two.
 tests/test_search.py compares it with explain's plan of the whole model under `full`.
+
+ZeRO 2 differs from ZeRO 1 only in where gradients live (the grads map adds `embed->fsdp`): its parameters,
+their gathers (the all-gather of the updated parameters after the step), the optimizer states and the
+activations (each block saves its compute-dtype parameters, replicated over fsdp at both stages) are ZeRO 1's;
+its gradients and their reduction (a reduce-scatter per gradient bucket as backward produces them, held unreduced
+in the compute layout under no_sync) are ZeRO 3's, whose grads map is the same. So a mesh's ZeRO 2 plan is ZeRO 1's
+with ZeRO 3's `reduce` groups and gradient bytes (`zero2_from`): no dry run of its own, and none of the
+optimizer step that ZeRO 1/2 dry runs spend most of their time in twice. tests/test_search.py compares it with
+explain's plan at ZeRO 2.
 """
 
 from __future__ import annotations
 
 from .summaries import EMPTY_GROUP, Summary
 
-__all__ = ["full_from_none", "regathered", "same_plan"]
+__all__ = ["full_from_none", "regathered", "same_plan", "zero2_from"]
 
 
 def regathered(s: Summary) -> Summary:
@@ -51,3 +60,20 @@ def same_plan(a, b) -> bool:
         return False
     used = lambda s: {g: v for g, v in s.groups.items() if any(v)}  # noqa: E731
     return used(a) == used(b) and a.memory == b.memory
+
+
+def zero2_from(zero1, zero3):
+    """The ZeRO 2 plan of a mesh from its ZeRO 1 and ZeRO 3 plans (same checkpointing, micro-batches and batch):
+    ZeRO 1's with ZeRO 3's gradient reductions and gradient bytes, block share likewise. An error planning
+    either is returned as it is (ZeRO 1's first)."""
+    for s in (zero1, zero3):
+        if isinstance(s, Exception):
+            return s
+    groups = {g: list(v) for g, v in zero1.groups.items() if g[1] != "reduce"}
+    groups.update((g, list(v)) for g, v in zero3.groups.items() if g[1] == "reduce")
+    memory = {**zero1.memory, "gradients": zero3.memory["gradients"]}
+    memory["total"] = zero1.memory["total"] - zero1.memory["gradients"] + zero3.memory["gradients"]
+    out = Summary(groups, memory, blocks=zero1.blocks)
+    if zero1.block is not None and zero3.block is not None:
+        out.block = zero2_from(zero1.block, zero3.block)
+    return out

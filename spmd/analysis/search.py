@@ -44,8 +44,8 @@ from .candidates import candidate_specs, candidates, expert_count, mesh_problem,
 from .derived import full_from_none, same_plan
 from .devices import Device, get_device
 from .search_pipeline import Pipeline, pipeline_sizes, plan_pipeline
-from .search_pool import Progress, Workers, plan_all
-from .search_rows import Row, SearchResult, compression_note
+from .search_pool import Progress, Workers, plan_all, verdict
+from .search_rows import Row, SearchResult, compression_note, model_label
 from .step_time import flops_per_token, links, predict, recompute_fraction
 from .summaries import ONE_BLOCK, accumulated, as_model, checkpointed, frozen, model_state_bytes, rules_for
 
@@ -147,7 +147,7 @@ def search(
         (ranked if row.fits else dropped).append(row)
     ranked.sort(key=lambda r: (r.step_s, r.memory.get("total", 0)))
     meta = {
-        "model": type(net).__name__ if cfg is None else _model_label(cfg),
+        "model": type(net).__name__ if cfg is None else model_label(cfg),
         "world": world_size,
         "device": dev.name,
         "batch_shape": [batch, seq],
@@ -247,14 +247,17 @@ def _plan_full(net, needs: dict, nones: dict, shape, workers) -> dict:
     1-block dry run (derived.full_from_none) where, on the first spec, the derived plan equals the one of the
     1- and 2-block copies under full. It does not for a model whose blocks share a tensor made outside them
     (a Hugging Face decoder's rotary cos/sin): the blocks save it once without checkpointing, each checkpointed
-    block once more. Such a model is planned from both copies."""
+    block once more. Such a model is planned from both copies. Checked once per model (search_pool.verdict),
+    the verdict holds for its later rounds and searches."""
+    if verdict(net, "full_from_none") is False:
+        return _plan_round(net, needs, "full", shape, workers, block=True)
     ones = _plan_round(net, needs, "full", shape, workers, block=ONE_BLOCK)
     fulls = {key: full_from_none(nones[key], one) for key, one in ones.items()}
     probe = next((key for key, full in fulls.items() if not isinstance(full, Exception)), None)
-    if probe is None:
+    if probe is None or verdict(net, "full_from_none"):
         return fulls
     exact = _plan_round(net, {probe: needs[probe]}, "full", shape, workers, block=True)[probe]
-    if same_plan(fulls[probe], exact):
+    if verdict(net, "full_from_none", same_plan(fulls[probe], exact)):
         return {**fulls, probe: exact}
     return _plan_round(net, needs, "full", shape, workers, block=True)
 
@@ -374,14 +377,3 @@ def _fill(row: Row, chosen, dev: Device, compute_s: float, n_blocks: int, tokens
             f"needs {s.memory['total'] / 2**30:,.1f} GiB per rank > budget {row.budget / 2**30:,.1f} GiB "
             f"even with --ac {row.ac} --grad-accum {row.grad_accum}"
         )
-
-
-def _model_label(cfg) -> str:
-    """`LlamaConfig(dim=4096, layers=32, 8.03B params)`; a config without `dim` (`--model hf:DIR`) omits it."""
-    n = cfg.num_params() if hasattr(cfg, "num_params") else 0
-    shape = [
-        f"{label}={getattr(cfg, attr)}"
-        for attr, label in (("dim", "dim"), ("n_layers", "layers"))
-        if hasattr(cfg, attr)
-    ]
-    return f"{type(cfg).__name__}({', '.join([*shape, f'{n / 1e9:.2f}B params'])})"

@@ -12,10 +12,11 @@ import time
 import torch.nn as nn
 
 from ..layout.annotate import fake_copy
+from .derived import same_plan, zero2_from
 from .fake import kept_worlds
 from .summaries import DRY_RUNS, Summary, _blocks, _cache, _cache_key, as_model, planned, rules_for
 
-__all__ = ["plan_all", "Progress", "Workers", "stop_on_term"]
+__all__ = ["plan_all", "Progress", "Workers", "stop_on_term", "verdict"]
 
 _worker_model = None
 
@@ -128,8 +129,56 @@ class Workers:
 
 def plan_all(net: nn.Module, jobs: list, workers: Workers | None = None, progress: Progress | None = None) -> dict:
     """{job: Summary or ValueError}, planned in this process or by `workers`. A job is (sizes, sp, zero,
-    batch_shape, dtype, ac, grad_accum, block): `planned`'s arguments, with the rules as `rules_for(sp, zero)`."""
+    batch_shape, dtype, ac, grad_accum, block): `planned`'s arguments, with the rules as `rules_for(sp, zero)`.
+    A ZeRO 2 job whose ZeRO 1 and 3 siblings are planned too (or cached) is derived from them (derived.zero2_from)
+    once the derivation held for this model on a first job; where it did not, or either stage fails to lay out,
+    it is dry-run."""
     progress = progress or Progress(False)
+    asked = set(jobs)
+    siblings = {  # derived where ZeRO 1 and 3 are planned anyway: a sibling planned for it alone saves nothing
+        j: sibs
+        for j, sibs in ((j, (_at_zero(j, 1), _at_zero(j, 3))) for j in jobs if j[2] == 2)
+        if all(s in asked or _job_key(net, s) in _cache for s in sibs)
+    }
+    trusted = _zero2_trusted(net, siblings, workers, progress) if siblings else False
+    dry = sorted({s for j in jobs for s in (siblings[j] if trusted and j in siblings else (j,))}, key=repr)
+    results = _dry_run_all(net, dry, workers, progress)
+    for job in jobs:
+        if job not in results:
+            results[job] = zero2_from(*(results[s] for s in siblings[job]))
+            if isinstance(results[job], Exception):  # a stage that fails need not fail at ZeRO 2
+                results[job] = _plan_one(net, job)
+    return {job: results[job] for job in jobs}
+
+
+def _at_zero(job: tuple, zero: int) -> tuple:
+    return (*job[:2], zero, *job[3:])
+
+
+def _zero2_trusted(net: nn.Module, siblings: dict, workers, progress) -> bool:
+    """Whether derived.zero2_from holds for `net`: checked once per model (kept in summaries' cache) on the first
+    ZeRO 2 job against its dry run."""
+    if verdict(net, "zero2_from") is None:
+        job = min(siblings, key=repr)
+        done = _dry_run_all(net, [job, *siblings[job]], workers, progress)
+        if isinstance(done[job], Exception):
+            return False  # nothing to check it on: plan this round's ZeRO 2 jobs, check on a later one
+        verdict(net, "zero2_from", same_plan(zero2_from(*(done[s] for s in siblings[job])), done[job]))
+    return verdict(net, "zero2_from")
+
+
+def verdict(net: nn.Module, rule: str, held: bool | None = None) -> bool | None:
+    """Whether a derivation `rule` held for `net` (None: not checked yet); with `held`, remembers it. Kept in
+    summaries' plan cache (its `clear()` forgets it, and a model named by no config is kept alive with it):
+    checked on one job, a rule is trusted for the model's other jobs."""
+    key = (f"{rule} holds", _cache_key(net, {}, False, (), "", None)[0])
+    if held is not None:
+        _cache[key] = (net if getattr(net, "cfg", None) is None else None, held)
+    return _cache.get(key, (None, None))[1]
+
+
+def _dry_run_all(net: nn.Module, jobs: list, workers: Workers | None, progress: Progress) -> dict:
+    """{job: Summary or ValueError} of `jobs`, each dry-run (or taken from the cache)."""
     groups = _by_mesh([j for j in jobs if _job_key(net, j) not in _cache])
     results, before = {}, DRY_RUNS[0]
     if workers is not None and workers.processes > 1 and len(groups) > 1:

@@ -1,12 +1,12 @@
 """The search's answer: one `Row` per spec (its predicted step, memory, the activation checkpointing and
-micro-batches it assumes, as trainer flags) and the `SearchResult` table of them."""
+micro-batches it assumes, as trainer flags) and the `SearchResult` table of them, with the model's label."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
 
-__all__ = ["Row", "SearchResult", "compression_note"]
+__all__ = ["Row", "SearchResult", "compression_note", "model_label"]
 
 
 @dataclass
@@ -106,3 +106,14 @@ def _fmt_row(rank, r: Row) -> str:
         f"{100 * r.mfu:>5.1f}% {r.memory.get('total', 0) / 2**30:>8.2f} {r.comm_bytes / 1e9:>9.3f}  {r.flags}"
         + (f"  ({r.note})" if r.note else "")
     )
+
+
+def model_label(cfg) -> str:
+    """`LlamaConfig(dim=4096, layers=32, 8.03B params)`; a config without `dim` (`--model hf:DIR`) omits it."""
+    n = cfg.num_params() if hasattr(cfg, "num_params") else 0
+    shape = [
+        f"{label}={getattr(cfg, attr)}"
+        for attr, label in (("dim", "dim"), ("n_layers", "layers"))
+        if hasattr(cfg, attr)
+    ]
+    return f"{type(cfg).__name__}({', '.join([*shape, f'{n / 1e9:.2f}B params'])})"
