@@ -160,8 +160,6 @@ def _comm_problems(cfg, sizes: dict) -> list[str]:
             "--comm-params/--comm-grads/--hpz with --compile is not supported (compiled blocks gather and "
             "reduce through DTensor, which has no quantized wire); leave --compile out"
         )
-    if cfg.comm() and sizes.get("pp", 1) > 1:
-        problems.append("--comm-params/--comm-grads/--hpz do not apply to pipeline stages yet; leave them out with pp")
     return problems
 
 

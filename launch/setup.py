@@ -91,6 +91,7 @@ def build_model(cfg: TrainConfig, model_cfg, world: int, device: torch.device):
                 param_init=model.initializer(cfg.seed),
                 master=cfg.master,
                 offload=cfg.offload or None,
+                comm=cfg.comm(),
             )
         mesh, model = pipe.mesh, pipe.module
     else:

@@ -98,8 +98,6 @@ def explain(
     parse_mode(ac)
     precision = dict(reduce_dtype=as_dtype(reduce_dtype), master=master, offload=offload)
     if comm is not None:
-        if sizes.get("pp", 1) > 1:
-            raise ValueError("explain: comm= does not apply to pipeline stages yet; plan a pp mesh with comm=None")
         precision["comm"] = comm
     _check_grad_accum(grad_accum, sizes)
     _check_optimizer(optimizer, sizes, offload)

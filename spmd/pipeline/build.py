@@ -195,6 +195,7 @@ def build_pipeline(
     param_init=None,
     master: str = "params",
     offload=None,
+    comm=None,
 ) -> Pipeline:
     """Splits `model` into pp * virtual_stages stages, lays this rank's stages out on `mesh` without its pp
     dim, and returns the Pipeline that trains them. Call it on every rank with the same model (same seed).
@@ -208,7 +209,8 @@ def build_pipeline(
     `selective:N`, counted over the model's blocks). Parameters of stages on other ranks move to the meta
     device: each rank holds only its own stages. A model built on the meta device needs `param_init`
     (as spmd.parallelize): each rank then materialises only its stages' shards. `master` and `offload`: where
-    fp32 master weights and optimizer states live, as spmd.parallelize's. ZeRO stages are the rules' as
+    fp32 master weights and optimizer states live, and `comm` the precision each stage's gathers and reductions
+    travel in, as spmd.parallelize's. ZeRO stages are the rules' as
     without pp: spmd.shard_optimizer(pipeline, opt) makes the optimizer step on the optimizer map's shards.
     """
     if "pp" not in mesh.mesh_dim_names:
@@ -251,6 +253,7 @@ def build_pipeline(
             param_init=param_init,
             master=master,
             offload=offload,
+            comm=comm,
         )
         modules.append(stage)
     held = (

@@ -40,6 +40,7 @@ def lay_out_stage(
     param_init=None,
     master="params",
     offload=None,
+    comm=None,
 ) -> None:
     """One stage module laid out by spmd.parallelize on the mesh without pp, with what a pipeline changes: a
     split backward (`zero-bubble`, `zbv`) differentiates each parameter on its own in its weight pass
@@ -58,6 +59,7 @@ def lay_out_stage(
         param_init=param_init,
         master=master,
         offload=offload,
+        comm=comm,
     )
     drop_root_unit(getattr(stage, STATE_ATTR), stage)
     getattr(stage, STATE_ATTR).outputs_local = True  # the stage hands torch's pipelining local tensors

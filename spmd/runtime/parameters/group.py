@@ -90,7 +90,8 @@ class ParamGroup:
         if tuple(x.placements) == tuple(placements):
             return x.view_as(x) if x is p else x
         with tags.reason(module, why.format(self.params[0]._spmd_name)):
-            return gather_on_wire(x, placements, state.wire) or x.redistribute(placements=placements)
+            moved = gather_on_wire(x, placements, state.wire)
+            return x.redistribute(placements=placements) if moved is None else moved
 
     def issue(self, dtype, why: str):
         """Starts the all-gather of the first mesh axis (asynchronous); `finish` completes the gather. Issued
