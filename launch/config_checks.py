@@ -85,7 +85,7 @@ def _optimizer_problems(cfg, sizes) -> list[str]:
 def _onebit_problems(cfg, sizes) -> list[str]:
     """What spmd.OneBitAdam cannot run on: it compresses across data-parallel workers (dp, fsdp) only."""
     problems = [] if cfg.onebit_warmup >= 1 else [f"--onebit-warmup must be >= 1, got {cfg.onebit_warmup}"]
-    other = [f"{a}={n}" for a, n in sizes.items() if n > 1 and a not in ("dp", "fsdp")]
+    other = [f"{a}={n}" for a, n in sizes.items() if n > 1 and a not in ("dp", "fsdp", "pp")]
     if other:
         problems.append(
             f"--optimizer onebit-adam compresses the momentum across data-parallel workers (dp, fsdp); "
@@ -155,10 +155,15 @@ def _comm_problems(cfg, sizes: dict) -> list[str]:
             f"--hpz {cfg.hpz!r} is not an axis of --mesh {format_sizes(sizes)} with more than one rank; name "
             f"the axis inside a node that keeps backward's secondary parameter shards (e.g. fsdp), or leave it out"
         )
-    if cfg.comm() and cfg.compile:
+    in_graph = [f"--mesh axis {a}" for a, n in sizes.items() if n > 1 and a not in ("dp", "fsdp", "pp")]
+    in_graph += [
+        f for f, on in (("--sp", cfg.sp), ("--float8", cfg.float8), (f"--ac {cfg.ac}", cfg.ac != "none")) if on
+    ]
+    if cfg.comm() and cfg.compile and in_graph:
         problems.append(
-            "--comm-params/--comm-grads/--hpz with --compile is not supported (compiled blocks gather and "
-            "reduce through DTensor, which has no quantized wire); leave --compile out"
+            f"--comm-params/--comm-grads/--hpz with --compile and {', '.join(in_graph)} is not supported: those "
+            "blocks gather inside their compiled graph, which has no quantized wire (compiled blocks carry comm "
+            "on dp/fsdp meshes without --ac); leave --compile or those options out"
         )
     return problems
 

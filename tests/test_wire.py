@@ -88,14 +88,20 @@ def test_a_bad_comm_is_refused_before_anything_moves(comm, named):
     assert not any(isinstance(p, torch.distributed.tensor.DTensor) for p in model.parameters())
 
 
-def test_compiled_blocks_refuse_a_quantized_wire():
+def test_compiled_blocks_take_the_wire_only_where_their_hooks_stay_eager():
+    """Data-only blocks compiled after parallelize(comm=...) compile (their groups gather on the wire; the
+    4-rank proof is tests/test_wire_four_ranks.py); checkpointed ones, or blocks compiled before, which would
+    gather inside the graph in full precision, are refused naming the fix."""
     with fake_world({"fsdp": 4}) as (mesh, _):
         model = spmd.parallelize(tiny_model(), mesh, spmd.Rules.default(), comm={"params": "int8"})
-        with pytest.raises(ValueError, match="comm=None"):
-            spmd.compile_blocks(model, backend="eager")
+        assert spmd.compile_blocks(model, backend="eager") == [0, 1]
+        checkpointed = spmd.parallelize(tiny_model(), mesh, spmd.Rules.default(), comm={"params": "int8"})
+        spmd.apply_activation_checkpointing(checkpointed, "full")
+        with pytest.raises(ValueError, match="layers.0, layers.1 would gather .*--ac none"):
+            spmd.compile_blocks(checkpointed, backend="eager")
         compiled_first = tiny_model()
         spmd.compile_blocks(compiled_first, backend="eager")
-        with pytest.raises(ValueError, match="comm=None"):
+        with pytest.raises(ValueError, match="call compile_blocks after parallelize"):
             spmd.parallelize(compiled_first, mesh, spmd.Rules.default(), comm={"grads": "int4"})
 
 
@@ -148,7 +154,8 @@ def test_trainer_flags_and_toml_set_comm(tmp_path):
         (["--comm-params", "float8"], "--comm-params float8 gathers float8 layers' weights .* needs --float8"),
         (["--comm-grads", "fp8"], "--comm-grads 'fp8' is not supported; use int8 or int4"),
         (["--hpz", "dp"], "--hpz 'dp' is not an axis of --mesh fsdp=4 with more than one rank"),
-        (["--comm-grads", "int8", "--compile"], "with --compile is not supported"),
+        (["--comm-grads", "int8", "--compile", "--ac", "full"], "with --compile and --ac full is not supported"),
+        (["--comm-params", "int8", "--compile", "--mesh", "fsdp=2,tp=2"], "--compile and --mesh axis tp is not"),
     ],
 )
 def test_trainer_refuses_bad_comm_flags(flags, match):

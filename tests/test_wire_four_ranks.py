@@ -33,6 +33,8 @@ calling dist.all_reduce) fails the fsdp=2,tp=2,sp gradients of the norms; keepin
 (`keep_secondary` returning None) fails the hpZ axes.
 """
 
+import math
+
 import torch
 import torch.distributed as dist
 
@@ -365,6 +367,81 @@ def _pipeline_stages_carry_the_wire():
                 assert err <= 1e-2, f"pp int8 grads: gradient of {name} off by {err:.2e}"
 
 
+def _wire_steps(comm, compiled: bool, steps: int = 3) -> tuple:
+    """fsdp=4, `steps` SGD steps of the tiny model with `comm`, its blocks compiled (aot_eager) or eager:
+    (losses, gradients per step, the (kind, bytes) each step moves, the model). Eager steps are recorded by
+    spmd's recorder; compiled ones by torch's profiler, which sees gloo's collectives and the compiled regions
+    (under the recorder, a dispatch mode, dynamo runs the compiled code eagerly)."""
+    mesh = spmd.make_mesh({"fsdp": 4})
+    model = spmd.parallelize(tiny_model(), mesh, spmd.Rules.default(), comm=comm)
+    if compiled:
+        assert spmd.compile_blocks(model, backend="aot_eager") == [0, 1]
+    losses, grads, moved = [], [], []
+    for step in range(steps):
+        tokens, targets = global_batch(step)
+        watch = _profiled() if compiled else CollectiveRecorder(mesh)
+        with watch as seen:
+            loss = model(local_slice(tokens, mesh), local_slice(targets, mesh))
+            loss.backward()
+        moved.append(_gloo_bytes(seen, 4) if compiled else [(c.kind, c.bytes) for c in seen.records])
+        losses.append(loss.detach())
+        grads.append({n: p.grad.full_tensor() for n, p in model.named_parameters()})
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= 0.1 * p.grad
+                p.grad = None
+    return losses, grads, moved, model
+
+
+def _profiled():
+    return torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True)
+
+
+def _gloo_bytes(prof, n: int) -> list:
+    """(kind, bytes per rank) of each collective gloo ran, in order, counted as the recorder counts them (the
+    rows sent to the others); asserts a compiled region ran. Every payload here is uint8 (one byte a value)."""
+    events = list(prof.events())
+    assert any(e.name.startswith("Torch-Compiled Region") for e in events), "no compiled block ran"
+    out = []
+    for e in events:
+        if e.name.startswith("gloo:"):
+            numel = math.prod(e.input_shapes[0])
+            kind = e.name[len("gloo:") :]
+            out.append((kind, numel * (n - 1) if kind == "all_gather" else numel * (n - 1) // n))
+    return out
+
+
+def _compiled_blocks_carry_the_wire():
+    """Compiled blocks (aot_eager) with comm int8/int8 on fsdp=4: 3 SGD steps equal the eager blocks' with the
+    same comm (losses, every gradient) within 1e-5, and each compiled step moves exactly the quantized formula's
+    bytes, counted from gloo's own collectives (torch's profiler): per group of L values per rank (the root unit
+    and each block), its forward gather and each block's backward regather (L + 4 ceil(L/B)) (n-1), and one
+    all-to-all of every gradient (the cross-block reducer's buffer, sum L) in the same format; nothing else but
+    the loss's all-reduce of two scalars. The eager blocks' recorded bytes are the same. Mutation that fails it
+    (tried): compiling the data-only blocks whole in compile_blocks (`block.compile`: their gathers in the
+    graph, through DTensor, in full precision), with the refusal lifted."""
+    comm = {"params": "int8", "grads": "int8", "block": BLOCK}
+    eager = _wire_steps(comm, False)
+    losses, grads, moved, model = _wire_steps(comm, True)
+    for step, (a, b) in enumerate(zip(losses, eager[0])):
+        _close(a, b, f"compiled blocks on the wire: loss of step {step}")
+        for name, g in grads[step].items():
+            _close(g, eager[1][step][name], f"compiled blocks on the wire: gradient of {name}, step {step}")
+    groups = list(model._spmd_state.groups.values())  # the blocks, then the root unit
+    sizes = {g.name: sum(p.to_local().numel() for p in g.params) for g in groups}
+    blocks = [g.name for g in groups if not g.keep]
+
+    def wire(length: int) -> int:
+        return packed_bytes(length, "int8", BLOCK) * 3
+
+    gathers = [sizes[g.name] for g in groups if g.keep] + [sizes[b] for b in blocks + blocks[::-1]]
+    want = [("all_gather", wire(L)) for L in gathers] + [("all_to_all", wire(sum(sizes.values())))]
+    for step, got in enumerate(moved):
+        assert [c for c in got if c[0] != "all_reduce"] == want, (step, got, want)
+        assert [c for c in got if c[0] == "all_reduce"] == [("all_reduce", 2 * 3 // 4)], got  # the loss's scalars
+        assert [c for c in eager[2][step] if c[0] != "all_reduce"] == want, (step, eager[2][step], want)
+
+
 def _run_four(rank, world):
     _hpz_regathers_inside_its_axis()
     _bytes_match_formula()
@@ -380,6 +457,7 @@ def _run_four(rank, world):
         _two_hop_grads_match(fmt)
         _tp_grads_match(fmt)
     _pipeline_stages_carry_the_wire()
+    _compiled_blocks_carry_the_wire()
 
 
 def test_wire_numerics_and_bytes_on_four_ranks():

@@ -52,7 +52,7 @@ def reduce_accumulated(state) -> None:
     grads = [p.grad if dtype is None else p.grad.to(dtype) for p in params]
     with tags.phase("backward"):
         reduced = reduce_all_to(
-            grads, [grads_layout(p) for p in params], "reduce accumulated gradients of compiled blocks"
+            grads, [grads_layout(p) for p in params], "reduce accumulated gradients of compiled blocks", state.wire
         )
     for p, g in zip(params, reduced):
         p.grad = g.to(p.dtype)

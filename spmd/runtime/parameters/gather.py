@@ -83,6 +83,12 @@ _recompute_in_backward = functools.partial(
 def gather_block(state, mod, compiling: bool):
     """Gathers the flat group of `mod`, if it is a block's, for its modules to find (eager only)."""
     group = None if compiling or getattr(mod, BODY_COMPILED_ATTR, False) else state.groups.get(id(mod))
+    if group is None and not compiling and state.wire is not None and id(mod) in state.groups:
+        raise ValueError(
+            f"{state.groups[id(mod)].name}: a compiled block called with inputs not split by batch would gather "
+            f"inside its graph in full precision, not on the comm= wire; call it with batch-split inputs, "
+            f"leave it eager, or pass comm=None"
+        )
     if group is not None:
         group.values = group.gather(state)
 

@@ -5,7 +5,10 @@ plain model's block would compile: its hooks stay eager around the graph, gather
 next and reduce its gradients asynchronously with the other blocks', as in eager (FSDP2's hooks sit around
 a compiled block the same way), and the graph sees plain tensors, with no DTensor to unwrap and rewrap at
 every call. Should such a block take the DTensor path on some call (inputs not split by batch), its
-compiled forward traces that path too, its gathers inside, as a checkpointed block's body does.
+compiled forward traces that path too, its gathers inside, as a checkpointed block's body does. With
+parallelize(comm=...) only such blocks compile (the others are refused: their gathers would be DTensor
+redistributes inside the graph, in full precision): their group gathers and reduces on the quantized wire
+in the eager hooks, the graph computes, and a call that would take the DTensor path is refused.
 
 Any other block compiles to one graph per block type, with its parameter gathers, layout moves and gradient
 reductions inside it as functional collectives, so the compiler sees and schedules them. Inside a compiled
@@ -59,12 +62,7 @@ def compile_blocks(model: nn.Module, blocks: str | None = None, bucket: bool = T
             "compile_blocks does not support parallelize(offload='params') (a compiled block gathers "
             "parameters where they are stored); leave the blocks eager, or use offload='optimizer'"
         )
-    if getattr(getattr(model, STATE_ATTR, None), "wire", None) is not None:
-        raise ValueError(
-            "compile_blocks does not support parallelize(comm=...): a compiled block gathers and reduces "
-            "through DTensor's redistribute, which has no quantized wire format; leave the blocks eager "
-            "(drop --compile) or lay the model out with comm=None"
-        )
+    _refuse_wire_in_graph(getattr(model, STATE_ATTR, None), path, block_list)
     if bucket:
         from torch._inductor import config as inductor_config
 
@@ -94,6 +92,27 @@ def compile_blocks(model: nn.Module, blocks: str | None = None, bucket: bool = T
     # blocks of one type share a graph; room for a recompile per block where guards differ (shapes)
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 2 * len(block_list))
     return list(range(len(block_list)))
+
+
+def _refuse_wire_in_graph(state, path: str, block_list) -> None:
+    """With comm= only blocks whose hooks stay eager around their compiled forward compile (data-only layouts,
+    not checkpointed): their group gathers and reduces on the quantized wire. The others would gather inside
+    the graph through DTensor's redistribute, in full precision."""
+    if getattr(state, "wire", None) is None:
+        return
+    inside = [
+        f"{path}.{i}"
+        for i, b in enumerate(block_list)
+        if id(b) not in state.local_members or getattr(b, CHECKPOINTED_ATTR, False)
+    ]
+    if inside:
+        raise ValueError(
+            f"compile_blocks with parallelize(comm=...): {', '.join(inside[:2])}{', ...' if len(inside) > 2 else ''} "
+            f"would gather and reduce inside the compiled graph (activation checkpointing, or a layout that is "
+            f"not data-only: tp, sp, float8 layers), through DTensor's redistribute, which has no quantized "
+            f"wire. Compiled blocks carry comm on dp/fsdp layouts without checkpointing: drop activation "
+            f"checkpointing (--ac none) or --compile, or pass comm=None"
+        )
 
 
 def _compile_forward(block: nn.Module, **compile_kwargs) -> None:

@@ -34,14 +34,15 @@ class Wire:
 
 def wire_setting(comm, mesh_axes: tuple, compiled: bool = False, float8: bool = False) -> Wire | None:
     """The validated `Wire` for `comm` on a mesh with axes `mesh_axes`; None when nothing is set. `compiled`:
-    whether the model holds compiled blocks, which gather through DTensor and have no quantized wire. `float8`:
+    whether the model holds blocks compiled before it was laid out, which gather inside their graphs. `float8`:
     whether it holds float8 layers (spmd.float8_training), whose weights `params="float8"` gathers."""
     if comm is None:
         return None
     if compiled:
         raise ValueError(
-            "comm= does not apply to compiled blocks (spmd.compile_blocks): they gather and reduce through "
-            "DTensor's redistribute, which has no quantized wire; leave the blocks eager or pass comm=None"
+            "comm= does not apply to blocks compiled before parallelize (spmd.compile_blocks): they gather "
+            "and reduce inside their graphs, through DTensor's redistribute, which has no quantized wire; "
+            "call compile_blocks after parallelize(comm=...), or pass comm=None"
         )
     if not isinstance(comm, dict):
         raise ValueError(f"comm={comm!r} must be a dict such as {{'params': 'int8', 'grads': 'int4'}} (or None)")
