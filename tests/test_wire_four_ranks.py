@@ -7,7 +7,8 @@ the wire does (spmd.runtime.wire.quantize), dequantizes and sums in fp32; the di
 within 1e-5. The tiny Llama with `comm={"params": int8|fp8}` on `fsdp=4`, `dp=2,fsdp=2` and `fsdp=2,tp=2,sp`:
 the reference model holds each parameter with every rank's shard quantized and dequantized as the gather
 does; loss, gradients and parameters after an SGD step agree within 1e-5. With `comm={"grads": int8|int4}`
-on `fsdp=4` the reference sums each rank's quantized gradient chunk (computed on its batch slice) in fp32; on
+on `fsdp=4` the reference sums each rank's quantized gradient chunk (computed on its batch slice) in fp32 (with
+the blocks' buckets, and with every parameter alone, `bucket=False`: groups of one reduce on the wire too); on
 `dp=2,fsdp=2` (one buffer per block) it follows both hops: the block's rows quantized and summed over fsdp,
 then that shard buffer all-reduced over dp in two quantized halves. On `fsdp=2,tp=2,sp` the partial gradients
 each rank puts on the wire are read under no_sync (their plain sum is the one-process model's gradients),
@@ -23,14 +24,20 @@ one-process model's within 1e-5.
 Bytes. One step of the tiny model on `fsdp=4`, recorded: each int8 parameter all-gather moves L + 4*ceil(L/B)
 bytes per rank row where bf16 moves 2L (about half), each int4 gradient reduce-scatter L/2 + 4*ceil(L/B4)
 where fp32 moves 4L (about 1/8), both times (n-1) rows (B = 4096, B4 = 256: int4's finer default blocks);
-L is read from the uncompressed run of the same step.
+L is read from the uncompressed run of the same step. With every parameter alone (`bucket=False`) each of the
+21 gradients' own reduction is an int4 all-to-all of L/2 + 4*ceil(L/B4) per row where fp32's moves 4L.
+
+Compiled blocks. Data-only blocks compiled (aot_eager) with int8/int8 equal the eager blocks over 3 steps, and
+move the formula's bytes, counted from gloo's own collectives by torch's profiler (`_compiled_blocks_carry_the_wire`).
 
 Mutations that fail it (each tried): summing the dequantized rows in bfloat16 in wire/flat.py's
 reduce_scatter fails the gradient numerics; gathering params uncompressed in buckets.py (`self.wire` ->
 None) fails the bytes check; the dp hop of a bucket's reduction in full precision (`all_reduce(..., None)` in
 buckets.py) fails the two-hop gradients; the tp hop of an all-reduce in full precision (collectives.all_reduce
 calling dist.all_reduce) fails the fsdp=2,tp=2,sp gradients of the norms; keeping no secondary copy
-(`keep_secondary` returning None) fails the hpZ axes.
+(`keep_secondary` returning None) fails the hpZ axes; a group of one reducing through DTensor (`packs =
+self.flat` in group.py's reduce) fails both the bucket=False bytes and gradients; compiling data-only blocks
+whole (their gathers inside the graph) fails the compiled case.
 """
 
 import math
@@ -154,12 +161,15 @@ def _param_wire_matches(spec: str, fmt: str):
         _close(stepped[name].full_tensor(), want, f"{spec} {fmt} parameter {name} after a step")
 
 
-def _grad_wire_matches(fmt: str):
-    """fsdp=4, comm grads: each rank's gradient chunk quantized, summed in fp32, against the same in one process."""
+def _grad_wire_matches(fmt: str, bucket: bool = True):
+    """fsdp=4, comm grads: each rank's gradient chunk quantized, summed in fp32, against the same in one process.
+    `bucket=False`: every parameter moves alone (a group of one), its gradient reduced by itself on the wire."""
     mesh = spmd.make_mesh({"fsdp": 4})
-    model = spmd.parallelize(tiny_model(), mesh, spmd.Rules.default(), comm={"grads": fmt, "block": BLOCK})
+    comm = {"grads": fmt, "block": BLOCK}
+    model = spmd.parallelize(tiny_model(), mesh, spmd.Rules.default(), comm=comm, bucket=bucket)
     tokens, targets = global_batch(0)
     model(local_slice(tokens, mesh), local_slice(targets, mesh)).backward()
+    assert bucket or len(model._spmd_state.singles) == len(list(model.parameters()))  # each alone
     per_rank = []
     for r in range(4):
         ref = tiny_model()
@@ -285,10 +295,11 @@ def _split(flat: torch.Tensor, shapes: list) -> list:
     return [t.reshape(s) for t, s in zip(flat.split([s.numel() for s in shapes]), shapes)]
 
 
-def _recorded_step(comm, param_dtype, kinds) -> list:
+def _recorded_step(comm, param_dtype, kinds, bucket: bool = True) -> list:
     """Bytes of each collective of `kinds` that one training step of the tiny model on fsdp=4 issues."""
     mesh = spmd.make_mesh({"fsdp": 4})
-    model = spmd.parallelize(tiny_model(), mesh, spmd.Rules.default(), param_dtype=param_dtype, comm=comm)
+    rules = spmd.Rules.default()
+    model = spmd.parallelize(tiny_model(), mesh, rules, param_dtype=param_dtype, comm=comm, bucket=bucket)
     tokens, targets = global_batch(0)
     with CollectiveRecorder(mesh) as rec:
         model(local_slice(tokens, mesh), local_slice(targets, mesh)).backward()
@@ -305,6 +316,11 @@ def _bytes_match_formula():
     int4 = _recorded_step({"grads": "int4"}, None, ("reduce_scatter", "all_to_all"))
     lengths = [b // (4 * (n - 1)) for b in fp32]
     assert int4 == [packed_bytes(L, "int4", INT4_BLOCK) * (n - 1) for L in lengths], (int4, lengths)
+    # every parameter alone (groups of one): each gradient's own reduce-scatter, int4 on the wire
+    fp32 = _recorded_step(None, None, ("reduce_scatter",), bucket=False)
+    alone = _recorded_step({"grads": "int4"}, None, ("reduce_scatter", "all_to_all"), bucket=False)
+    lengths = [b // (4 * (n - 1)) for b in fp32]
+    assert len(lengths) == 21 and alone == [packed_bytes(L, "int4", INT4_BLOCK) * (n - 1) for L in lengths], alone
     if dist.get_rank() == 0:
         print(f"int8/bf16 gathers {sum(int8) / sum(bf16):.4f}, int4/fp32 reductions {sum(int4) / sum(fp32):.4f}")
 
@@ -454,6 +470,7 @@ def _run_four(rank, world):
             _param_wire_matches(spec, fmt)
     for fmt in ("int8", "int4"):
         _grad_wire_matches(fmt)
+        _grad_wire_matches(fmt, bucket=False)
         _two_hop_grads_match(fmt)
         _tp_grads_match(fmt)
     _pipeline_stages_carry_the_wire()

@@ -157,7 +157,7 @@ def regathering_group(state, p) -> ParamGroup:
 def single_group(state, p) -> ParamGroup:
     """`p`'s group of one, made at its first move and kept: its gathers and regathers all go through it."""
     if id(p) not in state.singles:
-        state.singles[id(p)] = ParamGroup(p._spmd_name, None, [p], state.mesh, flat=False)
+        state.singles[id(p)] = ParamGroup(p._spmd_name, None, [p], state.mesh, flat=False, wire=state.wire)
     return state.singles[id(p)]
 
 

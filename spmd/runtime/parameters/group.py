@@ -11,8 +11,9 @@ group's backward regathers it once, on the first saved tensor it needs, and star
 of one regathers its parameter alone; the root unit keeps its values (`keep`). Reduce: the gradients, cast to the
 reduce dtype, reach the layout the grads map gives them (gradients.layouts.reduce_gradient: held for a ZeRO-1 step,
 or unreduced under no_sync), a flat group's partial sums in one reduce-scatter and one all-reduce per mesh axis (or
-handed to the reducer that spans blocks, gradients.reducer), then cast back to the parameters' dtype (and copied to
-the host under offload="params"). Which move a group makes is fixed when it is made: `flat`.
+handed to the reducer that spans blocks, gradients.reducer; a group of one's the same way on a quantized wire), then
+cast back to the parameters' dtype (and copied to the host under offload="params"). Which move a group makes is
+fixed when it is made: `flat`.
 """
 
 import torch
@@ -54,7 +55,7 @@ class ParamGroup:
 
     def __init__(self, name: str, module, params: list, mesh, flat: bool = True, wire=None):
         self.name, self.module, self.params, self.mesh, self.flat = name, module, params, mesh, flat
-        self.wire = wire  # spmd.runtime.wire.Wire: the precision a flat group's gathers and reductions travel in
+        self.wire = wire  # spmd.runtime.wire.Wire: the precision the group's gathers and reductions travel in
         self.shard_dims = [shard_dims(p, mesh) for p in params] if flat else None
         assert not flat or all(d is not None for d in self.shard_dims), "flat members must pass shard_dims"
         self.next: ParamGroup | None = None  # the blocks before and after, in forward order
@@ -174,12 +175,14 @@ class ParamGroup:
         if state.reduce_dtype is not None:
             grads = cast_all(grads, state.reduce_dtype)
         out, work = [None] * len(grads), {}
+        # a group of one reduces on a quantized wire as a flat buffer of one member (qgZ); else through DTensor
+        packs = self.flat or (self.wire is not None and self.wire.grads is not None)
         for i, (p, g) in enumerate(zip(self.params, grads)):
             if g is None:
                 continue
-            if self.flat and state.sync and not held_for_step(p) and not _in_place(p, g):
+            if packs and state.sync and not held_for_step(p) and not _in_place(p, g):
                 work[i] = slice_onto_shards(join_unreduced(p, g), grads_layout(p))
-                if state.reducer is not None and self._hand_over(p, work[i], state.reducer):
+                if self.flat and state.reducer is not None and self._hand_over(p, work[i], state.reducer):
                     del work[i]  # reduced with other blocks' gradients, by the end of backward
                 continue
             where = (module or self.name, p._spmd_name)
@@ -228,6 +231,7 @@ class ParamGroup:
 
     def _reduce_group(self, work: dict, group: list, m: int, kind: str):
         mesh, what = self.mesh, f"gradients of {self.name} ({len(group)} parameters, one buffer)"
+        what = what if self.flat else f"gradient of {self.name}"
         tensors = [local_of(work[i]) for i in group]
         if kind == "reduce_scatter":
             with tags.reason(self.name, f"reduce-scatter {what}"):
