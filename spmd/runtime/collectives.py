@@ -29,8 +29,7 @@ from .wire.quantize import BLOCKWISE
 
 __all__ = ["wait", "Flat", "reduce_scatter", "all_reduce", "all_gather", "all_gather_buffer", "all_gather_dims"]
 
-# torch 2.13 names the flat collectives *_single and deprecates the *_tensor names; earlier releases have only those
-_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+# torch 2.13 names the flat collectives *_single and deprecates the *_tensor names (all-gather: spmd.runtime.wire.flat)
 _reduce_scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
 
 
@@ -136,7 +135,7 @@ def all_gather_buffer(buffer: torch.Tensor, mesh, m: int, wire=None) -> torch.Te
     (with `wire.params`: quantized codes + scales travel, dequantized to the buffer's dtype when read)."""
     if wire is not None and wire.params in BLOCKWISE and mesh.size(m) > 1:
         return wire_flat.gather(buffer, wire.params, wire.block_for(wire.params), (mesh, m), mesh.size(m))
-    return _all_gather(buffer, 0, (mesh, m))
+    return wire_flat.all_gather_single(buffer, 0, (mesh, m))
 
 
 def all_gather_dims(local: torch.Tensor, dims: dict, mesh, wire=None) -> torch.Tensor:

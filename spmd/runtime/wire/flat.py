@@ -14,18 +14,19 @@ import torch.distributed._functional_collectives as funcol
 from .. import tags
 from .quantize import dequantize, quantize
 
-__all__ = ["Pending", "gather", "reduce_scatter", "all_reduce", "ON_THE_WIRE"]
+__all__ = ["Pending", "gather", "reduce_scatter", "all_reduce", "ON_THE_WIRE", "all_gather_single", "waited", "tagged"]
 
 ON_THE_WIRE = "on the wire"
 
-_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+all_gather_single = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor  # torch < 2.13: _tensor
 
 
-def _wait(t):
+def waited(t):
+    """The value of a functional collective (a plain tensor passes through)."""
     return t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t
 
 
-def _tagged(fmt: str):
+def tagged(fmt: str):
     """The caller's reason, naming the wire format."""
     now = tags.current_reason()
     if now is None:
@@ -42,7 +43,7 @@ class Pending:
 
     def wait(self) -> torch.Tensor:
         if self.value is None:
-            self.value = self.finish(_wait(self.out))
+            self.value = self.finish(waited(self.out))
         return self.value
 
 
@@ -50,8 +51,8 @@ def gather(buffer: torch.Tensor, fmt: str, block: int, group, n: int) -> Pending
     """Every rank's flat `buffer` over `group` (n ranks), back to back, in the buffer's dtype."""
     length, dtype = buffer.numel(), buffer.dtype
     packed = quantize(buffer.reshape(1, -1), fmt, block).view(-1)
-    with _tagged(fmt):
-        out = _all_gather(packed, 0, group)
+    with tagged(fmt):
+        out = all_gather_single(packed, 0, group)
     return Pending(out, lambda got: dequantize(got.view(n, -1), length, fmt, block).to(dtype).reshape(-1))
 
 
@@ -59,7 +60,7 @@ def reduce_scatter(rows: torch.Tensor, fmt: str, block: int, group) -> Pending:
     """rows (n, seg), row r bound for rank r of `group`: the fp32 sum of those bound here, in the rows' dtype."""
     n, seg = rows.shape
     packed = quantize(rows, fmt, block)
-    with _tagged(fmt):
+    with tagged(fmt):
         out = funcol.all_to_all_single(packed.reshape(-1), None, None, group)
     return Pending(out, lambda got: _sum_rows(dequantize(got.view(n, -1), seg, fmt, block)).to(rows.dtype))
 

@@ -17,7 +17,7 @@ import torch.distributed._functional_collectives as funcol
 
 from ...layout.annotate import computes_in_float8
 from .. import tags
-from .flat import Pending, _all_gather, _tagged, _wait
+from .flat import Pending, all_gather_single, tagged, waited
 
 __all__ = ["FLOAT8_MAX", "float8_weights", "gather_members", "scales_for"]
 
@@ -46,7 +46,7 @@ def scales_for(tensors: list, mesh) -> torch.Tensor:
             if mesh.size(m) > 1:
                 amax = funcol.all_reduce(amax, "max", (mesh, m))
     # torchao's amax_to_scale: the quotient in float64, then float32
-    return (FLOAT8_MAX / torch.clamp(_wait(amax).double(), min=_EPS)).float()
+    return (FLOAT8_MAX / torch.clamp(waited(amax).double(), min=_EPS)).float()
 
 
 def gather_members(tensors: list, is_float8: list, mesh, m: int) -> Pending:
@@ -64,8 +64,8 @@ def gather_members(tensors: list, is_float8: list, mesh, m: int) -> Pending:
             else:
                 parts.append(t.reshape(-1).view(torch.uint8))
         row = torch.cat(parts)
-        with _tagged("float8"):
-            out = _all_gather(row, 0, (mesh, m))
+        with tagged("float8"):
+            out = all_gather_single(row, 0, (mesh, m))
     shapes = [(t.numel(), f) for t, f in zip(tensors, is_float8)]
     return Pending(out, lambda got: _decode(got.view(n, -1), shapes, scales, dtype))
 
