@@ -40,6 +40,13 @@ MUTANTS = [
         "                    p._local_tensor.copy_(low)\n",
         "tests/test_mixed_precision.py::test_bf16_with_fp32_masters_trains_as_the_recipe_on_one_process[specs]",
     ),
+    # data-only blocks stay eager under compile_blocks: the compiled schedule would compare eager with eager
+    Mutant(
+        "spmd/runtime/transforms/compile.py",
+        "    block.forward = torch.compile(block.forward, **compile_kwargs)\n",
+        "    pass\n",
+        "tests/test_compile.py::test_compiled_blocks_gather_what_eager_gathers",
+    ),
     # the per-block path is never taken: both runs of the bit-for-bit comparison take the whole-model path
     Mutant(
         "spmd/runtime/local/whole_model.py",

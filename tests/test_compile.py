@@ -22,6 +22,7 @@ block, which gathers inside its graph, is not prefetched for: forward gathers th
 """
 
 import contextlib
+import math
 
 import pytest
 import torch
@@ -230,33 +231,49 @@ def test_a_data_only_block_on_the_dtensor_path_compiles_that_path():
     run_distributed(_dtensor_path_compiled_steps, 2, timeout_s=300)
 
 
-def _recorded_step(mesh, ac: str, compiled: bool) -> list:
-    from spmd.analysis.record import CollectiveRecorder
-
+def _profiled_step(mesh, ac: str, compiled: bool) -> tuple:
+    """The second step's collectives, (name, gathered shape) in order, for forward and for backward, counted from
+    gloo's own calls by torch's profiler (spmd's recorder is a dispatch mode, under which dynamo runs compiled
+    code eagerly: it would compare eager with eager), and how many compiled regions ran in the step."""
     model = tiny_model()
     spmd.parallelize(model, mesh, spmd.Rules.default())
     spmd.apply_activation_checkpointing(model, ac)
     if compiled:
-        spmd.compile_blocks(model, backend="aot_eager")  # runs functional collectives eagerly: recorded
+        spmd.compile_blocks(model, backend="aot_eager")
     for step in range(2):  # the second step, after the first compiled
         tokens, targets = global_batch(step)
-        with CollectiveRecorder(mesh) as rec:
-            model(local_slice(tokens, mesh), local_slice(targets, mesh)).backward()
-    return [(r.kind, r.phase, r.bytes) for r in rec.records]
+        with _profile() as fwd:
+            loss = model(local_slice(tokens, mesh), local_slice(targets, mesh))
+        with _profile() as bwd:
+            loss.backward()
+    events = [list(prof.events()) for prof in (fwd, bwd)]
+    calls = [[(e.name, tuple(e.input_shapes[0])) for e in ev if e.name.startswith("gloo:")] for ev in events]
+    regions = sum(e.name.startswith("Torch-Compiled Region") for ev in events for e in ev)
+    return calls[0], calls[1], regions
+
+
+def _profile():
+    return torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True)
+
+
+def _gathered(calls: list) -> int:
+    return sum(math.prod(shape) for name, shape in calls if name == "gloo:all_gather")
 
 
 def _compiled_schedules(rank, world):
+    """Data-only compiled blocks issue eager's very collectives, forward and backward; checkpointed compiled
+    blocks gather inside their graphs, parameter by parameter, and forward gathers as many values as eager's
+    buckets. Mutation that fails it (tried): a compile_blocks that leaves data-only blocks' forward uncompiled
+    (the compiled regions are counted)."""
     mesh = spmd.make_mesh({"fsdp": world})
-    assert _recorded_step(mesh, "none", True) == _recorded_step(mesh, "none", False)
-    gathered = [
-        sum(
-            b
-            for kind, phase, b in _recorded_step(mesh, "full", compiled)
-            if kind == "all_gather" and phase == "forward"
-        )
-        for compiled in (True, False)
-    ]
-    assert gathered[0] == gathered[1], gathered
+    *compiled, regions = _profiled_step(mesh, "none", True)
+    *eager, none = _profiled_step(mesh, "none", False)
+    assert regions > 0 and none == 0, (regions, none)
+    assert compiled == eager, (compiled, eager)
+    fwd, _, regions = _profiled_step(mesh, "full", True)
+    eager_fwd, _, _ = _profiled_step(mesh, "full", False)
+    assert regions > 0 and len(fwd) > len(eager_fwd), (regions, fwd, eager_fwd)  # gathers in the graphs
+    assert _gathered(fwd) == _gathered(eager_fwd) > 0, (fwd, eager_fwd)
 
 
 def test_compiled_blocks_gather_what_eager_gathers():
