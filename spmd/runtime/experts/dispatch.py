@@ -127,24 +127,20 @@ def install_expert_hooks(model: nn.Module, state) -> None:
                 RoutedDispatch(state, name, module).install()
             continue
         parent_name = name.rpartition(".")[0]
-        split = _split_dims(module, state.mesh)
+        # mesh dims over which the experts' compute layout splits a dim other than `experts` (tp on mlp): the
+        # region's output and its inputs' gradients are partial sums over them
+        split = {
+            m
+            for p in module.parameters(recurse=False)
+            for m, pl in enumerate(p._spmd_compute)
+            if pl.is_shard() and pl.dim != 0 and state.mesh.size(m) > 1
+        }
         region = _Region(state, parent_name, split)
         modules[parent_name].register_forward_pre_hook(region.enter)
         modules[parent_name].register_forward_hook(region.leave, prepend=True)
         dispatch = _Dispatch(state, name)
         module.register_forward_pre_hook(dispatch.enter)
         module.register_forward_hook(dispatch.leave, prepend=True)
-
-
-def _split_dims(module: nn.Module, mesh) -> set[int]:
-    """Mesh dims over which the experts' compute layout splits a dim other than `experts` (tp on mlp): the
-    region's output and its inputs' gradients are partial sums over them."""
-    return {
-        m
-        for p in module.parameters(recurse=False)
-        for m, pl in enumerate(p._spmd_compute)
-        if pl.is_shard() and pl.dim != 0 and mesh.size(m) > 1
-    }
 
 
 class _Region:

@@ -76,12 +76,14 @@ class RoutedDispatch:
             # and its experts to the output, so that this rank's backward runs the reverse exchanges with the
             # others' and its experts take a (zero) gradient as theirs do
             rows, _, row_weights = args
-            output = output + 0 * (rows.sum() + row_weights.sum() + sum(p.sum() for p in _local_experts(module)))
+            output = output + 0 * (
+                rows.sum()
+                + row_weights.sum()
+                + sum(
+                    module.__dict__[n].sum() for n, _ in module.named_parameters(recurse=False) if n in module.__dict__
+                )
+            )
         rows = AllToAll.apply(
             output, send, recv, self.group, self.name, "combine expert outputs on their tokens' ranks" + note
         )
         return torch.zeros(n, rows.shape[1], dtype=rows.dtype, device=rows.device).index_add(0, token, rows)
-
-
-def _local_experts(module: nn.Module) -> list:
-    return [module.__dict__[n] for n, _ in module.named_parameters(recurse=False) if n in module.__dict__]

@@ -160,7 +160,7 @@ def _master(p: DTensor, state) -> DTensor:
     lower = state.master == "optimizer" and p.dtype != torch.float32 and p.dtype.is_floating_point
     if optim == tuple(p.placements) and not lower and state.offload in (None, "params"):  # params: on the host
         return p
-    if grads_layout(p) != optim and not _only_slices(grads_layout(p), optim):
+    if not all(a == b or (a.is_replicate() and b.is_shard()) for a, b in zip(grads_layout(p), optim)):
         raise ValueError(
             f"{p._spmd_name}: the optimizer map must shard at least as much as the grads map "
             f"({grads_layout(p)} -> {optim})"
@@ -184,10 +184,6 @@ def _unfuse_for_views(group: dict) -> None:
     each tensor as contiguous (on the CPU, torch 2.13). Such a group steps with foreach kernels instead."""
     if group.get("fused") and any(isinstance(m, DTensor) and not local_of(m).is_contiguous() for m in group["params"]):
         group["fused"], group["foreach"] = False, True
-
-
-def _only_slices(frm, to) -> bool:
-    return all(a == b or (a.is_replicate() and b.is_shard()) for a, b in zip(frm, to))
 
 
 def _local_view(p: DTensor, optim) -> torch.Tensor:
