@@ -22,7 +22,7 @@ at a time, however large the whole.
 
 import torch
 import torch.nn as nn
-from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -67,7 +67,7 @@ def shard_optimizer(model: nn.Module, opt: torch.optim.Optimizer) -> torch.optim
         _unfuse_for_views(group)
     offload = parts[0][1].offload  # a pipeline's stages are laid out alike
     streamed = bool(pairs) and nvme_dir(offload) is not None
-    if streamed and not isinstance(local_of(pairs[0][1]), FakeTensor):
+    if streamed and not is_fake(pairs[0][1]):
         file_backed_adam_state(opt, [m for _, m in pairs], nvme_dir(offload))
         release_pages(_file_tensors(opt, [m for _, m in pairs]))
     if pairs:
