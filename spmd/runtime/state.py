@@ -134,7 +134,7 @@ def active_state() -> SPMDState | None:
 
 def current_module() -> str:
     """The innermost running module's name; "" under the compiler (a graph serves every block of a type)."""
-    return _active[-1][1] if _active and not tracing() else ""
+    return "" if tracing() or not _active else _active[-1][1]  # (tracing first: no guard on the stack)
 
 
 def _set_top():
