@@ -21,12 +21,13 @@ from ..layout.rules import placements_for
 from . import state as active
 from . import tags
 from .activations.global_view import GlobalView
-from .activations.moves import finish_output, map_tensors, move_linear_input
+from .activations.moves import finish_output, move_linear_input
 from .activations.partials import reduce_partials
 from .dtensor.wrap import as_dtensor
 from .gradients.accumulate import reduce_after_backward
 from .local import hook_sets
 from .local.blocks import enter_local
+from .local.edges import map_tensors
 from .local.whole_model import enter_local_model
 from .parameters.gather import gather_block, gather_module_params, release_module_params
 from .state import Phase, SPMDState, tracing
@@ -40,14 +41,10 @@ def module_hooks(state: SPMDState, name: str, module: nn.Module, is_root: bool) 
     return _pre_hook(state, name, module, is_root, entry), _post_hook(state, module, is_root, entry)
 
 
-def _marks(state: SPMDState) -> tuple:
-    return (len(state.local), len(state.saved_hooks), len(state.global_view), active.depth(), tags.depth(), state.phase)
-
-
 def _unwind(state: SPMDState, marks: tuple) -> None:
     """Leaves, innermost first, whatever was entered since `marks` and is still entered (a no-op after a forward
     that returned)."""
-    local, saved, views, depth, modules, phase = marks
+    local, saved, views, depth, phase = marks
     while len(state.local) > local:
         state.local.pop().leave(None)
     while len(state.saved_hooks) > saved:
@@ -57,7 +54,6 @@ def _unwind(state: SPMDState, marks: tuple) -> None:
     while len(state.global_view) > views:
         state.global_view.pop()[1].__exit__(None, None, None)
     active.unwind_to(depth)
-    tags.unwind_to(modules)
     state.phase = phase
 
 
@@ -94,9 +90,10 @@ def _pre_hook(state: SPMDState, name: str, module: nn.Module, is_root: bool, ent
             return None
         compiling = tracing()
         if is_root and not compiling:
-            entry.append(_marks(state))
-        active.push(state)
-        tags.push_module(name)
+            entry.append(
+                (len(state.local), len(state.saved_hooks), len(state.global_view), active.depth(), state.phase)
+            )
+        active.push(state, name)
         if is_root:
             _start_step(state)
         local = None if compiling else (enter_local_model if is_root else enter_local)(state, mod, name, args, kwargs)
@@ -154,23 +151,20 @@ def _post_hook(state: SPMDState, module: nn.Module, is_root: bool, entry: list):
             if state.local[-1].module is not mod:
                 return None
             output = state.local.pop().leave(output)
-            if is_root:
-                output = _end_of_model(state, output)
-            tags.pop_module()
-            active.pop()
-            return output
-        hooks = state.saved_hooks.pop() if not compiling and state.saved_hooks else None
-        release_module_params(state, mod, param_names, hooks, compiling)
-        if has_children:
-            state.move_cache.clear()
         else:
-            output = map_tensors(output, lambda t: reduce_partials(t, state.rules, mod, tags.current_module()))
-        if not compiling and state.global_view and state.global_view[-1][0] is mod:
-            _, view, state.phase = state.global_view.pop()
-            view.__exit__(None, None, None)
+            hooks = state.saved_hooks.pop() if not compiling and state.saved_hooks else None
+            release_module_params(state, mod, param_names, hooks, compiling)
+            if has_children:
+                state.move_cache.clear()
+            else:
+                output = map_tensors(output, lambda t: reduce_partials(t, state.rules, mod, tags.current_module()))
+            if not compiling and state.global_view and state.global_view[-1][0] is mod:
+                _, view, state.phase = state.global_view.pop()
+                view.__exit__(None, None, None)
+            if is_root:
+                output = finish_output(output, tags.current_module())
         if is_root:
-            output = _end_of_model(state, finish_output(output, tags.current_module()))
-        tags.pop_module()
+            output = _end_of_model(state, output)
         active.pop()
         return output
 

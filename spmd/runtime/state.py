@@ -19,6 +19,7 @@ __all__ = [
     "unwind_to",
     "laid_out_parts",
     "active_state",
+    "current_module",
     "activated",
     "push",
     "pop",
@@ -106,8 +107,8 @@ def tracing() -> bool:
     return torch.compiler.is_compiling()
 
 
-_active: list[SPMDState] = []
-# the top of _active, read under the compiler: a guard on this one object holds in forward and in a
+_active: list[tuple] = []  # (SPMDState, module name) of each running call, innermost last
+# the state on top of _active, read under the compiler: a guard on this one object holds in forward and in a
 # checkpointed block's recompute alike, where a guard on the stack's depth would recompile the block
 _top: SPMDState | None = None
 
@@ -131,14 +132,20 @@ def active_state() -> SPMDState | None:
     return _top
 
 
+def current_module() -> str:
+    """The innermost running module's name; "" under the compiler (a graph serves every block of a type)."""
+    return "" if tracing() or not _active else _active[-1][1]  # (tracing first: no guard on the stack)
+
+
 def _set_top():
     global _top
-    _top = _active[-1] if _active else None
+    _top = _active[-1][0] if _active else None
 
 
-def push(state: SPMDState):
+def push(state: SPMDState, module: str | None = None):
+    """`state` for `module`'s call (default: the running module's, as a checkpointed block's recompute)."""
     if not tracing():  # a compiled block runs inside the root's or its recompute's push
-        _active.append(state)
+        _active.append((state, current_module() if module is None else module))
         _set_top()
 
 

@@ -1,30 +1,20 @@
 """Why each collective is issued: the module running, the reason the pass gives, and the training phase.
 
-The pass wraps every redistribution it plans in `reason(module, why)` and keeps a stack of the modules
-running; `spmd.analysis.record` reads these when it records a collective. Under the compiler nothing is
-tagged: compiled graphs issue their collectives without a dispatch mode to see them.
+The pass wraps every redistribution it plans in `reason(module, why)`, and the hooks push each running module
+with its model's state (spmd.runtime.state.push); `spmd.analysis.record` reads these when it records a
+collective. Under the compiler nothing is tagged: compiled graphs issue their collectives without a dispatch
+mode to see them.
 """
 
 import contextlib
 import contextvars
 
-from .state import tracing
+from .state import current_module, tracing
 
-__all__ = [
-    "reason",
-    "phase",
-    "push_module",
-    "pop_module",
-    "depth",
-    "unwind_to",
-    "current_module",
-    "current_reason",
-    "current_phase",
-]
+__all__ = ["reason", "phase", "current_module", "current_reason", "current_phase"]
 
 _context = contextvars.ContextVar("spmd_comm_context", default=None)  # (module, reason, origin)
 _phase = contextvars.ContextVar("spmd_phase", default="forward")
-_module_stack: list[str] = []
 
 
 @contextlib.contextmanager
@@ -46,31 +36,6 @@ def phase(name: str):
         yield
     finally:
         _phase.reset(token)
-
-
-def push_module(name: str):
-    if not tracing():
-        _module_stack.append(name)
-
-
-def pop_module():
-    if not tracing() and _module_stack:
-        _module_stack.pop()
-
-
-def depth() -> int:
-    return len(_module_stack)
-
-
-def unwind_to(n: int) -> None:
-    del _module_stack[n:]
-
-
-def current_module() -> str:
-    """The innermost running module's name; "" under the compiler (a graph serves every block of a type)."""
-    if tracing():
-        return ""
-    return _module_stack[-1] if _module_stack else ""
 
 
 def current_reason() -> tuple | None:

@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ...layout.rules import placements_for
 from .. import tags
-from ..local.edges import to_local
+from ..local.edges import map_tensors, to_local
 from ..state import active_state, tracing
 
 __all__ = [
@@ -182,12 +182,7 @@ def move_linear_input(state, name, w, x, transposed: bool = False):
 
 
 def _move_input(x, target, name: str):
-    why = "move input to the layout its weight needs"
-    return (
-        move(x, target, name, why, grad_placements=grad_layout(x.placements))
-        if x.requires_grad
-        else move(x, target, name, why)
-    )
+    return move(x, target, name, "move input to the layout its weight needs", grad_placements=grad_layout(x.placements))
 
 
 def _transpose(placements) -> tuple:
@@ -232,21 +227,3 @@ def finish_output(output, name):
         return t
 
     return map_tensors(output, whole)
-
-
-def map_tensors(output, fn):
-    """`fn` applied to the tensors of a model output (a tensor, a mapping such as ModelOutput, a tuple or
-    list), one level deep, keeping the container's type."""
-    if isinstance(output, torch.Tensor):
-        return fn(output)
-    if isinstance(output, dict):
-        for k in list(output.keys()):
-            if isinstance(output[k], torch.Tensor):
-                output[k] = fn(output[k])
-        return output
-    if isinstance(output, (tuple, list)):
-        items = [fn(v) if isinstance(v, torch.Tensor) else v for v in output]
-        if isinstance(output, list):
-            return items
-        return type(output)(*items) if hasattr(output, "_fields") else type(output)(items)
-    return output

@@ -1,12 +1,15 @@
 """`AllToAll`: all_to_all_single with variable splits whose backward is the reverse exchange, each
-collective tagged with the module and the reason, for explain (funcol's autograd variant carries no reason)."""
+collective tagged with the module and the reason, for explain (funcol's autograd variant carries no reason);
+and the exchange of the counts per expert that sizes it (`exchange_counts`), balanced on fake tensors."""
 
 import torch
+import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from .. import tags
 
-__all__ = ["AllToAll"]
+__all__ = ["AllToAll", "balanced_counts", "exchange_counts"]
 
 
 class AllToAll(torch.autograd.Function):
@@ -25,3 +28,27 @@ class AllToAll(torch.autograd.Function):
         with tags.reason(ctx.module, f"backward of {ctx.why}"):
             g = funcol.wait_tensor(funcol.all_to_all_single(g.contiguous(), out_splits, in_splits, ctx.group))
         return g, None, None, None, None, None
+
+
+def balanced_counts(rows: int, experts: int) -> torch.Tensor:
+    """Rows per expert when `rows` (token, choice) pairs spread evenly over the experts (a real tensor)."""
+    with unset_fake_temporarily():
+        counts = torch.full((experts,), rows // experts, dtype=torch.long)
+        counts[: rows % experts] += 1
+    return counts
+
+
+def exchange_counts(counts: torch.Tensor, balanced: bool, group, module: str, what: str) -> tuple:
+    """(rows received per [source rank, local expert], rows sent to each rank, rows received from each, the
+    plan's note) for `counts`, the rows this rank sends per expert. `balanced` (explain: no data): every rank
+    is taken to send what this one does."""
+    n = dist.get_world_size(group)
+    note = " (balanced routing assumed)" if balanced else ""
+    received = torch.empty_like(counts)
+    with tags.reason(module, f"exchange {what} per expert{note}"):
+        dist.all_to_all_single(received, counts, group=group)
+    with unset_fake_temporarily():
+        if balanced:
+            received = counts.view(n, -1)[dist.get_rank(group)].repeat(n)
+        per_source = received.view(n, -1)
+        return per_source, counts.view(n, -1).sum(1).tolist(), per_source.sum(1).tolist(), note

@@ -26,17 +26,15 @@ and spmd.runtime.experts.routed_dispatch under ep.
 import contextlib
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from ...layout.annotate import get_axes
 from ...layout.mesh import mesh_sizes
-from .. import tags
 from ..activations.moves import grad_layout, move
 from ..dtensor.wrap import contiguous_stride
-from .all_to_all import AllToAll
+from .all_to_all import AllToAll, balanced_counts, exchange_counts
 from .routed_dispatch import RoutedDispatch
 from .whole_experts import balanced_grouped_products, check_whole, routes_itself
 
@@ -61,7 +59,7 @@ def balanced_routing(model: nn.Module):
 
     def balance(module, args):
         x, counts, *rest = args
-        return (x, _balanced_counts(x.shape[0], counts.shape[0]), *rest) if is_fake(x) else None
+        return (x, balanced_counts(x.shape[0], counts.shape[0]), *rest) if is_fake(x) else None
 
     handles = []
     for m in expert_modules(model).values():
@@ -129,24 +127,20 @@ def install_expert_hooks(model: nn.Module, state) -> None:
                 RoutedDispatch(state, name, module).install()
             continue
         parent_name = name.rpartition(".")[0]
-        split = _split_dims(module, state.mesh)
+        # mesh dims over which the experts' compute layout splits a dim other than `experts` (tp on mlp): the
+        # region's output and its inputs' gradients are partial sums over them
+        split = {
+            m
+            for p in module.parameters(recurse=False)
+            for m, pl in enumerate(p._spmd_compute)
+            if pl.is_shard() and pl.dim != 0 and state.mesh.size(m) > 1
+        }
         region = _Region(state, parent_name, split)
         modules[parent_name].register_forward_pre_hook(region.enter)
         modules[parent_name].register_forward_hook(region.leave, prepend=True)
         dispatch = _Dispatch(state, name)
         module.register_forward_pre_hook(dispatch.enter)
         module.register_forward_hook(dispatch.leave, prepend=True)
-
-
-def _split_dims(module: nn.Module, mesh) -> set[int]:
-    """Mesh dims over which the experts' compute layout splits a dim other than `experts` (tp on mlp): the
-    region's output and its inputs' gradients are partial sums over them."""
-    return {
-        m
-        for p in module.parameters(recurse=False)
-        for m, pl in enumerate(p._spmd_compute)
-        if pl.is_shard() and pl.dim != 0 and mesh.size(m) > 1
-    }
 
 
 class _Region:
@@ -164,18 +158,12 @@ class _Region:
             if isinstance(a, DTensor):
                 target = tuple(p if p.is_shard() and p.dim == 0 else Replicate() for p in a.placements)
                 layout = layout or (a.device_mesh, target, a.shape)
+                why = "bring each rank's tokens whole to its routing"
                 if a.requires_grad:  # the gradient, partial over the split dims, is reduced on the way back
-                    a = move(
-                        a,
-                        target,
-                        self.name,
-                        "bring each rank's tokens whole to its routing",
-                        grad_placements=grad_layout(a.placements),
-                    )
-                    grads = [Partial() if m in self.split else p for m, p in enumerate(target)]
-                    a = a.to_local(grad_placements=grads)
+                    a = move(a, target, self.name, why, grad_placements=grad_layout(a.placements))
+                    a = a.to_local(grad_placements=[Partial() if m in self.split else p for m, p in enumerate(target)])
                 else:
-                    a = move(a, target, self.name, "bring each rank's tokens whole to its routing").to_local()
+                    a = move(a, target, self.name, why).to_local()
             local.append(a)
         self.layouts.append(layout)
         return tuple(local)
@@ -214,21 +202,13 @@ class _Dispatch:
         x, counts = args[0], args[1]
         balanced = is_fake(x)  # explain: no data, so the plan assumes balanced routing
         if balanced:
-            counts = _balanced_counts(x.shape[0], counts.shape[0])
+            counts = balanced_counts(x.shape[0], counts.shape[0])
         if self.group is None:
             self.pending.append(None)
             return x, counts
-        n, note = self.ep, " (balanced routing assumed)" if balanced else ""
-        with tags.reason(self.name, "exchange tokens per expert" + note):
-            received = torch.empty_like(counts)
-            dist.all_to_all_single(received, counts, group=self.group)
+        per_source, send, recv, note = exchange_counts(counts, balanced, self.group, self.name, "tokens")
         with unset_fake_temporarily():
-            if balanced:  # every rank sends what this one does
-                received = counts.view(n, -1)[dist.get_rank(self.group)].repeat(n)
-            send = counts.view(n, -1).sum(1).tolist()
-            per_source = received.view(n, -1)  # [source rank, local expert]
-            recv = per_source.sum(1).tolist()
-            local_expert = torch.arange(per_source.shape[1]).repeat(n).repeat_interleave(per_source.reshape(-1))
+            local_expert = torch.arange(per_source.shape[1]).repeat(self.ep).repeat_interleave(per_source.reshape(-1))
             order = local_expert.argsort(stable=True)  # arrived grouped by source rank: regroup by expert
             inverse, local_counts = order.argsort(), per_source.sum(0)
         x = AllToAll.apply(x, recv, send, self.group, self.name, "dispatch tokens to their experts' ranks" + note)
@@ -243,11 +223,3 @@ class _Dispatch:
         return AllToAll.apply(
             output[inverse], send, recv, self.group, self.name, "combine expert outputs on their tokens' ranks" + note
         )
-
-
-def _balanced_counts(rows: int, experts: int) -> torch.Tensor:
-    """Tokens per expert when `rows` (token, choice) pairs spread evenly over the experts (a real tensor)."""
-    with unset_fake_temporarily():
-        counts = torch.full((experts,), rows // experts, dtype=torch.long)
-        counts[: rows % experts] += 1
-    return counts

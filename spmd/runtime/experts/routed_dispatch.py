@@ -16,15 +16,14 @@ tensors) the routing is taken to be balanced, as spmd.runtime.experts.dispatch p
 import inspect
 
 import torch
-import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
-from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
+from torch._subclasses.fake_tensor import is_fake
 
 from ...layout.annotate import get_axes
 from ...layout.mesh import mesh_sizes
 from .. import tags
-from .all_to_all import AllToAll
+from .all_to_all import AllToAll, balanced_counts, exchange_counts
 
 __all__ = ["RoutedDispatch"]
 
@@ -53,10 +52,9 @@ class RoutedDispatch:
         per_rank = self.experts // self.ep
         flat = index.reshape(-1)
         order = flat.argsort(stable=True)  # the pairs grouped by expert, so by the rank holding it
-        counts, received, note = self._counts(flat)
-        with unset_fake_temporarily():
-            send = counts.view(self.ep, per_rank).sum(1).tolist()
-            recv = received.view(self.ep, per_rank).sum(1).tolist()
+        balanced = is_fake(flat)  # explain: no data, so the plan takes the routing to be balanced
+        counts = balanced_counts(n * k, self.experts) if balanced else torch.bincount(flat, minlength=self.experts)
+        _, send, recv, note = exchange_counts(counts, balanced, self.group, self.name, "pairs")
         why = "dispatch each (token, choice) to its expert's rank" + note
         rows = AllToAll.apply(x[order // k], recv, send, self.group, self.name, why)
         row_weights = AllToAll.apply(weights.reshape(-1)[order].unsqueeze(1), recv, send, self.group, self.name, why)
@@ -78,28 +76,14 @@ class RoutedDispatch:
             # and its experts to the output, so that this rank's backward runs the reverse exchanges with the
             # others' and its experts take a (zero) gradient as theirs do
             rows, _, row_weights = args
-            output = output + 0 * (rows.sum() + row_weights.sum() + sum(p.sum() for p in _local_experts(module)))
+            output = output + 0 * (
+                rows.sum()
+                + row_weights.sum()
+                + sum(
+                    module.__dict__[n].sum() for n, _ in module.named_parameters(recurse=False) if n in module.__dict__
+                )
+            )
         rows = AllToAll.apply(
             output, send, recv, self.group, self.name, "combine expert outputs on their tokens' ranks" + note
         )
         return torch.zeros(n, rows.shape[1], dtype=rows.dtype, device=rows.device).index_add(0, token, rows)
-
-    def _counts(self, flat: torch.Tensor) -> tuple:
-        """(pairs per expert sent, pairs per (source rank, local expert) received, a note for the plan)."""
-        if is_fake(flat):  # explain: no data, so the plan takes the routing to be balanced
-            with unset_fake_temporarily():
-                counts = torch.full((self.experts,), flat.shape[0] // self.experts, dtype=torch.long)
-                counts[: flat.shape[0] % self.experts] += 1
-                received = counts.view(self.ep, -1)[dist.get_rank(self.group)].repeat(self.ep)
-            with tags.reason(self.name, "exchange pairs per expert (balanced routing assumed)"):
-                dist.all_to_all_single(torch.empty_like(counts), counts, group=self.group)
-            return counts, received, " (balanced routing assumed)"
-        counts = torch.bincount(flat, minlength=self.experts)
-        received = torch.empty_like(counts)
-        with tags.reason(self.name, "exchange pairs per expert"):
-            dist.all_to_all_single(received, counts, group=self.group)
-        return counts, received, ""
-
-
-def _local_experts(module: nn.Module) -> list:
-    return [module.__dict__[n] for n, _ in module.named_parameters(recurse=False) if n in module.__dict__]

@@ -208,13 +208,6 @@ class LocalBlock:
             m.__dict__.pop(n, None)
 
 
-def _suspend_global_view(state):
-    """Takes the model's global-view mode (spmd.runtime.activations.global_view) off the torch-function stack from the
-    block's entry to its exit: with no DTensor inside, it has nothing to do, yet it would see every op and every read
-    of a tensor's attributes. Returns it, to put back; None when another mode sits above it."""
-    return suspend_top(state.global_view[-1][1]) if state.global_view else None
-
-
 _INSIDE_ATTR = "_spmd_local_inside"  # on a module that runs on local tensors inside its block's forward
 
 
@@ -227,7 +220,9 @@ def enter_local(state, mod, name: str, args, kwargs):
     members = state.local_members.get(id(mod))
     if members is None:
         return None
-    mode = _suspend_global_view(state)
+    # the model's global view (spmd.runtime.activations.global_view) leaves the torch-function stack until the block's
+    # exit: with no DTensor inside it has nothing to do, yet it would see every op (None: another mode sits above it)
+    mode = suspend_top(state.global_view[-1][1]) if state.global_view else None
     try:
         layout = _batch_layout(args, kwargs, state)
         if layout is None or (any(q.is_shard() for q in layout) and _whole_batch_plain(args, kwargs)):

@@ -1,7 +1,7 @@
 """The edges of a data-only block running on local tensors (spmd.runtime.local.blocks): its inputs' local tensors
 in, each with the layout its gradient comes back in, and its outputs back into DTensors of the input's
 layout. A block's output that the next block takes unchanged hands it its own local tensor: no DTensor
-round trip in forward or backward between consecutive local blocks."""
+round trip in forward or backward between consecutive local blocks. `map_tensors` walks a model's outputs."""
 
 import torch
 from torch.distributed.tensor import DTensor, Partial
@@ -9,7 +9,7 @@ from torch.distributed.tensor._utils import compute_global_tensor_info
 
 from ..dtensor.wrap import contiguous_stride, local_of, wrap_local
 
-__all__ = ["to_local", "from_local", "batch_grad_layout", "wrap_outputs"]
+__all__ = ["to_local", "from_local", "batch_grad_layout", "wrap_outputs", "map_tensors"]
 
 
 def to_local(x, partial_axes: tuple = ()):
@@ -91,7 +91,7 @@ def wrap_outputs(output, mesh, layout, batch):
     local_batch, global_batch = batch
 
     def wrap(t):
-        if isinstance(t, DTensor) or not isinstance(t, torch.Tensor):
+        if isinstance(t, DTensor):
             return t
         if t.ndim and t.shape[0] == local_batch:
             shape = torch.Size((global_batch, *t.shape[1:]))
@@ -105,11 +105,22 @@ def wrap_outputs(output, mesh, layout, batch):
             f"batch dim. Pass parallelize(..., bucket=False) to run it on DTensors"
         )
 
+    return map_tensors(output, wrap)
+
+
+def map_tensors(output, fn):
+    """`fn` applied to the tensors of a model output (a tensor, a mapping such as ModelOutput, a tuple or
+    list), one level deep, keeping the container's type."""
     if isinstance(output, torch.Tensor):
-        return wrap(output)
-    if isinstance(output, (tuple, list)):
-        return type(output)(wrap(v) for v in output)
+        return fn(output)
     if isinstance(output, dict):
         for k in list(output.keys()):
-            output[k] = wrap(output[k])
+            if isinstance(output[k], torch.Tensor):
+                output[k] = fn(output[k])
+        return output
+    if isinstance(output, (tuple, list)):
+        items = [fn(v) if isinstance(v, torch.Tensor) else v for v in output]
+        if isinstance(output, list):
+            return items
+        return type(output)(*items) if hasattr(output, "_fields") else type(output)(items)
     return output

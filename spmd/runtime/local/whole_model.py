@@ -14,11 +14,10 @@ recompute runs in backward, after the model's call has ended and its local value
 
 from torch.distributed.tensor import DTensor, Replicate
 
-from ..activations.moves import map_tensors
 from ..experts.dispatch import expert_modules
 from ..parameters.reshard import CHECKPOINTED_ATTR
 from .blocks import LocalBlock, whole_members
-from .edges import from_local, to_local
+from .edges import from_local, map_tensors, to_local
 
 __all__ = ["whole_model_members", "enter_local_model", "drop_local_model"]
 

@@ -18,9 +18,7 @@ MASTER_OF_ATTR = "_spmd_master_of"  # on a master: the model parameter it stands
 
 @torch.no_grad()
 def gather_updated(opt: torch.optim.Optimizer) -> None:
-    """The masters' updated shards into their parameters' storage layout (all-gathers; run after each step):
-    masters sharded over one more mesh dim than their parameter gather in flat buffers of up to the
-    gradient buckets' size (spmd.runtime.collectives), one collective per buffer; the others one by one."""
+    """The masters' updated shards into their parameters' storage layout (run after each step)."""
     masters = [m for g in opt.param_groups for m in g["params"] if hasattr(m, MASTER_OF_ATTR)]
     gathered: dict = {}  # (mesh, mesh dim, dtype) -> [(master, tensor dim)]
     with tags.phase("optimizer"):

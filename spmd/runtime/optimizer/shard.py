@@ -22,7 +22,7 @@ at a time, however large the whole.
 
 import torch
 import torch.nn as nn
-from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -67,7 +67,7 @@ def shard_optimizer(model: nn.Module, opt: torch.optim.Optimizer) -> torch.optim
         _unfuse_for_views(group)
     offload = parts[0][1].offload  # a pipeline's stages are laid out alike
     streamed = bool(pairs) and nvme_dir(offload) is not None
-    if streamed and not isinstance(local_of(pairs[0][1]), FakeTensor):
+    if streamed and not is_fake(pairs[0][1]):
         file_backed_adam_state(opt, [m for _, m in pairs], nvme_dir(offload))
         release_pages(_file_tensors(opt, [m for _, m in pairs]))
     if pairs:
@@ -160,7 +160,7 @@ def _master(p: DTensor, state) -> DTensor:
     lower = state.master == "optimizer" and p.dtype != torch.float32 and p.dtype.is_floating_point
     if optim == tuple(p.placements) and not lower and state.offload in (None, "params"):  # params: on the host
         return p
-    if grads_layout(p) != optim and not _only_slices(grads_layout(p), optim):
+    if not all(a == b or (a.is_replicate() and b.is_shard()) for a, b in zip(grads_layout(p), optim)):
         raise ValueError(
             f"{p._spmd_name}: the optimizer map must shard at least as much as the grads map "
             f"({grads_layout(p)} -> {optim})"
@@ -184,10 +184,6 @@ def _unfuse_for_views(group: dict) -> None:
     each tensor as contiguous (on the CPU, torch 2.13). Such a group steps with foreach kernels instead."""
     if group.get("fused") and any(isinstance(m, DTensor) and not local_of(m).is_contiguous() for m in group["params"]):
         group["fused"], group["foreach"] = False, True
-
-
-def _only_slices(frm, to) -> bool:
-    return all(a == b or (a.is_replicate() and b.is_shard()) for a, b in zip(frm, to))
 
 
 def _local_view(p: DTensor, optim) -> torch.Tensor:

@@ -20,7 +20,7 @@ import contextlib
 import functools
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.fake_tensor import is_fake
 
 from ..dtensor.wrap import local_of, wrap_local
 from ..gradients.layouts import held_for_step
@@ -87,11 +87,6 @@ def side_stream(device: torch.device) -> SideStream:
     return SideStream(device)
 
 
-def _fake(t) -> bool:
-    """Whether `t` (or a DTensor's local tensor) is a FakeTensor (explain's dry run: there is nothing to copy)."""
-    return isinstance(local_of(t), FakeTensor)
-
-
 class _Copy:
     """One gradient copied out: the device tensor (held, so its memory is not reused while the record lives),
     the bit sum of its values then, and the DTensor that became the parameter's gradient with its version."""
@@ -141,8 +136,8 @@ class GradientCopies:
         """Copies `p`'s gradient out when it is reduced to its master's layout (not a no_sync pass's partial
         sum), unless `copy_pending` copied that very tensor: called as backward sets the gradient."""
         master, g = self.master_of.get(id(p)), p.grad
-        if master is None or g is None or tuple(g.placements) != tuple(master.placements) or _fake(g):
-            return
+        if master is None or g is None or tuple(g.placements) != tuple(master.placements) or is_fake(g):
+            return  # (a fake gradient: explain's dry run, nothing to copy)
         local = local_of(g)
         record = self.copied.get(id(p))
         if record is None or record.grad is not None or not record.same_memory(local):
@@ -157,7 +152,7 @@ class GradientCopies:
         finds them copied) after `side.join()`, since the wait that orders a read after the collective was
         the side stream's."""
         chosen = [(i, p) for i, p in enumerate(params) if id(p) in self.master_of and p.grad is None]
-        if not chosen or _fake(self.master_of[id(chosen[0][1])]):
+        if not chosen or is_fake(self.master_of[id(chosen[0][1])]):
             return
         with self.side.on_side():
             pieces = pending.results()

@@ -8,9 +8,9 @@ checkpointing skip this: recomputation regathers anyway.
 import contextlib
 
 import torch
-from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
 
+from .. import collectives
 from ..activations import attention_memory
 from ..dtensor.wrap import local_of
 
@@ -40,8 +40,7 @@ _observers: list[dict] = []
 
 def storage_key(t: torch.Tensor) -> int:
     """The storage a tensor (a DTensor: its local tensor) views: tensors aliasing one storage share the key."""
-    local = local_of(t)
-    return local.untyped_storage()._cdata
+    return local_of(t).untyped_storage()._cdata
 
 
 class _Regather:
@@ -59,10 +58,7 @@ class _Regather:
         p, compute, group, secondary = self.hit
         full = group.regather(self.state.param_dtype, self.state, compute, self.module, secondary)[id(p)]
         size, stride, offset = self.local_view
-        local = local_of(full)
-        if isinstance(local, AsyncCollectiveTensor):
-            local = local.wait()
-        local = local.as_strided(size, stride, offset)
+        local = collectives.wait(local_of(full)).as_strided(size, stride, offset)
         if self.spec is None:
             return local
         mesh, placements, shape, gstride = self.spec
@@ -88,8 +84,7 @@ def reshard_after_forward(gathered: dict, state, module: str):
 
 def _observe(t):
     if _observers:
-        local = local_of(t)
-        storage = local.untyped_storage()
+        storage = local_of(t).untyped_storage()
         for seen in _observers:
             seen[storage._cdata] = storage.nbytes()
         attention_memory.note_saved(storage._cdata, storage.nbytes())
