@@ -47,6 +47,13 @@ MUTANTS = [
         "    pass\n",
         "tests/test_compile.py::test_compiled_blocks_gather_what_eager_gathers",
     ),
+    # a group of an equal mesh built earlier is named by its number, not by the axes its ranks span
+    Mutant(
+        "spmd/analysis/record.py",
+        "self.group_axes[group_name] = self._same_ranks(group_name) or (str(group_name),)",
+        "self.group_axes[group_name] = (str(group_name),)",
+        "tests/test_plan_matches_run.py::test_plan_lists_exactly_the_collectives_of_a_real_step",
+    ),
     # the per-block path is never taken: both runs of the bit-for-bit comparison take the whole-model path
     Mutant(
         "spmd/runtime/local/whole_model.py",

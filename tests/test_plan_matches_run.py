@@ -30,16 +30,11 @@ def _key(c):
     return (c.module, c.kind, c.axes, c.bytes, c.phase, c.reason)
 
 
-_MESHES = {}  # spec -> this process's mesh of it
-
-
 def _run_step(rank, world, spec, expected, ac="none"):
     sizes, flags = spmd.parse_spec(spec)
-    # one mesh per spec in a process: DTensor caches redistributions by mesh layout, so a second mesh of the same
-    # shape would run them over the first one's groups, which the recorder does not name by axis
-    if spec not in _MESHES:
-        _MESHES[spec] = spmd.make_mesh(sizes)
-    mesh = _MESHES[spec]
+    # a fresh mesh per case, though the last case repeats the first's layout: DTensor caches its plans by mesh
+    # layout and runs them over the first equal mesh's groups, which the recorder names by their ranks
+    mesh = spmd.make_mesh(sizes)
     model = spmd.parallelize(tiny_model(), mesh, spmd.Rules.default(sequence_parallel="sp" in flags))
     spmd.apply_activation_checkpointing(model, ac)  # after parallelize, as launch.train does
     tokens, targets = global_batch(0)
@@ -70,8 +65,9 @@ def _each_step(rank, world, cases):
 
 @pytest.mark.slow
 def test_plan_lists_exactly_the_collectives_of_a_real_step():
-    """Each of SPECS, then fsdp=2,tp=2,sp under full activation checkpointing, in one launch (a process's later
-    specs reuse DTensor's sharding rules decided for its first)."""
+    """Each of SPECS, then fsdp=2,tp=2,sp under full activation checkpointing on a second mesh of that layout, in
+    one launch (a process's later specs reuse DTensor's sharding rules decided for its first). Mutation that
+    fails it (tried): CollectiveRecorder naming a group it does not know by its name, not by its ranks."""
     cases = []
     for spec in SPECS:
         plan = plan_for(spec)

@@ -116,8 +116,20 @@ class CollectiveRecorder(TorchDispatchMode):
         if group_name not in self.group_axes:
             if self.mesh is not None:
                 self.group_axes.update(group_axes(self.mesh))  # a group flattened since (spmd.layout.mesh)
-            self.group_axes.setdefault(group_name, (str(group_name),))  # not the mesh's: named once, not rescanned
+            if group_name not in self.group_axes:
+                self.group_axes[group_name] = self._same_ranks(group_name) or (str(group_name),)
         return self.group_axes[group_name]
+
+    def _same_ranks(self, group_name) -> tuple | None:
+        """The axes of the mesh group with the same ranks as `group_name`: DTensor caches its plans by mesh
+        layout, so an op on an equal mesh built earlier in the process runs on that mesh's groups."""
+        if self.mesh is None:
+            return None
+        ranks = dist.get_process_group_ranks(dist.distributed_c10d._resolve_process_group(group_name))
+        for name, axes in group_axes(self.mesh).items():
+            if dist.get_process_group_ranks(dist.distributed_c10d._resolve_process_group(name)) == ranks:
+                return axes
+        return None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
