@@ -38,6 +38,12 @@ PRELOAD = [
     "models",
     "transformers",
     "tests.dist_utils",
+    # what a first compile imports (AOTAutograd, its partitioner, inductor's lowering and decompositions, which
+    # aot_eager uses too): about 0.5 CPU-seconds per rank of every compiling launch
+    "torch._dynamo.backends.debugging",
+    "torch._functorch.aot_autograd",
+    "torch._functorch.partitioners",
+    "torch._inductor.compile_fx",
     # every family test_any_model builds: a worker importing them itself paid about 6 s (x4 ranks) per launch
     *(f"transformers.models.{m}.modeling_{m}" for m in HF_MODELING),
 ]

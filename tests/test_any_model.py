@@ -10,10 +10,10 @@ and a Llama through a padding mask whose padded tokens the loss ignores, rows un
 
 Each model trains 3 AdamW steps on 4 gloo processes, next to the same model in one process: loss, every
 gradient and every parameter agree within 1e-5, norm-relative (the tolerance and its reasoning are those of
-test_spmd_numerics; OPT, two Llama-like families and four more compare in float64, see `_in_float64`). transformers'
-Llama and the nanoGPT run every spec; the other families the three that take every path a family's annotations feed
-(data axes only, on local tensors with a replica group; heads and mlp split 4 ways; fsdp x tp with the sequence-parallel
-regions). One launch runs a group of models, each on all its specs.
+test_spmd_numerics; OPT, two Llama-like families and four more compare in float64, all in one launch, see
+`_in_float64`). transformers' Llama and the nanoGPT run every spec; the other families the three that take every
+path a family's annotations feed (data axes only, on local tensors with a replica group; heads and mlp split 4 ways;
+fsdp x tp with the sequence-parallel regions). One launch runs a group of models, each on all its specs.
 """
 
 import pytest
@@ -224,21 +224,23 @@ IN_FLOAT64 = ("olmo3", "gemma2")
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "kinds, specs",
-    [(LLAMA_LIKE, FAMILY_SPECS), (MIXTURES, FAMILY_SPECS), (ON_EP, ["ep=4", "dp=2,ep=2", "ep=2,tp=2"])],
+    [
+        (tuple(k for k in LLAMA_LIKE if k not in IN_FLOAT64), FAMILY_SPECS),
+        (MIXTURES, FAMILY_SPECS),
+        (ON_EP, ["ep=4", "dp=2,ep=2", "ep=2,tp=2"]),
+    ],
     ids=["llama_like", "mixtures_of_experts", "experts_over_ep"],
 )
 def test_families_match_one_device(kinds, specs):
-    """One launch runs every family of the group on the group's specs (those of IN_FLOAT64 in float64)."""
+    """One launch runs every family of the group on the group's specs (the Llama-like families of IN_FLOAT64 run
+    in test_model_matches_one_device_in_float64's launch)."""
     run_distributed(_each_matches_one_device, 4, kinds, specs, timeout_s=900)
 
 
 def _each_matches_one_device(rank, world, kinds, specs):
+    torch.set_default_dtype(torch.float32)
     for kind in kinds:
-        if kind in IN_FLOAT64:
-            _in_float64(rank, world, kind, specs)
-        else:
-            torch.set_default_dtype(torch.float32)
-            _matches_one_device(rank, world, kind, specs)
+        _matches_one_device(rank, world, kind, specs)
 
 
 ALL_SPECS = SPECS + ["fsdp=2,tp=2", "fsdp=8,tp=4,sp", "dp=2,fsdp=4,tp=4"]
@@ -513,34 +515,32 @@ def test_presets_lay_out_each_family_on_a_fake_world(model_type):
         assert not [c for c in plan.collectives if c.origin == "implicit"]
 
 
+OPT_SPECS = ["dp=2,fsdp=2", "tp=4,sp", "fsdp=2,tp=2,sp"]
+
+
 @pytest.mark.slow
-def test_opt_flattening_its_tokens_matches_one_device_under_sequence_parallel():
-    """OPT's blocks flatten (batch, seq) into one dim, which a sequence-sharded activation cannot follow:
-    the pass gathers the sequence first (explain lists the all-gather against the block, none implicit
-    inside it), and on a data-parallel spec and both sequence-parallel ones loss, gradients and parameters
-    after 3 steps match one process within 1e-6 in float64."""
+def test_model_matches_one_device_in_float64():
+    """In one launch (they share DTensor's decisions for float64 tensors, which a launch each paid again), on the
+    family specs, loss, gradients and parameters after 3 steps within 4e-6 of one process in float64
+    (transformers' norms stay float32, see `_in_float64`), with grouped key/value heads where the family has them:
+    - Gemma 3 (an embedding scaled by a 0-d buffer, whose vocab-parallel partial sums stay partial), OLMo 2 (one
+      norm over all key heads, split over tp), Starcoder2 (a bias on every projection), EXAONE 4 (per-head q/k
+      norms after the projections), and the Llama-like families of IN_FLOAT64 (OLMo 3, Gemma 2);
+    - OPT, whose blocks flatten (batch, seq) into one dim, which a sequence-sharded activation cannot follow: the
+      pass gathers the sequence first (explain lists the all-gather against the block, none implicit inside it),
+      and on a data-parallel spec and both sequence-parallel ones (OPT_SPECS) it matches one process."""
     model = _tiny_hf("opt")
     spmd.annotate_hf(model)
     plan = spmd.explain(model, spmd.Rules.default(sequence_parallel=True), {"tp": 4}, batch_shape=(BATCH, SEQ))
     gathers = [c for c in plan.collectives if c.reason.startswith("gather a sharded dim the model's view merges")]
     assert sorted(c.module for c in gathers) == ["model.decoder.layers.0", "model.decoder.layers.1"]
     assert not [c for c in plan.collectives if c.origin == "implicit" and c.module.startswith("model.decoder.")]
-    run_distributed(_in_float64, 4, "opt", ["dp=2,fsdp=2", "tp=4,sp", "fsdp=2,tp=2,sp"], timeout_s=600)
+    runs = [(kind, FAMILY_SPECS) for kind in ("gemma3_text", "olmo2", "starcoder2", "exaone4", *IN_FLOAT64)]
+    run_distributed(_each_in_float64, 4, [*runs, ("opt", OPT_SPECS)], timeout_s=900)
 
 
-@pytest.mark.slow
-def test_model_matches_one_device_in_float64():
-    """Gemma 3 (an embedding scaled by a 0-d buffer, whose vocab-parallel partial sums stay partial), OLMo 2
-    (one norm over all key heads, split over tp), Starcoder2 (a bias on every projection) and EXAONE 4 (per-head q/k
-    norms after the projections), with grouped key/value heads, on the family specs: loss, gradients and parameters
-    after 3 steps within 4e-6 of one process in float64 (transformers' norms stay float32, see `_in_float64`).
-    One launch runs the four."""
-    kinds = ("gemma3_text", "olmo2", "starcoder2", "exaone4")
-    run_distributed(_each_in_float64, 4, kinds, FAMILY_SPECS, timeout_s=900)
-
-
-def _each_in_float64(rank, world, kinds, specs):
-    for kind in kinds:
+def _each_in_float64(rank, world, runs):
+    for kind, specs in runs:
         _in_float64(rank, world, kind, specs)
 
 
