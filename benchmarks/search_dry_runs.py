@@ -45,24 +45,26 @@ def logged_search(log_path: str, argv: list[str]) -> int:
     return search_main(argv)
 
 
-def report(log_path: str, name: str, out: str, finished: bool) -> int:
+def report(log_path: str, name: str, out: str, finished: bool, tree: str = "") -> int:
+    """The results file of a dry-run log; `tree`: the commit the log's search ran at (default this one)."""
     runs = [json.loads(line) for line in open(log_path) if line.strip()]
     by_mesh: dict = {}
     for sizes, _, _, _, _, sp, _, cpu in runs:
         mesh = ",".join(f"{a}={n}" for a, n in sizes.items()) + (",sp" if sp else "")
         by_mesh.setdefault(mesh, []).append(cpu)
     env = common.environment()
+    tree = tree or env["commit"]
     rows = [[mesh, len(c), f"{sum(c):.1f}", f"{max(c):.1f}"] for mesh, c in sorted(by_mesh.items())]
     total = sum(r[-1] for r in runs)
     markdown = (
         f"# spmd.search dry runs: {name}\n\n{len(runs)} explain dry runs, {total:.1f} CPU s in them; the search "
-        f"{'finished' if finished else 'was stopped before it finished'}. Commit {env['commit'][:12]}, load "
+        f"{'finished' if finished else 'was stopped before it finished'}. Searched at {tree[:12]}, load "
         f"average {env.get('loadavg_1m', 0):.1f} when written.\n\n"
         + common.md_table(["mesh", "dry runs", "CPU s", "dearest CPU s"], rows)
         + "\n"
     )
     stem = Path(out) / f"{common.today()}-search-dry-runs-{name}"
-    report_data = {"environment": env, "finished": finished, "dry_runs": runs}
+    report_data = {"environment": env, "tree": tree, "finished": finished, "dry_runs": runs}
     js, md = common.write(stem, report_data, markdown)
     print(markdown, f"wrote {js} and {md}", sep="\n")
     return 0
@@ -73,6 +75,7 @@ def main(argv=None) -> int:
     ap.add_argument("--log", required=True, help="JSON lines, one per dry run (appended)")
     ap.add_argument("--name", default="", help="results file name; with no search flags, report LOG only")
     ap.add_argument("--stopped", action="store_true", help="with no search flags: the search did not finish")
+    ap.add_argument("--tree", default="", help="with no search flags: the commit LOG's search ran at")
     ap.add_argument("--out", default=str(common.RESULTS))
     ap.add_argument("search", nargs=argparse.REMAINDER, help="-- then spmd.search's flags")
     a = ap.parse_args(argv)
@@ -81,7 +84,7 @@ def main(argv=None) -> int:
         rc = logged_search(a.log, flags)
         if rc != 0:
             return rc
-    return report(a.log, a.name or "search", a.out, finished=bool(flags) or not a.stopped)
+    return report(a.log, a.name or "search", a.out, bool(flags) or not a.stopped, a.tree)
 
 
 if __name__ == "__main__":
