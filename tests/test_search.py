@@ -434,7 +434,8 @@ def test_cli_prints_a_table(capsys):
     )
     out, err = capsys.readouterr()
     assert "spec search" in out and "fsdp=2" in out and "tp=2,sp" in out
-    assert "meshes planned" in err  # the progress line
+    assert "meshes planned" in err  # the progress line, naming the mesh before its dry runs start
+    assert "0/" in err and "s, planning tp=2" in err
     assert "--mesh tp=2,sp --ac none --grad-accum 1" in out
     assert all(f"--mesh fsdp=2 --zero {z} --ac none --grad-accum 1" in out for z in (1, 2, 3))
 

@@ -4,7 +4,14 @@ tensors that hold no data. `explain` runs the real pass inside one.
 Inside `kept_worlds()` (the search's dry runs) a world outlives its dry run: the next dry run of the same
 sizes finds its process group and mesh, and with them DTensor's cached sharding and redistribution plans
 (a third of a dry run's time when recomputed); a world of other sizes replaces it, and leaving the scope
-destroys the last one."""
+destroys the last one.
+
+Inside a fake world DTensor plans every redistribution afresh: under a FakeTensorMode it takes itself to be
+tracing and skips its cache of transform plans, and on a mesh of two or more axes that shard one tensor
+dimension (batch over fsdp and sequence over cp, or tp with sequence parallelism) each plan is a
+shortest-path search, priced again for every candidate strategy of every op: two thirds of a dry run on
+such a mesh. A plan depends only on the two specs (mesh layout, placements, shard order, shape, stride,
+dtype: concrete here), so dry runs keep them (`_kept_transform_plans`)."""
 
 import contextlib
 
@@ -48,7 +55,7 @@ def fake_world(sizes: dict):
         _kept["world"] = (key, dist.group.WORLD, mesh) if _kept["depth"] else None
     try:
         # Fake CPU tensors rather than meta: ops such as attention pick their kernel by device.
-        with _real_strided_offsets():
+        with _real_strided_offsets(), _kept_transform_plans():
             yield mesh, FakeTensorMode(allow_non_fake_inputs=True)
     finally:
         if _kept["world"] is None:
@@ -89,6 +96,34 @@ def _real_strided_offsets():
         yield
     finally:
         _StridedShard.local_shard_size_and_offset = original
+
+
+_transform_plans: dict = {}  # (src spec, dst spec, graph-based or not, torch's override) -> transform plan
+_MAX_TRANSFORM_PLANS = 200_000
+
+
+@contextlib.contextmanager
+def _kept_transform_plans():
+    """DTensor's transform planner (`_gen_transform_infos_non_cached`, which it calls uncached under a fake
+    mode) answered from `_transform_plans`. Its plans are data (mesh dims, placements, shapes), no group."""
+    from torch.distributed.tensor import _redistribute
+
+    original = _redistribute._gen_transform_infos_non_cached
+
+    def kept(src_spec, dst_spec, use_graph_based_transform=None):
+        key = (src_spec, dst_spec, use_graph_based_transform, _redistribute._FORCE_MIN_COST_REDISTRIBUTION_PLAN)
+        plan = _transform_plans.get(key)
+        if plan is None:
+            if len(_transform_plans) > _MAX_TRANSFORM_PLANS:
+                _transform_plans.clear()
+            plan = _transform_plans[key] = original(src_spec, dst_spec, use_graph_based_transform)
+        return list(plan)
+
+    _redistribute._gen_transform_infos_non_cached = kept
+    try:
+        yield
+    finally:
+        _redistribute._gen_transform_infos_non_cached = original
 
 
 def _clear_dtensor_caches():

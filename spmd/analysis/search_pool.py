@@ -22,18 +22,19 @@ _worker_model = None
 
 
 class Progress:
-    """`spmd.search: none, K=1: 12/40 meshes planned, 35 s` on stderr, one line rewritten in place; silent
-    unless `on`. `stage`: what the current round plans."""
+    """`spmd.search: --ac none: 12/40 meshes planned, 35 s, planning cp=2,fsdp=2,tp=2` on stderr, one line
+    rewritten in place; silent unless `on`. `stage`: what the current round plans; `planning`: the mesh a dry
+    run in this process is on (a mesh of three axes can take minutes)."""
 
     def __init__(self, on: bool, stream=None):
         self.on, self.stream, self.start, self.stage = on, stream or sys.stderr, time.perf_counter(), ""
         self.dry_runs = 0  # explain dry runs made for the search, in this process and its workers
 
-    def show(self, done: int, total: int) -> None:
+    def show(self, done: int, total: int, planning: str = "") -> None:
         if self.on:
             print(
                 f"\rspmd.search: {self.stage}{': ' if self.stage else ''}{done}/{total} meshes planned, "
-                f"{time.perf_counter() - self.start:.0f} s\033[K",
+                f"{time.perf_counter() - self.start:.0f} s{', planning ' if planning else ''}{planning}\033[K",
                 end="",
                 file=self.stream,
                 flush=True,
@@ -182,6 +183,7 @@ def _dry_run_all(net: nn.Module, jobs: list, workers: Workers | None, progress: 
     groups = _by_mesh([j for j in jobs if _job_key(net, j) not in _cache])
     results, before = {}, DRY_RUNS[0]
     if workers is not None and workers.processes > 1 and len(groups) > 1:
+        progress.show(0, len(groups))
         for i, (done, dry_runs) in enumerate(workers.map(groups), 1):
             progress.dry_runs += dry_runs
             for job, out in done:
@@ -192,6 +194,7 @@ def _dry_run_all(net: nn.Module, jobs: list, workers: Workers | None, progress: 
     else:
         with kept_worlds():
             for i, group in enumerate(groups, 1):
+                progress.show(i - 1, len(groups), ",".join(f"{a}={n}" for a, n in group[0][0]))
                 results.update((job, _plan_one(net, job)) for job in group)
                 progress.show(i, len(groups))
     for job in jobs:
