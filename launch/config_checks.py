@@ -85,7 +85,7 @@ def _optimizer_problems(cfg, sizes) -> list[str]:
 def _onebit_problems(cfg, sizes) -> list[str]:
     """What spmd.OneBitAdam cannot run on: it compresses across data-parallel workers (dp, fsdp) only."""
     problems = [] if cfg.onebit_warmup >= 1 else [f"--onebit-warmup must be >= 1, got {cfg.onebit_warmup}"]
-    other = [f"{a}={n}" for a, n in sizes.items() if n > 1 and a not in ("dp", "fsdp", "pp")]
+    other = [f"{a}={n}" for a, n in sizes.items() if n > 1 and a not in ("dp", "fsdp")]
     if other:
         problems.append(
             f"--optimizer onebit-adam compresses the momentum across data-parallel workers (dp, fsdp); "
