@@ -50,7 +50,7 @@ MUTANTS = [
     # a group of an equal mesh built earlier is named by its number, not by the axes its ranks span
     Mutant(
         "spmd/analysis/record.py",
-        "self.group_axes[group_name] = self._same_ranks(group_name) or (str(group_name),)",
+        "self.group_axes[group_name] = _same_ranks(group_name, mesh_groups) or (str(group_name),)",
         "self.group_axes[group_name] = (str(group_name),)",
         "tests/test_plan_matches_run.py::test_plan_lists_exactly_the_collectives_of_a_real_step",
     ),

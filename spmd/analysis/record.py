@@ -114,22 +114,11 @@ class CollectiveRecorder(TorchDispatchMode):
 
     def _axes(self, group_name) -> tuple:
         if group_name not in self.group_axes:
-            if self.mesh is not None:
-                self.group_axes.update(group_axes(self.mesh))  # a group flattened since (spmd.layout.mesh)
+            mesh_groups = group_axes(self.mesh) if self.mesh is not None else {}
+            self.group_axes.update(mesh_groups)  # a group flattened since (spmd.layout.mesh)
             if group_name not in self.group_axes:
-                self.group_axes[group_name] = self._same_ranks(group_name) or (str(group_name),)
+                self.group_axes[group_name] = _same_ranks(group_name, mesh_groups) or (str(group_name),)
         return self.group_axes[group_name]
-
-    def _same_ranks(self, group_name) -> tuple | None:
-        """The axes of the mesh group with the same ranks as `group_name`: DTensor caches its plans by mesh
-        layout, so an op on an equal mesh built earlier in the process runs on that mesh's groups."""
-        if self.mesh is None:
-            return None
-        ranks = dist.get_process_group_ranks(dist.distributed_c10d._resolve_process_group(group_name))
-        for name, axes in group_axes(self.mesh).items():
-            if dist.get_process_group_ranks(dist.distributed_c10d._resolve_process_group(name)) == ranks:
-                return axes
-        return None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -185,6 +174,14 @@ class CollectiveRecorder(TorchDispatchMode):
                 shape=tuple(t.shape),
             )
         )
+
+
+def _same_ranks(group_name, mesh_groups: dict) -> tuple | None:
+    """The axes of the mesh group with the same ranks as `group_name`: DTensor caches its plans by mesh layout,
+    so an op on an equal mesh built earlier in the process runs on that mesh's groups."""
+    ranks_of = lambda name: dist.get_process_group_ranks(dist.distributed_c10d._resolve_process_group(name))  # noqa: E731
+    ranks = ranks_of(group_name)
+    return next((axes for name, axes in mesh_groups.items() if ranks_of(name) == ranks), None)
 
 
 def _caller() -> str:
