@@ -93,7 +93,9 @@ class GlobalView(TorchFunctionMode):
         return func(*args, **kwargs)
 
     def _view_back(self, out: DTensor) -> DTensor:
-        """The view back to tokens, split again as the merge's input was (the sequence over cp, and tp under sp)."""
+        """The view back to tokens splits again what the merge gathered (a local slice: the sequence over cp,
+        and over tp under sp, as the tensors it meets next are split), and keeps its gradient in that layout,
+        so that the backward's reverse view never merges a sharded dim either."""
         before = self.merged.get(tuple(out.shape))
         target = (
             out.placements
