@@ -31,3 +31,43 @@ def test_kept_transform_plans_give_torchs_plan(monkeypatch):
     assert filled > 0 and len(fake._transform_plans) >= filled
     monkeypatch.setattr(fake, "_kept_transform_plans", contextlib.nullcontext)
     assert kept[1] == _plan(model, sizes, (8, 32))
+
+
+def test_kept_shortest_paths_are_torchs(monkeypatch):
+    """The shortest-path search under a redistribution plan, as a dry run keeps it (fake._kept_transform_plans:
+    run once from a state to every state, its graph shared by tensors of one rank and size), finds the path
+    torch's own search finds (`find_min_cost_path`, stopped at the target, every step's cost computed), on a
+    mesh of three axes whose graph holds Partial and _StridedShard states. Sources: states reached from
+    replication; targets: every state reached from them; a second tensor of another shape and the same size
+    is served from the first one's graph. Mutations it kills: ties broken in reverse order of discovery
+    (`-counter` in `_shortest_paths`' queue entries), the graph keyed without the tensor's size."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor._dtensor_spec import TensorMeta
+    from torch.distributed.tensor._redistribute import DTensorRedistributePlanner as Planner
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    torchs = Planner.get_next_state, Planner.find_min_cost_path  # before a fake world keeps their answers
+
+    def torch_path(planner, src, dst):
+        with monkeypatch.context() as m:
+            m.setattr(Planner, "get_next_state", torchs[0])
+            return torchs[1](planner, src, dst)
+
+    def planner(mesh, shape, dtype=torch.float32):
+        made = Planner(mesh, TensorMeta(torch.Size(shape), torch.empty(shape, device="meta").stride(), dtype))
+        made.partial_reduce_ops_in_target.add("sum")
+        made.strided_shard_placements_in_target.add(_StridedShard(0, split_factor=2))
+        return made
+
+    with fake.fake_world({"cp": 2, "fsdp": 2, "tp": 2}) as (mesh, _):
+        fake._next_states.clear()
+        first, same_size, small = (planner(mesh, shape) for shape in [(16, 8192, 4096), (8192, 16, 4096), (2, 2, 2)])
+        reached = list(fake._shortest_paths(first, Planner.DistState((Replicate(),) * 3, ())))
+        assert len(reached) > 50
+        pairs = [(src, dst) for src in reached[:: len(reached) // 5] for dst in reached[:: len(reached) // 12]]
+        by_size = 0
+        for src, dst in pairs:
+            kept = [p.find_min_cost_path(src, dst) for p in (first, same_size, small)]
+            assert kept[1] == torch_path(same_size, src, dst) and kept[2] == torch_path(small, src, dst), (src, dst)
+            by_size += kept[1] != kept[2]
+        assert len(pairs) > 50 and by_size > 5  # the sample holds paths that differ with the tensor's size

@@ -1,19 +1,22 @@
 """Fake worlds: a process group of any size in this one process, whose collectives move nothing, and
 tensors that hold no data. `explain` runs the real pass inside one.
 
-Inside `kept_worlds()` (the search's dry runs) a world outlives its dry run: the next dry run of the same
-sizes finds its process group and mesh, and with them DTensor's cached sharding and redistribution plans
-(a third of a dry run's time when recomputed); a world of other sizes replaces it, and leaving the scope
-destroys the last one.
+Inside `kept_worlds()` (the search's dry runs) a world outlives its dry run: the next dry run of as many
+ranks finds its process group and, for the same sizes, its mesh, and with them DTensor's cached sharding and
+redistribution plans (a third of a dry run's time when recomputed, and on a mesh of three axes seconds more);
+the meshes of one world size live side by side on its group, so a search that goes from mesh to mesh and back
+keeps every mesh's plans. A world of another size replaces it, and leaving the scope destroys the last one.
 
 Inside a fake world DTensor plans every redistribution afresh: under a FakeTensorMode it takes itself to be
 tracing and skips its cache of transform plans, and on a mesh of two or more axes that shard one tensor
 dimension (batch over fsdp and sequence over cp, or tp with sequence parallelism) each plan is a
 shortest-path search, priced again for every candidate strategy of every op: two thirds of a dry run on
 such a mesh. A plan depends only on the two specs (mesh layout, placements, shard order, shape, stride,
-dtype: concrete here), so dry runs keep them (`_kept_transform_plans`)."""
+dtype: concrete here), so dry runs keep them, and below them the search's graph and shortest paths
+(`_kept_transform_plans`): 8B's first dry run on `cp=2,fsdp=2,tp=2` at 16 x 8192 tokens, 176 -> 18 CPU s."""
 
 import contextlib
+import math
 
 import torch
 import torch.distributed as dist
@@ -24,12 +27,12 @@ from ..layout.mesh import make_mesh
 
 __all__ = ["fake_world", "kept_worlds"]
 
-_kept = {"depth": 0, "world": None}  # world: (sizes as a tuple, the default group it made, its mesh)
+_kept = {"depth": 0, "world": None}  # world: (ranks, the default group it made, {sizes as a tuple: mesh})
 
 
 @contextlib.contextmanager
 def kept_worlds():
-    """Within this scope a fake world stays up after its dry run, for the next one of the same sizes."""
+    """Within this scope a fake world stays up after its dry run, for the next one of as many ranks."""
     _kept["depth"] += 1
     try:
         yield
@@ -45,14 +48,14 @@ def kept_worlds():
 def fake_world(sizes: dict):
     """(mesh of `sizes` on a fake process group, FakeTensorMode): everything a dry run needs. The fake group
     replaces any process group this process has and is destroyed on exit (inside `kept_worlds`, when a world
-    of other sizes or the scope's end replaces it)."""
-    key = tuple(sizes.items())
+    of another size or the scope's end replaces it)."""
+    key, ranks = tuple(sizes.items()), math.prod(sizes.values())
     kept = _kept["world"]
-    if kept is not None and kept[0] == key and dist.is_initialized() and dist.group.WORLD is kept[1]:
-        mesh = kept[2]
+    if kept is not None and kept[0] == ranks and dist.is_initialized() and dist.group.WORLD is kept[1]:
+        mesh = kept[2].get(key) or kept[2].setdefault(key, make_mesh(sizes, device_type="cpu"))
     else:
         mesh = _new_world(sizes)
-        _kept["world"] = (key, dist.group.WORLD, mesh) if _kept["depth"] else None
+        _kept["world"] = (ranks, dist.group.WORLD, {key: mesh}) if _kept["depth"] else None
     try:
         # Fake CPU tensors rather than meta: ops such as attention pick their kernel by device.
         with _real_strided_offsets(), _kept_transform_plans():
@@ -66,14 +69,14 @@ def _new_world(sizes: dict):
     """A fake default process group of the mesh's size, in place of any this process has, and its mesh."""
     import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the "fake" backend)
 
-    world = 1
-    for s in sizes.values():
-        world *= s
     if dist.is_initialized():
         dist.destroy_process_group()
-    dist.init_process_group("fake", store=dist.HashStore(), rank=0, world_size=world)
+    dist.init_process_group("fake", store=dist.HashStore(), rank=0, world_size=math.prod(sizes.values()))
     _clear_dtensor_caches()
     return make_mesh(sizes, device_type="cpu")
+
+
+_strided_offsets: dict = {}  # (placement, local size, chunks, rank, mode) -> (size, offsets): ints only
 
 
 @contextlib.contextmanager
@@ -81,15 +84,25 @@ def _real_strided_offsets():
     """A linear layer on an activation split over two mesh axes on two dims (batch over fsdp, sequence over
     cp) flattens them into one _StridedShard dim, whose offsets torch computes from an index tensor and
     `.tolist()`: data-dependent under a FakeTensorMode. The indices hold no data of the model; they are
-    computed as real tensors here."""
+    computed as real tensors here, once per arguments (plain ints)."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
     from torch.distributed.tensor.placement_types import _StridedShard
 
     original = _StridedShard.local_shard_size_and_offset
 
     def real(*args, **kwargs):
-        with unset_fake_temporarily():
-            return original(*args, **kwargs)
+        key = (args, tuple(sorted(kwargs.items())))
+        try:
+            found = _strided_offsets.get(key)
+        except TypeError:  # an argument that is not a plain int
+            key, found = None, None
+        if found is None:
+            with unset_fake_temporarily():
+                found = original(*args, **kwargs)
+            if key is not None:
+                _strided_offsets[key] = found
+        size, offsets = found
+        return size, list(offsets) if isinstance(offsets, list) else offsets
 
     _StridedShard.local_shard_size_and_offset = real
     try:
@@ -99,31 +112,84 @@ def _real_strided_offsets():
 
 
 _transform_plans: dict = {}  # (src spec, dst spec, graph-based or not, torch's override) -> transform plan
+_next_states: dict = {}  # (mesh, rank, bytes, targets) and a state or two -> next states and costs, or a path
 _MAX_TRANSFORM_PLANS = 200_000
 
 
 @contextlib.contextmanager
 def _kept_transform_plans():
     """DTensor's transform planner (`_gen_transform_infos_non_cached`, which it calls uncached under a fake
-    mode) answered from `_transform_plans`. Its plans are data (mesh dims, placements, shapes), no group."""
+    mode) answered from `_transform_plans`. Its plans are data (mesh dims, placements, shapes), no group.
+
+    Below a plan, the shortest-path search walks a graph whose states are placements and shard orders and whose
+    edge costs depend on the mesh, the tensor's rank and its bytes alone (`one_step_redistribute_cost`), not on
+    its shape: its edges and shortest paths are kept per (mesh, rank, bytes, the planner's targets), so tensors
+    of one size share them; the plan's shapes along the path are still computed per tensor."""
     from torch.distributed.tensor import _redistribute
 
     original = _redistribute._gen_transform_infos_non_cached
 
     def kept(src_spec, dst_spec, use_graph_based_transform=None):
         key = (src_spec, dst_spec, use_graph_based_transform, _redistribute._FORCE_MIN_COST_REDISTRIBUTION_PLAN)
-        plan = _transform_plans.get(key)
-        if plan is None:
-            if len(_transform_plans) > _MAX_TRANSFORM_PLANS:
-                _transform_plans.clear()
-            plan = _transform_plans[key] = original(src_spec, dst_spec, use_graph_based_transform)
-        return list(plan)
+        return list(_memo(_transform_plans, key, lambda: original(src_spec, dst_spec, use_graph_based_transform)))
+
+    planner = _redistribute.DTensorRedistributePlanner
+    next_states, shortest_path = planner.get_next_state, planner.find_min_cost_path
+
+    def graph(self) -> tuple:
+        meta = self.dtensor_meta
+        targets = frozenset(self.strided_shard_placements_in_target), frozenset(self.partial_reduce_ops_in_target)
+        return self.device_mesh, self.tensor_dimension, meta.dtype.itemsize * math.prod(meta.shape), targets
+
+    def kept_next_states(self, placements, shard_order):
+        key = graph(self), tuple(placements), shard_order
+        return _memo(_next_states, key, lambda: next_states(self, placements, shard_order))
+
+    def kept_shortest_path(self, src_state, dst_state):
+        paths = _memo(_next_states, (graph(self), src_state), lambda: _shortest_paths(self, src_state))
+        return list(paths[dst_state]) if dst_state in paths else shortest_path(self, src_state, dst_state)
 
     _redistribute._gen_transform_infos_non_cached = kept
+    planner.get_next_state, planner.find_min_cost_path = kept_next_states, kept_shortest_path
     try:
         yield
     finally:
         _redistribute._gen_transform_infos_non_cached = original
+        planner.get_next_state, planner.find_min_cost_path = next_states, shortest_path
+
+
+def _shortest_paths(planner, src) -> dict:
+    """{state: DTensor's shortest path to it from `src`} for every state reachable from `src`: torch's search
+    (`find_min_cost_path`: Dijkstra, ties broken by the order of discovery) run to the end instead of stopping at
+    one target. Until a target is first reached, it pops exactly what torch's search for that target pops, so
+    each path is the one torch would find."""
+    import heapq
+
+    from torch.distributed.tensor._redistribute import _redistribute_cost_sort_key
+
+    paths, counter, queue = {}, 0, [(0.0, 0, 0.0, src, [src])]
+    while queue:
+        _, _, cost, state, path = heapq.heappop(queue)
+        if state in paths:
+            continue
+        paths[state] = path
+        for following, step in planner.get_next_state(state.placements, state.tensor_dim_to_mesh_dim).items():
+            if following not in paths:
+                counter += 1
+                total = cost + step
+                entry = (_redistribute_cost_sort_key(total), counter, total, following, path + [following])
+                heapq.heappush(queue, entry)
+    return paths
+
+
+def _memo(store: dict, key, compute):
+    """`store[key]`, computed by `compute()` the first time; the store is emptied when it outgrows its bound."""
+    found = store.get(key)
+    if found is None:
+        if len(store) > _MAX_TRANSFORM_PLANS:
+            store.clear()
+        found = store[key] = compute()
+    return found
 
 
 def _clear_dtensor_caches():

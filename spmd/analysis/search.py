@@ -43,6 +43,7 @@ from ..runtime.transforms.checkpointing import parse_mode
 from .candidates import candidate_specs, candidates, expert_count, mesh_problem, spec_name, zero_stages
 from .derived import full_from_none, same_plan
 from .devices import Device, get_device
+from .fake import kept_worlds
 from .search_pipeline import Pipeline, pipeline_sizes, plan_pipeline
 from .search_pool import Progress, Workers, plan_all, verdict
 from .search_rows import Row, SearchResult, compression_note, model_label
@@ -270,7 +271,7 @@ def _plan(net, model, todo, shape, budget, pinned, how) -> dict:
     level = quiet.level
     quiet.setLevel(logging.ERROR)
     try:
-        with Workers(model, processes) as pool:
+        with kept_worlds(), Workers(model, processes) as pool:
             chosen = _fit(net, [c for c in todo if "pp" not in c[0]], shape, budget, pinned, (pool, shown))
         chosen.update(_fit_pipelines(net, [c for c in todo if "pp" in c[0]], shape, budget, pinned[0], pipeline))
     finally:

@@ -1,9 +1,11 @@
 """Where the search's dry runs run: in this process or in spawned worker processes, grouped by mesh so that a
-mesh's fake world and DTensor's cached plans serve all of its dry runs (fake.kept_worlds), with a progress
+mesh's fake world and DTensor's cached plans serve all of its dry runs, in every round (fake.kept_worlds: the
+search's process and each worker keep their world from the first round to the last), with a progress
 line on stderr, and workers that end with the search: stopped (SIGINT, SIGTERM) or killed, it takes them along."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
 import sys
@@ -19,6 +21,7 @@ from .summaries import DRY_RUNS, Summary, _blocks, _cache, _cache_key, as_model,
 __all__ = ["plan_all", "Progress", "Workers", "stop_on_term", "verdict"]
 
 _worker_model = None
+_worker_scope = contextlib.ExitStack()  # open for the worker's life: the pool terminates it
 
 
 class Progress:
@@ -71,6 +74,7 @@ def _worker_init(model_or_cfg):
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops on ^C and terminates the pool
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     _worker_model = as_model(model_or_cfg)
+    _worker_scope.enter_context(kept_worlds())  # a worker's meshes keep their plans from round to round
 
 
 def _plan_one(model, job):
