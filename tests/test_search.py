@@ -324,6 +324,33 @@ def test_micro_batches_repeat_all_but_the_reductions():
     assert three.memory["gradients"] > three.memory["parameters"]
 
 
+def test_each_row_equals_explain_of_its_flags():
+    """The search's fast path (1- and 2-block copies, full checkpointing and ZeRO 2 derived, selective
+    checkpointing composed, micro-batches scaled from two) against the full `explain` of every row's flags
+    (mesh, ZeRO stage, --ac, --grad-accum) on a sample of specs, with a budget that makes rows checkpoint,
+    take micro-batches or drop: the same collectives (count and bytes) and memory, plus the one block
+    backward rebuilds at a time. Mutations it kills: gradient reductions repeated per micro-batch
+    (summaries.accumulated), a lone plain block's regather left prefetched (summaries.checkpointed)."""
+    model = tiny(n_layers=4)
+    budget = summaries.plan_summary(model, SIZES, True, SHAPE, "fp32", ac="selective:2").memory["total"]
+    tight = S.search(model, 4, memory_budget_bytes=budget, batch_shape=SHAPE, dtype="fp32", specs=[SPEC, "fsdp=4"])
+    ample = S.search(model, 4, batch_shape=SHAPE, dtype="fp32", specs=["dp=2,fsdp=2", "dp=2,tp=2"])
+    pinned = S.search(model, 4, batch_shape=SHAPE, dtype="fp32", specs=["fsdp=2,tp=2"], ac="full", grad_accum=4)
+    compared = [r for r in [*tight, *tight.dropped, *ample, *pinned] if r.memory.get("activations")]
+    assert {(r.ac, r.grad_accum) for r in compared} >= {("none", 1), ("selective:2", 1), ("full", 2), ("full", 4)}
+    assert {r.zero for r in compared} >= {1, 2, 3} and len(compared) >= 8
+    for row in compared:
+        rules = summaries.rules_for(row.sp, row.zero)
+        plan = spmd.explain(model, rules, row.sizes, batch_shape=SHAPE, ac=row.ac, grad_accum=row.grad_accum)
+        want = summaries.summarize(plan)
+        assert (row.collectives, row.comm_bytes) == tuple(map(sum, zip(*want.groups.values())))[:2], row.flags
+        if row.ac == "none":
+            assert row.memory == want.memory, row.flags
+        else:
+            recompute = row.memory["recompute"]
+            assert row.memory == {**want.memory, "recompute": recompute, "total": want.memory["total"] + recompute}
+
+
 def test_search_assumes_the_least_recompute_then_the_fewest_micro_batches_that_fit():
     model = tiny(n_layers=4)
     total = lambda sizes, sp, ac: summaries.plan_summary(model, sizes, sp, SHAPE, "fp32", ac=ac).memory["total"]  # noqa

@@ -79,7 +79,7 @@ def predict(summary: Summary, sizes: dict, dev: Device, compute_s: float, recomp
         if not dev.overlaps_comm
         else (min(t["prefetch-forward"], forward_s) + min(t["prefetch-backward"], compute_s - forward_s + recompute_s))
     )
-    param = t["gather"] + t["prefetch-forward"] + t["prefetch-backward"] + t["reduce"]
+    param = t["gather"] + t["prefetch-forward"] + t["prefetch-backward"] + t["reduce"] + t["update"]
     return {
         "activation_comm_s": t["activation"],
         "param_comm_s": param,

@@ -43,18 +43,22 @@ __all__ = [
 ]
 
 # how a collective's time is spent: "gather" parameters (critical path), "prefetch-forward"/"prefetch-backward"
-# (a block's gather issued while the block before computes, spmd.runtime.parameters.group), "reduce" gradients (once
-# per step under gradient accumulation), "activation" (tensor/sequence-parallel moves, losses)
-TRAFFIC = ("activation", "gather", "prefetch-forward", "prefetch-backward", "reduce")
+# (a block's gather issued while the block before computes, spmd.runtime.parameters.group), "reduce" gradients and
+# "update" (ZeRO 1/2's all-gather of the updated parameters after the step, critical path), both once per step
+# under gradient accumulation, "activation" (tensor/sequence-parallel moves, losses)
+TRAFFIC = ("activation", "gather", "prefetch-forward", "prefetch-backward", "reduce", "update")
+ONCE_PER_STEP = ("reduce", "update")
 EMPTY_GROUP = (0, 0, 0)  # a Summary group no collective falls in: count, bytes, ring steps
 REDUCE_REASONS = ("reduce gradient ", "reduce-scatter gradients ", "all-reduce gradients ")
-GATHER_REASONS = ("gather ", "regather ", "all-gather updated ")  # the last: ZeRO 1/2 after the step
+GATHER_REASONS = ("gather ", "regather ")
 
 
 def traffic(c) -> str:
     """The TRAFFIC class of a recorded collective, from the reason the runtime tagged it with."""
     if c.reason.startswith(REDUCE_REASONS):
         return "reduce"
+    if c.reason.startswith("all-gather updated "):
+        return "update"
     if c.reason.startswith(GATHER_REASONS):
         return f"prefetch-{c.phase}" if ", prefetched" in c.reason else "gather"
     return "activation"
@@ -203,9 +207,11 @@ def checkpointed(none: Summary, full: Summary, ac: str) -> Summary:
 
 def accumulated(s: Summary, passes: int, grad_accum: int) -> Summary:
     """The plan of `passes` micro-batches (explain's grad_accum) as that of `grad_accum` ones: every collective
-    but the gradient reductions repeats per micro-batch, the reductions run once; memory is the same (one
-    micro-batch's activations, the gradients held unreduced between micro-batches)."""
-    groups = {k: list(v) if k[1] == "reduce" else [x * grad_accum // passes for x in v] for k, v in s.groups.items()}
+    but the gradient reductions and the after-step gathers repeats per micro-batch, those run once; memory is the
+    same (one micro-batch's activations, the gradients held unreduced between micro-batches)."""
+    groups = {
+        k: list(v) if k[1] in ONCE_PER_STEP else [x * grad_accum // passes for x in v] for k, v in s.groups.items()
+    }
     return Summary(groups, dict(s.memory))
 
 
