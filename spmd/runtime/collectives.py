@@ -77,16 +77,17 @@ def reduce_scatter(tensors: list, dims: list, mesh, m: int, wire=None) -> Flat:
     """Sums `tensors` over mesh dim `m`; each rank receives its chunk of each along its dim in `dims`
     (with `wire.grads`: each rank's chunk quantized, by all-to-all, summed in fp32)."""
     n, rank = mesh.size(m), mesh.get_local_rank(m)
-    chunks = [Shard(d)._split_tensor(t, n, with_padding=False)[0] for t, d in zip(tensors, dims)]
-    seg = _segment(chunks, n)
-    parts = []
-    for r in range(n):
-        parts += _padded([c[r].reshape(-1) for c in chunks], seg)
-    if wire is not None and wire.grads is not None and n > 1:
-        out = wire_flat.reduce_scatter(torch.cat(parts).view(n, seg), wire.grads, wire.block_for(wire.grads), (mesh, m))
+    if all(t.shape[d] % n == 0 for t, d in zip(tensors, dims)):  # rank r's rows side by side, a few ops a tensor
+        rows = [t.unflatten(d, (n, t.shape[d] // n)).movedim(d, 0) for t, d in zip(tensors, dims)]
+        packed, shapes = torch.cat([r.reshape(n, -1) for r in rows], dim=1), [r.shape[1:] for r in rows]
     else:
-        out = _reduce_scatter(torch.cat(parts), "sum", 0, (mesh, m))
-    return Flat(out, [c[rank].shape for c in chunks])
+        chunks = [Shard(d)._split_tensor(t, n, with_padding=False)[0] for t, d in zip(tensors, dims)]
+        seg = _segment(chunks, n)
+        packed = torch.cat([x for r in range(n) for x in _padded([c[r].reshape(-1) for c in chunks], seg)])
+        packed, shapes = packed.view(n, seg), [c[rank].shape for c in chunks]
+    if wire is not None and wire.grads is not None and n > 1:
+        return Flat(wire_flat.reduce_scatter(packed, wire.grads, wire.block_for(wire.grads), (mesh, m)), shapes)
+    return Flat(_reduce_scatter(packed.reshape(-1), "sum", 0, (mesh, m)), shapes)
 
 
 def all_reduce(tensors: list, mesh, dims, wire=None) -> Flat:
@@ -121,12 +122,12 @@ def all_gather(tensors: list, dims: list, shapes: list, mesh, m: int, wire=None)
     gathered = wait(all_gather_buffer(buf, mesh, m, wire)).view(n, seg)
     out, at = [], [0] * n
     for c, d in zip(chunks, dims):
-        parts = []
-        for r in range(n):
-            k = c[r].numel()
-            parts.append(gathered[r, at[r] : at[r] + k].view(c[r]))
-            at[r] += k
+        if all(x == c[0] for x in c) and all(a == at[0] for a in at):  # every rank's at one offset: one op
+            parts = gathered[:, at[0] : at[0] + c[0].numel()].view(n, *c[0]).unbind(0)
+        else:
+            parts = [gathered[r, at[r] : at[r] + c[r].numel()].view(c[r]) for r in range(n)]
         out.append(torch.cat(parts, dim=d))
+        at = [a + x.numel() for a, x in zip(at, c)]
     return out
 
 

@@ -139,7 +139,7 @@ class ParamGroup:
                 offset = 0
                 for i in group:
                     t = locals_[i]
-                    pieces = [out[r, offset : offset + t.numel()].view(t.shape) for r in range(n)]
+                    pieces = out[:, offset : offset + t.numel()].view(n, *t.shape).unbind(0)  # one op, not n
                     locals_[i] = torch.cat(pieces, dim=self.shard_dims[i][m])
                     offset += t.numel()
         return locals_
