@@ -5,10 +5,10 @@ benchmarks.tensor_memory's LiveTensorBytes (every op's output storage counted on
 is laid out, AdamW takes a first step (so its moments exist), and the peak of the second step (forward,
 backward, AdamW step) is held against `plan.memory["peak"]`, explain's figure for the same spec made on a
 fake world (spmd.analysis.memory.peak_bytes), within TOL. The peak falls at the end of backward, as the
-gradient reducer packs its reduce-scatter buffer. Measured: explain within 0.1% of the real peak on each
-spec (fsdp=4 -0.05%, fsdp=2,tp=2,sp +0.10%, dp=2,fsdp=2 -0.04%). Mutation killed: leaving the reducer's chunk
-copies out of peak_bytes (`+ chunk_copies` dropped: fsdp=4 21% under); counting the unreduced gradients once
-instead of twice fails too (26% under).
+gradient reducer packs its reduce-scatter buffer. Measured: explain within 0.1% of the real peak (fsdp=4
+-0.06%). Mutations killed: leaving the reducer's chunk copies out of peak_bytes (fsdp=4 16% under); holding them
+through the reduce-scatter, as the packing did when it kept them (fsdp=2,tp=2,sp 11.5% over); counting the
+unreduced gradients once instead of twice fails too.
 """
 
 import pytest

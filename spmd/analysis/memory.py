@@ -71,14 +71,14 @@ def peak_bytes(memory: dict, unreduced: int, chunk_copies: int, buffers: int) ->
     - what lives between steps: parameters, optimizer states (`memory`) and the model's buffers (`buffers`);
     - every gradient in its compute layout twice (`unreduced`): autograd's per-parameter gradients, and the
       reducer's flat buffer they are packed into;
-    - the copies of the chunks that are not views (`chunk_copies`, see `unreduced_bytes`);
-    - the reduce-scatter's output: the reduced gradient shards (`memory["gradients"]`).
+    - the copies of the chunks that are not views (`chunk_copies`, see `unreduced_bytes`) while they are packed,
+      then, once they are freed, the reduce-scatter's output: the reduced gradient shards (`memory["gradients"]`).
     Left out: activations and gathered buckets (all freed by then: backward has finished), a model whose
     gradients span several reducer buffers (they are reduced while backward runs, so its peak is earlier and
     holds activations), AdamW's per-tensor step counts, scratch freed inside one op, and offloaded states
     (explain gives no peak under `offload`)."""
     between_steps = memory["parameters"] + memory["optimizer"] + buffers
-    return between_steps + 2 * unreduced + chunk_copies + memory["gradients"]
+    return between_steps + 2 * unreduced + max(chunk_copies, memory["gradients"])
 
 
 def local_bytes(t) -> int:
