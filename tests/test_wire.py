@@ -89,9 +89,12 @@ def test_a_bad_comm_is_refused_before_anything_moves(comm, named):
 
 
 def test_compiled_blocks_take_the_wire_only_where_their_hooks_stay_eager():
-    """Data-only blocks compiled after parallelize(comm=...) compile (their groups gather on the wire; the
-    4-rank proof is tests/test_wire_four_ranks.py); checkpointed ones, or blocks compiled before, which would
-    gather inside the graph in full precision, are refused naming the fix."""
+    """Blocks compiled after parallelize(comm=...), data-only or tp, compile (their groups gather on the wire
+    around the graph; the 4-rank proofs are in tests/test_wire_four_ranks.py); checkpointed ones, or blocks
+    compiled before, which would gather inside the graph in full precision, are refused naming the fix."""
+    with fake_world({"fsdp": 2, "tp": 2}) as (mesh, _):
+        model = spmd.parallelize(tiny_model(), mesh, spmd.Rules.default(), comm={"params": "int8"})
+        assert spmd.compile_blocks(model, backend="eager") == [0, 1]
     with fake_world({"fsdp": 4}) as (mesh, _):
         model = spmd.parallelize(tiny_model(), mesh, spmd.Rules.default(), comm={"params": "int8"})
         assert spmd.compile_blocks(model, backend="eager") == [0, 1]
@@ -145,6 +148,8 @@ def test_trainer_flags_and_toml_set_comm(tmp_path):
     f.write_text('comm_params = "fp8"\ncomm_grads = "int8"\n')
     assert load_config(["--config", str(f)]).validate(4).comm() == {"params": "fp8", "grads": "int8"}
     assert load_config([]).comm() is None
+    tp = ["--comm-grads", "int8", "--compile", "--mesh", "fsdp=2,tp=2", "--sp"]
+    assert load_config(tp).validate(4).comm() == {"grads": "int8"}
 
 
 @pytest.mark.parametrize(
@@ -155,7 +160,8 @@ def test_trainer_flags_and_toml_set_comm(tmp_path):
         (["--comm-grads", "fp8"], "--comm-grads 'fp8' is not supported; use int8 or int4"),
         (["--hpz", "dp"], "--hpz 'dp' is not an axis of --mesh fsdp=4 with more than one rank"),
         (["--comm-grads", "int8", "--compile", "--ac", "full"], "with --compile and --ac full is not supported"),
-        (["--comm-params", "int8", "--compile", "--mesh", "fsdp=2,tp=2"], "--compile and --mesh axis tp is not"),
+        (["--comm-params", "int8", "--compile", "--mesh", "fsdp=2,cp=2"], "--compile and --mesh axis cp is not"),
+        (["--comm-params", "int8", "--compile", "--float8"], "--compile and --float8 is not supported"),
     ],
 )
 def test_trainer_refuses_bad_comm_flags(flags, match):

@@ -104,7 +104,9 @@ def _pre_hook(state: SPMDState, name: str, module: nn.Module, is_root: bool, ent
             kwargs = {k: _to_dtensor(state, v, k) for k, v in kwargs.items()}
         elif not compiling:  # (compile_blocks dresses a block before compiling it)
             hook_sets.dress_inside(mod)  # this call takes the DTensor path: the modules inside move things
-        gather_block(state, mod, compiling)  # before the global view: under a torch-function mode each op costs twice
+        regather = gather_block(
+            state, mod, compiling
+        )  # before the global view: under a torch-function mode each op costs twice
         if not compiling and (is_root or state.phase not in (Phase.FORWARD, Phase.RECOMPUTE)):
             # the root's forward, or a module called on its own (the compiler must not read the phase: it differs
             # between forward and recompute, and a guard on it recompiles)
@@ -115,7 +117,7 @@ def _pre_hook(state: SPMDState, name: str, module: nn.Module, is_root: bool, ent
         if is_linear and args and isinstance(args[0], DTensor):
             x, weight_layout = move_linear_input(state, name, mod._parameters["weight"], args[0], kind == 1)
             args = (x,) + tuple(args[1:])
-        hooks = gather_module_params(state, mod, name, param_names, weight_layout, compiling)
+        hooks = gather_module_params(state, mod, name, param_names, weight_layout, compiling, regather)
         if not compiling:  # (no hooks under the compiler; the stack's depth is not guarded)
             state.saved_hooks.append(hooks)
         return args, kwargs

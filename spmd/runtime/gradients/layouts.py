@@ -17,6 +17,7 @@ __all__ = [
     "HELD_ATTR",
     "optim_layout",
     "reduce_gradient",
+    "summed_as_eager",
 ]
 
 HELD_ATTR = "_spmd_reduce_at_step"  # set by shard_optimizer on a parameter its step reduces (ZeRO-1)
@@ -94,3 +95,21 @@ def join_unreduced(p, g: DTensor) -> DTensor:
         g = g + p.grad.to(g.dtype)
         p.grad = None
     return g
+
+
+def summed_as_eager(params: list, grads: list, token_axes: tuple, where: str) -> list:
+    """A compiled block's gradients in eager's layouts: partial only over the axes in `token_axes` (splitting batch
+    or sequence) that replicate the parameter. A compiled backward may leave partial over tp what eager's activation
+    moves summed (norms) or scattered (row-parallel weights): summed here in full precision, before any wire."""
+    out = []
+    for p, g in zip(params, grads):
+        if isinstance(g, DTensor):
+            target = tuple(
+                c if not c.is_partial() or (name in token_axes and compute.is_replicate()) else compute
+                for c, compute, name in zip(g.placements, p._spmd_compute, g.device_mesh.mesh_dim_names or ())
+            )
+            if target != tuple(g.placements):
+                with tags.reason(where, f"sum gradient of {p._spmd_name} over the axes eager's backward sums it"):
+                    g = g.redistribute(g.device_mesh, target)
+        out.append(g)
+    return out

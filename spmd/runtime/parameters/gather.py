@@ -1,17 +1,11 @@
-"""How a module's parameters reach their compute layout before it runs, and leave after: every move is a
-parameter group's (spmd.runtime.parameters.group), chosen here once per module call:
-* with its block (`gather_block`): the flat group of a repeated block gathers in one collective per mesh axis and
-  reduces its gradients the same way;
-* one by one (`gather_param`), a group of one (made at the parameter's first move and kept for its regathers),
-  for parameters outside a flat group; a parameter several modules share (tied embeddings) gathers once per
-  forward, so its gradient contributions sum before one reduction;
-* inside a compiled block, as DTensor's redistribute that the compiler sees, under a recompute-in-backward policy
-  (ZeRO-3's regather, as the compiler sees it); where the grads map holds the gradient beyond the storage layout
-  (ZeRO-1 and 2) or micro-batches accumulate, a function whose backward is the groups' reduction of one gradient
-  (spmd.runtime.gradients.layouts.reduce_gradient).
-After a module's forward its gathered parameters are dropped and regathered for backward (ZeRO-3,
-spmd.runtime.parameters.reshard), unless the module is under activation checkpointing, which regathers by
-recomputing. `compiling` (whether the compiler traces this call) is the hooks' to decide, once per call.
+"""How a module's parameters reach their compute layout before it runs, and leave after; every move is a
+parameter group's (spmd.runtime.parameters.group), chosen here once per module call: with its block
+(`gather_block`, one collective per mesh axis; with comm also a compiled block's, whose graph takes the values);
+one by one (`gather_param`, a group of one; a shared parameter gathers once per forward); inside a compiled
+block, as DTensor's redistribute under a recompute-in-backward policy (ZeRO-3's regather), or where gradients do
+not simply reduce to the storage layout (ZeRO-1/2, accumulation) a function whose backward is the groups'
+reduction. After forward the gathered parameters are dropped and regathered for backward (ZeRO-3,
+spmd.runtime.parameters.reshard) unless checkpointed. `compiling` (whether the compiler traces) is the hooks'.
 """
 
 import functools
@@ -24,7 +18,7 @@ from ..gradients.layouts import grads_layout, held_for_step, reduce_gradient
 from ..state import tracing
 from ..wire.hpz import keep_secondary
 from .group import ParamGroup
-from .reshard import BODY_COMPILED_ATTR, CHECKPOINTED_ATTR, reshard_after_forward, storage_key
+from .reshard import BODY_COMPILED_ATTR, CHECKPOINTED_ATTR, gathers_in_graph, reshard_after_forward, storage_key
 
 __all__ = [
     "gather_param",
@@ -80,29 +74,33 @@ _recompute_in_backward = functools.partial(
 )
 
 
-def gather_block(state, mod, compiling: bool):
-    """Gathers the flat group of `mod`, if it is a block's, for its modules to find (eager only)."""
-    group = None if compiling or getattr(mod, BODY_COMPILED_ATTR, False) else state.groups.get(id(mod))
-    if group is None and not compiling and state.wire is not None and id(mod) in state.groups:
-        raise ValueError(
-            f"{state.groups[id(mod)].name}: a compiled block called with inputs not split by batch would gather "
-            f"inside its graph in full precision, not on the comm= wire; call it with batch-split inputs, "
-            f"leave it eager, or pass comm=None"
-        )
-    if group is not None:
-        group.values = group.gather(state)
+def gather_block(state, mod, compiling: bool) -> dict | None:
+    """Gathers the flat group of `mod`, if it is a block's, for its modules to find (eager only). With comm a
+    compiled block's group gathers here, for its graph to take; returns what backward regathers of it."""
+    body = getattr(mod, BODY_COMPILED_ATTR, False)
+    group = None if compiling or (body and (state.wire is None or gathers_in_graph(mod))) else state.groups.get(id(mod))
+    if group is None:
+        return None
+    group.values = group.gather(state)
+    for m in (
+        mod.modules() if body else ()
+    ):  # where the graph's modules find them as inputs (no guard on which block it is)
+        m.__dict__.update({n: group.values[id(p)] for n, p in m._parameters.items() if id(p) in group.values})
+    moved = [p for p in group.params if body and moves_data(p.placements, p._spmd_compute, state.mesh)]
+    return {storage_key(group.values[id(p)]): (p, p._spmd_compute, group, None) for p in moved}
 
 
-def gather_module_params(state, mod, name: str, param_names, weight_layout, compiling: bool):
+def gather_module_params(state, mod, name: str, param_names, weight_layout, compiling: bool, regather=None):
     """Puts `mod`'s parameters, in their compute layout, where attribute lookup finds them first
-    (`mod.__dict__`), and returns the saved-tensor hooks that drop them after forward, or None.
+    (`mod.__dict__`), and returns the saved-tensor hooks that drop them (and `regather`'s) after forward, or None.
     `weight_layout` overrides the compute layout of `mod.weight` (a linear layer's decision)."""
-    regather = {}
+    regather = dict(regather or {})
     for p_name in param_names:
         p = mod._parameters[p_name]
         compute = weight_layout if (weight_layout is not None and p_name == "weight") else p._spmd_compute
-        g = gathered_param(state, p, compute, name, compiling)
-        mod.__dict__[p_name] = g
+        placed = mod.__dict__.get(p_name) if compiling and compute is p._spmd_compute else None
+        use = placed is not None and placed is not p  # put there by its compiled block's hooks (gather_block)
+        g = mod.__dict__[p_name] = placed if use else gathered_param(state, p, compute, name, compiling)
         group = None if compiling or not moves_data(p.placements, compute, state.mesh) else regathering_group(state, p)
         if group is not None and not group.keep:  # the root unit keeps its values from forward
             # hpZ: a group of one's backward regathers from a secondary shard kept now, inside its axis

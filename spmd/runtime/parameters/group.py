@@ -1,19 +1,15 @@
-"""A parameter group: one or more parameters that move together, and every move they make (FSDP2's
-FSDPParamGroup). A block's parameters and the root unit (the parameters outside the blocks) are flat groups (the
-whole model on one rank gathers them all); a parameter that moves on its own is a group of one.
+"""A parameter group: parameters that move together, and every move they make (FSDP2's FSDPParamGroup): a block's
+parameters and the root unit (those outside the blocks) are flat groups; a parameter moving alone, a group of one.
 
-Unshard: a flat group, before its block runs forward, flattens its members' local shards per mesh axis into one
-buffer, all-gathers it and cuts the result back into per-parameter tensors in the compute dtype (handed out as
-DTensors, or as local tensors for a block that runs on them); a group of one casts its parameter and
-redistributes it to the layout its module computes in, whatever the move. A flat gather can be issued one block
-ahead (`issue`, FSDP2's prefetch) and finished when the block starts (`finish`). Regather: under ZeRO-3 a flat
-group's backward regathers it once, on the first saved tensor it needs, and starts the previous block's; a group
-of one regathers its parameter alone; the root unit keeps its values (`keep`). Reduce: the gradients, cast to the
-reduce dtype, reach the layout the grads map gives them (gradients.layouts.reduce_gradient: held for a ZeRO-1 step,
-or unreduced under no_sync), a flat group's partial sums in one reduce-scatter and one all-reduce per mesh axis (or
-handed to the reducer that spans blocks, gradients.reducer; a group of one's the same way on a quantized wire), then
-cast back to the parameters' dtype (and copied to the host under offload="params"). Which move a group makes is
-fixed when it is made: `flat`.
+Unshard: a flat group flattens its members' local shards per mesh axis into one buffer, all-gathers it and cuts it
+back into per-parameter tensors in the compute dtype (DTensors, or local tensors for a block that runs on them),
+issued one block ahead (`issue`, FSDP2's prefetch) and finished when the block starts (`finish`); a group of one
+redistributes its parameter to its module's layout. Regather: under ZeRO-3 a flat group's backward regathers it
+once and starts the previous block's; a group of one regathers alone; the root unit keeps its values (`keep`).
+Reduce: the gradients, in the reduce dtype (a compiled block's first summed to eager's layouts), reach the grads
+map's layout (gradients.layouts.reduce_gradient: held for a ZeRO-1 step, unreduced under no_sync), a flat group's
+partial sums in one reduce-scatter and one all-reduce per mesh axis (or via the reducer across blocks; a group of
+one's the same way on a quantized wire), then go back to the parameters' dtype (the host under offload="params").
 """
 
 import torch
@@ -21,12 +17,19 @@ from torch.distributed.tensor import DTensor
 
 from .. import collectives, tags
 from ..dtensor.wrap import cast_all, cast_locals, local_of, wrap_local
-from ..gradients.layouts import grads_layout, held_for_step, join_unreduced, reduce_gradient, slice_onto_shards
+from ..gradients.layouts import (
+    grads_layout,
+    held_for_step,
+    join_unreduced,
+    reduce_gradient,
+    slice_onto_shards,
+    summed_as_eager,
+)
 from ..wire.float8 import float8_weights, gather_members
 from ..wire.hpz import regather_secondary
 from ..wire.param import gather_on_wire
 from .host import host_params, to_compute, to_host
-from .reshard import CHECKPOINTED_ATTR, gathers_in_graph
+from .reshard import BODY_COMPILED_ATTR, CHECKPOINTED_ATTR, gathers_in_graph
 
 __all__ = ["ParamGroup", "shard_dims"]
 
@@ -174,6 +177,8 @@ class ParamGroup:
         across blocks), every other gradient alone. `module`: the module a group of one was gathered for."""
         if state.reduce_dtype is not None:
             grads = cast_all(grads, state.reduce_dtype)
+        if getattr(self.module, BODY_COMPILED_ATTR, False):
+            grads = summed_as_eager(self.params, grads, state.rules.token_axes(), self.name)
         out, work = [None] * len(grads), {}
         # a group of one reduces on a quantized wire as a flat buffer of one member (qgZ); else through DTensor
         packs = self.flat or (self.wire is not None and self.wire.grads is not None)

@@ -1,31 +1,17 @@
 """`compile_blocks(model)`: torch.compile each repeated block of a (parallelized) model.
 
-A block that runs on local tensors (data-only layouts, spmd.runtime.local.blocks) compiles its forward alone, as a
-plain model's block would compile: its hooks stay eager around the graph, gather its bucket, prefetch the
-next and reduce its gradients asynchronously with the other blocks', as in eager (FSDP2's hooks sit around
-a compiled block the same way), and the graph sees plain tensors, with no DTensor to unwrap and rewrap at
-every call. Should such a block take the DTensor path on some call (inputs not split by batch), its
-compiled forward traces that path too, its gathers inside, as a checkpointed block's body does. With
-parallelize(comm=...) only such blocks compile (the others are refused: their gathers would be DTensor
-redistributes inside the graph, in full precision): their group gathers and reduces on the quantized wire
-in the eager hooks, the graph computes, and a call that would take the DTensor path is refused.
-
-Any other block compiles to one graph per block type, with its parameter gathers, layout moves and gradient
-reductions inside it as functional collectives, so the compiler sees and schedules them. Inside a compiled
-block the pass uses DTensor's own redistribute (the same layouts as in eager, see spmd.runtime.parameters.gather),
-inductor buckets the block's collectives of each kind into one (as a flat parameter group does in eager,
-spmd.runtime.parameters.group), and
-ZeRO-3's reshard-after-forward becomes a selective-checkpoint policy: the gathered parameter is recomputed
-(regathered) in backward, not saved. A block under activation checkpointing compiles its body and keeps
-torch's checkpoint outside the graph: the recompute in backward runs the same compiled graph (torch 2.13
-cannot trace a checkpoint around DTensor collectives: its partitioner saves a DeviceMesh for backward).
-The collectives are not recorded (record a step in eager, or use `explain`, for the plan). Gradients reduce
-to the grads map's layout in the graph (ZeRO-2 reduce-scatters onto the optimizer's shards; ZeRO-1 leaves
-them for the step); under `no_sync` the graph leaves them unreduced and the last micro-batch's backward
-reduces the sums once, in flat buffers (spmd.runtime.gradients.accumulate).
-Blocks holding expert modules (a mixture of experts) are refused: the token dispatch's split sizes and
-tokens per expert are data (the routing), read as Python ints, so dynamo breaks the graph and recompiles
-for every routing (on 2 ranks of moe-tiny it hit its recompile limit and the step did not finish in 400 s).
+A block on local tensors (data-only, spmd.runtime.local.blocks) compiles its forward alone, its hooks eager around
+the graph as FSDP2's are: they gather, prefetch and reduce its bucket, and the graph sees plain tensors. With
+comm= every block compiles so, its group on the quantized wire in those hooks (a tp block's graph takes the
+gathered DTensors, its gradients summed to eager's layouts first: gradients.layouts.summed_as_eager); checkpointed
+blocks and float8 layers would gather inside the graph in full precision and are refused.
+Any other block compiles to one graph per block type, its gathers, layout moves and reductions inside as
+functional collectives (DTensor's redistribute, eager's layouts) that inductor buckets per kind; ZeRO-3's regather
+becomes a recompute-in-backward policy. A checkpointed block compiles its body, torch's checkpoint outside (torch
+2.13 cannot trace one around DTensor collectives). Its collectives are not recorded (record eager, or `explain`).
+Gradients reduce to the grads map's layout in the graph; under `no_sync` they stay unreduced and the last
+micro-batch's backward reduces the sums once (spmd.runtime.gradients.accumulate). Blocks holding experts are
+refused: the dispatch's split sizes are data read as Python ints, and dynamo recompiles for every routing.
 """
 
 import torch
@@ -85,7 +71,9 @@ def compile_blocks(model: nn.Module, blocks: str | None = None, bucket: bool = T
             # hook ids are global counters, and dynamo guards on them being in this set: with it empty,
             # every block of a type shares one graph (in a compiled graph an error aborts it anyway)
             m._forward_hooks_always_called.clear()
-        if getattr(block, CHECKPOINTED_ATTR, False):
+        if getattr(state, "wire", None) is not None:  # (not checkpointed: refused) its group on the wire around it
+            _compile_forward(block, **compile_kwargs)
+        elif getattr(block, CHECKPOINTED_ATTR, False):
             compile_body(block, **compile_kwargs)
         else:
             block.compile(**compile_kwargs)
@@ -95,23 +83,22 @@ def compile_blocks(model: nn.Module, blocks: str | None = None, bucket: bool = T
 
 
 def _refuse_wire_in_graph(state, path: str, block_list) -> None:
-    """With comm= only blocks whose hooks stay eager around their compiled forward compile (data-only layouts,
-    not checkpointed): their group gathers and reduces on the quantized wire. The others would gather inside
-    the graph through DTensor's redistribute, in full precision."""
+    """With comm= a checkpointed block (its compiled body regathers) or float8 layers would gather inside the
+    graph through DTensor's redistribute, in full precision."""
     if getattr(state, "wire", None) is None:
         return
     inside = [
         f"{path}.{i}"
         for i, b in enumerate(block_list)
-        if id(b) not in state.local_members or getattr(b, CHECKPOINTED_ATTR, False)
+        if getattr(b, CHECKPOINTED_ATTR, False) or any(computes_in_float8(m) for m in b.modules())
     ]
     if inside:
         raise ValueError(
             f"compile_blocks with parallelize(comm=...): {', '.join(inside[:2])}{', ...' if len(inside) > 2 else ''} "
-            f"would gather and reduce inside the compiled graph (activation checkpointing, or a layout that is "
-            f"not data-only: tp, sp, float8 layers), through DTensor's redistribute, which has no quantized "
-            f"wire. Compiled blocks carry comm on dp/fsdp layouts without checkpointing: drop activation "
-            f"checkpointing (--ac none) or --compile, or pass comm=None"
+            f"would gather and reduce inside the compiled graph (activation checkpointing, or float8 layers), "
+            f"through DTensor's redistribute, which has no quantized wire. Compiled blocks carry comm without "
+            f"checkpointing or float8: drop activation checkpointing (--ac none), --float8 or --compile, or "
+            f"pass comm=None"
         )
 
 
