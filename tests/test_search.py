@@ -333,12 +333,13 @@ def test_each_row_equals_explain_of_its_flags():
     (summaries.accumulated), a lone plain block's regather left prefetched (summaries.checkpointed)."""
     model = tiny(n_layers=4)
     budget = summaries.plan_summary(model, SIZES, True, SHAPE, "fp32", ac="selective:2").memory["total"]
-    tight = S.search(model, 4, memory_budget_bytes=budget, batch_shape=SHAPE, dtype="fp32", specs=[SPEC, "fsdp=4"])
-    ample = S.search(model, 4, batch_shape=SHAPE, dtype="fp32", specs=["dp=2,fsdp=2", "dp=2,tp=2"])
-    pinned = S.search(model, 4, batch_shape=SHAPE, dtype="fp32", specs=["fsdp=2,tp=2"], ac="full", grad_accum=4)
+    ask = dict(batch_shape=SHAPE, dtype="fp32")
+    tight = S.search(model, 4, memory_budget_bytes=budget, specs=[SPEC], **ask)  # each ZeRO stage its own fit
+    ample = S.search(model, 4, specs=["dp=2,fsdp=2"], **ask)
+    pinned = S.search(model, 4, specs=["fsdp=2,tp=2"], ac="full", grad_accum=4, zero=1, **ask)
     compared = [r for r in [*tight, *tight.dropped, *ample, *pinned] if r.memory.get("activations")]
     assert {(r.ac, r.grad_accum) for r in compared} >= {("none", 1), ("selective:2", 1), ("full", 2), ("full", 4)}
-    assert {r.zero for r in compared} >= {1, 2, 3} and len(compared) >= 8
+    assert {r.zero for r in compared} >= {1, 2, 3} and len(compared) >= 7
     for row in compared:
         rules = summaries.rules_for(row.sp, row.zero)
         plan = spmd.explain(model, rules, row.sizes, batch_shape=SHAPE, ac=row.ac, grad_accum=row.grad_accum)

@@ -64,10 +64,10 @@ def test_kept_shortest_paths_are_torchs(monkeypatch):
         first, same_size, small = (planner(mesh, shape) for shape in [(16, 8192, 4096), (8192, 16, 4096), (2, 2, 2)])
         reached = list(fake._shortest_paths(first, Planner.DistState((Replicate(),) * 3, ())))
         assert len(reached) > 50
-        pairs = [(src, dst) for src in reached[:: len(reached) // 5] for dst in reached[:: len(reached) // 12]]
+        pairs = [(src, dst) for src in reached[:: len(reached) // 4] for dst in reached[:: len(reached) // 8]]
         by_size = 0
         for src, dst in pairs:
             kept = [p.find_min_cost_path(src, dst) for p in (first, same_size, small)]
             assert kept[1] == torch_path(same_size, src, dst) and kept[2] == torch_path(small, src, dst), (src, dst)
             by_size += kept[1] != kept[2]
-        assert len(pairs) > 50 and by_size > 5  # the sample holds paths that differ with the tensor's size
+        assert len(pairs) > 30 and by_size > 3  # the sample holds paths that differ with the tensor's size

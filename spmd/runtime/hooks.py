@@ -104,9 +104,7 @@ def _pre_hook(state: SPMDState, name: str, module: nn.Module, is_root: bool, ent
             kwargs = {k: _to_dtensor(state, v, k) for k, v in kwargs.items()}
         elif not compiling:  # (compile_blocks dresses a block before compiling it)
             hook_sets.dress_inside(mod)  # this call takes the DTensor path: the modules inside move things
-        regather = gather_block(
-            state, mod, compiling
-        )  # before the global view: under a torch-function mode each op costs twice
+        regather = gather_block(state, mod, compiling)  # before the global view (under its mode ops cost twice)
         if not compiling and (is_root or state.phase not in (Phase.FORWARD, Phase.RECOMPUTE)):
             # the root's forward, or a module called on its own (the compiler must not read the phase: it differs
             # between forward and recompute, and a guard on it recompiles)

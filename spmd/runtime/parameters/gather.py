@@ -82,9 +82,7 @@ def gather_block(state, mod, compiling: bool) -> dict | None:
     if group is None:
         return None
     group.values = group.gather(state)
-    for m in (
-        mod.modules() if body else ()
-    ):  # where the graph's modules find them as inputs (no guard on which block it is)
+    for m in mod.modules() if body else ():  # the graph's modules take them as inputs (no guard on the block)
         m.__dict__.update({n: group.values[id(p)] for n, p in m._parameters.items() if id(p) in group.values})
     moved = [p for p in group.params if body and moves_data(p.placements, p._spmd_compute, state.mesh)]
     return {storage_key(group.values[id(p)]): (p, p._spmd_compute, group, None) for p in moved}
