@@ -60,7 +60,7 @@ def test_kept_shortest_paths_are_torchs(monkeypatch):
         return made
 
     with fake.fake_world({"cp": 2, "fsdp": 2, "tp": 2}) as (mesh, _):
-        fake._next_states.clear()
+        fake._graphs.clear()
         first, same_size, small = (planner(mesh, shape) for shape in [(16, 8192, 4096), (8192, 16, 4096), (2, 2, 2)])
         reached = list(fake._shortest_paths(first, Planner.DistState((Replicate(),) * 3, ())))
         assert len(reached) > 50

@@ -52,7 +52,9 @@ def fake_world(sizes: dict):
     key, ranks = tuple(sizes.items()), math.prod(sizes.values())
     kept = _kept["world"]
     if kept is not None and kept[0] == ranks and dist.is_initialized() and dist.group.WORLD is kept[1]:
-        mesh = kept[2].get(key) or kept[2].setdefault(key, make_mesh(sizes, device_type="cpu"))
+        if key not in kept[2]:
+            kept[2][key] = make_mesh(sizes, device_type="cpu")
+        mesh = kept[2][key]
     else:
         mesh = _new_world(sizes)
         _kept["world"] = (ranks, dist.group.WORLD, {key: mesh}) if _kept["depth"] else None
@@ -91,17 +93,14 @@ def _real_strided_offsets():
     original = _StridedShard.local_shard_size_and_offset
 
     def real(*args, **kwargs):
-        key = (args, tuple(sorted(kwargs.items())))
-        try:
-            found = _strided_offsets.get(key)
-        except TypeError:  # an argument that is not a plain int
-            key, found = None, None
-        if found is None:
+        def compute():
             with unset_fake_temporarily():
-                found = original(*args, **kwargs)
-            if key is not None:
-                _strided_offsets[key] = found
-        size, offsets = found
+                return original(*args, **kwargs)
+
+        try:
+            size, offsets = _memo(_strided_offsets, (args, tuple(sorted(kwargs.items()))), compute)
+        except TypeError:  # an argument that is not a plain int: no key
+            size, offsets = compute()
         return size, list(offsets) if isinstance(offsets, list) else offsets
 
     _StridedShard.local_shard_size_and_offset = real
@@ -112,7 +111,7 @@ def _real_strided_offsets():
 
 
 _transform_plans: dict = {}  # (src spec, dst spec, graph-based or not, torch's override) -> transform plan
-_next_states: dict = {}  # (mesh, rank, bytes, targets) and a state or two -> next states and costs, or a path
+_graphs: dict = {}  # (mesh, rank, bytes, targets) and a state -> its next states and costs, or its paths
 _MAX_TRANSFORM_PLANS = 200_000
 
 
@@ -143,10 +142,10 @@ def _kept_transform_plans():
 
     def kept_next_states(self, placements, shard_order):
         key = graph(self), tuple(placements), shard_order
-        return _memo(_next_states, key, lambda: next_states(self, placements, shard_order))
+        return _memo(_graphs, key, lambda: next_states(self, placements, shard_order))
 
     def kept_shortest_path(self, src_state, dst_state):
-        paths = _memo(_next_states, (graph(self), src_state), lambda: _shortest_paths(self, src_state))
+        paths = _memo(_graphs, (graph(self), src_state), lambda: _shortest_paths(self, src_state))
         return list(paths[dst_state]) if dst_state in paths else shortest_path(self, src_state, dst_state)
 
     _redistribute._gen_transform_infos_non_cached = kept
