@@ -19,8 +19,9 @@ def test_kept_transform_plans_give_torchs_plan(monkeypatch):
     """With sequence parallelism (activations move between sequence- and feature-sharded layouts through
     DTensor's redistributions), explain with the kept plans, filled at one batch and then served from them at
     another, lists the same collectives (kind, axes, bytes, phase, reason) and memory as with torch's planner
-    alone. Mutation it kills: the key without the target spec (`key = (src_spec, use_graph_based_transform,
-    ...)` in spmd/analysis/fake.py)."""
+    alone. Mutations it kills: the key without the target spec (`key = (src_spec, use_graph_based_transform,
+    ...)` in spmd/analysis/fake.py), a strategy's price kept without its target spec (`key = ("price", src_spec,
+    ...)`)."""
     torch.manual_seed(0)
     model = Llama(LlamaConfig.preset("tiny", kernels="torch"))
     sizes = {"fsdp": 2, "tp": 2}
@@ -39,8 +40,10 @@ def test_kept_shortest_paths_are_torchs(monkeypatch):
     torch's own search finds (`find_min_cost_path`, stopped at the target, every step's cost computed), on a
     mesh of three axes whose graph holds Partial and _StridedShard states. Sources: states reached from
     replication; targets: every state reached from them; a second tensor of another shape and the same size
-    is served from the first one's graph. Mutations it kills: ties broken in reverse order of discovery
-    (`-counter` in `_shortest_paths`' queue entries), the graph keyed without the tensor's size."""
+    is served from the first one's graph; the steps out of a state, kept once per (mesh, rank, targets) and
+    priced per size, cost what torch's own pricing gives. Mutations it kills: ties broken in reverse order of
+    discovery (`-counter` in `_shortest_paths`' queue entries), the graph keyed without the tensor's size, a
+    step priced from the bytes before its shards (`size / 1` in `_priced`)."""
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor._dtensor_spec import TensorMeta
     from torch.distributed.tensor._redistribute import DTensorRedistributePlanner as Planner
@@ -71,3 +74,7 @@ def test_kept_shortest_paths_are_torchs(monkeypatch):
             assert kept[1] == torch_path(same_size, src, dst) and kept[2] == torch_path(small, src, dst), (src, dst)
             by_size += kept[1] != kept[2]
         assert len(pairs) > 30 and by_size > 3  # the sample holds paths that differ with the tensor's size
+        for state in reached[:: len(reached) // 16]:  # each step priced per size as torch prices it, to the bit
+            fields = state.placements, state.tensor_dim_to_mesh_dim
+            for p in (first, small):
+                assert p.get_next_state(*fields) == torchs[0](p, *fields), state

@@ -123,14 +123,25 @@ def _kept_transform_plans():
     Below a plan, the shortest-path search walks a graph whose states are placements and shard orders and whose
     edge costs depend on the mesh, the tensor's rank and its bytes alone (`one_step_redistribute_cost`), not on
     its shape: its edges and shortest paths are kept per (mesh, rank, bytes, the planner's targets), so tensors
-    of one size share them; the plan's shapes along the path are still computed per tensor."""
-    from torch.distributed.tensor import _redistribute
+    of one size share them; the plan's shapes along the path are still computed per tensor. A state's moves
+    (which states follow it, by which one-axis step) do not depend on the bytes either: they are kept per
+    (mesh, rank, targets) and priced per size (`_priced`).
 
-    original = _redistribute._gen_transform_infos_non_cached
+    Above the plans, every op's sharding strategies price each input's move to each candidate layout
+    (`redistribute_cost`, a third of a dry run on a mesh of three axes); a price depends on the two specs alone,
+    so it is kept too."""
+    from torch.distributed.tensor import _redistribute
+    from torch.distributed.tensor._ops import utils as strategies
+
+    original, price = _redistribute._gen_transform_infos_non_cached, strategies.redistribute_cost
 
     def kept(src_spec, dst_spec, use_graph_based_transform=None):
         key = (src_spec, dst_spec, use_graph_based_transform, _redistribute._FORCE_MIN_COST_REDISTRIBUTION_PLAN)
         return list(_memo(_transform_plans, key, lambda: original(src_spec, dst_spec, use_graph_based_transform)))
+
+    def kept_price(src_spec, dst_spec):
+        key = ("price", src_spec, dst_spec, _redistribute._FORCE_MIN_COST_REDISTRIBUTION_PLAN)
+        return _memo(_transform_plans, key, lambda: price(src_spec, dst_spec))
 
     planner = _redistribute.DTensorRedistributePlanner
     next_states, shortest_path = planner.get_next_state, planner.find_min_cost_path
@@ -141,20 +152,65 @@ def _kept_transform_plans():
         return self.device_mesh, self.tensor_dimension, meta.dtype.itemsize * math.prod(meta.shape), targets
 
     def kept_next_states(self, placements, shard_order):
-        key = graph(self), tuple(placements), shard_order
-        return _memo(_graphs, key, lambda: next_states(self, placements, shard_order))
+        mesh, rank, size, targets = key = graph(self)
+
+        def priced():
+            moves = lambda: _moves(self, next_states, placements, shard_order)  # noqa: E731
+            return _priced(mesh, size, _memo(_graphs, (mesh, rank, targets, tuple(placements), shard_order), moves))
+
+        return _memo(_graphs, (key, tuple(placements), shard_order), priced)
 
     def kept_shortest_path(self, src_state, dst_state):
         paths = _memo(_graphs, (graph(self), src_state), lambda: _shortest_paths(self, src_state))
         return list(paths[dst_state]) if dst_state in paths else shortest_path(self, src_state, dst_state)
 
-    _redistribute._gen_transform_infos_non_cached = kept
+    _redistribute._gen_transform_infos_non_cached, strategies.redistribute_cost = kept, kept_price
     planner.get_next_state, planner.find_min_cost_path = kept_next_states, kept_shortest_path
     try:
         yield
     finally:
-        _redistribute._gen_transform_infos_non_cached = original
+        _redistribute._gen_transform_infos_non_cached, strategies.redistribute_cost = original, price
         planner.get_next_state, planner.find_min_cost_path = next_states, shortest_path
+
+
+def _moves(planner, next_states, placements, shard_order) -> dict:
+    """{state: (mesh dim, placement there before, after, shards before) or None} of the states one step from
+    (placements, shard_order): torch's `get_next_state` with its step pricing replaced by what the price needs."""
+    from torch.distributed.tensor.placement_types import _is_shard_like
+
+    mesh = planner.device_mesh
+
+    def move(src, dst):
+        changed = [i for i, (a, b) in enumerate(zip(src.placements, dst.placements)) if a != b]
+        if not changed:
+            return None
+        (dim,) = changed
+        shards = math.prod(mesh.size(i) for i, p in enumerate(src.placements) if _is_shard_like(p))
+        return dim, src.placements[dim], dst.placements[dim], shards
+
+    pricing, planner.cost_function = planner.cost_function, move
+    try:
+        return next_states(planner, placements, shard_order)
+    finally:
+        planner.cost_function = pricing
+
+
+def _priced(mesh, size: int, moves: dict) -> dict:
+    """{state: cost} of `_moves` for a tensor of `size` bytes, as `one_step_redistribute_cost` prices a step
+    (the same operations in the same order: equal floats)."""
+    from torch.distributed.tensor._collective_utils import MeshTopoInfo, _compute_placement_transition_cost
+
+    topo = MeshTopoInfo.build_from_mesh(mesh)
+    costs = {}
+    for state, move in moves.items():
+        if move is None:
+            costs[state] = 0.0
+            continue
+        dim, before, after, shards = move
+        costs[state] = _compute_placement_transition_cost(before, after, topo, dim, size / shards / 1024 / 1024 / 1024)[
+            0
+        ]
+    return costs
 
 
 def _shortest_paths(planner, src) -> dict:
