@@ -45,7 +45,7 @@ from .derived import full_from_none, same_plan
 from .devices import Device, get_device
 from .fake import kept_worlds
 from .search_pipeline import Pipeline, pipeline_sizes, plan_pipeline
-from .search_pool import Progress, Workers, plan_all, verdict
+from .search_pool import Progress, Workers, lightest, plan_all, verdict
 from .search_rows import Row, SearchResult, compression_note, model_label
 from .step_time import flops_per_token, links, predict, recompute_fraction
 from .summaries import ONE_BLOCK, accumulated, as_model, checkpointed, frozen, model_state_bytes, rules_for
@@ -254,9 +254,10 @@ def _plan_full(net, needs: dict, nones: dict, shape, workers) -> dict:
         return _plan_round(net, needs, "full", shape, workers, block=True)
     ones = _plan_round(net, needs, "full", shape, workers, block=ONE_BLOCK)
     fulls = {key: full_from_none(nones[key], one) for key, one in ones.items()}
-    probe = next((key for key, full in fulls.items() if not isinstance(full, Exception)), None)
-    if probe is None or verdict(net, "full_from_none"):
+    laid_out = [key for key, full in fulls.items() if not isinstance(full, Exception)]
+    if not laid_out or verdict(net, "full_from_none"):
         return fulls
+    probe = lightest(laid_out)
     exact = _plan_round(net, {probe: needs[probe]}, "full", shape, workers, block=True)[probe]
     if verdict(net, "full_from_none", same_plan(fulls[probe], exact)):
         return {**fulls, probe: exact}

@@ -18,7 +18,7 @@ from .derived import same_plan, zero2_from
 from .fake import kept_worlds
 from .summaries import DRY_RUNS, Summary, _blocks, _cache, _cache_key, as_model, planned, rules_for
 
-__all__ = ["plan_all", "Progress", "Workers", "stop_on_term", "verdict"]
+__all__ = ["plan_all", "Progress", "Workers", "stop_on_term", "verdict", "lightest"]
 
 _worker_model = None
 _worker_scope = contextlib.ExitStack()  # open for the worker's life: the pool terminates it
@@ -164,12 +164,19 @@ def _zero2_trusted(net: nn.Module, siblings: dict, workers, progress) -> bool:
     """Whether derived.zero2_from holds for `net`: checked once per model (kept in summaries' cache) on the first
     ZeRO 2 job against its dry run."""
     if verdict(net, "zero2_from") is None:
-        job = min(siblings, key=repr)
+        job = lightest(siblings)
         done = _dry_run_all(net, [job, *siblings[job]], workers, progress)
         if isinstance(done[job], Exception):
             return False  # nothing to check it on: plan this round's ZeRO 2 jobs, check on a later one
         verdict(net, "zero2_from", same_plan(zero2_from(*(done[s] for s in siblings[job])), done[job]))
     return verdict(net, "zero2_from")
+
+
+def lightest(jobs):
+    """The job or spec key (mesh sizes first) to check a derivation on: the mesh of fewest axes, then without cp
+    (DTensor prices each op's strategies over every axis: a first dry run on `cp=2,dp=2,tp=2` costs ten times
+    one on `fsdp=8`); a derivation holds for a model or not, whichever mesh checks it."""
+    return min(jobs, key=lambda job: (sum(n > 1 for _, n in job[0]), dict(job[0]).get("cp", 1) > 1, repr(job)))
 
 
 def verdict(net: nn.Module, rule: str, held: bool | None = None) -> bool | None:
