@@ -138,13 +138,9 @@ class ParamGroup:
                 launched = self._launch(locals_, m, why)
             n = self.mesh.size(m)
             for group, out in launched:
-                out = collectives.wait(out).view(n, -1)
-                offset = 0
-                for i in group:
-                    t = locals_[i]
-                    pieces = out[:, offset : offset + t.numel()].view(n, *t.shape).unbind(0)  # one op, not n
-                    locals_[i] = torch.cat(pieces, dim=self.shard_dims[i][m])
-                    offset += t.numel()
+                chunks, dims = [[locals_[i].shape] * n for i in group], [self.shard_dims[i][m] for i in group]
+                for i, whole in zip(group, collectives.unpack(collectives.wait(out).view(n, -1), chunks, dims)):
+                    locals_[i] = whole
         return locals_
 
     def regather(self, dtype, state=None, compute=None, module: str = "", secondary=None) -> dict:
