@@ -181,7 +181,9 @@ class ParamGroup:
         for i, (p, g) in enumerate(zip(self.params, grads)):
             if g is None:
                 continue
-            if packs and state.sync and not held_for_step(p) and not _in_place(p, g):
+            # in place (no mesh axis splits what `g` came from, nothing held back): nothing to pack
+            in_place = packs and p.grad is None and tuple(g.placements) == grads_layout(p)
+            if packs and state.sync and not held_for_step(p) and not in_place:
                 work[i] = slice_onto_shards(join_unreduced(p, g), grads_layout(p))
                 if self.flat and state.reducer is not None and self._hand_over(p, work[i], state.reducer):
                     del work[i]  # reduced with other blocks' gradients, by the end of backward
@@ -248,11 +250,6 @@ class ParamGroup:
             work[i] = DTensor.from_local(
                 reduced, mesh, tuple(placements), run_check=False, shape=g.shape, stride=g.stride()
             )
-
-
-def _in_place(p, g) -> bool:
-    """Nothing to reduce: no mesh axis splits what `g` was computed from, and no gradient is held back."""
-    return p.grad is None and tuple(g.placements) == grads_layout(p)
 
 
 def _bucketable(current, storage, kind: str, g, n: int) -> bool:
