@@ -159,13 +159,11 @@ class ParamGroup:
                 values = self.finish(pending)
             self.regathered = {id(p): v for p, v in zip(self.params, values)}
             prev = self.prev
-            if prev is not None and prev.regathered is None and prev.pending_regather is None and prev.reshards:
+            # (a block under activation checkpointing regathers as it recomputes)
+            checkpointed = prev is not None and getattr(prev.module, CHECKPOINTED_ATTR, False)
+            if prev is not None and prev.regathered is None and prev.pending_regather is None and not checkpointed:
                 prev.pending_regather = prev.issue(dtype, f"regather {prev.name} for backward, prefetched")
         return self.regathered
-
-    @property
-    def reshards(self) -> bool:  # whether this block's backward regathers (not under activation checkpointing)
-        return not getattr(self.module, CHECKPOINTED_ATTR, False)
 
     def reduce(self, grads: list, state, module: str | None = None) -> list:
         """Gradients (compute layout) -> the layout backward leaves them in, in their parameters' dtype: a flat
