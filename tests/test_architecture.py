@@ -223,8 +223,10 @@ MAX_FILES_PER_ROOM = 8
 # collectives.wait for a regathered value's wait: 5,194; plus compiled data-only blocks on the quantized wire and
 # the refusal of those that would gather inside their graph, and a group of one's gradient on that wire: 5,213;
 # plus the why of the global view's view back (why its gradient keeps the split layout), restored: 5,215; with
-# evenly dividing shards packed and unpacked in a few ops a tensor, not a few a rank: 5,216.
-MAX_RUNTIME_LINES, MAX_IS_COMPILING_FILES, MAX_LOCAL_TENSOR_FILES = 5_216, 1, 3
+# evenly dividing shards packed and unpacked in a few ops a tensor, not a few a rank: 5,216; with one unpack of
+# all-gathered rows (collectives.unpack), one-caller helpers folded into their callers and one setter for the
+# tags' context variables: 5,183.
+MAX_RUNTIME_LINES, MAX_IS_COMPILING_FILES, MAX_LOCAL_TENSOR_FILES = 5_183, 1, 3
 MAX_TRACING_CALLS, MAX_SPMD_ATTRIBUTES, MAX_LONGEST_RUNTIME_FUNCTION = 13, 19, 46
 DTENSOR_INTERNALS = (
     r"\._local_tensor\b",

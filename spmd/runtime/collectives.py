@@ -27,7 +27,16 @@ from ..layout.mesh import group_over
 from .wire import flat as wire_flat
 from .wire.quantize import BLOCKWISE
 
-__all__ = ["wait", "Flat", "reduce_scatter", "all_reduce", "all_gather", "all_gather_buffer", "all_gather_dims"]
+__all__ = [
+    "wait",
+    "Flat",
+    "reduce_scatter",
+    "all_reduce",
+    "all_gather",
+    "all_gather_buffer",
+    "all_gather_dims",
+    "unpack",
+]
 
 # torch 2.13 names the flat collectives *_single and deprecates the *_tensor names (all-gather: spmd.runtime.wire.flat)
 _reduce_scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
@@ -54,12 +63,6 @@ class Flat:
             pieces.append(flat[at : at + k].view(shape))
             at += k
         return pieces
-
-
-def _chunk_shapes(shape, dim: int, n: int) -> list:
-    """The shapes of the n chunks DTensor's Shard(dim) cuts a tensor of `shape` into (uneven ones allowed)."""
-    chunks = Shard(dim)._split_tensor(torch.empty(shape, device="meta"), n, with_padding=False)[0]
-    return [c.shape for c in chunks]
 
 
 def _segment(chunks: list, n: int) -> int:
@@ -116,11 +119,20 @@ def all_gather(tensors: list, dims: list, shapes: list, mesh, m: int, wire=None)
     """Each rank's chunk (`tensors`) of whole tensors of `shapes`, split along their dims in `dims` over mesh
     dim `m`, gathered: the whole tensors, on every rank."""
     n = mesh.size(m)
-    chunks = [_chunk_shapes(s, d, n) for s, d in zip(shapes, dims)]
+    # the shapes of the n chunks DTensor's Shard(d) cuts each into (uneven ones allowed)
+    metas = [
+        Shard(d)._split_tensor(torch.empty(s, device="meta"), n, with_padding=False)[0] for s, d in zip(shapes, dims)
+    ]
+    chunks = [[c.shape for c in cut] for cut in metas]
     seg = _segment(chunks, n)
     buf = torch.cat(_padded([t.reshape(-1) for t in tensors], seg))
-    gathered = wait(all_gather_buffer(buf, mesh, m, wire)).view(n, seg)
-    out, at = [], [0] * n
+    return unpack(wait(all_gather_buffer(buf, mesh, m, wire)).view(n, seg), chunks, dims)
+
+
+def unpack(gathered: torch.Tensor, chunks: list, dims: list) -> list:
+    """The whole tensors in an all-gather's rows (`gathered`, one a rank): per tensor its n chunks' shapes, back
+    to back in each row, joined along its dim in `dims`."""
+    n, out, at = gathered.shape[0], [], [0] * gathered.shape[0]
     for c, d in zip(chunks, dims):
         if all(x == c[0] for x in c) and all(a == at[0] for a in at):  # every rank's at one offset: one op
             parts = gathered[:, at[0] : at[0] + c[0].numel()].view(n, *c[0]).unbind(0)
@@ -144,6 +156,6 @@ def all_gather_dims(local: torch.Tensor, dims: dict, mesh, wire=None) -> torch.T
     tensor dim}, in mesh order): the whole tensor along those dims."""
     for m in sorted(dims):
         n = mesh.size(m)
-        rows = wait(all_gather_buffer(local.reshape(-1), mesh, m, wire)).view(n, *local.shape)
-        local = torch.cat(list(rows.unbind(0)), dim=dims[m])
+        rows = wait(all_gather_buffer(local.reshape(-1), mesh, m, wire)).view(n, -1)
+        local = unpack(rows, [[local.shape] * n], [dims[m]])[0]
     return local

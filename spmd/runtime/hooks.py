@@ -57,12 +57,6 @@ def _unwind(state: SPMDState, marks: tuple) -> None:
     state.phase = phase
 
 
-def _awaits_backward(output) -> bool:
-    found = []
-    map_tensors(output, lambda t: found.append(t.requires_grad) or t)
-    return any(found)
-
-
 def _to_dtensor(state: SPMDState, t, key):
     if not isinstance(t, torch.Tensor) or isinstance(t, DTensor):
         return t
@@ -144,7 +138,9 @@ def _post_hook(state: SPMDState, module: nn.Module, is_root: bool, entry: list):
         finally:
             if is_root and entry and not compiling:
                 _unwind(state, entry.pop())  # nothing left entered, however the forward ended (it may have raised)
-                state.phase = Phase.BACKWARD if _awaits_backward(output) else Phase.IDLE
+                awaits = []  # the output's tensors that a backward will run through
+                map_tensors(output, lambda t: awaits.append(t.requires_grad) or t)
+                state.phase = Phase.BACKWARD if any(awaits) else Phase.IDLE
 
     def leave(mod, output, compiling: bool):
         if state.local:

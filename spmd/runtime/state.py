@@ -93,12 +93,6 @@ class SPMDState:
             hit = self.targets[key] = tuple(decide())
         return hit
 
-    def storage_dtype(self, dtype):
-        """The dtype parameters are stored in: `param_dtype` when the master copy lives with the optimizer."""
-        if self.master == "optimizer" and self.param_dtype is not None and dtype.is_floating_point:
-            return self.param_dtype
-        return dtype
-
 
 def tracing() -> bool:
     """Whether the compiler traces this call (a compiled block's graph, which serves every block of its type):

@@ -17,25 +17,21 @@ _context = contextvars.ContextVar("spmd_comm_context", default=None)  # (module,
 _phase = contextvars.ContextVar("spmd_phase", default="forward")
 
 
-@contextlib.contextmanager
 def reason(module: str, why: str, origin: str = "planned"):
-    if tracing():
-        yield
-        return
-    token = _context.set((module, why, origin))
-    try:
-        yield
-    finally:
-        _context.reset(token)
+    return contextlib.nullcontext() if tracing() else _set(_context, (module, why, origin))
+
+
+def phase(name: str):
+    return _set(_phase, name)
 
 
 @contextlib.contextmanager
-def phase(name: str):
-    token = _phase.set(name)
+def _set(var: contextvars.ContextVar, value):
+    token = var.set(value)
     try:
         yield
     finally:
-        _phase.reset(token)
+        var.reset(token)
 
 
 def current_reason() -> tuple | None:

@@ -46,7 +46,9 @@ def reduce_gradient(g: DTensor, grads, held: bool, unreduced: bool, p=None, wher
         if p is not None and p.grad is not None and tuple(p.grad.placements) == tuple(g.placements):
             g = g + p.grad.to(g.dtype)
             p.grad = None
-        target, why = held_layout(g.placements, grads), "but over the axes its step shards"
+        # ZeRO-1 leaves it on the grads map's shards, partial sums (or what it holds) on the axes that map replicates
+        target = tuple(s if s.is_shard() else c for c, s in zip(g.placements, grads))
+        why = "but over the axes its step shards"
     else:
         g = g if p is None else join_unreduced(p, g)
         target, why = tuple(grads), "to its storage layout"
@@ -56,12 +58,6 @@ def reduce_gradient(g: DTensor, grads, held: bool, unreduced: bool, p=None, wher
         return reduce_to(g, target)
     with tags.reason(where[0], f"reduce gradient of {where[1]} {why}"):
         return reduce_to(g, target)
-
-
-def held_layout(current, grads) -> tuple:
-    """Where ZeRO-1's backward leaves a gradient now in `current`: on the grads map's shards, partial sums
-    (or whatever `current` holds) on the axes the grads map replicates."""
-    return tuple(s if s.is_shard() else c for c, s in zip(current, grads))
 
 
 def optim_layout(p) -> tuple:

@@ -57,9 +57,12 @@ class LocalModel(LocalBlock):
         """Gathers every bucket and puts every parameter's local value in its module; returns the local inputs."""
         state = self.state
         values = {}
-        for bucket in _forward_order(state, self.module):
+        # in the order forward uses them: the root unit's, then the blocks' (each prefetches the next)
+        bucket = state.groups.get(id(self.module)) or next((b for b in state.groups.values() if b.prev is None), None)
+        while bucket is not None:
             # on one rank no mesh axis splits the batch: each gradient comes back in its compute layout
             values.update(bucket.gather(state, [p._spmd_compute for p in bucket.params]))
+            bucket = bucket.next
         for m, n, p in self.members:
             m.__dict__[n] = self.value(values, p)
         self.put_buffers()
@@ -78,11 +81,3 @@ class LocalModel(LocalBlock):
             return from_local(t, mesh, layout, t.shape, t.stride())
 
         return map_tensors(output, wrap)
-
-
-def _forward_order(state, model):
-    """The buckets in the order forward uses them: the root unit's, then the blocks' (each prefetches the next)."""
-    bucket = state.groups.get(id(model)) or next((b for b in state.groups.values() if b.prev is None), None)
-    while bucket is not None:
-        yield bucket
-        bucket = bucket.next

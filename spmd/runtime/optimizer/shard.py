@@ -108,8 +108,8 @@ def _install_step_hooks(opt, model, parts, pairs, streamed: bool, copy_out: bool
         clear(set_to_none)
         for part, _ in parts:
             part.zero_grad(set_to_none)
-        if copies is not None:
-            copies.forget()
+        if copies is not None:  # the records go with the gradients, and the device memory they hold
+            copies.copied.clear()
 
     opt.zero_grad = zero_grad
 

@@ -187,10 +187,6 @@ class GradientCopies:
         buffer.copy_(g_local)
         return wrap_local(buffer, master.device_mesh, master.placements, master.shape, master.stride())
 
-    def forget(self) -> None:
-        """Drops the records (the gradients were cleared), and with them the device memory they hold."""
-        self.copied.clear()
-
     def _copy(self, master, local: torch.Tensor) -> _Copy:
         """Queues `local`'s copy into `master`'s buffer and its bit sum on the side stream (which already
         waits for whatever made `local`)."""

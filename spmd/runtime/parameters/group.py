@@ -138,13 +138,9 @@ class ParamGroup:
                 launched = self._launch(locals_, m, why)
             n = self.mesh.size(m)
             for group, out in launched:
-                out = collectives.wait(out).view(n, -1)
-                offset = 0
-                for i in group:
-                    t = locals_[i]
-                    pieces = out[:, offset : offset + t.numel()].view(n, *t.shape).unbind(0)  # one op, not n
-                    locals_[i] = torch.cat(pieces, dim=self.shard_dims[i][m])
-                    offset += t.numel()
+                chunks, dims = [[locals_[i].shape] * n for i in group], [self.shard_dims[i][m] for i in group]
+                for i, whole in zip(group, collectives.unpack(collectives.wait(out).view(n, -1), chunks, dims)):
+                    locals_[i] = whole
         return locals_
 
     def regather(self, dtype, state=None, compute=None, module: str = "", secondary=None) -> dict:
@@ -163,13 +159,11 @@ class ParamGroup:
                 values = self.finish(pending)
             self.regathered = {id(p): v for p, v in zip(self.params, values)}
             prev = self.prev
-            if prev is not None and prev.regathered is None and prev.pending_regather is None and prev.reshards:
+            # (a block under activation checkpointing regathers as it recomputes)
+            checkpointed = prev is not None and getattr(prev.module, CHECKPOINTED_ATTR, False)
+            if prev is not None and prev.regathered is None and prev.pending_regather is None and not checkpointed:
                 prev.pending_regather = prev.issue(dtype, f"regather {prev.name} for backward, prefetched")
         return self.regathered
-
-    @property
-    def reshards(self) -> bool:  # whether this block's backward regathers (not under activation checkpointing)
-        return not getattr(self.module, CHECKPOINTED_ATTR, False)
 
     def reduce(self, grads: list, state, module: str | None = None) -> list:
         """Gradients (compute layout) -> the layout backward leaves them in, in their parameters' dtype: a flat
@@ -185,7 +179,9 @@ class ParamGroup:
         for i, (p, g) in enumerate(zip(self.params, grads)):
             if g is None:
                 continue
-            if packs and state.sync and not held_for_step(p) and not _in_place(p, g):
+            # in place (no mesh axis splits what `g` came from, nothing held back): nothing to pack
+            in_place = packs and p.grad is None and tuple(g.placements) == grads_layout(p)
+            if packs and state.sync and not held_for_step(p) and not in_place:
                 work[i] = slice_onto_shards(join_unreduced(p, g), grads_layout(p))
                 if self.flat and state.reducer is not None and self._hand_over(p, work[i], state.reducer):
                     del work[i]  # reduced with other blocks' gradients, by the end of backward
@@ -252,11 +248,6 @@ class ParamGroup:
             work[i] = DTensor.from_local(
                 reduced, mesh, tuple(placements), run_check=False, shape=g.shape, stride=g.stride()
             )
-
-
-def _in_place(p, g) -> bool:
-    """Nothing to reduce: no mesh axis splits what `g` was computed from, and no gradient is held back."""
-    return p.grad is None and tuple(g.placements) == grads_layout(p)
 
 
 def _bucketable(current, storage, kind: str, g, n: int) -> bool:

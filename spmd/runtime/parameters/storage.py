@@ -23,7 +23,9 @@ def laid_out_param(p, name: str, layout, state, param_init) -> nn.Parameter:
     """`p` as a DTensor parameter in its storage layout and dtype, carrying its other layouts and its name."""
     storage, compute, grads, optim = layout
     value = _initial_value(p, name, param_init)
-    dt = distribute_tensor(value.to(state.storage_dtype(value.dtype)), state.mesh, storage, src_data_rank=None)
+    if state.master == "optimizer" and state.param_dtype is not None and value.dtype.is_floating_point:
+        value = value.to(state.param_dtype)  # the fp32 master lives with the optimizer
+    dt = distribute_tensor(value, state.mesh, storage, src_data_rank=None)
     if host_params(state):
         dt = wrap_local(host_tensor(local_of(dt)), state.mesh, storage, dt.shape, dt.stride())
     new = nn.Parameter(dt, requires_grad=p.requires_grad)
