@@ -146,13 +146,8 @@ def _kept_transform_plans():
     planner = _redistribute.DTensorRedistributePlanner
     next_states, shortest_path = planner.get_next_state, planner.find_min_cost_path
 
-    def graph(self) -> tuple:
-        meta = self.dtensor_meta
-        targets = frozenset(self.strided_shard_placements_in_target), frozenset(self.partial_reduce_ops_in_target)
-        return self.device_mesh, self.tensor_dimension, meta.dtype.itemsize * math.prod(meta.shape), targets
-
     def kept_next_states(self, placements, shard_order):
-        mesh, rank, size, targets = key = graph(self)
+        mesh, rank, size, targets = key = _graph_key(self)
 
         def priced():
             moves = lambda: _moves(self, next_states, placements, shard_order)  # noqa: E731
@@ -161,7 +156,7 @@ def _kept_transform_plans():
         return _memo(_graphs, (key, tuple(placements), shard_order), priced)
 
     def kept_shortest_path(self, src_state, dst_state):
-        paths = _memo(_graphs, (graph(self), src_state), lambda: _shortest_paths(self, src_state))
+        paths = _memo(_graphs, (_graph_key(self), src_state), lambda: _shortest_paths(self, src_state))
         return list(paths[dst_state]) if dst_state in paths else shortest_path(self, src_state, dst_state)
 
     _redistribute._gen_transform_infos_non_cached, strategies.redistribute_cost = kept, kept_price
@@ -171,6 +166,13 @@ def _kept_transform_plans():
     finally:
         _redistribute._gen_transform_infos_non_cached, strategies.redistribute_cost = original, price
         planner.get_next_state, planner.find_min_cost_path = next_states, shortest_path
+
+
+def _graph_key(planner) -> tuple:
+    """What a redistribution graph's edges and their costs depend on: (mesh, rank, bytes, the planner's targets)."""
+    meta = planner.dtensor_meta
+    targets = frozenset(planner.strided_shard_placements_in_target), frozenset(planner.partial_reduce_ops_in_target)
+    return planner.device_mesh, planner.tensor_dimension, meta.dtype.itemsize * math.prod(meta.shape), targets
 
 
 def _moves(planner, next_states, placements, shard_order) -> dict:
