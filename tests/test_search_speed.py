@@ -20,8 +20,8 @@ def test_kept_transform_plans_give_torchs_plan(monkeypatch):
     DTensor's redistributions), explain with the kept plans, filled at one batch and then served from them at
     another, lists the same collectives (kind, axes, bytes, phase, reason) and memory as with torch's planner
     alone. Mutations it kills: the key without the target spec (`key = (src_spec, use_graph_based_transform,
-    ...)` in spmd/analysis/fake.py), a strategy's price kept without its target spec (`key = ("price", src_spec,
-    ...)`)."""
+    ...)` in spmd/analysis/fake.py), a strategy's price kept without its target spec (`key = (src_spec,
+    _redistribute._FORCE...)` in `kept_price`)."""
     torch.manual_seed(0)
     model = Llama(LlamaConfig.preset("tiny", kernels="torch"))
     sizes = {"fsdp": 2, "tp": 2}

@@ -111,6 +111,7 @@ def _real_strided_offsets():
 
 
 _transform_plans: dict = {}  # (src spec, dst spec, graph-based or not, torch's override) -> transform plan
+_prices: dict = {}  # (src spec, dst spec, torch's override) -> an op strategy's price of that move
 _graphs: dict = {}  # (mesh, rank, bytes, targets) and a state -> its next states and costs, or its paths
 _MAX_TRANSFORM_PLANS = 200_000
 
@@ -140,8 +141,8 @@ def _kept_transform_plans():
         return list(_memo(_transform_plans, key, lambda: original(src_spec, dst_spec, use_graph_based_transform)))
 
     def kept_price(src_spec, dst_spec):
-        key = ("price", src_spec, dst_spec, _redistribute._FORCE_MIN_COST_REDISTRIBUTION_PLAN)
-        return _memo(_transform_plans, key, lambda: price(src_spec, dst_spec))
+        key = (src_spec, dst_spec, _redistribute._FORCE_MIN_COST_REDISTRIBUTION_PLAN)
+        return _memo(_prices, key, lambda: price(src_spec, dst_spec))
 
     planner = _redistribute.DTensorRedistributePlanner
     next_states, shortest_path = planner.get_next_state, planner.find_min_cost_path
