@@ -6,11 +6,12 @@ full masks, grouped K/V heads) within 1e-5. Training: the tiny Llama on `cp=4`, 
 `cp=2,tp=2,sp` and `pp=2,cp=2` (1F1B, 2 micro-batches), and transformers' LlamaForCausalLM (SDPA, grouped
 K/V, unchanged, as `--model hf:DIR` wraps it) and MixtralForCausalLM (its load-balancing loss included) on
 `fsdp=2,cp=2`, each rank fed its zigzag share of the sequence
-with the matching RoPE positions and targets: loss, every gradient and every parameter after 3 AdamW steps
-equal one process within 1e-5 (||a-b|| / ||b|| per tensor, as in tests/test_spmd_numerics.py). A sequence
-length that is not a multiple of 2*cp is an error naming the fix, raised before any collective; so is a model
-that makes its own positions (a RoPE table sliced to the length, position ids or learned positions from
-`arange`), which would pair the zigzag tokens with natural-order positions.
+with the matching RoPE positions and targets: loss, every gradient and every parameter after each of 2 AdamW
+steps equal one process within 1e-5 (||a-b|| / ||b|| per tensor, as in tests/test_spmd_numerics.py); the second
+step's gradients, taken at the updated parameters, and its update, reading Adam's stored moments, prove what a
+third step did. A sequence length that is not a multiple of 2*cp is an error naming the fix, raised before any
+collective; so is a model that makes its own positions (a RoPE table sliced to the length, position ids or
+learned positions from `arange`), which would pair the zigzag tokens with natural-order positions.
 
 Ring traffic, measured on the real tensors sent in one step of `fsdp=2,cp=2` (both Llamas): per layer, forward (cp-1)
 hops of this rank's K and V (kv_heads, not the repeated query heads), backward twice that (K/V again, and
@@ -154,7 +155,7 @@ def _train_and_compare(spec: str, planned=None, build=tiny_model):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, eps=1e-6)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.1, eps=1e-6)
     ref_params = dict(ref.named_parameters())
-    for step in range(3):
+    for step in range(2):
         recorder = CollectiveRecorder(mesh) if planned and step == 0 else None
         with recorder or contextlib.nullcontext():
             loss = train_step(*_cp_batch(step, mesh))

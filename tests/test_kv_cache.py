@@ -2,7 +2,7 @@
 `use_cache=True`, which makes transformers build a key/value cache in every call (spmd.runtime.activations.kv_cache).
 
 One launch of 4 processes: Llama on tp=4 and fsdp=2,tp=2,sp and Qwen2 on fsdp=2,tp=2,sp, called as
-`model(input_ids=x, labels=x)`, train 3 AdamW steps as one process does (the reference builds its cache):
+`model(input_ids=x, labels=x)`, train 2 AdamW steps as one process does (the reference builds its cache):
 loss, every gradient and every parameter within 1e-5, norm-relative, in fp32 (tests.test_any_model's
 comparison). A training call returns no cache and leaves the user's config as it was; in eval mode under
 no_grad the model builds its cache on tp=4, and the next token's logits, decoded from that cache, equal one

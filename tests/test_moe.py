@@ -1,11 +1,12 @@
 """The mixture-of-experts model (models/moe.py) under expert parallelism matches one process.
 
-Four gloo processes on CPU, fixed seeds, AdamW, 3 steps, each spec against the same model trained in one
-process: loss (cross-entropy plus the router losses), every gradient and every updated parameter within
-1e-5 (relative norm, as tests/test_spmd_numerics.py measures). In float64, as tests/test_pipeline.py and
-for its reason: AdamW's first steps divide each gradient element by its own magnitude, so fp32 rounding
-(a different summation order over ranks and micro-batches) grows to ~1e-5 in the parameters (measured in
-fp32: 1.1e-5 on ep=2,tp=2, 1.05e-5 on pp=2,ep=2), while a structural error is off by 1e-3 or more.
+Four gloo processes on CPU, fixed seeds, AdamW, 2 steps (the second's gradients, taken at the updated parameters,
+and its update, reading Adam's stored moments, prove what a third did), each spec against the same model trained in
+one process: loss (cross-entropy plus the router losses), every gradient and every updated parameter within 1e-5
+(relative norm, as tests/test_spmd_numerics.py measures). In float64, as tests/test_pipeline.py and for its reason:
+AdamW's first steps divide each gradient element by its own magnitude, so fp32 rounding (a different summation
+order over ranks and micro-batches) grows to ~1e-5 in the parameters (measured in fp32: 1.1e-5 on ep=2,tp=2,
+1.05e-5 on pp=2,ep=2), while a structural error is off by 1e-3 or more.
 `pp=2,ep=2` runs through spmd.build_pipeline and Pipeline.step, clip_grad_norm_ and AdamW as launch.train
 does; its one-process reference computes the same micro-batches (router losses are per micro-batch, as
 under --grad-accum). The router is made uneven on purpose: in
@@ -66,7 +67,7 @@ def _micro_batches(n_dp: int, microbatches: int) -> list[torch.Tensor]:
     ]
 
 
-def _reference(steps: int = 3, micro: list | None = None, max_norm: float | None = None) -> list[dict]:
+def _reference(steps: int = 2, micro: list | None = None, max_norm: float | None = None) -> list[dict]:
     """One process's trajectory: per step the loss, tokens per expert (of the last micro-batch), gradients,
     their norm before clipping to `max_norm` (if given), and updated parameters."""
     ref = moe_tiny()
