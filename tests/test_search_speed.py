@@ -1,13 +1,12 @@
-"""What makes the search's dry runs cheap changes no plan: DTensor's transform plans kept across dry runs
-(spmd/analysis/fake.py) give explain's plan as torch's own planner does."""
-
-import contextlib
+"""What makes the search's dry runs (and a real run's first step) cheap changes no plan: DTensor's planning kept
+per process (spmd/runtime/dtensor/planning.py) gives explain's plan as torch's own planner does."""
 
 import torch
 
 import spmd
 from models.llama import Llama, LlamaConfig
 from spmd.analysis import fake
+from spmd.runtime.dtensor import planning
 
 
 def _plan(model, sizes, batch_shape):
@@ -15,27 +14,27 @@ def _plan(model, sizes, batch_shape):
     return [(c.kind, c.axes, c.bytes, c.phase, c.reason) for c in plan.collectives], plan.memory
 
 
-def test_kept_transform_plans_give_torchs_plan(monkeypatch):
+def test_kept_transform_plans_give_torchs_plan():
     """With sequence parallelism (activations move between sequence- and feature-sharded layouts through
     DTensor's redistributions), explain with the kept plans, filled at one batch and then served from them at
     another, lists the same collectives (kind, axes, bytes, phase, reason) and memory as with torch's planner
     alone. Mutations it kills: the key without the target spec (`key = (src_spec, use_graph_based_transform,
-    ...)` in spmd/analysis/fake.py), a strategy's price kept without its target spec (`key = (src_spec,
+    ...)` in spmd/runtime/dtensor/planning.py), a strategy's price kept without its target spec (`key = (src_spec,
     _redistribute._FORCE...)` in `kept_price`)."""
     torch.manual_seed(0)
     model = Llama(LlamaConfig.preset("tiny", kernels="torch"))
     sizes = {"fsdp": 2, "tp": 2}
-    fake._transform_plans.clear()
+    planning._transform_plans.clear()
     kept = [_plan(model, sizes, (4, 32))]
-    filled = len(fake._transform_plans)
+    filled = len(planning._transform_plans)
     kept.append(_plan(model, sizes, (8, 32)))
-    assert filled > 0 and len(fake._transform_plans) >= filled
-    monkeypatch.setattr(fake, "_kept_transform_plans", contextlib.nullcontext)
-    assert kept[1] == _plan(model, sizes, (8, 32))
+    assert filled > 0 and len(planning._transform_plans) >= filled
+    with planning.torchs():
+        assert kept[1] == _plan(model, sizes, (8, 32))
 
 
-def test_kept_shortest_paths_are_torchs(monkeypatch):
-    """The shortest-path search under a redistribution plan, as a dry run keeps it (fake._kept_transform_plans:
+def test_kept_shortest_paths_are_torchs():
+    """The shortest-path search under a redistribution plan, as a dry run keeps it (planning.install:
     run once from a state to every state, its graph shared by tensors of one rank and size), finds the path
     torch's own search finds (`find_min_cost_path`, stopped at the target, every step's cost computed), on a
     mesh of three axes whose graph holds Partial and _StridedShard states. Sources: states reached from
@@ -49,12 +48,12 @@ def test_kept_shortest_paths_are_torchs(monkeypatch):
     from torch.distributed.tensor._redistribute import DTensorRedistributePlanner as Planner
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    torchs = Planner.get_next_state, Planner.find_min_cost_path  # before a fake world keeps their answers
+    planning.install()
+    torchs = planning._TORCHS["next_states"], planning._TORCHS["shortest_path"]
 
     def torch_path(planner, src, dst):
-        with monkeypatch.context() as m:
-            m.setattr(Planner, "get_next_state", torchs[0])
-            return torchs[1](planner, src, dst)
+        with planning.torchs():
+            return planner.find_min_cost_path(src, dst)
 
     def planner(mesh, shape, dtype=torch.float32):
         made = Planner(mesh, TensorMeta(torch.Size(shape), torch.empty(shape, device="meta").stride(), dtype))
@@ -63,9 +62,9 @@ def test_kept_shortest_paths_are_torchs(monkeypatch):
         return made
 
     with fake.fake_world({"cp": 2, "fsdp": 2, "tp": 2}) as (mesh, _):
-        fake._graphs.clear()
+        planning._graphs.clear()
         first, same_size, small = (planner(mesh, shape) for shape in [(16, 8192, 4096), (8192, 16, 4096), (2, 2, 2)])
-        reached = list(fake._shortest_paths(first, Planner.DistState((Replicate(),) * 3, ())))
+        reached = list(planning._shortest_paths(first, Planner.DistState((Replicate(),) * 3, ())))
         assert len(reached) > 50
         pairs = [(src, dst) for src in reached[:: len(reached) // 4] for dst in reached[:: len(reached) // 8]]
         by_size = 0

@@ -1,0 +1,176 @@
+"""DTensor's redistribution planning, kept per process: what it computes again for every op.
+
+DTensor prices each candidate sharding strategy of every op by the redistributions it would take
+(`expand_to_full_mesh_op_strategy`, `redistribute_cost`): on a mesh of three axes a matmul has 11 one-axis
+strategies and so 1,331 candidates, each input's move priced, and below each price a shortest-path search over
+placements (`find_min_cost_path`) whose every edge built two `DTensorSpec`s. A price depends on the two specs
+alone (mesh layout, placements, shard order, shape, stride, dtype); a graph's edges and their costs
+(`one_step_redistribute_cost`) on the mesh, the tensor's rank and its bytes, not its shape, and which states
+follow a state not even on the bytes. So they are kept (`install`, which `spmd.runtime.dtensor.install` calls:
+`parallelize` and `explain` both plan through them), and a shortest-path search runs once from its source to
+every state: until a target is first reached it pops exactly what torch's search for that target pops, so every
+path is torch's. Under a fake mode DTensor takes itself to be tracing and skips its own cache of transform
+plans; kept here, dry runs keep them too. tests/test_search_speed.py compares the answers with `torchs()`,
+torch planning alone.
+"""
+
+import contextlib
+import math
+
+__all__ = ["install", "torchs", "memo"]
+
+_TORCHS: dict = {}  # torch's own planning functions, put back by torchs()
+_KEPT: dict = {}  # the functions install() put in their place
+_transform_plans: dict = {}  # (src spec, dst spec, graph-based or not, torch's override) -> transform plan
+_prices: dict = {}  # (src spec, dst spec, torch's override) -> an op strategy's price of that move
+_graphs: dict = {}  # (mesh, rank, bytes, targets) and a state -> its next states and costs, or its paths
+_MAX_KEPT = 200_000  # entries of each store
+
+
+def install() -> None:
+    """Answers DTensor's planning from the stores (once per process; `torchs()` undoes it for a while):
+    transform plans (which DTensor does not cache under a fake mode) per spec pair, strategy prices per spec
+    pair, and below a plan its graph: a state's moves per (mesh, rank, targets), priced per tensor size
+    (`_priced`), and the shortest paths from a state per (mesh, rank, bytes, targets)."""
+    if _KEPT:
+        return
+    from torch.distributed.tensor import _redistribute
+    from torch.distributed.tensor._ops import utils as op_utils
+
+    original, price = _redistribute._gen_transform_infos_non_cached, op_utils.redistribute_cost
+
+    def kept(src_spec, dst_spec, use_graph_based_transform=None):
+        key = (src_spec, dst_spec, use_graph_based_transform, _redistribute._FORCE_MIN_COST_REDISTRIBUTION_PLAN)
+        return list(memo(_transform_plans, key, lambda: original(src_spec, dst_spec, use_graph_based_transform)))
+
+    def kept_price(src_spec, dst_spec):
+        key = (src_spec, dst_spec, _redistribute._FORCE_MIN_COST_REDISTRIBUTION_PLAN)
+        return memo(_prices, key, lambda: price(src_spec, dst_spec))
+
+    planner = _redistribute.DTensorRedistributePlanner
+    next_states, shortest_path = planner.get_next_state, planner.find_min_cost_path
+
+    def kept_next_states(self, placements, shard_order):
+        mesh, rank, size, targets = key = _graph_key(self)
+
+        def priced():
+            moves = lambda: _moves(self, next_states, placements, shard_order)  # noqa: E731
+            return _priced(mesh, size, memo(_graphs, (mesh, rank, targets, tuple(placements), shard_order), moves))
+
+        return memo(_graphs, (key, tuple(placements), shard_order), priced)
+
+    def kept_shortest_path(self, src_state, dst_state):
+        paths = memo(_graphs, (_graph_key(self), src_state), lambda: _shortest_paths(self, src_state))
+        return list(paths[dst_state]) if dst_state in paths else shortest_path(self, src_state, dst_state)
+
+    _TORCHS.update(transform=original, price=price, next_states=next_states, shortest_path=shortest_path)
+    _KEPT.update(transform=kept, price=kept_price, next_states=kept_next_states, shortest_path=kept_shortest_path)
+    _put(_KEPT)
+
+
+def _put(functions: dict) -> None:
+    from torch.distributed.tensor import _redistribute
+    from torch.distributed.tensor._ops import utils as op_utils
+
+    _redistribute._gen_transform_infos_non_cached = functions["transform"]
+    op_utils.redistribute_cost = functions["price"]
+    planner = _redistribute.DTensorRedistributePlanner
+    planner.get_next_state, planner.find_min_cost_path = functions["next_states"], functions["shortest_path"]
+
+
+@contextlib.contextmanager
+def torchs():
+    """Within this scope DTensor plans as torch alone does (the kept answers are not asked, nor added to)."""
+    if not _KEPT:
+        yield
+        return
+    _put(_TORCHS)
+    try:
+        yield
+    finally:
+        _put(_KEPT)
+
+
+def _graph_key(planner) -> tuple:
+    """What a redistribution graph's edges and their costs depend on: (mesh, rank, bytes, the planner's targets)."""
+    meta = planner.dtensor_meta
+    targets = frozenset(planner.strided_shard_placements_in_target), frozenset(planner.partial_reduce_ops_in_target)
+    return planner.device_mesh, planner.tensor_dimension, meta.dtype.itemsize * math.prod(meta.shape), targets
+
+
+def _moves(planner, next_states, placements, shard_order) -> dict:
+    """{state: (mesh dim, placement there before, after, shards before) or None} of the states one step from
+    (placements, shard_order): torch's `get_next_state` with its step pricing replaced by what the price needs."""
+    from torch.distributed.tensor.placement_types import _is_shard_like
+
+    mesh = planner.device_mesh
+
+    def move(src, dst):
+        changed = [i for i, (a, b) in enumerate(zip(src.placements, dst.placements)) if a != b]
+        if not changed:
+            return None
+        (dim,) = changed
+        shards = math.prod(mesh.size(i) for i, p in enumerate(src.placements) if _is_shard_like(p))
+        return dim, src.placements[dim], dst.placements[dim], shards
+
+    pricing, planner.cost_function = planner.cost_function, move
+    try:
+        return next_states(planner, placements, shard_order)
+    finally:
+        planner.cost_function = pricing
+
+
+def _priced(mesh, size: int, moves: dict) -> dict:
+    """{state: cost} of `_moves` for a tensor of `size` bytes, as `one_step_redistribute_cost` prices a step
+    (the same operations in the same order: equal floats)."""
+    from torch.distributed.tensor._collective_utils import MeshTopoInfo, _compute_placement_transition_cost
+
+    topo = MeshTopoInfo.build_from_mesh(mesh)
+    costs = {}
+    for state, move in moves.items():
+        if move is None:
+            costs[state] = 0.0
+            continue
+        dim, before, after, shards = move
+        costs[state] = _compute_placement_transition_cost(before, after, topo, dim, size / shards / 1024 / 1024 / 1024)[
+            0
+        ]
+    return costs
+
+
+def _shortest_paths(planner, src) -> dict:
+    """{state: DTensor's shortest path to it from `src`} for every state reachable from `src`: torch's search
+    (`find_min_cost_path`: Dijkstra, ties broken by the order of discovery) run to the end instead of stopping at
+    one target. Until a target is first reached, it pops exactly what torch's search for that target pops, so
+    each path is the one torch would find."""
+    import heapq
+
+    from torch.distributed.tensor._redistribute import _redistribute_cost_sort_key
+
+    paths, counter, queue = {}, 0, [(0.0, 0, 0.0, src, [src])]
+    while queue:
+        _, _, cost, state, path = heapq.heappop(queue)
+        if state in paths:
+            continue
+        paths[state] = path
+        for following, step in planner.get_next_state(state.placements, state.tensor_dim_to_mesh_dim).items():
+            if following not in paths:
+                counter += 1
+                total = cost + step
+                entry = (_redistribute_cost_sort_key(total), counter, total, following, path + [following])
+                heapq.heappush(queue, entry)
+    return paths
+
+
+def memo(store: dict, key, compute):
+    """`store[key]`, computed by `compute()` the first time; the store is emptied when it outgrows its bound.
+    A key that cannot be hashed (symbolic sizes under a compiler's trace) is computed and not kept."""
+    try:
+        found = store.get(key)
+    except TypeError:
+        return compute()
+    if found is None:
+        if len(store) > _MAX_KEPT:
+            store.clear()
+        found = store[key] = compute()
+    return found
