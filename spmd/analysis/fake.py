@@ -94,10 +94,8 @@ def _real_strided_offsets():
             with unset_fake_temporarily():
                 return original(*args, **kwargs)
 
-        try:
-            size, offsets = memo(_strided_offsets, (args, tuple(sorted(kwargs.items()))), compute)
-        except TypeError:  # an argument that is not a plain int: no key
-            size, offsets = compute()
+        # an argument that is not a plain int has no key: memo computes it unkept
+        size, offsets = memo(_strided_offsets, (args, tuple(sorted(kwargs.items()))), compute)
         return size, list(offsets) if isinstance(offsets, list) else offsets
 
     _StridedShard.local_shard_size_and_offset = real

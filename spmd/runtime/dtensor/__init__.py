@@ -1,9 +1,9 @@
 """DTensor internals, in one room: the op handlers and sharding strategies spmd adds to DTensor (`install`),
 DTensor construction around local tensors without `from_local`'s per-call work (wrap), its redistribution
 planning kept per process (planning), and the reach into torch's torch-function mode stack and autograd engine
-(stack). The rest of the runtime speaks DTensor's public
-API or these functions. It is also the one place spmd changes torch.distributed: `destroy_process_group` waits
-for the work registered to end first (teardown: a checkpoint save in flight).
+(stack). The rest of the runtime speaks DTensor's public API or these functions. It is also the one place spmd
+changes torch.distributed: `destroy_process_group` waits for the work registered to end first (teardown: a
+checkpoint save in flight).
 
 Importing spmd changes nothing in torch: `install()`, which `spmd.parallelize`, `spmd.explain` and
 `spmd.checkpoint.AsyncSaver` call, registers the handlers and the teardown wait (idempotent).

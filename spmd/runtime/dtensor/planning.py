@@ -122,7 +122,7 @@ def _moves(planner, next_states, placements, shard_order) -> dict:
 
 def _priced(mesh, size: int, moves: dict) -> dict:
     """{state: cost} of `_moves` for a tensor of `size` bytes, as `one_step_redistribute_cost` prices a step
-    (the same operations in the same order: equal floats)."""
+    (equal floats)."""
     from torch.distributed.tensor._collective_utils import MeshTopoInfo, _compute_placement_transition_cost
 
     topo = MeshTopoInfo.build_from_mesh(mesh)
@@ -130,11 +130,9 @@ def _priced(mesh, size: int, moves: dict) -> dict:
     for state, move in moves.items():
         if move is None:
             costs[state] = 0.0
-            continue
-        dim, before, after, shards = move
-        costs[state] = _compute_placement_transition_cost(before, after, topo, dim, size / shards / 1024 / 1024 / 1024)[
-            0
-        ]
+        else:  # (dividing by 2**30 at once or by 1024 thrice: the same float)
+            dim, before, after, shards = move
+            costs[state], _ = _compute_placement_transition_cost(before, after, topo, dim, size / shards / 2**30)
     return costs
 
 
