@@ -11,7 +11,7 @@ import torch
 import models
 import spmd
 from models.llama import Llama, LlamaConfig
-from spmd.analysis import derived, summaries
+from spmd.analysis import derived, search_rounds, summaries
 from spmd.analysis.devices import DEVICES, Device
 from spmd.analysis.search import ac_modes
 
@@ -124,7 +124,7 @@ def test_blocks_sharing_an_outside_tensor_are_planned_from_both_copies():
     nones = {key: summaries.planned(*args, "none", 1, block=True)}
     derived_full = derived.full_from_none(nones[key], summaries.planned(*args, "full", 1, block=summaries.ONE_BLOCK))
     assert derived_full.memory["activations"] < full.memory["activations"]
-    fulls = S._plan_full(model, {key: [1]}, nones, (8, 16, "bf16"), (None, S.Progress(False)))
+    fulls = search_rounds._plan_full(model, {key: [1]}, nones, (8, 16, "bf16"), (None, S.Progress(False)))
     assert fulls[key].memory == full.memory
     assert {g: v for g, v in fulls[key].groups.items() if v[0]} == full.groups
 

@@ -32,23 +32,20 @@ Each row names what it assumes as launch.train flags: `--mesh SPEC [--zero K] --
 
 from __future__ import annotations
 
-import logging
 import math
 
 import torch.nn as nn
 
-from ..layout.blocks import find_blocks
-from ..layout.rules import ZERO_STAGES, Rules
+from ..layout.rules import ZERO_STAGES
 from ..runtime.transforms.checkpointing import parse_mode
 from .candidates import candidate_specs, candidates, expert_count, mesh_problem, spec_name, zero_stages
-from .derived import full_from_none, same_plan
 from .devices import Device, get_device
-from .fake import kept_worlds
-from .search_pipeline import Pipeline, pipeline_sizes, plan_pipeline
-from .search_pool import Progress, Workers, lightest, plan_all, verdict
+from .search_pipeline import Pipeline, pipeline_sizes
+from .search_pool import Progress
+from .search_rounds import ac_modes, candidate_key, count_blocks, plan_candidates
 from .search_rows import Row, SearchResult, compression_note, model_label
 from .step_time import flops_per_token, links, predict, recompute_fraction
-from .summaries import ONE_BLOCK, accumulated, as_model, checkpointed, frozen, model_state_bytes, rules_for
+from .summaries import as_model, frozen, model_state_bytes, rules_for
 
 __all__ = [
     "Row",
@@ -120,7 +117,7 @@ def search(
     unplanned = _screen(net, tried, world_size, budget)
     todo = [c for c in tried if _floor_key(c) not in unplanned]
     shown = Progress(progress)
-    chosen = _plan(
+    chosen = plan_candidates(
         net,
         model,
         todo,
@@ -138,10 +135,10 @@ def search(
         else:
             _fill(
                 row,
-                chosen[_key((sizes, sp, z))],
+                chosen[candidate_key((sizes, sp, z))],
                 dev,
                 compute_s,
-                _count_blocks(net),
+                count_blocks(net),
                 batch * seq,
                 flops_per_token(net, seq) / (dev.peak(dtype) * world_size),
             )
@@ -175,155 +172,16 @@ def search_meshes(
     if specs is None:
         meshes += [
             ({"pp": pp, **{a: n for a, n in sizes.items() if n > 1}}, sp)
-            for pp in pipeline_sizes(world, _count_blocks(net), max_pp)
+            for pp in pipeline_sizes(world, count_blocks(net), max_pp)
             for sizes, sp in candidates(world // pp, None, max_tp, sequence_parallel, seq, expert_count(net))
         ]
     return meshes
-
-
-def ac_modes(n_blocks: int) -> list[str]:
-    """Checkpointing from least to most recompute: none, selective:N for 1, 2, ... checkpointed blocks (the
-    smallest N for each count), full."""
-    modes = ["none"]
-    for k in range(1, n_blocks + 1):
-        n = math.ceil(n_blocks / k)
-        mode = "full" if n == 1 else f"selective:{n}"
-        if mode not in modes:
-            modes.append(mode)
-    return modes
-
-
-def _count_blocks(net: nn.Module) -> int:
-    try:
-        return len(find_blocks(net)[1])
-    except ValueError:
-        return 0
-
-
-def _key(candidate) -> tuple:
-    """A candidate (sizes, sp, zero stage) as a dict key."""
-    sizes, sp, zero = candidate
-    return frozen(sizes), sp, zero
 
 
 def _floor_key(candidate) -> tuple:
     """What a candidate's model-state floor depends on: its mesh and ZeRO stage."""
     sizes, _, zero = candidate
     return frozen(sizes), zero
-
-
-def _fit(net, todo, shape, budget, pinned, workers) -> dict:
-    """{candidate key: (Summary or error, ac, K)}: per spec the first (K, ac) of step 3 that fits the
-    budget, else the last tried. Planned in rounds, every spec's next try in one `plan_all`."""
-    batch = shape[0]
-    ac, grad_accum = pinned
-    modes = [ac] if ac is not None else ac_modes(_count_blocks(net))
-    out, pending = {}, {}
-    for sizes, sp, z in todo:
-        local = batch // Rules.default(sp).data_parallel_size(sizes)
-        pending[_key((sizes, sp, z))] = (
-            [grad_accum] if grad_accum else [k for k in range(1, local + 1) if local % k == 0] or [1]
-        )
-    while pending:
-        nones = _plan_round(net, pending, "none", shape, workers)
-        needs = {
-            key: pending[key]
-            for key, none in nones.items()
-            if modes != ["none"] and not isinstance(none, Exception) and not _fits(none, modes, budget)
-        }
-        nones.update(_plan_round(net, needs, "none", shape, workers, block=True))
-        fulls = _plan_full(net, needs, nones, shape, workers)
-        for key in list(pending):
-            k, none, full = pending[key][0], nones[key], fulls.get(key)
-            error = next((s for s in (none, full) if isinstance(s, Exception)), None)
-            out[key] = (error, modes[0], k) if error is not None else _least_that_fits(none, full, modes, k, budget)
-            pending[key] = pending[key][1:]
-            if error is not None or out[key][0].memory["total"] <= budget or not pending[key]:
-                del pending[key]
-    return out
-
-
-def _plan_full(net, needs: dict, nones: dict, shape, workers) -> dict:
-    """{spec key: plan under full checkpointing} of `needs`: derived from its plan without checkpointing and a
-    1-block dry run (derived.full_from_none) where, on the first spec, the derived plan equals the one of the
-    1- and 2-block copies under full. It does not for a model whose blocks share a tensor made outside them
-    (a Hugging Face decoder's rotary cos/sin): the blocks save it once without checkpointing, each checkpointed
-    block once more. Such a model is planned from both copies. Checked once per model (search_pool.verdict),
-    the verdict holds for its later rounds and searches."""
-    if verdict(net, "full_from_none") is False:
-        return _plan_round(net, needs, "full", shape, workers, block=True)
-    ones = _plan_round(net, needs, "full", shape, workers, block=ONE_BLOCK)
-    fulls = {key: full_from_none(nones[key], one) for key, one in ones.items()}
-    laid_out = [key for key, full in fulls.items() if not isinstance(full, Exception)]
-    if not laid_out or verdict(net, "full_from_none"):
-        return fulls
-    probe = lightest(laid_out)
-    exact = _plan_round(net, {probe: needs[probe]}, "full", shape, workers, block=True)[probe]
-    if verdict(net, "full_from_none", same_plan(fulls[probe], exact)):
-        return {**fulls, probe: exact}
-    return _plan_round(net, needs, "full", shape, workers, block=True)
-
-
-def _plan(net, model, todo, shape, budget, pinned, how) -> dict:
-    """{candidate key: chosen plan} of every candidate in `todo`: the pp ones planned whole, the rest by _fit in
-    `how`'s (processes, Progress, Pipeline)."""
-    processes, shown, pipeline = how
-    quiet = logging.getLogger("torch.distributed.tensor._redistribute")
-    level = quiet.level
-    quiet.setLevel(logging.ERROR)
-    try:
-        with kept_worlds(), Workers(model, processes) as pool:
-            chosen = _fit(net, [c for c in todo if "pp" not in c[0]], shape, budget, pinned, (pool, shown))
-        chosen.update(_fit_pipelines(net, [c for c in todo if "pp" in c[0]], shape, budget, pinned[0], pipeline))
-    finally:
-        quiet.setLevel(level)
-        shown.close()
-    return chosen
-
-
-def _fit_pipelines(net, todo, shape, budget, ac, how: Pipeline) -> dict:
-    """{candidate key: (Summary or error, ac, 1, pipeline section)} of the pp candidates, planned whole."""
-    modes = [ac] if ac is not None else ["none", "full"]
-    return {_key(c): plan_pipeline(net, _key(c), shape, budget, modes, how) for c in todo}
-
-
-def _plan_round(net, pending: dict, mode: str, shape, workers, block=False) -> dict:
-    """{spec key: plan or error} of each pending spec at its next K with checkpointing `mode`, in one plan_all;
-    `block`: with one block's share (checkpointing composes from it), or ONE_BLOCK: the 1-block copy's plan
-    alone (derived.full_from_none). `workers`: (Workers, Progress)."""
-    batch, seq, dtype = shape
-    jobs = {key: _job(key, ks[0], mode, batch, seq, dtype) + (block,) for key, ks in pending.items()}
-    pool, progress = workers
-    progress.stage = f"--ac {mode}"
-    planned = plan_all(net, sorted(set(jobs.values()), key=repr), pool, progress) if jobs else {}
-    return {key: planned[job] for key, job in jobs.items()}
-
-
-def _fits(none, modes, budget: float) -> bool:
-    """Whether the plan without checkpointing is the answer: allowed, and within the budget (a plan of two
-    micro-batches has the memory of K, see summaries.accumulated)."""
-    return modes[0] == "none" and none.memory["total"] <= budget
-
-
-def _passes(k: int) -> int:
-    """Micro-batches a dry run plans for K of them: one, or two (the first under no_sync) that summaries.accumulated
-    turns into K."""
-    return 1 if k == 1 else 2
-
-
-def _job(key, k: int, mode: str, batch: int, seq: int, dtype: str) -> tuple:
-    """The plan_all job of a spec at K micro-batches: K = 1 as it is, else two of them (no_sync, then sync)."""
-    sizes, sp, zero = key
-    return (sizes, sp, zero, (batch * _passes(k) // k, seq), dtype, mode, _passes(k))
-
-
-def _least_that_fits(none, full, modes, k: int, budget: float):
-    """(plan of K micro-batches, ac, K) for the first of `modes` that fits, else for the last."""
-    for mode in modes:
-        s = accumulated(none if mode == "none" else checkpointed(none, full, mode), _passes(k), k)
-        if s.memory["total"] <= budget:
-            break
-    return s, mode, k
 
 
 def _screen(net: nn.Module, candidates, world_size: int, budget: float) -> dict:
