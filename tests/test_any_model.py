@@ -198,18 +198,17 @@ def _matches_one_device(rank, world, kind, specs, tol=TOL):
             print(f"{kind} {spec}: ok", flush=True)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize(
-    "groups",
+MODEL_GROUPS = [
     [
-        [
-            (("llama", "nanogpt"), SPECS),
-            (("llama_padded", "mistral", "gpt2", "qwen2", "qwen3", "gemma"), FAMILY_SPECS),
-        ],
-        [(("granite", "stablelm", "cohere", "phi", "phi3", "gpt_neox"), FAMILY_SPECS)],
+        (("llama", "nanogpt"), SPECS),
+        (("llama_padded", "mistral", "gpt2", "qwen2", "qwen3", "gemma"), FAMILY_SPECS),
     ],
-    ids=["every_spec_and_families_a", "families_b"],
-)
+    [(("granite", "stablelm", "cohere", "phi", "phi3", "gpt_neox"), FAMILY_SPECS)],
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("groups", MODEL_GROUPS, ids=["every_spec_and_families_a", "families_b"])
 def test_model_matches_one_device(groups):
     """One launch runs several groups (a process's second model on a spec reuses DTensor's sharding rules decided
     for the first: a launch per model paid them again)."""
@@ -233,16 +232,15 @@ ON_EP = ("mixtral", "qwen2_moe", "gpt_oss", "deepseek_v3", "mixtral_one_sided")
 IN_FLOAT64 = ("olmo3", "gemma2")
 
 
+FAMILY_GROUPS = [
+    # the mixtures after the Llama-like families: their attention and embeddings reuse those sharding rules
+    [(tuple(k for k in LLAMA_LIKE if k not in IN_FLOAT64), TP_SPECS), (MIXTURES, TP_SPECS)],
+    [(ON_EP, ["ep=4", "dp=2,ep=2", "ep=2,tp=2"])],
+]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "groups",
-    [
-        # the mixtures after the Llama-like families: their attention and embeddings reuse those sharding rules
-        [(tuple(k for k in LLAMA_LIKE if k not in IN_FLOAT64), TP_SPECS), (MIXTURES, TP_SPECS)],
-        [(ON_EP, ["ep=4", "dp=2,ep=2", "ep=2,tp=2"])],
-    ],
-    ids=["llama_like_and_mixtures_of_experts", "experts_over_ep"],
-)
+@pytest.mark.parametrize("groups", FAMILY_GROUPS, ids=["llama_like_and_mixtures_of_experts", "experts_over_ep"])
 def test_families_match_one_device(groups):
     """One launch runs every family of its groups on the group's specs (the Llama-like families of IN_FLOAT64 run
     in test_model_matches_one_device_in_float64's launch)."""
@@ -514,21 +512,38 @@ def _tiny_hf(model_type: str):
     return model_cls(config_cls(**kwargs, bos_token_id=0, eos_token_id=0))
 
 
-@pytest.mark.parametrize("model_type", sorted(PRESETS))
-def test_presets_lay_out_each_family_on_a_fake_world(model_type):
-    """Every preset annotates its family completely, and a step of fsdp x tp x sp plans without error."""
+def test_every_preset_trains_as_one_device_on_fsdp_tp_sp():
+    """Every family with a preset is annotated by it and trained against one device on `fsdp=2,tp=2,sp` (and
+    the other specs of its group) by one of the numerics launches above; a preset added without a family in
+    them fails here."""
+    on_fsdp_tp_sp = {
+        kind
+        for groups in (*MODEL_GROUPS, *FAMILY_GROUPS)
+        for kinds, specs in groups
+        if "fsdp=2,tp=2,sp" in specs
+        for kind in kinds
+    } | {kind for kind, specs in FLOAT64_RUNS if "fsdp=2,tp=2,sp" in specs}
+    assert not set(PRESETS) - on_fsdp_tp_sp, sorted(set(PRESETS) - on_fsdp_tp_sp)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3"])
+def test_presets_leave_dtensor_nothing_to_decide(model_type):
+    """On a fake world of fsdp x tp x sp, DTensor decides nothing on its own, transformers' loss included: its
+    cross-entropy on the vocab-sharded logits runs vocab-parallel (spmd.runtime.activations.loss), never
+    gathering them."""
     model = _tiny_hf(model_type)
     spmd.annotate_hf(model)
     rules = spmd.Rules.default(sequence_parallel=True)
     plan = spmd.explain(model, rules, {"fsdp": 2, "tp": 2}, batch_shape=(4, 16))
     assert plan.comm_bytes() > 0
-    if model_type in ("llama", "mistral", "qwen2", "qwen3"):
-        # DTensor decides nothing on its own, transformers' loss included: its cross-entropy on the
-        # vocab-sharded logits runs vocab-parallel (spmd.runtime.activations.loss), never gathering them
-        assert not [c for c in plan.collectives if c.origin == "implicit"]
+    assert not [c for c in plan.collectives if c.origin == "implicit"]
 
 
 OPT_SPECS = ["dp=2,fsdp=2", "tp=4,sp", "fsdp=2,tp=2,sp"]
+FLOAT64_RUNS = [
+    *((kind, FAMILY_SPECS) for kind in ("gemma3_text", "olmo2", "starcoder2", "exaone4", *IN_FLOAT64)),
+    ("opt", OPT_SPECS),
+]
 
 
 @pytest.mark.slow
@@ -548,8 +563,7 @@ def test_model_matches_one_device_in_float64():
     gathers = [c for c in plan.collectives if c.reason.startswith("gather a sharded dim the model's view merges")]
     assert sorted(c.module for c in gathers) == ["model.decoder.layers.0", "model.decoder.layers.1"]
     assert not [c for c in plan.collectives if c.origin == "implicit" and c.module.startswith("model.decoder.")]
-    runs = [(kind, FAMILY_SPECS) for kind in ("gemma3_text", "olmo2", "starcoder2", "exaone4", *IN_FLOAT64)]
-    run_distributed(_each_in_float64, 4, [*runs, ("opt", OPT_SPECS)], timeout_s=900)
+    run_distributed(_each_in_float64, 4, FLOAT64_RUNS, timeout_s=900)
 
 
 def _each_in_float64(rank, world, runs):
