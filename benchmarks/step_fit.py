@@ -1,0 +1,96 @@
+"""This machine as a `Device` for the step-time model, from measurements: link figures per collective kind
+fitted to collectives timed inside real steps, compute from a GEMM probe of the model's own linear shapes.
+
+The fit: per collective kind (all_reduce, all_gather, reduce_scatter, all_to_all where present), least squares
+of t = latency + ring steps x step latency + wire bytes / bandwidth over its samples (benchmarks.spec_steps
+times them, spmd.analysis.timed), none negative; every sample pooled gives the single link a kind without
+samples falls back to. The samples a model is ranked with are held out from its own runs: those of the other
+models measured in the same rounds (`held_out`), or, with one model, those of its `fit_specs` only.
+"""
+
+from __future__ import annotations
+
+__all__ = ["fit_link", "fit_kinds", "held_out", "device_for", "link_words"]
+
+
+def fit_link(rows: list[dict], nproc: int) -> dict:
+    """{latency_s, step_latency_s, bandwidth_Bps} minimising the squared error of t = latency + steps x
+    step latency + wire / bandwidth, none negative. A sample without `ranks` (reports before the per-step
+    term) was timed over all `nproc` processes."""
+    import torch
+
+    from spmd.analysis.record import ring_steps
+
+    steps = [ring_steps(r["kind"], r.get("ranks", nproc)) for r in rows]
+    x = torch.tensor([[1.0, s, r["wire_bytes"]] for s, r in zip(steps, rows)], dtype=torch.float64)
+    t = torch.tensor([r["seconds"] for r in rows], dtype=torch.float64)
+    scale = x.abs().amax(0).clamp_min(1e-30)
+    terms = [0, 1, 2]
+    while True:  # drop a term that fits negative and refit the others
+        coef = torch.linalg.lstsq(x[:, terms] / scale[terms], t[:, None]).solution[:, 0] / scale[terms]
+        if all(c >= 0 for c in coef) or len(terms) == 1:
+            break
+        terms.pop(int(torch.argmin(coef)))
+    fit = dict.fromkeys(range(3), 0.0) | {i: max(float(c), 0.0) for i, c in zip(terms, coef)}
+    return {"latency_s": fit[0], "step_latency_s": fit[1], "bandwidth_Bps": 1.0 / max(fit[2], 1e-15)}
+
+
+def fit_kinds(rows: list[dict], nproc: int) -> dict:
+    """{kind: fit_link of that kind's samples, with `samples` (how many) and `rel_rms` (the fit's root mean
+    square error over the mean time)}, and "pooled": every sample in one fit."""
+    by_kind: dict = {}
+    for r in rows:
+        by_kind.setdefault(r["kind"], []).append(r)
+    out = {}
+    for kind, kind_rows in sorted(by_kind.items()) + [("pooled", rows)]:
+        fit = fit_link(kind_rows, nproc)
+        out[kind] = {**fit, "samples": len(kind_rows), "rel_rms": _rel_rms(fit, kind_rows, nproc)}
+    return out
+
+
+def _rel_rms(fit: dict, rows: list[dict], nproc: int) -> float:
+    from spmd.analysis.record import ring_steps
+
+    def model(r):
+        steps = ring_steps(r["kind"], r.get("ranks", nproc))
+        return fit["latency_s"] + steps * fit["step_latency_s"] + r["wire_bytes"] / fit["bandwidth_Bps"]
+
+    mean = sum(r["seconds"] for r in rows) / len(rows)
+    return (sum((model(r) - r["seconds"]) ** 2 for r in rows) / len(rows)) ** 0.5 / mean
+
+
+def held_out(model: str, samples: list[dict], fit_specs: list[str]) -> tuple[list[dict], str]:
+    """(the samples `model` is ranked with, where they come from): the other models' steps; with no other
+    model, `model`'s own steps of `fit_specs`."""
+    others = [s for s in samples if s["model"] != model]
+    if others:
+        return others, "the other models' steps (" + ", ".join(sorted({s["model"] for s in others})) + ")"
+    own = [s for s in samples if s["spec"] in fit_specs]
+    if not own:
+        raise ValueError(f"no held-out samples for {model}: measure another model too, or name --fit-specs it runs")
+    return own, f"{model}'s own steps of " + ", ".join(fit_specs) + " (not held out: one model measured)"
+
+
+def device_for(nproc: int, per_thread: float, fits: dict):
+    """`cpu_device` of `nproc` one-thread ranks at `per_thread` FLOP/s, its links fitted per kind (`fits`,
+    from fit_kinds), the pooled fit for kinds without samples."""
+    from spmd.analysis.devices import Link, cpu_device
+
+    link = lambda f: Link(f["latency_s"], f["step_latency_s"], f["bandwidth_Bps"])  # noqa: E731
+    pooled = fits["pooled"]
+    return cpu_device(
+        nproc,
+        1,
+        per_thread,
+        bandwidth=pooled["bandwidth_Bps"],
+        latency=pooled["latency_s"],
+        step_latency=pooled["step_latency_s"],
+        kind_links={k: link(f) for k, f in fits.items() if k != "pooled"},
+    )
+
+
+def link_words(link: dict) -> str:
+    return (
+        f"latency {1e6 * link['latency_s']:.0f} us + {1e6 * link['step_latency_s']:.0f} us "
+        f"per ring step, bandwidth {link['bandwidth_Bps'] / 1e9:.2f} GB/s"
+    )
