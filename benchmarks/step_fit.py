@@ -13,10 +13,11 @@ from __future__ import annotations
 __all__ = ["fit_link", "fit_kinds", "held_out", "device_for", "link_words"]
 
 
-def fit_link(rows: list[dict], nproc: int) -> dict:
+def fit_link(rows: list[dict], nproc: int, robust: bool = False) -> dict:
     """{latency_s, step_latency_s, bandwidth_Bps} minimising the squared error of t = latency + steps x
-    step latency + wire / bandwidth, none negative. A sample without `ranks` (reports before the per-step
-    term) was timed over all `nproc` processes."""
+    step latency + wire / bandwidth (`robust`: the absolute error, so that a few slow samples do not drag the
+    line), none negative. A sample without `ranks` (reports before the per-step term) was timed over all
+    `nproc` processes."""
     import torch
 
     from spmd.analysis.record import ring_steps
@@ -25,9 +26,10 @@ def fit_link(rows: list[dict], nproc: int) -> dict:
     x = torch.tensor([[1.0, s, r["wire_bytes"]] for s, r in zip(steps, rows)], dtype=torch.float64)
     t = torch.tensor([r["seconds"] for r in rows], dtype=torch.float64)
     scale = x.abs().amax(0).clamp_min(1e-30)
-    terms = [0, 1, 2]
+    # a column the samples do not vary (one group size: one ring-step count) cannot be told from the latency
+    terms = [0] + [i for i in (1, 2) if len(set(x[:, i].tolist())) > 1]
     while True:  # drop a term that fits negative and refit the others
-        coef = torch.linalg.lstsq(x[:, terms] / scale[terms], t[:, None]).solution[:, 0] / scale[terms]
+        coef = _solve(x[:, terms] / scale[terms], t, 30 if robust else 1) / scale[terms]
         if all(c >= 0 for c in coef) or len(terms) == 1:
             break
         terms.pop(int(torch.argmin(coef)))
@@ -35,17 +37,43 @@ def fit_link(rows: list[dict], nproc: int) -> dict:
     return {"latency_s": fit[0], "step_latency_s": fit[1], "bandwidth_Bps": 1.0 / max(fit[2], 1e-15)}
 
 
+def _solve(a, t, rounds: int):
+    """Least squares of a @ coef = t, reweighted `rounds - 1` times by 1/sqrt|residual| (iteratively
+    reweighted least squares: it converges to the least absolute error)."""
+    import torch
+
+    w = torch.ones_like(t)
+    for _ in range(rounds):
+        coef = torch.linalg.lstsq(a * w[:, None], (t * w)[:, None]).solution[:, 0]
+        w = (t - a @ coef).abs().clamp_min(1e-9 * t.abs().mean()).rsqrt()
+    return coef
+
+
 def fit_kinds(rows: list[dict], nproc: int) -> dict:
-    """{kind: fit_link of that kind's samples, with `samples` (how many) and `rel_rms` (the fit's root mean
-    square error over the mean time)}, and "pooled": every sample in one fit."""
+    """{kind: fit_link of that kind's samples, with `samples` (how many), `groups` (how many distinct (ranks,
+    bytes)) and `rel_rms` (the fit's root mean square error over the mean time)}, and "pooled": every sample in
+    one fit. Each fit is to the median time of each (kind, ranks, bytes), least absolute error: a collective
+    that waited for a rank the machine had descheduled is one slow sample among its like, not a pull on the
+    line."""
     by_kind: dict = {}
     for r in rows:
         by_kind.setdefault(r["kind"], []).append(r)
     out = {}
     for kind, kind_rows in sorted(by_kind.items()) + [("pooled", rows)]:
-        fit = fit_link(kind_rows, nproc)
-        out[kind] = {**fit, "samples": len(kind_rows), "rel_rms": _rel_rms(fit, kind_rows, nproc)}
+        medians = _medians(kind_rows, nproc)
+        fit = fit_link(medians, nproc, robust=True)
+        out[kind] = {**fit, "samples": len(kind_rows), "groups": len(medians), "rel_rms": _rel_rms(fit, medians, nproc)}
     return out
+
+
+def _medians(rows: list[dict], nproc: int) -> list[dict]:
+    """One row per (kind, ranks, wire bytes) of `rows`, its time the median of theirs."""
+    import statistics
+
+    like: dict = {}
+    for r in rows:
+        like.setdefault((r["kind"], r.get("ranks", nproc), r["wire_bytes"]), []).append(r["seconds"])
+    return [{"kind": k, "ranks": n, "wire_bytes": b, "seconds": statistics.median(t)} for (k, n, b), t in like.items()]
 
 
 def _rel_rms(fit: dict, rows: list[dict], nproc: int) -> float:

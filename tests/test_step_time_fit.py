@@ -24,20 +24,23 @@ TRUE = {"all_reduce": (2e-4, 5e-4, 3e9), "all_gather": (1e-4, 2e-4, 1e9), "reduc
 
 
 def test_fit_per_kind_recovers_each_kinds_latency_and_bandwidth():
-    """Samples made from TRUE over groups of 2 and 4 ranks: each kind's fit gives its own figures back (1e-6),
-    the pooled one none of them. Mutation that fails it (tried): fit_link counting n-1 ring steps for every
-    kind (all-reduces' 2(n-1) lost)."""
+    """Samples made from TRUE over groups of 2 and 4 ranks, three of each, one of the three 5x slow (a rank
+    descheduled): each kind's fit gives its own figures back (1e-6), the pooled one none of them. With one
+    group size the ring steps cannot be told from the latency: they are folded into it. Mutations that fail
+    it (tried): fit_link counting n-1 ring steps for every kind (all-reduces' 2(n-1) lost); fitting every
+    sample instead of the median of each (kind, ranks, bytes)."""
     rows = [
-        {"kind": kind, "ranks": n, "wire_bytes": b, "seconds": lat + ring_steps(kind, n) * step + b / bw}
+        {"kind": kind, "ranks": n, "wire_bytes": b, "seconds": slow * (lat + ring_steps(kind, n) * step + b / bw)}
         for kind, (lat, step, bw) in TRUE.items()
         for n in (2, 4)
         for b in (1e3, 1e5, 1e6, 1e7)
+        for slow in (1, 5, 1)
     ]
     fits = fit_kinds(rows, 4)
     assert set(fits) == {*TRUE, "pooled"}
     for kind, (lat, step, bw) in TRUE.items():
         f = fits[kind]
-        assert (f["samples"], f["rel_rms"]) == (8, pytest.approx(0, abs=1e-9)), kind
+        assert (f["samples"], f["groups"], f["rel_rms"]) == (24, 8, pytest.approx(0, abs=1e-9)), kind
         assert f["latency_s"] == pytest.approx(lat, rel=1e-6), kind
         assert f["step_latency_s"] == pytest.approx(step, rel=1e-6), kind
         assert f["bandwidth_Bps"] == pytest.approx(bw, rel=1e-6), kind
@@ -45,6 +48,10 @@ def test_fit_per_kind_recovers_each_kinds_latency_and_bandwidth():
     dev = device_for(4, 1e9, fits)
     assert dev.link("all_gather", inter=False) == Link(*(fits["all_gather"][k] for k in _FIGURES))
     assert dev.link("broadcast", inter=False) == Link(*(fits["pooled"][k] for k in _FIGURES))  # no samples
+    lat, step, bw = TRUE["all_reduce"]
+    four = fit_kinds([r for r in rows if r["ranks"] == 4 and r["kind"] == "all_reduce"], 4)["all_reduce"]
+    assert (four["latency_s"], four["step_latency_s"]) == (pytest.approx(lat + 6 * step, rel=1e-6), 0.0)
+    assert four["bandwidth_Bps"] == pytest.approx(bw, rel=1e-6)
 
 
 _FIGURES = ("latency_s", "step_latency_s", "bandwidth_Bps")
@@ -105,6 +112,14 @@ def _timed_steps(rank, world):
             rows = samples(timed, sizes)
             assert {r["kind"] for r in rows} >= ({"all_reduce"} if spec == "dp=2" else {"all_gather", "reduce_scatter"})
             assert all(r["ranks"] == 2 and r["steps"] == ring_steps(r["kind"], 2) for r in rows)
+    timed, x = TimedRecorder(), torch.ones(4)
+    dist.barrier()
+    if rank == 1:
+        time.sleep(LATE_S)
+    with timed:  # c10d's own async all-reduce, as spmd.runtime.collectives issues the dp gradients'
+        dist.all_reduce(x, async_op=True).wait()
+    assert x.tolist() == [2.0] * 4 and timed.records[0].kind == "all_reduce"
+    assert rank == 1 or timed.seconds[0] >= LATE_S / 2, timed.seconds
 
 
 def _key(c):
@@ -115,6 +130,7 @@ def _key(c):
 def test_collectives_are_timed_from_issue_to_completion_inside_a_real_step():
     """fsdp=2 and dp=2 on 2 processes, one launch: the timed step issues the plain recorder's collectives and
     computes the same gradients (bit for bit); rank 0's first collective takes at least half the time rank 1
-    starts late (the rest a margin for the ranks' own noise). Mutation that fails it (tried): TimedRecorder not
-    waiting where it issues (`_wait` a no-op): the first collective's time is its issue only."""
+    starts late (the rest a margin for the ranks' own noise), and so does a c10d async all-reduce. Mutations
+    that fail it (tried): TimedRecorder not waiting where it issues (`_wait` a no-op): the first collective's
+    time is its issue only; `_wait` ignoring a c10d op's Work."""
     run_distributed(_timed_steps, 2)
