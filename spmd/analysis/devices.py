@@ -17,9 +17,10 @@ training is 40-55% on these parts); it is one stated constant, the same for ever
 
 The CPU entry is this machine: peak = its best measured GEMM FLOP/s (per process, scaled down when more
 processes than cores run), all ranks on one "node", links = gloo over loopback with stated defaults
-(benchmarks/search_vs_measured.py measures them and passes a `Device` of its own). Gloo moves data on the
-same cores that compute, so a collective hides behind compute only when the ranks leave the cores to do it:
-with more threads than cores, nothing overlaps (`overlaps_comm`).
+(benchmarks/search_vs_measured.py passes a `Device` of its own: compute at `measure_linear_flops` of the
+model's own shapes, a `Link` per collective kind fitted to collectives timed inside real steps, in
+`kind_links`). Gloo moves data on the same cores that compute, so a collective hides behind compute only
+when the ranks leave the cores to do it: with more threads than cores, nothing overlaps (`overlaps_comm`).
 """
 
 from __future__ import annotations
