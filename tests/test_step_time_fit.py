@@ -134,3 +134,42 @@ def test_collectives_are_timed_from_issue_to_completion_inside_a_real_step():
     that fail it (tried): TimedRecorder not waiting where it issues (`_wait` a no-op): the first collective's
     time is its issue only; `_wait` ignoring a c10d op's Work."""
     run_distributed(_timed_steps, 2)
+
+
+def test_validation_takes_each_specs_median_over_rounds_and_checks_the_top_2():
+    """compare(): three specs in the planner's order, three rounds each (one round of B 10x slow, a loaded
+    machine): a spec's figure is the median of its rounds' medians; B measures best and is the planner's
+    second, so within its top 2; Spearman of the planner 0.5 (ranks 1 2 3 against 2 1 3). Mutation that
+    fails it (tried): the mean over rounds instead of the median (B's slow round makes it last)."""
+    from types import SimpleNamespace
+
+    from benchmarks.search_vs_measured import compare
+
+    def row(spec, step_s, collectives):
+        return SimpleNamespace(
+            spec=spec,
+            step_s=step_s,
+            compute_s=0.0,
+            activation_comm_s=0.0,
+            param_comm_s=step_s,
+            comm_bytes=collectives * 100,
+            collectives=collectives,
+        )
+
+    rows = [row("A", 1.0, 2), row("B", 2.0, 3), row("C", 3.0, 1)]
+    times = {"A": [[0.20, 0.21, 0.22]] * 3, "B": [[0.1, 0.1, 0.1], [1.0, 1.0, 1.0], [0.12, 0.1, 0.11]]}
+    times["C"] = [[0.3, 0.3, 0.3]] * 3
+    collective = {"kind": "all_reduce", "ranks": 2, "steps": 2, "wire_bytes": 8, "seconds": 0.01}
+    jobs = [
+        {"model": "m", "spec": s, "round": i, "step_times": t, "collectives": [collective]}
+        for s, rounds in times.items()
+        for i, t in enumerate(rounds)
+    ]
+    entry = compare("m", rows, jobs)
+    got = {r["spec"]: r for r in entry["rows"]}
+    assert got["B"]["measured_s"] == pytest.approx(0.11) and got["B"]["measured_rounds"] == [0.1, 1.0, 0.11]
+    assert [got[s]["measured_rank"] for s in "ABC"] == [2, 1, 3]
+    assert (entry["measured_best"], entry["measured_best_in_top_2"]) == ("B", True)
+    assert entry["spearman_predicted"] == pytest.approx(0.5)
+    assert entry["spearman_collectives"] == pytest.approx(-1.0)  # ranks 2 3 1 by collectives against 2 1 3
+    assert got["A"]["timed_comm_s"] == pytest.approx(0.01)
