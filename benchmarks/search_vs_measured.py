@@ -28,7 +28,7 @@ import tempfile
 from pathlib import Path
 
 from benchmarks import common
-from benchmarks.step_fit import device_for, fit_kinds, fit_link, held_out, link_words
+from benchmarks.step_fit import device_for, fit_link, fitted_devices, link_words
 
 __all__ = ["spearman", "fit_link", "main"]
 
@@ -83,20 +83,21 @@ def _search(model: str, a, dev):
     )
 
 
-def _linear_flops(model: str, tokens: int) -> float:
-    import torch
-
-    from models.llama import LlamaConfig
-    from spmd.analysis.devices import measure_linear_flops
-
-    with torch.device("meta"):
-        net = LlamaConfig.preset(model).build()
-    return measure_linear_flops(net, tokens, threads=1, budget_s=1.0)
+PACKED = ("kind", "ranks", "wire_bytes", "seconds")  # a timed collective in a report: a row of these
 
 
-def _single_axis(specs: list[str]) -> list[str]:
-    """The specs of one mesh axis (dp-only, fsdp-only, tp-only, with or without sp)."""
-    return [s for s in specs if sum(1 for p in s.split(",") if "=" in p) == 1]
+def packed(jobs: list[dict]) -> list[dict]:
+    """`jobs` as a report keeps them: times to the microsecond, each timed collective a row of PACKED."""
+    return [
+        j
+        | {"step_times": [round(t, 6) for t in j["step_times"]]}
+        | {"collectives": [[c[k] if k != "seconds" else round(c[k], 6) for k in PACKED] for c in j["collectives"]]}
+        for j in jobs
+    ]
+
+
+def unpacked(jobs: list[dict]) -> list[dict]:
+    return [j | {"collectives": [dict(zip(PACKED, c)) for c in j["collectives"]]} for j in jobs]
 
 
 # ------------------------------------------------------------------------------------ comparing
@@ -166,7 +167,7 @@ def main(argv=None) -> int:
     jobs = [(m, s) for m in a.models for s in specs[m]]
     print(f"[search_vs_measured] {len(jobs)} specs x {a.rounds} rounds, one launch per round", flush=True)
     measured = [j for i in range(a.rounds) for j in measure_round(jobs if i % 2 == 0 else jobs[::-1], a, i)]
-    rep["measured"] = measured
+    rep["measured"] = packed(measured)
     rep["device"] = fitted_devices(a, measured, specs)
     for m in a.models:
         d = rep["device"][m]
@@ -182,22 +183,6 @@ def main(argv=None) -> int:
     js, md = common.write(stem, rep, markdown(rep))
     print(f"[search_vs_measured] wrote {js} and {md}")
     return 0
-
-
-def fitted_devices(a, measured: list[dict], specs: dict) -> dict:
-    """Per model: its linear layers' FLOP/s per thread and the per-kind link fits of its held-out samples."""
-    samples = [c | {"model": j["model"], "spec": j["spec"]} for j in measured for c in j["collectives"]]
-    out = {}
-    for m in a.models:
-        rows, source = held_out(m, samples, a.fit_specs or _single_axis(specs[m]))
-        out[m] = {
-            "peak_per_thread": _linear_flops(m, a.batch * a.seq // a.nproc),
-            "fits": fit_kinds(rows, a.nproc),
-            "fitted_to": source,
-        }
-        words = "; ".join(f"{k} {link_words(f)}" for k, f in out[m]["fits"].items())
-        print(f"[search_vs_measured] {m}: {out[m]['peak_per_thread'] / 1e9:.1f} GFLOP/s per thread; {words}")
-    return out
 
 
 def rerank(rep: dict) -> int:
@@ -221,7 +206,7 @@ def rerank(rep: dict) -> int:
     else:
         a.models = [m["model"] for m in rep["models"]]
         specs = {m["model"]: [r["spec"] for r in m["rows"]] for m in rep["models"]}
-        fits = fitted_devices(a, rep["measured"], specs)
+        fits = fitted_devices(a, unpacked(rep["measured"]), specs)
         devices = {m: device_for(a.nproc, d[m]["peak_per_thread"], f["fits"]) for m, f in fits.items()}
     for m in rep["models"]:
         rows = {r.spec: r for r in _search(m["model"], a, devices[m["model"]])}

@@ -10,7 +10,7 @@ models measured in the same rounds (`held_out`), or, with one model, those of it
 
 from __future__ import annotations
 
-__all__ = ["fit_link", "fit_kinds", "held_out", "device_for", "link_words"]
+__all__ = ["fit_link", "fit_kinds", "held_out", "device_for", "fitted_devices", "link_words"]
 
 
 def fit_link(rows: list[dict], nproc: int, robust: bool = False) -> dict:
@@ -115,6 +115,38 @@ def device_for(nproc: int, per_thread: float, fits: dict):
         step_latency=pooled["step_latency_s"],
         kind_links={k: link(f) for k, f in fits.items() if k != "pooled"},
     )
+
+
+def fitted_devices(a, measured: list[dict], specs: dict) -> dict:
+    """Per model: its linear layers' FLOP/s per thread and the per-kind link fits of its held-out samples."""
+    samples = [c | {"model": j["model"], "spec": j["spec"]} for j in measured for c in j["collectives"]]
+    out = {}
+    for m in a.models:
+        rows, source = held_out(m, samples, a.fit_specs or _single_axis(specs[m]))
+        out[m] = {
+            "peak_per_thread": _linear_flops(m, a.batch * a.seq // a.nproc),
+            "fits": fit_kinds(rows, a.nproc),
+            "fitted_to": source,
+        }
+        words = "; ".join(f"{k} {link_words(f)}" for k, f in out[m]["fits"].items())
+        print(f"[search_vs_measured] {m}: {out[m]['peak_per_thread'] / 1e9:.1f} GFLOP/s per thread; {words}")
+    return out
+
+
+def _linear_flops(model: str, tokens: int) -> float:
+    import torch
+
+    from models.llama import LlamaConfig
+    from spmd.analysis.devices import measure_linear_flops
+
+    with torch.device("meta"):
+        net = LlamaConfig.preset(model).build()
+    return measure_linear_flops(net, tokens, threads=1, budget_s=1.0)
+
+
+def _single_axis(specs: list[str]) -> list[str]:
+    """The specs of one mesh axis (dp-only, fsdp-only, tp-only, with or without sp)."""
+    return [s for s in specs if sum(1 for p in s.split(",") if "=" in p) == 1]
 
 
 def link_words(link: dict) -> str:
