@@ -1,21 +1,22 @@
-"""Does `spmd.search` rank specs the way this machine does? Predict, run, compare ranks.
+"""Does `spmd.search` rank specs the way this machine does? Measure every spec, fit, predict, compare ranks.
 
-    python -m benchmarks.search_vs_measured [--models tiny small] [--nproc 4] [--top 3] [--bottom 3] [--steps 8]
+    python -m benchmarks.search_vs_measured [--models tiny small] [--nproc 4] [--rounds 5] [--steps 8] [--warmup 3]
 
-1. Describe this machine as a `spmd.analysis.devices.Device`: peak = its best single-thread fp32 GEMM FLOP/s (torchrun
-   gives each process one thread; with more processes than cores each gets its share), links = gloo on
-   loopback with a latency, a latency per ring step and a bandwidth fitted to all-reduces and all-gathers
-   timed on `nproc` processes, over the whole group and over groups of half its size down to 2, which run
-   side by side as a mesh axis' groups do (t = latency + steps x step latency + ring bytes / bandwidth,
-   least squares; steps and bytes as spmd.analysis.record counts them).
-2. `spmd.search(model, nproc, device=that)` ranks every spec.
-3. The `top` best and `bottom` worst predicted specs train for `steps` steps with launch.train (torchrun);
-   the median step time after `warmup` steps is the measurement.
-4. Spearman's rank correlation between predicted and measured step times (also for two naive predictors:
-   bytes moved, and number of collectives). The ranking is worth publishing only where the correlation holds.
+1. Every spec `spmd.search` ranks for each model is measured in `rounds` interleaved rounds: one torchrun launch
+   per round (benchmarks.spec_steps) runs every spec of every model in turn, in alternating order from round to
+   round; per spec and round, the median of `steps` step times after `warmup`, then one step with every
+   collective timed from issue to completion (spmd.analysis.timed). The measurement of a spec is the median
+   over rounds, its spread (max - min) / median over rounds.
+2. This machine as a `Device` per model (benchmarks.step_fit): compute at the FLOP/s of its own linear layers'
+   matmuls at a rank's share of the batch on one thread (torchrun gives each process one; with more processes
+   than cores each gets its share), links fitted per collective kind to the collectives timed inside the
+   steps of the other models (held out: none of the ranked model's own runs).
+3. `spmd.search(model, nproc, device=that)` ranks every spec; Spearman's rank correlation between predicted and
+   measured step times, next to two trivial predictors (the number of collectives, bytes moved), and whether
+   the measured best spec is among the planner's first two.
 Writes benchmarks/results/<date>-<device>-search-vs-measured.{json,md}. `--reuse RESULTS.json` measures nothing:
-it ranks the specs of a committed report again with today's search (same device figures) and prints the
-correlations with that report's measurements, the planner's and the collective count's (writes no file).
+it ranks the specs of a committed report again with today's search (its device figures refitted from its own
+samples) and prints the correlations with that report's measurements, the planner's and the collective count's.
 """
 
 from __future__ import annotations
@@ -24,10 +25,12 @@ import argparse
 import json
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
 from benchmarks import common
+from benchmarks.step_fit import device_for, fit_link, fitted_devices, link_words
+
+__all__ = ["spearman", "fit_link", "main"]
 
 
 def spearman(xs: list[float], ys: list[float]) -> float:
@@ -55,202 +58,125 @@ def spearman(xs: list[float], ys: list[float]) -> float:
     return num / den if den else float("nan")
 
 
-# ------------------------------------------------------------------------------------ gloo link, measured
-def gloo_worker(out: str) -> None:
-    import torch
-    import torch.distributed as dist
-
-    from spmd.analysis.record import wire_bytes
-
-    dist.init_process_group("gloo")
-    world = dist.get_world_size()
-    groups, n = [(None, world)], world
-    while n % 2 == 0 and n > 2:
-        n //= 2
-        groups.append((dist.new_subgroups(n)[0], n))
-    rows = []
-    for group, n in groups:
-        for kind in ("all_reduce", "all_gather"):
-            for numel in (256, 4096, 65536, 262144, 1048576):
-                x = torch.ones(numel)
-                buf = torch.empty(numel * n)
-                samples = []
-                for _i in range(12):
-                    dist.barrier()
-                    t0 = time.perf_counter()
-                    if kind == "all_reduce":
-                        dist.all_reduce(x, group=group)
-                    else:
-                        dist.all_gather_into_tensor(buf, x, group=group)
-                    samples.append(time.perf_counter() - t0)
-                full = numel * 4 * (n if kind == "all_gather" else 1)
-                rows.append(
-                    {
-                        "kind": kind,
-                        "ranks": n,
-                        "full_bytes": full,
-                        "wire_bytes": wire_bytes(kind, full, n),
-                        "seconds": statistics.median(samples[2:]),
-                    }
-                )
-    if dist.get_rank() == 0:
-        Path(out).write_text(json.dumps(rows))
-    dist.destroy_process_group()
-
-
-def fit_link(rows: list[dict], nproc: int) -> dict:
-    """{latency_s, step_latency_s, bandwidth_Bps} minimising the squared error of t = latency + steps x
-    step latency + wire / bandwidth, none negative. A sample without `ranks` (reports before the per-step
-    term) was timed over all `nproc` processes."""
-    import torch
-
-    from spmd.analysis.record import ring_steps
-
-    steps = [ring_steps(r["kind"], r.get("ranks", nproc)) for r in rows]
-    x = torch.tensor([[1.0, s, r["wire_bytes"]] for s, r in zip(steps, rows)], dtype=torch.float64)
-    t = torch.tensor([r["seconds"] for r in rows], dtype=torch.float64)
-    scale = x.abs().amax(0).clamp_min(1e-30)
-    terms = [0, 1, 2]
-    while True:  # drop a term that fits negative and refit the others
-        coef = torch.linalg.lstsq(x[:, terms] / scale[terms], t[:, None]).solution[:, 0] / scale[terms]
-        if all(c >= 0 for c in coef) or len(terms) == 1:
-            break
-        terms.pop(int(torch.argmin(coef)))
-    fit = dict.fromkeys(range(3), 0.0) | {i: max(float(c), 0.0) for i, c in zip(terms, coef)}
-    return {"latency_s": fit[0], "step_latency_s": fit[1], "bandwidth_Bps": 1.0 / max(fit[2], 1e-15)}
-
-
-def measure_link(nproc: int) -> dict:
+# ------------------------------------------------------------------------------------ measuring
+def measure_round(jobs: list[tuple[str, str]], a, i: int) -> list[dict]:
+    """One round: every (model, spec) of `jobs` in one torchrun launch (benchmarks.spec_steps)."""
     with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp, "gloo.json")
-        common.run(common.torchrun(nproc) + ["-m", "benchmarks.search_vs_measured", "--gloo-worker", str(out)])
-        rows = json.loads(out.read_text())
-    return {**fit_link(rows, nproc), "samples": rows}
+        out = Path(tmp, "round.json")
+        flags = ["--batch", str(a.batch), "--seq", str(a.seq), "--steps", str(a.steps), "--warmup", str(a.warmup)]
+        cmd = common.torchrun(a.nproc) + ["-m", "benchmarks.spec_steps", str(out), *flags, "--job"]
+        common.run(cmd + [f"{m}:{s}" for m, s in jobs], timeout=3600)
+        got = json.loads(out.read_text())["jobs"]
+    for j in got:
+        j["round"] = i
+        print(f"  round {i + 1}: {j['model']} {j['spec']:<16} {statistics.median(j['step_times']):.4f} s", flush=True)
+    return got
 
 
-# ------------------------------------------------------------------------------------ runs
-def run_spec(model: str, spec: str, nproc: int, batch: int, seq: int, steps: int, warmup: int) -> dict:
-    sizes = ",".join(p for p in spec.split(",") if p != "sp")
-    with tempfile.TemporaryDirectory() as tmp:
-        jsonl = Path(tmp, "m.jsonl")
-        cmd = (
-            common.torchrun(nproc)
-            + [
-                "-m",
-                "launch.train",
-                "--model",
-                model,
-                "--mesh",
-                sizes,
-                "--steps",
-                str(steps),
-                "--batch-size",
-                str(batch),
-                "--seq-len",
-                str(seq),
-                "--dtype",
-                "fp32",
-                "--metrics",
-                str(jsonl),
-            ]
-            + (["--sp"] if spec.endswith(",sp") else [])
+def _search(model: str, a, dev):
+    import spmd
+    from models.llama import LlamaConfig
+
+    cfg = LlamaConfig.preset(model)  # as benchmarks.spec_steps trains: fp32, ZeRO 3, no checkpointing, 1 pass
+    return spmd.search(
+        cfg, a.nproc, device=dev, batch_shape=(a.batch, a.seq), dtype="fp32", ac="none", grad_accum=1, zero=3
+    )
+
+
+PACKED = ("kind", "ranks", "wire_bytes", "seconds")  # a timed collective in a report: a row of these
+
+
+def packed(jobs: list[dict]) -> list[dict]:
+    """`jobs` as a report keeps them: times to the microsecond, each timed collective a row of PACKED."""
+    return [
+        j
+        | {"step_times": [round(t, 6) for t in j["step_times"]]}
+        | {"collectives": [[c[k] if k != "seconds" else round(c[k], 6) for k in PACKED] for c in j["collectives"]]}
+        for j in jobs
+    ]
+
+
+def unpacked(jobs: list[dict]) -> list[dict]:
+    return [j | {"collectives": [dict(zip(PACKED, c)) for c in j["collectives"]]} for j in jobs]
+
+
+# ------------------------------------------------------------------------------------ comparing
+def compare(model: str, rows, jobs: list[dict]) -> dict:
+    """The report's entry for `model`: per ranked spec its prediction and measurements over the rounds, the
+    rank correlations, and whether the measured best spec is in the planner's first two."""
+    out_rows = []
+    for rank, r in enumerate(rows, 1):
+        mine = [j for j in jobs if j["model"] == model and j["spec"] == r.spec]
+        per_round = [statistics.median(j["step_times"]) for j in mine]
+        comm = [sum(c["seconds"] for c in j["collectives"]) for j in mine]
+        m = statistics.median(per_round)
+        out_rows.append(
+            {
+                "spec": r.spec,
+                "predicted_rank": rank,
+                "predicted_s": r.step_s,
+                "compute_s": r.compute_s,
+                "activation_comm_s": r.activation_comm_s,
+                "param_comm_s": r.param_comm_s,
+                "comm_bytes": r.comm_bytes,
+                "collectives": r.collectives,
+                "measured_s": m,
+                "measured_rounds": per_round,
+                "spread": (max(per_round) - min(per_round)) / m,
+                "timed_comm_s": statistics.median(comm),
+            }
         )
-        common.run(cmd)
-        return common.steady(common.read_jsonl(jsonl), warmup)
+    meas = [x["measured_s"] for x in out_rows]
+    for rank, i in enumerate(sorted(range(len(meas)), key=lambda i: meas[i]), 1):
+        out_rows[i]["measured_rank"] = rank
+    best = min(out_rows, key=lambda x: x["measured_s"])
+    return {
+        "model": model,
+        "ranked": len(rows),
+        "rows": out_rows,
+        "spearman_predicted": spearman([x["predicted_s"] for x in out_rows], meas),
+        "spearman_comm_bytes": spearman([x["comm_bytes"] for x in out_rows], meas),
+        "spearman_collectives": spearman([x["collectives"] for x in out_rows], meas),
+        # not a predictor (measured): how far collective time alone, as timed in the steps, ranks them
+        "spearman_timed_comm": spearman([x["timed_comm_s"] for x in out_rows], meas),
+        "measured_best": best["spec"],
+        "measured_best_in_top_2": best["predicted_rank"] <= 2,
+    }
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--gloo-worker", default="", help=argparse.SUPPRESS)
     ap.add_argument("--models", nargs="+", default=["tiny", "small"])
     ap.add_argument("--nproc", type=int, default=4)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--top", type=int, default=3)
-    ap.add_argument("--bottom", type=int, default=3)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--repeats", type=int, default=1, help="runs per spec (alternating order); median kept")
+    ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds, every spec once each")
+    ap.add_argument("--fit-specs", nargs="*", default=None, help="with one model: its specs the fit uses")
     ap.add_argument("--out", default=str(common.RESULTS))
     ap.add_argument("--reuse", default="", help="a committed search-vs-measured JSON: re-rank, measure nothing")
     a = ap.parse_args(argv)
-    if a.gloo_worker:
-        gloo_worker(a.gloo_worker)
-        return 0
     if a.reuse:
         return rerank(json.loads(Path(a.reuse).read_text()))
-    import torch
-
-    import spmd
-    from models.llama import LlamaConfig
-    from spmd.analysis.devices import cpu_device, measure_gemm_flops
+    from spmd.analysis.devices import cpu_device
 
     rep = {"environment": common.environment(), "args": vars(a), "models": []}
-    per_thread = measure_gemm_flops(torch.float32, threads=1, budget_s=0.6, sizes=(256, 512, 1024))
-    link = measure_link(a.nproc)
-    dev = cpu_device(
-        a.nproc,
-        1,
-        per_thread,
-        bandwidth=link["bandwidth_Bps"],
-        latency=link["latency_s"],
-        step_latency=link["step_latency_s"],
-    )
-    rep["device"] = {"peak_per_thread": per_thread, "peak_per_rank": dev.peak("fp32"), **link}
-    print(f"[search_vs_measured] GEMM {per_thread / 1e9:.1f} GFLOP/s per thread; gloo {_link_words(link)}", flush=True)
-    for model in a.models:
-        cfg = LlamaConfig.preset(model)
-        rows = spmd.search(
-            cfg, a.nproc, device=dev, batch_shape=(a.batch, a.seq), dtype="fp32", ac="none", grad_accum=1, zero=3
-        )  # as run_spec trains
-        chosen = list(rows[: a.top]) + [r for r in rows[max(a.top, len(rows) - a.bottom) :]]
-        print(
-            f"[search_vs_measured] {model}: {len(rows)} specs ranked; running {', '.join(r.spec for r in chosen)}",
-            flush=True,
-        )
-        measured = {r.spec: [] for r in chosen}
-        for i in range(a.repeats):
-            for r in chosen if i % 2 == 0 else chosen[::-1]:
-                measured[r.spec].append(run_spec(model, r.spec, a.nproc, a.batch, a.seq, a.steps, a.warmup))
-                print(
-                    f"  {r.spec:<18} predicted {r.step_s:.4f}s measured {measured[r.spec][-1]['step_time_s']:.4f}s",
-                    flush=True,
-                )
-        out_rows = []
-        for r in chosen:
-            m = statistics.median(x["step_time_s"] for x in measured[r.spec])
-            out_rows.append(
-                {
-                    "spec": r.spec,
-                    "predicted_rank": rows.index(r) + 1,
-                    "predicted_s": r.step_s,
-                    "compute_s": r.compute_s,
-                    "activation_comm_s": r.activation_comm_s,
-                    "param_comm_s": r.param_comm_s,
-                    "comm_bytes": r.comm_bytes,
-                    "collectives": r.collectives,
-                    "measured_s": m,
-                    "measured_runs": [x["step_time_s"] for x in measured[r.spec]],
-                    "spread": max(x["step_time_spread"] for x in measured[r.spec]),
-                }
-            )
-        pred = [x["predicted_s"] for x in out_rows]
-        meas = [x["measured_s"] for x in out_rows]
-        order = sorted(range(len(meas)), key=lambda i: meas[i])
-        for rank, i in enumerate(order, 1):
-            out_rows[i]["measured_rank_among_run"] = rank
-        entry = {
-            "model": model,
-            "ranked": len(rows),
-            "rows": out_rows,
-            "spearman_predicted": spearman(pred, meas),
-            "spearman_comm_bytes": spearman([x["comm_bytes"] for x in out_rows], meas),
-            "spearman_collectives": spearman([x["collectives"] for x in out_rows], meas),
-            "all_predictions": [{"spec": r.spec, "step_s": r.step_s} for r in rows],
-        }
+    placeholder = cpu_device(a.nproc, 1, 1e9)  # which specs lay out and fit does not depend on the figures
+    specs = {m: [r.spec for r in _search(m, a, placeholder)] for m in a.models}
+    jobs = [(m, s) for m in a.models for s in specs[m]]
+    print(f"[search_vs_measured] {len(jobs)} specs x {a.rounds} rounds, one launch per round", flush=True)
+    measured = [j for i in range(a.rounds) for j in measure_round(jobs if i % 2 == 0 else jobs[::-1], a, i)]
+    rep["measured"] = packed(measured)
+    rep["device"] = fitted_devices(a, measured, specs)
+    for m in a.models:
+        d = rep["device"][m]
+        entry = compare(m, _search(m, a, device_for(a.nproc, d["peak_per_thread"], d["fits"])), measured)
         rep["models"].append(entry)
         print(
-            f"[search_vs_measured] {model}: Spearman predicted vs measured {entry['spearman_predicted']:.3f}",
+            f"[search_vs_measured] {m}: Spearman planner {entry['spearman_predicted']:.3f}, collective count "
+            f"{entry['spearman_collectives']:.3f}; measured best {entry['measured_best']} in the planner's top 2: "
+            f"{entry['measured_best_in_top_2']}",
             flush=True,
         )
     stem = Path(a.out) / f"{common.today()}-{common.device_slug()}-search-vs-measured"
@@ -261,39 +187,29 @@ def main(argv=None) -> int:
 
 def rerank(rep: dict) -> int:
     """Prints, per model of a committed report, Spearman's rho of today's predictions and of the collective
-    count (today's plans) against the report's measured step times, over every spec it measured."""
-    import spmd
-    from models.llama import LlamaConfig
-    from spmd.analysis.devices import cpu_device
+    count (today's plans) against the report's measured step times, over every spec it measured. The device
+    is refitted to the report's own samples: per kind to the collectives timed in its steps (held out as the
+    report's run held them out), or, for a report of isolated collectives, one link."""
+    from types import SimpleNamespace
 
     args, d = rep["args"], rep["device"]
-    link = fit_link(d["samples"], args["nproc"])
-    dev = cpu_device(
-        args["nproc"],
-        1,
-        d["peak_per_thread"],
-        bandwidth=link["bandwidth_Bps"],
-        latency=link["latency_s"],
-        step_latency=link["step_latency_s"],
-    )
-    print(
-        f"re-ranked {rep['environment']['commit'][:12]}'s measurements with today's spmd.search; gloo refitted "
-        f"to the report's samples: {_link_words(link)}"
-    )
+    a = SimpleNamespace(**{**args, "fit_specs": args.get("fit_specs")})
+    if "samples" in d:  # before the in-step fit: one link, one GEMM peak
+        from spmd.analysis.devices import cpu_device
+
+        link = fit_link(d["samples"], args["nproc"])
+        dev = cpu_device(
+            args["nproc"], 1, d["peak_per_thread"], link["bandwidth_Bps"], link["latency_s"], link["step_latency_s"]
+        )
+        devices = dict.fromkeys((m["model"] for m in rep["models"]), dev)
+        print(f"re-ranking {rep['environment']['commit'][:12]}'s measurements; gloo refitted: {link_words(link)}")
+    else:
+        a.models = [m["model"] for m in rep["models"]]
+        specs = {m["model"]: [r["spec"] for r in m["rows"]] for m in rep["models"]}
+        fits = fitted_devices(a, unpacked(rep["measured"]), specs)
+        devices = {m: device_for(a.nproc, d[m]["peak_per_thread"], f["fits"]) for m, f in fits.items()}
     for m in rep["models"]:
-        rows = {
-            r.spec: r
-            for r in spmd.search(
-                LlamaConfig.preset(m["model"]),
-                args["nproc"],
-                device=dev,
-                dtype="fp32",
-                batch_shape=(args["batch"], args["seq"]),
-                ac="none",
-                grad_accum=1,
-                zero=3,
-            )
-        }
+        rows = {r.spec: r for r in _search(m["model"], a, devices[m["model"]])}
         measured = [x["measured_s"] for x in m["rows"]]
         ours = spearman([rows[x["spec"]].step_s for x in m["rows"]], measured)
         count = spearman([rows[x["spec"]].collectives for x in m["rows"]], measured)
@@ -304,57 +220,68 @@ def rerank(rep: dict) -> int:
     return 0
 
 
-def _link_words(link: dict) -> str:
-    return (
-        f"fitted latency {1e6 * link['latency_s']:.0f} us + {1e6 * link['step_latency_s']:.0f} us "
-        f"per ring step, bandwidth {link['bandwidth_Bps'] / 1e9:.2f} GB/s"
-    )
-
-
-def _group_sizes(d: dict) -> str:
-    return " and ".join(str(n) for n in sorted({r["ranks"] for r in d["samples"]}, reverse=True))
-
-
 def _verdict(planner: float, trivial: float) -> str:
     return "beats" if planner > trivial else "ties" if planner == trivial else "does not beat"
 
 
 def markdown(rep: dict) -> str:
-    env, d, a = rep["environment"], rep["device"], rep["args"]
+    env, a = rep["environment"], rep["args"]
     lines = [
         "# spmd.search: predicted vs measured step times",
         "",
         f"{env['date']}, {env['device']}, torch {env['torch']}, {env['cpu_count']} cores, load average "
-        f"{env.get('loadavg_1m', float('nan')):.1f} at start; {a['nproc']} processes (1 thread each), batch "
-        f"{a['batch']} x {a['seq']}, fp32, {a['steps']} steps, median after {a['warmup']}.",
-        "",
-        f"Device model: GEMM peak {d['peak_per_thread'] / 1e9:.1f} GFLOP/s per thread "
-        f"({d['peak_per_rank'] / 1e9:.1f} per rank with {a['nproc']} processes on {env['cpu_count']} cores); "
-        f"gloo {_link_words(d)} (collectives over {_group_sizes(d)} ranks).",
+        f"{env.get('loadavg_1m', float('nan')):.1f} at start, commit {env['commit'][:12]}; {a['nproc']} "
+        f"processes (1 thread each), batch {a['batch']} x {a['seq']}, fp32, ZeRO 3; {a['rounds']} interleaved "
+        f"rounds, each the median of {a['steps']} steps after {a['warmup']}; a spec's figure is the median over "
+        "rounds, its spread (max - min) / median.",
         "",
     ]
     for m in rep["models"]:
+        d = rep["device"][m["model"]]
         lines += [
-            f"## {m['model']}: Spearman rho (predicted, measured) = {m['spearman_predicted']:.3f} "
-            f"over {len(m['rows'])} specs",
+            f"## {m['model']}: Spearman rho (predicted, measured) = {m['spearman_predicted']:.3f} over "
+            f"{len(m['rows'])} specs",
             "",
-            f"Naive predictors on the same runs: bytes moved rho = {m['spearman_comm_bytes']:.3f}, "
-            f"number of collectives rho = {m['spearman_collectives']:.3f}: the planner "
-            f"{_verdict(m['spearman_predicted'], m['spearman_collectives'])} the collective count.",
+            f"Trivial predictors on the same runs: number of collectives rho = {m['spearman_collectives']:.3f}, "
+            f"bytes moved rho = {m['spearman_comm_bytes']:.3f}: the planner "
+            f"{_verdict(m['spearman_predicted'], m['spearman_collectives'])} the collective count. Measured best: "
+            f"{m['measured_best']}, {'within' if m['measured_best_in_top_2'] else 'not within'} the planner's top 2. "
+            f"The collectives' own times in the timed step rank the specs at rho = {m['spearman_timed_comm']:.3f} "
+            "(measured, not predicted: how far collective time alone ranks them).",
             "",
-            f"| spec | predicted rank (of {m['ranked']}) | measured rank (of run) | predicted s | compute s | "
-            "act comm s | param comm s | collectives | comm bytes | measured s | measured / predicted |",
-            "|---|---|---|---|---|---|---|---|---|---|---|",
+            f"Device: linear layers' matmuls at {d['peak_per_thread'] / 1e9:.1f} GFLOP/s per thread; links fitted "
+            f"to the collectives timed in {d['fitted_to']}:",
+            "",
+            "| kind | samples | latency us | per ring step us | bandwidth GB/s | rms error / mean |",
+            "|---|---|---|---|---|---|",
         ]
-        for r in m["rows"]:
+        for k, f in d["fits"].items():
             lines.append(
-                f"| {r['spec']} | {r['predicted_rank']} | {r['measured_rank_among_run']} | "
-                f"{r['predicted_s']:.4f} | {r['compute_s']:.4f} | {r['activation_comm_s']:.4f} | "
-                f"{r['param_comm_s']:.4f} | {r['collectives']} | {r['comm_bytes']:,} | {r['measured_s']:.4f} | "
-                f"{r['measured_s'] / r['predicted_s']:.2f} |"
+                f"| {k} | {f['samples']} | {1e6 * f['latency_s']:.0f} | {1e6 * f['step_latency_s']:.0f} | "
+                f"{f['bandwidth_Bps'] / 1e9:.2f} | {f['rel_rms']:.2f} |"
             )
-        lines.append("")
+        lines += ["", _table(m), ""]
     return "\n".join(lines)
+
+
+def _table(m: dict) -> str:
+    head = [
+        f"| spec | predicted rank (of {m['ranked']}) | measured rank | predicted s | compute s | act comm s | "
+        "param comm s | timed comm s | measured - timed comm s | collectives | comm bytes | measured s | spread | "
+        "measured / predicted |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    return "\n".join(
+        head
+        + [
+            f"| {r['spec']} | {r['predicted_rank']} | {r['measured_rank']} | {r['predicted_s']:.4f} | "
+            f"{r['compute_s']:.4f} | {r['activation_comm_s']:.4f} | {r['param_comm_s']:.4f} | "
+            f"{r['timed_comm_s']:.4f} | {r['measured_s'] - r['timed_comm_s']:.4f} | {r['collectives']} | "
+            f"{r['comm_bytes']:,} | {r['measured_s']:.4f} | "
+            f"{r['spread']:.2f} | {r['measured_s'] / r['predicted_s']:.2f} |"
+            for r in m["rows"]
+        ]
+    )
 
 
 if __name__ == "__main__":

@@ -34,8 +34,8 @@ __all__ = ["full_from_none", "regathered", "same_plan", "zero2_from"]
 def regathered(s: Summary) -> Summary:
     """`s` with every backward regather that was prefetched counted as a `gather` on the critical path."""
     groups: dict = {}
-    for (axes, kind), g in s.groups.items():
-        key = (axes, "gather") if kind == "prefetch-backward" else (axes, kind)
+    for (axes, cls, kind), g in s.groups.items():
+        key = (axes, "gather" if cls == "prefetch-backward" else cls, kind)
         groups[key] = [a + b for a, b in zip(groups.get(key, EMPTY_GROUP), g)]
     return Summary(groups, dict(s.memory))
 

@@ -17,23 +17,36 @@ training is 40-55% on these parts); it is one stated constant, the same for ever
 
 The CPU entry is this machine: peak = its best measured GEMM FLOP/s (per process, scaled down when more
 processes than cores run), all ranks on one "node", links = gloo over loopback with stated defaults
-(benchmarks/search_vs_measured.py measures them and passes a `Device` of its own). Gloo moves data on the
-same cores that compute, so a collective hides behind compute only when the ranks leave the cores to do it:
-with more threads than cores, nothing overlaps (`overlaps_comm`).
+(benchmarks/search_vs_measured.py passes a `Device` of its own: compute at `measure_linear_flops` of the
+model's own shapes, a `Link` per collective kind fitted to collectives timed inside real steps, in
+`kind_links`). Gloo moves data on the same cores that compute, so a collective hides behind compute only
+when the ranks leave the cores to do it: with more threads than cores, nothing overlaps (`overlaps_comm`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import time
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
 
 from ..layout.dtypes import dtype_name
 
-__all__ = ["Device", "GPU_PEAKS", "gpu_peaks", "DEVICES", "measure_gemm_flops", "cpu_device", "get_device"]
+__all__ = [
+    "Device",
+    "Link",
+    "GPU_PEAKS",
+    "gpu_peaks",
+    "DEVICES",
+    "measure_gemm_flops",
+    "measure_linear_flops",
+    "cpu_device",
+    "get_device",
+]
 
 # (name fragment, {dtype: dense peak FLOP/s}); the first fragment found in a device name wins
 GPU_PEAKS = [
@@ -51,6 +64,15 @@ def gpu_peaks(name: str) -> tuple[str, dict] | None:
 
 
 @dataclass(frozen=True)
+class Link:
+    """One collective kind's figures: t = latency + ring steps x step_latency + wire bytes / bandwidth."""
+
+    latency: float
+    step_latency: float
+    bandwidth: float
+
+
+@dataclass(frozen=True)
 class Device:
     name: str
     peak_flops: dict  # dtype -> dense FLOP/s per device
@@ -65,6 +87,18 @@ class Device:
     intra_step_latency: float = 0.0  # seconds per ring step (record.ring_steps) within a node
     inter_step_latency: float = 0.0  # seconds per ring step across nodes
     overlaps_comm: bool = True  # a collective progresses while the rank computes (step_time's `hidden`)
+    # ((collective kind, Link), ...): figures fitted per kind on one node (the CPU entry), used for that kind on
+    # every link in place of the intra/inter figures; a kind not listed takes those
+    kind_links: tuple = ()
+
+    def link(self, kind: str, inter: bool) -> Link:
+        """The figures a collective of `kind` (record.Collective.kind) is priced with, across nodes or not."""
+        for k, fitted in self.kind_links:
+            if k == kind:
+                return fitted
+        if inter:
+            return Link(self.inter_latency, self.inter_step_latency, self.inter_bw)
+        return Link(self.intra_latency, self.intra_step_latency, self.intra_bw)
 
     def peak(self, dtype) -> float:
         key = dtype_name(dtype)
@@ -130,6 +164,39 @@ def measure_gemm_flops(
     return best
 
 
+def measure_linear_flops(
+    model: torch.nn.Module, tokens: int, dtype: torch.dtype = torch.float32, threads: int | None = 1, budget_s=1.0
+) -> float:
+    """FLOP/s of the matmuls of `model`'s nn.Linear layers at `tokens` rows (a rank's share of the batch), on
+    this CPU with `threads` threads: each layer's forward and backward products (x W^T, g W, g^T x) at its own
+    shape, best time of each within about `budget_s` seconds in all, FLOPs over time summed over the layers
+    (a shape as often as layers have it). `model` may live on the meta device: only its shapes are read."""
+    shapes = Counter((m.in_features, m.out_features) for m in model.modules() if isinstance(m, torch.nn.Linear))
+    if not shapes:
+        raise ValueError(f"{type(model).__name__} has no nn.Linear layer to probe: use measure_gemm_flops")
+    old = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        seconds = sum(n * _best_linear_s(tokens, k, m, dtype, budget_s / len(shapes)) for (k, m), n in shapes.items())
+    finally:
+        torch.set_num_threads(old)
+    return sum(6 * tokens * k * m * n for (k, m), n in shapes.items()) / seconds
+
+
+def _best_linear_s(tokens: int, k: int, m: int, dtype: torch.dtype, budget_s: float) -> float:
+    """Best seconds of one linear's three products at `tokens` x `k` in, `k` -> `m`."""
+    x, w, g = (torch.randn(*s).to(dtype) for s in ((tokens, k), (m, k), (tokens, m)))
+    run = lambda: (x @ w.T, g @ w, g.T @ x)  # noqa: E731
+    run()
+    best, end = math.inf, time.perf_counter() + budget_s
+    while time.perf_counter() < end or best == math.inf:
+        t0 = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
 def cpu_device(
     world: int = 1,
     threads_per_rank: int = 1,
@@ -137,9 +204,11 @@ def cpu_device(
     bandwidth: float = CPU_BW,
     latency: float = CPU_LATENCY,
     step_latency: float = CPU_STEP_LATENCY,
+    kind_links: dict | None = None,
 ) -> Device:
     """This machine as a device for `world` processes of `threads_per_rank` threads each (torchrun's default
-    is 1). When the processes want more threads than there are cores, each gets its share."""
+    is 1). When the processes want more threads than there are cores, each gets its share. `kind_links`:
+    {collective kind: Link} fitted per kind (Device.kind_links), over the single link's figures."""
     cores = os.cpu_count() or 1
     per_thread = peak_per_thread or measure_gemm_flops(torch.float32, threads=1, budget_s=0.6, sizes=(256, 512, 1024))
     share = min(1.0, cores / max(1, world * threads_per_rank))
@@ -162,6 +231,7 @@ def cpu_device(
         intra_step_latency=step_latency,
         inter_step_latency=step_latency,
         overlaps_comm=world * threads_per_rank <= cores,
+        kind_links=tuple(sorted((kind_links or {}).items())),
     )
 
 

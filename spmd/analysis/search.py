@@ -218,7 +218,7 @@ def _fill(row: Row, chosen, dev: Device, compute_s: float, n_blocks: int, tokens
     row.memory = s.memory
     row.collectives = sum(c for c, _, _ in s.groups.values())
     row.comm_bytes = sum(b for _, b, _ in s.groups.values())
-    for (axes, _), (_, b, _) in s.groups.items():
+    for (axes, _, _), (_, b, _) in s.groups.items():
         row.bytes_by_axis[axes] = row.bytes_by_axis.get(axes, 0) + b
     row.recompute_s = compute_s / 3 * recompute_fraction(row.ac, n_blocks)
     p = predict(s, row.sizes, dev, compute_s, row.recompute_s)

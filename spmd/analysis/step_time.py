@@ -8,7 +8,9 @@ parameter traffic the runtime hides behind compute.
                  `full` adds one forward (compute / 3), `selective:N` its fraction ceil(L/N)/L of one;
     collective = latency + ring steps x step latency + bytes / bandwidth of its link (devices.py): within a
                  node (NVLink) when the ranks of its mesh axis sit in one node (tp is innermost, then fsdp,
-                 then dp), else across nodes (InfiniBand); an all-reduce over n ranks is 2(n-1) steps;
+                 then dp), else across nodes (InfiniBand); an all-reduce over n ranks is 2(n-1) steps; a
+                 device with figures per collective kind (Device.kind_links: the CPU's, fitted to
+                 collectives timed inside real steps) prices each kind with its own;
     micro-batches (gradient accumulation, K): every collective of a micro-batch runs K times, except the
                  gradient reductions, which run once (spmd.no_sync holds them back; summaries.accumulated);
     overlap    = what spmd.runtime.parameters.group overlaps: a block's parameter gather issued while the block before
@@ -65,14 +67,9 @@ def predict(summary: Summary, sizes: dict, dev: Device, compute_s: float, recomp
     """Step time of `summary` (the plan of a whole step, every micro-batch) on `dev`, per the module docstring."""
     link = links(sizes, dev.per_node)
     t = dict.fromkeys(TRAFFIC, 0.0)
-    for (axes, kind), (count, nbytes, steps) in summary.groups.items():
-        inter = any(link.get(a) == "inter" for a in axes.split("+"))
-        bw, lat, step = (
-            (dev.inter_bw, dev.inter_latency, dev.inter_step_latency)
-            if inter
-            else (dev.intra_bw, dev.intra_latency, dev.intra_step_latency)
-        )
-        t[kind] += count * lat + steps * step + nbytes / bw
+    for (axes, cls, kind), (count, nbytes, steps) in summary.groups.items():
+        fig = dev.link(kind, inter=any(link.get(a) == "inter" for a in axes.split("+")))
+        t[cls] += count * fig.latency + steps * fig.step_latency + nbytes / fig.bandwidth
     forward_s = compute_s / 3
     hidden = (
         0.0

@@ -98,7 +98,7 @@ def _truncated(model: nn.Module, name: str, k: int) -> nn.Module:
 class Summary:
     """What the ranking needs from a plan: collective count and bytes per (axis, traffic class), memory."""
 
-    groups: dict  # (axes, TRAFFIC class) -> [count, bytes, ring steps] (record.ring_steps)
+    groups: dict  # (axes, TRAFFIC class, collective kind) -> [count, bytes, ring steps] (record.ring_steps)
     memory: dict
     block: Summary | None = None  # one repeated block's share of the plan
     blocks: int = 0  # how many repeated blocks the model has
@@ -128,7 +128,7 @@ def summarize(plan) -> Summary:
     for c in plan.collectives:
         if c.kind == "recv":
             continue  # the matching send carries the bytes of a point-to-point exchange (the cp ring)
-        g = groups.setdefault(("+".join(c.axes), traffic(c)), list(EMPTY_GROUP))
+        g = groups.setdefault(("+".join(c.axes), traffic(c), c.kind), list(EMPTY_GROUP))
         g[0] += 1
         g[1] += c.bytes
         g[2] += ring_steps(c.kind, math.prod(plan.mesh.get(a, 1) for a in c.axes))
@@ -197,11 +197,12 @@ def checkpointed(none: Summary, full: Summary, ac: str) -> Summary:
     # a plain block's regather is prefetched only by a plain block after it: move the others to "gather"
     plain = [i % every != 0 for i in range(n)]
     lone = (n - k) - sum(plain[j] and plain[j + 1] for j in range(n - 1))
-    for (axes, kind), one_block in none.block.groups.items():
-        if kind == "prefetch-backward" and lone:
-            out.groups[(axes, kind)] = [a - lone * b for a, b in zip(out.groups[(axes, kind)], one_block)]
-            was = out.groups.get((axes, "gather"), EMPTY_GROUP)
-            out.groups[(axes, "gather")] = [a + lone * b for a, b in zip(was, one_block)]
+    for (axes, cls, kind), one_block in none.block.groups.items():
+        if cls == "prefetch-backward" and lone:
+            key = (axes, cls, kind)
+            out.groups[key] = [a - lone * b for a, b in zip(out.groups[key], one_block)]
+            was = out.groups.get((axes, "gather", kind), EMPTY_GROUP)
+            out.groups[(axes, "gather", kind)] = [a + lone * b for a, b in zip(was, one_block)]
     return _with_recompute(out, none.block.memory["activations"])
 
 

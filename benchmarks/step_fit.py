@@ -1,0 +1,156 @@
+"""This machine as a `Device` for the step-time model, from measurements: link figures per collective kind
+fitted to collectives timed inside real steps, compute from a GEMM probe of the model's own linear shapes.
+
+The fit: per collective kind (all_reduce, all_gather, reduce_scatter, all_to_all where present), least squares
+of t = latency + ring steps x step latency + wire bytes / bandwidth over its samples (benchmarks.spec_steps
+times them, spmd.analysis.timed), none negative; every sample pooled gives the single link a kind without
+samples falls back to. The samples a model is ranked with are held out from its own runs: those of the other
+models measured in the same rounds (`held_out`), or, with one model, those of its `fit_specs` only.
+"""
+
+from __future__ import annotations
+
+__all__ = ["fit_link", "fit_kinds", "held_out", "device_for", "fitted_devices", "link_words"]
+
+
+def fit_link(rows: list[dict], nproc: int, robust: bool = False) -> dict:
+    """{latency_s, step_latency_s, bandwidth_Bps} minimising the squared error of t = latency + steps x
+    step latency + wire / bandwidth (`robust`: the absolute error, so that a few slow samples do not drag the
+    line), none negative. A sample without `ranks` (reports before the per-step term) was timed over all
+    `nproc` processes."""
+    import torch
+
+    from spmd.analysis.record import ring_steps
+
+    steps = [ring_steps(r["kind"], r.get("ranks", nproc)) for r in rows]
+    x = torch.tensor([[1.0, s, r["wire_bytes"]] for s, r in zip(steps, rows)], dtype=torch.float64)
+    t = torch.tensor([r["seconds"] for r in rows], dtype=torch.float64)
+    scale = x.abs().amax(0).clamp_min(1e-30)
+    # a column the samples do not vary (one group size: one ring-step count) cannot be told from the latency
+    terms = [0] + [i for i in (1, 2) if len(set(x[:, i].tolist())) > 1]
+    while True:  # drop a term that fits negative and refit the others
+        coef = _solve(x[:, terms] / scale[terms], t, 30 if robust else 1) / scale[terms]
+        if all(c >= 0 for c in coef) or len(terms) == 1:
+            break
+        terms.pop(int(torch.argmin(coef)))
+    fit = dict.fromkeys(range(3), 0.0) | {i: max(float(c), 0.0) for i, c in zip(terms, coef)}
+    return {"latency_s": fit[0], "step_latency_s": fit[1], "bandwidth_Bps": 1.0 / max(fit[2], 1e-15)}
+
+
+def _solve(a, t, rounds: int):
+    """Least squares of a @ coef = t, reweighted `rounds - 1` times by 1/sqrt|residual| (iteratively
+    reweighted least squares: it converges to the least absolute error)."""
+    import torch
+
+    w = torch.ones_like(t)
+    for _ in range(rounds):
+        coef = torch.linalg.lstsq(a * w[:, None], (t * w)[:, None]).solution[:, 0]
+        w = (t - a @ coef).abs().clamp_min(1e-9 * t.abs().mean()).rsqrt()
+    return coef
+
+
+def fit_kinds(rows: list[dict], nproc: int) -> dict:
+    """{kind: fit_link of that kind's samples, with `samples` (how many), `groups` (how many distinct (ranks,
+    bytes)) and `rel_rms` (the fit's root mean square error over the mean time)}, and "pooled": every sample in
+    one fit. Each fit is to the median time of each (kind, ranks, bytes), least absolute error: a collective
+    that waited for a rank the machine had descheduled is one slow sample among its like, not a pull on the
+    line."""
+    by_kind: dict = {}
+    for r in rows:
+        by_kind.setdefault(r["kind"], []).append(r)
+    out = {}
+    for kind, kind_rows in sorted(by_kind.items()) + [("pooled", rows)]:
+        medians = _medians(kind_rows, nproc)
+        fit = fit_link(medians, nproc, robust=True)
+        out[kind] = {**fit, "samples": len(kind_rows), "groups": len(medians), "rel_rms": _rel_rms(fit, medians, nproc)}
+    return out
+
+
+def _medians(rows: list[dict], nproc: int) -> list[dict]:
+    """One row per (kind, ranks, wire bytes) of `rows`, its time the median of theirs."""
+    import statistics
+
+    like: dict = {}
+    for r in rows:
+        like.setdefault((r["kind"], r.get("ranks", nproc), r["wire_bytes"]), []).append(r["seconds"])
+    return [{"kind": k, "ranks": n, "wire_bytes": b, "seconds": statistics.median(t)} for (k, n, b), t in like.items()]
+
+
+def _rel_rms(fit: dict, rows: list[dict], nproc: int) -> float:
+    from spmd.analysis.record import ring_steps
+
+    def model(r):
+        steps = ring_steps(r["kind"], r.get("ranks", nproc))
+        return fit["latency_s"] + steps * fit["step_latency_s"] + r["wire_bytes"] / fit["bandwidth_Bps"]
+
+    mean = sum(r["seconds"] for r in rows) / len(rows)
+    return (sum((model(r) - r["seconds"]) ** 2 for r in rows) / len(rows)) ** 0.5 / mean
+
+
+def held_out(model: str, samples: list[dict], fit_specs: list[str]) -> tuple[list[dict], str]:
+    """(the samples `model` is ranked with, where they come from): the other models' steps; with no other
+    model, `model`'s own steps of `fit_specs`."""
+    others = [s for s in samples if s["model"] != model]
+    if others:
+        return others, "the other models' steps (" + ", ".join(sorted({s["model"] for s in others})) + ")"
+    own = [s for s in samples if s["spec"] in fit_specs]
+    if not own:
+        raise ValueError(f"no held-out samples for {model}: measure another model too, or name --fit-specs it runs")
+    return own, f"{model}'s own steps of " + ", ".join(fit_specs) + " (not held out: one model measured)"
+
+
+def device_for(nproc: int, per_thread: float, fits: dict):
+    """`cpu_device` of `nproc` one-thread ranks at `per_thread` FLOP/s, its links fitted per kind (`fits`,
+    from fit_kinds), the pooled fit for kinds without samples."""
+    from spmd.analysis.devices import Link, cpu_device
+
+    link = lambda f: Link(f["latency_s"], f["step_latency_s"], f["bandwidth_Bps"])  # noqa: E731
+    pooled = fits["pooled"]
+    return cpu_device(
+        nproc,
+        1,
+        per_thread,
+        bandwidth=pooled["bandwidth_Bps"],
+        latency=pooled["latency_s"],
+        step_latency=pooled["step_latency_s"],
+        kind_links={k: link(f) for k, f in fits.items() if k != "pooled"},
+    )
+
+
+def fitted_devices(a, measured: list[dict], specs: dict) -> dict:
+    """Per model: its linear layers' FLOP/s per thread and the per-kind link fits of its held-out samples."""
+    samples = [c | {"model": j["model"], "spec": j["spec"]} for j in measured for c in j["collectives"]]
+    out = {}
+    for m in a.models:
+        rows, source = held_out(m, samples, a.fit_specs or _single_axis(specs[m]))
+        out[m] = {
+            "peak_per_thread": _linear_flops(m, a.batch * a.seq // a.nproc),
+            "fits": fit_kinds(rows, a.nproc),
+            "fitted_to": source,
+        }
+        words = "; ".join(f"{k} {link_words(f)}" for k, f in out[m]["fits"].items())
+        print(f"[search_vs_measured] {m}: {out[m]['peak_per_thread'] / 1e9:.1f} GFLOP/s per thread; {words}")
+    return out
+
+
+def _linear_flops(model: str, tokens: int) -> float:
+    import torch
+
+    from models.llama import LlamaConfig
+    from spmd.analysis.devices import measure_linear_flops
+
+    with torch.device("meta"):
+        net = LlamaConfig.preset(model).build()
+    return measure_linear_flops(net, tokens, threads=1, budget_s=1.0)
+
+
+def _single_axis(specs: list[str]) -> list[str]:
+    """The specs of one mesh axis (dp-only, fsdp-only, tp-only, with or without sp)."""
+    return [s for s in specs if sum(1 for p in s.split(",") if "=" in p) == 1]
+
+
+def link_words(link: dict) -> str:
+    return (
+        f"latency {1e6 * link['latency_s']:.0f} us + {1e6 * link['step_latency_s']:.0f} us "
+        f"per ring step, bandwidth {link['bandwidth_Bps'] / 1e9:.2f} GB/s"
+    )
