@@ -73,6 +73,16 @@ def measure_round(jobs: list[tuple[str, str]], a, i: int) -> list[dict]:
     return got
 
 
+def predicted_rows(model: str, a, d: dict) -> list:
+    """The search's row of each spec of `model`, each predicted on the device fitted to the collectives of the
+    other specs (`d["per_spec"]`, step_fit.held_out), fastest first."""
+    rows = []
+    for spec, fits in d["per_spec"].items():
+        dev = device_for(a.nproc, d["peak_per_thread"], fits)
+        rows += [r for r in _search(model, a, dev) if r.spec == spec]
+    return sorted(rows, key=lambda r: r.step_s)
+
+
 def _search(model: str, a, dev):
     import spmd
     from models.llama import LlamaConfig
@@ -153,7 +163,6 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds, every spec once each")
-    ap.add_argument("--fit-specs", nargs="*", default=None, help="with one model: its specs the fit uses")
     ap.add_argument("--out", default=str(common.RESULTS))
     ap.add_argument("--reuse", default="", help="a committed search-vs-measured JSON: re-rank, measure nothing")
     a = ap.parse_args(argv)
@@ -170,8 +179,7 @@ def main(argv=None) -> int:
     rep["measured"] = packed(measured)
     rep["device"] = fitted_devices(a, measured, specs)
     for m in a.models:
-        d = rep["device"][m]
-        entry = compare(m, _search(m, a, device_for(a.nproc, d["peak_per_thread"], d["fits"])), measured)
+        entry = compare(m, predicted_rows(m, a, rep["device"][m]), measured)
         rep["models"].append(entry)
         print(
             f"[search_vs_measured] {m}: Spearman planner {entry['spearman_predicted']:.3f}, collective count "
@@ -193,7 +201,7 @@ def rerank(rep: dict) -> int:
     from types import SimpleNamespace
 
     args, d = rep["args"], rep["device"]
-    a = SimpleNamespace(**{**args, "fit_specs": args.get("fit_specs")})
+    a = SimpleNamespace(**args)
     if "samples" in d:  # before the in-step fit: one link, one GEMM peak
         from spmd.analysis.devices import cpu_device
 
@@ -207,9 +215,12 @@ def rerank(rep: dict) -> int:
         a.models = [m["model"] for m in rep["models"]]
         specs = {m["model"]: [r["spec"] for r in m["rows"]] for m in rep["models"]}
         fits = fitted_devices(a, unpacked(rep["measured"]), specs)
-        devices = {m: device_for(a.nproc, d[m]["peak_per_thread"], f["fits"]) for m, f in fits.items()}
+        devices = None
     for m in rep["models"]:
-        rows = {r.spec: r for r in _search(m["model"], a, devices[m["model"]])}
+        ranked = (
+            _search(m["model"], a, devices[m["model"]]) if devices else predicted_rows(m["model"], a, fits[m["model"]])
+        )
+        rows = {r.spec: r for r in ranked}
         measured = [x["measured_s"] for x in m["rows"]]
         ours = spearman([rows[x["spec"]].step_s for x in m["rows"]], measured)
         count = spearman([rows[x["spec"]].collectives for x in m["rows"]], measured)
@@ -249,8 +260,9 @@ def markdown(rep: dict) -> str:
             f"The collectives' own times in the timed step rank the specs at rho = {m['spearman_timed_comm']:.3f} "
             "(measured, not predicted: how far collective time alone ranks them).",
             "",
-            f"Device: linear layers' matmuls at {d['peak_per_thread'] / 1e9:.1f} GFLOP/s per thread; links fitted "
-            f"to the collectives timed in {d['fitted_to']}:",
+            f"Device: linear layers' matmuls at {d['peak_per_thread'] / 1e9:.1f} GFLOP/s per thread; each spec's "
+            "links fitted to the collectives timed in the steps of the other specs, of every model (leave one spec "
+            "out); the fit of every sample, for reference:",
             "",
             "| kind | samples | latency us | per ring step us | bandwidth GB/s | rms error / mean |",
             "|---|---|---|---|---|---|",

@@ -4,8 +4,10 @@ fitted to collectives timed inside real steps, compute from a GEMM probe of the 
 The fit: per collective kind (all_reduce, all_gather, reduce_scatter, all_to_all where present), least squares
 of t = latency + ring steps x step latency + wire bytes / bandwidth over its samples (benchmarks.spec_steps
 times them, spmd.analysis.timed), none negative; every sample pooled gives the single link a kind without
-samples falls back to. The samples a model is ranked with are held out from its own runs: those of the other
-models measured in the same rounds (`held_out`), or, with one model, those of its `fit_specs` only.
+samples falls back to. Each spec is predicted with links fitted to the collectives of the other specs, of
+every model measured in the same rounds (`held_out`: leave one spec out): none of its own runs enter its
+device, and the fit still sees the message sizes of every model (a fit to one model's small messages alone
+extrapolates bandwidth poorly to another's large ones).
 """
 
 from __future__ import annotations
@@ -87,16 +89,13 @@ def _rel_rms(fit: dict, rows: list[dict], nproc: int) -> float:
     return (sum((model(r) - r["seconds"]) ** 2 for r in rows) / len(rows)) ** 0.5 / mean
 
 
-def held_out(model: str, samples: list[dict], fit_specs: list[str]) -> tuple[list[dict], str]:
-    """(the samples `model` is ranked with, where they come from): the other models' steps; with no other
-    model, `model`'s own steps of `fit_specs`."""
-    others = [s for s in samples if s["model"] != model]
-    if others:
-        return others, "the other models' steps (" + ", ".join(sorted({s["model"] for s in others})) + ")"
-    own = [s for s in samples if s["spec"] in fit_specs]
-    if not own:
-        raise ValueError(f"no held-out samples for {model}: measure another model too, or name --fit-specs it runs")
-    return own, f"{model}'s own steps of " + ", ".join(fit_specs) + " (not held out: one model measured)"
+def held_out(spec: str, samples: list[dict]) -> list[dict]:
+    """The samples `spec` is predicted with: those of every other spec, of every model (a spec's name left out
+    of each model)."""
+    rows = [s for s in samples if s["spec"] != spec]
+    if not rows:
+        raise ValueError(f"no held-out samples for {spec}: measure at least two specs")
+    return rows
 
 
 def device_for(nproc: int, per_thread: float, fits: dict):
@@ -118,17 +117,18 @@ def device_for(nproc: int, per_thread: float, fits: dict):
 
 
 def fitted_devices(a, measured: list[dict], specs: dict) -> dict:
-    """Per model: its linear layers' FLOP/s per thread and the per-kind link fits of its held-out samples."""
+    """Per model: its linear layers' FLOP/s per thread, the per-kind link fits of every sample (`fits`, shown),
+    and per spec the fits of its held-out samples (`per_spec`, what its prediction uses)."""
     samples = [c | {"model": j["model"], "spec": j["spec"]} for j in measured for c in j["collectives"]]
+    every = fit_kinds(samples, a.nproc)
     out = {}
     for m in a.models:
-        rows, source = held_out(m, samples, a.fit_specs or _single_axis(specs[m]))
         out[m] = {
             "peak_per_thread": _linear_flops(m, a.batch * a.seq // a.nproc),
-            "fits": fit_kinds(rows, a.nproc),
-            "fitted_to": source,
+            "fits": every,
+            "per_spec": {spec: fit_kinds(held_out(spec, samples), a.nproc) for spec in specs[m]},
         }
-        words = "; ".join(f"{k} {link_words(f)}" for k, f in out[m]["fits"].items())
+        words = "; ".join(f"{k} {link_words(f)}" for k, f in every.items())
         print(f"[search_vs_measured] {m}: {out[m]['peak_per_thread'] / 1e9:.1f} GFLOP/s per thread; {words}")
     return out
 
@@ -142,11 +142,6 @@ def _linear_flops(model: str, tokens: int) -> float:
     with torch.device("meta"):
         net = LlamaConfig.preset(model).build()
     return measure_linear_flops(net, tokens, threads=1, budget_s=1.0)
-
-
-def _single_axis(specs: list[str]) -> list[str]:
-    """The specs of one mesh axis (dp-only, fsdp-only, tp-only, with or without sp)."""
-    return [s for s in specs if sum(1 for p in s.split(",") if "=" in p) == 1]
 
 
 def link_words(link: dict) -> str:

@@ -173,3 +173,19 @@ def test_validation_takes_each_specs_median_over_rounds_and_checks_the_top_2():
     assert entry["spearman_predicted"] == pytest.approx(0.5)
     assert entry["spearman_collectives"] == pytest.approx(-1.0)  # ranks 2 3 1 by collectives against 2 1 3
     assert got["A"]["timed_comm_s"] == pytest.approx(0.01)
+
+
+def test_each_spec_is_fitted_without_its_own_collectives():
+    """A spec's links come from every other spec's timed collectives, of every model, never its own (leave one
+    spec out). Mutation: holding out by model (the other model's samples alone) keeps small's `dp=4` and drops
+    tiny's `tp=4`: fails."""
+    from benchmarks.step_fit import held_out
+
+    samples = [
+        {"model": m, "spec": s, "kind": "all_reduce", "ranks": 4, "wire_bytes": 8 * i, "seconds": 1e-3 * i}
+        for i, (m, s) in enumerate([(m, s) for m in ("tiny", "small") for s in ("dp=4", "tp=4", "fsdp=4")], 1)
+    ]
+    kept = held_out("dp=4", samples)
+    assert {(r["model"], r["spec"]) for r in kept} == {(m, s) for m in ("tiny", "small") for s in ("tp=4", "fsdp=4")}
+    with pytest.raises(ValueError, match="at least two specs"):
+        held_out("dp=4", [r for r in samples if r["spec"] == "dp=4"])
