@@ -15,6 +15,7 @@ from dist_utils import run_distributed
 from torch.distributed.tensor.debug import CommDebugMode
 
 from tests.test_train import SMALL
+from tests.train_ranks import main_on_rank as _main
 
 pytestmark = pytest.mark.usefixtures("isolated_trainer")
 
@@ -71,20 +72,6 @@ def _calls_logged():
         for name, fn in saved.items():
             for module in (c10d, dist):
                 setattr(module, name, fn)
-
-
-def _main(argv) -> tuple[int, str]:
-    """launch.train.main on this rank, its stderr; the test's process group outlives it."""
-    import launch.train as T
-
-    err, destroy = io.StringIO(), dist.destroy_process_group
-    dist.destroy_process_group = lambda *a, **k: None
-    try:
-        with contextlib.redirect_stderr(err):
-            code = T.main(argv)
-    finally:
-        dist.destroy_process_group = destroy
-    return code, err.getvalue()
 
 
 def _tensors(step_dir) -> dict:

@@ -15,8 +15,9 @@ import pytest
 from dist_utils import run_distributed
 
 from tests.test_faults import FAULT_TRAIN, REPO, _env, _jsonl
-from tests.test_faults_four_ranks import _differing, _main
+from tests.test_faults_four_ranks import _differing
 from tests.test_train import SMALL
+from tests.train_ranks import main_on_rank as _main
 
 pytestmark = pytest.mark.usefixtures("isolated_trainer")
 

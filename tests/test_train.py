@@ -19,6 +19,7 @@ from launch.config import load_config
 from launch.data import DataLoader
 from models.llama import Llama, LlamaConfig
 from spmd import checkpoint
+from tests.train_ranks import train_on_ranks
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = ["--batch-size", "8", "--seq-len", "64", "--warmup", "3", "--lr", "3e-3"]
@@ -174,45 +175,30 @@ def test_signal_finishes_step_checkpoints_and_exits_0(tmp_path, sig):
     assert checkpoint.read_meta(ck)["data"]["step"] == steps[-1]
 
 
-def _torchrun(n, *flags):
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        str(n),
-        "-m",
-        "launch.train",
-        *flags,
-    ]
-    out = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    return out
-
-
 @pytest.mark.slow
 def test_four_processes_match_one_and_resume_on_one(tmp_path):
     common = [*SMALL, "--steps", "4"]
     ref = _train("--steps", "4")
     ck, m = tmp_path / "ck", tmp_path / "m.jsonl"
-    _torchrun(
+    train_on_ranks(
         4,
-        *common,
-        "--mesh",
-        "fsdp=2,tp=2,sp",
-        "--grad-accum",
-        "2",
-        "--ac",
-        "full",
-        "--ckpt-dir",
-        str(ck),
-        "--ckpt-every",
-        "2",
-        "--metrics",
-        str(m),
-        "--zero",
-        "1",
+        [
+            *common,
+            "--mesh",
+            "fsdp=2,tp=2,sp",
+            "--grad-accum",
+            "2",
+            "--ac",
+            "full",
+            "--ckpt-dir",
+            str(ck),
+            "--ckpt-every",
+            "2",
+            "--metrics",
+            str(m),
+            "--zero",
+            "1",
+        ],
     )
     rows = _jsonl(m)
     # comm_bytes, measured on the first and on the last step, is two micro-batches of explain's plan of the
@@ -248,21 +234,23 @@ def test_pipeline_run_matches_one_process_and_its_checkpoint_resumes_without_pp(
     common = [*SMALL, "--steps", "4"]
     ref = _train("--steps", "4")
     ck, m = tmp_path / "ck", tmp_path / "m.jsonl"
-    _torchrun(
+    train_on_ranks(
         4,
-        *common,
-        "--mesh",
-        "pp=2,fsdp=2",
-        "--pp-schedule",
-        "gpipe",
-        "--microbatches",
-        "2",
-        "--ckpt-dir",
-        str(ck),
-        "--ckpt-every",
-        "2",
-        "--metrics",
-        str(m),
+        [
+            *common,
+            "--mesh",
+            "pp=2,fsdp=2",
+            "--pp-schedule",
+            "gpipe",
+            "--microbatches",
+            "2",
+            "--ckpt-dir",
+            str(ck),
+            "--ckpt-every",
+            "2",
+            "--metrics",
+            str(m),
+        ],
     )
     rows = _jsonl(m)
     for a, b in zip(ref, rows):
@@ -282,7 +270,9 @@ def test_context_parallel_run_matches_one_process_and_its_checkpoint_resumes_wit
     common = [*SMALL, "--steps", "2"]
     ref = _train("--steps", "2")
     ck, m = tmp_path / "ck", tmp_path / "m.jsonl"
-    _torchrun(4, *common, "--mesh", "fsdp=2,cp=2", "--ckpt-dir", str(ck), "--ckpt-every", "1", "--metrics", str(m))
+    train_on_ranks(
+        4, [*common, "--mesh", "fsdp=2,cp=2", "--ckpt-dir", str(ck), "--ckpt-every", "1", "--metrics", str(m)]
+    )
     rows = _jsonl(m)
     for a, b in zip(ref, rows):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
@@ -322,7 +312,7 @@ def _tensors(step_dir: Path) -> dict:
 
 @pytest.mark.slow
 def test_fp16_on_four_processes_skips_an_overflowing_step_on_every_rank(tmp_path):
-    """fp16 with dynamic loss scaling on fsdp=2,tp=2 under torchrun. Step 1 trains at the default scale and
+    """fp16 with dynamic loss scaling on fsdp=2,tp=2 on 4 processes. Step 1 trains at the default scale and
     checkpoints; its scale is then set to 2^40, so on resume the scaled gradients of step 2 overflow fp16: the
     step is skipped (skipped_steps 1), the scale halves to 2^39, and every rank's shards of the parameters and
     AdamW states are the step-1 checkpoint's bit for bit. Step 1's loss tracks the fp32 one-process run within
@@ -341,12 +331,12 @@ def test_fp16_on_four_processes_skips_an_overflowing_step_on_every_rank(tmp_path
         "--metrics",
         str(m),
     ]
-    _torchrun(4, *common, "--steps", "1")
+    train_on_ranks(4, [*common, "--steps", "1"])
     first = _jsonl(m)[-1]
     assert first["skipped_steps"] == 0
     assert first["loss"] == pytest.approx(_train("--steps", "1")[0]["loss"], rel=1e-2)
     _set_loss_scale(ck / "step-1", 2.0**40)
-    _torchrun(4, *common, "--steps", "2", "--resume")
+    train_on_ranks(4, [*common, "--steps", "2", "--resume"])
     row = _jsonl(m)[-1]
     assert row["step"] == 2 and row["skipped_steps"] == 1, row
     assert checkpoint.read_meta(ck / "step-2")["loss_scale"]["scale"] == 2.0**39

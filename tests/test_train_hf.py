@@ -9,7 +9,8 @@ import launch.train as T
 from launch.config import load_config
 from launch.export import export
 from spmd import checkpoint
-from tests.test_train import SMALL, _jsonl, _torchrun
+from tests.test_train import SMALL, _jsonl
+from tests.train_ranks import train_on_ranks
 
 pytestmark = pytest.mark.usefixtures("isolated_trainer")
 
@@ -54,7 +55,7 @@ def test_four_processes_match_one_and_the_export_loads_into_transformers(tmp_pat
     common = [*SMALL, "--model", f"hf:{hf_dir}", "--steps", "4"]
     ref = T.train(load_config(common), log=False)
     ck, m = tmp_path / "ck", tmp_path / "m.jsonl"
-    _torchrun(4, *common, "--mesh", "fsdp=2,tp=2,sp", "--ckpt-dir", str(ck), "--metrics", str(m))
+    train_on_ranks(4, [*common, "--mesh", "fsdp=2,tp=2,sp", "--ckpt-dir", str(ck), "--metrics", str(m)])
     rows = _jsonl(m)
     for a, b in zip(ref, rows):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)

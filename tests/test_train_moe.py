@@ -7,7 +7,8 @@ import torch
 
 import models
 from spmd import checkpoint
-from tests.test_train import SMALL, _jsonl, _torchrun, _train
+from tests.test_train import SMALL, _jsonl, _train
+from tests.train_ranks import train_on_ranks
 
 pytestmark = pytest.mark.usefixtures("isolated_trainer")
 
@@ -24,16 +25,18 @@ def _logits(ckpt_dir, tokens):
 @pytest.mark.slow
 def test_expert_parallel_run_trains_like_one_process_and_loads_at_ep1(tmp_path):
     one = _train(*STEPS, "--ckpt-dir", str(tmp_path / "one"))
-    _torchrun(
+    train_on_ranks(
         4,
-        *SMALL,
-        *STEPS,
-        "--mesh",
-        "fsdp=2,ep=2",
-        "--ckpt-dir",
-        str(tmp_path / "ep"),
-        "--metrics",
-        str(tmp_path / "m.jsonl"),
+        [
+            *SMALL,
+            *STEPS,
+            "--mesh",
+            "fsdp=2,ep=2",
+            "--ckpt-dir",
+            str(tmp_path / "ep"),
+            "--metrics",
+            str(tmp_path / "m.jsonl"),
+        ],
     )
     rows = _jsonl(tmp_path / "m.jsonl")
     assert rows[-1]["loss"] < rows[0]["loss"] - 0.5, [r["loss"] for r in rows]
