@@ -21,6 +21,7 @@ import launch.train as T
 from launch.startup import code_version
 from spmd import checkpoint
 from tests.test_train import SMALL, _train
+from tests.train_ranks import train_on_ranks
 
 pytestmark = pytest.mark.usefixtures("isolated_trainer")
 
@@ -306,19 +307,11 @@ def test_a_killed_rank_restarted_by_torchrun_resumes_and_matches_an_uninterrupte
 
     def run(name, *fault):
         ck, m = tmp_path / name / "ck", tmp_path / name / "m.jsonl"
-        out = _torchrun(
-            *(fault or ("-m", "launch.train")),
-            *SMALL,
-            "--steps",
-            "6",
-            "--ckpt-dir",
-            str(ck),
-            "--ckpt-every",
-            "2",
-            "--metrics",
-            str(m),
-            restarts=1,
-        )
+        flags = [*SMALL, "--steps", "6", "--ckpt-dir", str(ck), "--ckpt-every", "2", "--metrics", str(m)]
+        if not fault:  # the uninterrupted reference: the trainer on 2 forked ranks, no launcher under test
+            train_on_ranks(2, flags)
+            return None, ck, _jsonl(m)
+        out = _torchrun(*fault, *flags, restarts=1)
         assert out.returncode == 0, out.stderr[-3000:]
         return out, ck, _jsonl(m)
 
