@@ -55,9 +55,7 @@ def measure(model: str, spec: str, a) -> dict:
         recorder = TimedRecorder(run.mesh)
         _step(run, a.warmup + a.steps, recorder)
     finally:
-        run.profiler.close()
-        run.stop.uninstall()
-        run.metrics.close()
+        run.close()
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, recorder.seconds)
     seconds = [statistics.median(s) for s in zip(*every)]

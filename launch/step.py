@@ -55,6 +55,12 @@ class Run:
     def max_norm(self) -> float:
         return self.cfg.max_grad_norm if self.cfg.max_grad_norm > 0 else math.inf
 
+    def close(self) -> None:
+        """Releases what the set-up took: the profiler, the signal handlers, the metrics file."""
+        self.profiler.close()
+        self.stop.uninstall()
+        self.metrics.close()
+
 
 def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t

@@ -74,9 +74,7 @@ def train(cfg: TrainConfig, log=True) -> list[dict]:
         if run.saver:
             run.saver.close()  # the end of training waits for the last checkpoint (and raises its error)
     finally:
-        run.profiler.close()
-        run.stop.uninstall()
-        run.metrics.close()
+        run.close()
     return rows
 
 
