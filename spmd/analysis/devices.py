@@ -25,6 +25,7 @@ when the ranks leave the cores to do it: with more threads than cores, nothing o
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -142,24 +143,13 @@ def measure_gemm_flops(
     cuda = str(device).startswith("cuda")
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     sizes = sizes or ((256, 512, 1024, 2048) if cuda or dtype == torch.float32 else (256, 512))
-    old = torch.get_num_threads()
-    if threads:
-        torch.set_num_threads(threads)
-    try:
-        best = 0.0
+    best = 0.0
+    with _threads(threads):
         for n in sizes:
             a = torch.randn(n, n, device=device).to(dtype)
             b = torch.randn(n, n, device=device).to(dtype)
-            torch.mm(a, b)
-            sync()
-            end = time.perf_counter() + budget_s / len(sizes)
-            while time.perf_counter() < end:
-                t0 = time.perf_counter()
-                torch.mm(a, b)
-                sync()
-                best = max(best, 2 * n**3 / (time.perf_counter() - t0))
-    finally:
-        torch.set_num_threads(old)
+            seconds = _best_seconds(lambda: torch.mm(a, b), budget_s / len(sizes), sync)
+            best = max(best, 2 * n**3 / seconds)
     _measured[key] = best
     return best
 
@@ -174,25 +164,36 @@ def measure_linear_flops(
     shapes = Counter((m.in_features, m.out_features) for m in model.modules() if isinstance(m, torch.nn.Linear))
     if not shapes:
         raise ValueError(f"{type(model).__name__} has no nn.Linear layer to probe: use measure_gemm_flops")
+    seconds = 0.0
+    with _threads(threads):
+        for (k, m), n in shapes.items():
+            x, w, g = (torch.randn(*s).to(dtype) for s in ((tokens, k), (m, k), (tokens, m)))
+            seconds += n * _best_seconds(lambda: (x @ w.T, g @ w, g.T @ x), budget_s / len(shapes))
+    return sum(6 * tokens * k * m * n for (k, m), n in shapes.items()) / seconds
+
+
+@contextlib.contextmanager
+def _threads(threads: int | None):
+    """torch's intra-op threads set to `threads` (unchanged for None) inside the block."""
     old = torch.get_num_threads()
     if threads:
         torch.set_num_threads(threads)
     try:
-        seconds = sum(n * _best_linear_s(tokens, k, m, dtype, budget_s / len(shapes)) for (k, m), n in shapes.items())
+        yield
     finally:
         torch.set_num_threads(old)
-    return sum(6 * tokens * k * m * n for (k, m), n in shapes.items()) / seconds
 
 
-def _best_linear_s(tokens: int, k: int, m: int, dtype: torch.dtype, budget_s: float) -> float:
-    """Best seconds of one linear's three products at `tokens` x `k` in, `k` -> `m`."""
-    x, w, g = (torch.randn(*s).to(dtype) for s in ((tokens, k), (m, k), (tokens, m)))
-    run = lambda: (x @ w.T, g @ w, g.T @ x)  # noqa: E731
+def _best_seconds(run, budget_s: float, sync=lambda: None) -> float:
+    """The best time of `run()` (after one untimed call) over the calls that fit in about `budget_s`, one at
+    least; `sync` waits for a device's queued work."""
     run()
+    sync()
     best, end = math.inf, time.perf_counter() + budget_s
     while time.perf_counter() < end or best == math.inf:
         t0 = time.perf_counter()
         run()
+        sync()
         best = min(best, time.perf_counter() - t0)
     return best
 

@@ -107,17 +107,20 @@ def _by_mesh(jobs: list) -> list[list]:
 
 
 class Workers:
-    """The search's worker processes, kept for every round and terminated when the `with` block ends, however it
-    ends. With `early` they are spawned on entering it, so that they start (import torch, copy the model) while
-    this process checks the derivations on its first mesh; otherwise at the first round that has two meshes or
-    more to plan."""
+    """The search's worker processes (none for `processes` 1), spawned on entering the `with` block, so that they
+    start (import torch, copy the model) while this process checks the derivations on its first mesh, and kept
+    for every round; terminated when the block ends, however it ends."""
 
-    def __init__(self, model_arg, processes: int, early: bool = False):
-        self.model_arg, self.processes, self.pool, self.early = model_arg, processes, None, early
+    def __init__(self, model_arg, processes: int):
+        self.model_arg, self.processes, self.pool = model_arg, processes, None
 
     def __enter__(self):
-        if self.early and self.processes > 1:
-            self._spawn()
+        if self.processes > 1:
+            import multiprocessing
+
+            arg = self.model_arg
+            payload = arg if not isinstance(arg, nn.Module) else fake_copy(arg, None)
+            self.pool = multiprocessing.get_context("spawn").Pool(self.processes, _worker_init, (payload,))
         return self
 
     def __exit__(self, *exc):
@@ -127,16 +130,7 @@ class Workers:
 
     def map(self, groups: list):
         """The results of `_plan_group` on each group, in the order they finish."""
-        if self.pool is None:
-            self._spawn()
         return self.pool.imap_unordered(_plan_group, groups)
-
-    def _spawn(self) -> None:
-        import multiprocessing
-
-        arg = self.model_arg
-        payload = arg if not isinstance(arg, nn.Module) else fake_copy(arg, None)
-        self.pool = multiprocessing.get_context("spawn").Pool(self.processes, _worker_init, (payload,))
 
 
 def plan_all(net: nn.Module, jobs: list, workers: Workers | None = None, progress: Progress | None = None) -> dict:

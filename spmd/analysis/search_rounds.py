@@ -105,8 +105,8 @@ def plan_candidates(net, model, todo, shape, budget, pinned, how) -> dict:
     level = quiet.level
     quiet.setLevel(logging.ERROR)
     try:
-        meshes = {frozen(c[0]) for c in todo if "pp" not in c[0]}
-        with kept_worlds(), Workers(model, processes, early=len(meshes) > 1) as pool:
+        meshes = {frozen(c[0]) for c in todo if "pp" not in c[0]}  # workers take whole meshes: none for one
+        with kept_worlds(), Workers(model, processes if len(meshes) > 1 else 1) as pool:
             chosen = _fit(net, [c for c in todo if "pp" not in c[0]], shape, budget, pinned, (pool, shown))
         chosen.update(_fit_pipelines(net, [c for c in todo if "pp" in c[0]], shape, budget, pinned[0], pipeline))
     finally:
