@@ -7,13 +7,13 @@
    round; per spec and round, the median of `steps` step times after `warmup`, then one step with every
    collective timed from issue to completion (spmd.analysis.timed). The measurement of a spec is the median
    over rounds, its spread (max - min) / median over rounds.
-2. This machine as a `Device` per model (benchmarks.step_fit): compute at the FLOP/s of its own linear layers'
-   matmuls at a rank's share of the batch on one thread (torchrun gives each process one; with more processes
-   than cores each gets its share), links fitted per collective kind to the collectives timed inside the
-   steps of the other models (held out: none of the ranked model's own runs).
-3. `spmd.search(model, nproc, device=that)` ranks every spec; Spearman's rank correlation between predicted and
-   measured step times, next to two trivial predictors (the number of collectives, bytes moved), and whether
-   the measured best spec is among the planner's first two.
+2. This machine as a `Device` per spec (benchmarks.step_fit): compute at the FLOP/s of its model's own linear
+   layers' matmuls at a rank's share of the batch on one thread (torchrun gives each process one; with more
+   processes than cores each gets its share), links fitted per collective kind to the collectives timed
+   inside the steps of every other spec, of every model (held out: none of the spec's own runs).
+3. `spmd.search(model, nproc, device=that, specs=[spec])` predicts each spec; Spearman's rank correlation
+   between predicted and measured step times, next to two trivial predictors (the number of collectives, bytes
+   moved), and whether the measured best spec is among the planner's first two.
 Writes benchmarks/results/<date>-<device>-search-vs-measured.{json,md}. `--reuse RESULTS.json` measures nothing:
 it ranks the specs of a committed report again with today's search (its device figures refitted from its own
 samples) and prints the correlations with that report's measurements, the planner's and the collective count's.
@@ -79,17 +79,25 @@ def predicted_rows(model: str, a, d: dict) -> list:
     rows = []
     for spec, fits in d["per_spec"].items():
         dev = device_for(a.nproc, d["peak_per_thread"], fits)
-        rows += [r for r in _search(model, a, dev) if r.spec == spec]
+        rows += _search(model, a, dev, [spec])
     return sorted(rows, key=lambda r: r.step_s)
 
 
-def _search(model: str, a, dev):
+def _search(model: str, a, dev, specs=None):
     import spmd
     from models.llama import LlamaConfig
 
     cfg = LlamaConfig.preset(model)  # as benchmarks.spec_steps trains: fp32, ZeRO 3, no checkpointing, 1 pass
     return spmd.search(
-        cfg, a.nproc, device=dev, batch_shape=(a.batch, a.seq), dtype="fp32", ac="none", grad_accum=1, zero=3
+        cfg,
+        a.nproc,
+        device=dev,
+        batch_shape=(a.batch, a.seq),
+        dtype="fp32",
+        ac="none",
+        grad_accum=1,
+        zero=3,
+        specs=specs,
     )
 
 
@@ -196,8 +204,8 @@ def main(argv=None) -> int:
 def rerank(rep: dict) -> int:
     """Prints, per model of a committed report, Spearman's rho of today's predictions and of the collective
     count (today's plans) against the report's measured step times, over every spec it measured. The device
-    is refitted to the report's own samples: per kind to the collectives timed in its steps (held out as the
-    report's run held them out), or, for a report of isolated collectives, one link."""
+    is refitted to the report's own samples: per kind to the collectives timed in its steps (each spec's from
+    the other specs', step_fit.held_out), or, for a report of isolated collectives, one link."""
     from types import SimpleNamespace
 
     args, d = rep["args"], rep["device"]

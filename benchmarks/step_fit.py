@@ -121,15 +121,17 @@ def fitted_devices(a, measured: list[dict], specs: dict) -> dict:
     and per spec the fits of its held-out samples (`per_spec`, what its prediction uses)."""
     samples = [c | {"model": j["model"], "spec": j["spec"]} for j in measured for c in j["collectives"]]
     every = fit_kinds(samples, a.nproc)
+    print("[search_vs_measured] every sample: " + "; ".join(f"{k} {link_words(f)}" for k, f in every.items()))
+    # a spec's held-out samples are the same whichever model it is ranked for: fitted once per spec name
+    by_spec = {spec: fit_kinds(held_out(spec, samples), a.nproc) for spec in {s for m in a.models for s in specs[m]}}
     out = {}
     for m in a.models:
         out[m] = {
             "peak_per_thread": _linear_flops(m, a.batch * a.seq // a.nproc),
             "fits": every,
-            "per_spec": {spec: fit_kinds(held_out(spec, samples), a.nproc) for spec in specs[m]},
+            "per_spec": {spec: by_spec[spec] for spec in specs[m]},
         }
-        words = "; ".join(f"{k} {link_words(f)}" for k, f in every.items())
-        print(f"[search_vs_measured] {m}: {out[m]['peak_per_thread'] / 1e9:.1f} GFLOP/s per thread; {words}")
+        print(f"[search_vs_measured] {m}: {out[m]['peak_per_thread'] / 1e9:.1f} GFLOP/s per thread")
     return out
 
 
