@@ -156,13 +156,13 @@ def _comm_problems(cfg, sizes: dict) -> list[str]:
             f"the axis inside a node that keeps backward's secondary parameter shards (e.g. fsdp), or leave it out"
         )
     in_graph = [f"--mesh axis {a}" for a, n in sizes.items() if n > 1 and a not in ("dp", "fsdp", "pp", "tp")]
-    in_graph += [f for f, on in (("--float8", cfg.float8), (f"--ac {cfg.ac}", cfg.ac != "none")) if on]
+    in_graph += ["--float8 over tp"] if cfg.float8 and sizes.get("tp", 1) > 1 else []
     if cfg.comm() and cfg.compile and in_graph:
         problems.append(
             f"--comm-params/--comm-grads/--hpz with --compile and {', '.join(in_graph)} is not supported: those "
-            "blocks gather inside their compiled graph, which has no quantized wire (compiled blocks carry comm "
-            "on dp/fsdp/tp meshes, with or without --sp, without --ac or --float8); leave --compile or those "
-            "options out"
+            "blocks move tensors inside their compiled graph, which has no quantized wire (compiled blocks carry "
+            "comm on dp/fsdp/tp meshes, with or without --sp and --ac, and --float8 without tp); leave --compile "
+            "or those options out"
         )
     return problems
 

@@ -89,19 +89,29 @@ def test_a_bad_comm_is_refused_before_anything_moves(comm, named):
 
 
 def test_compiled_blocks_take_the_wire_only_where_their_hooks_stay_eager():
-    """Blocks compiled after parallelize(comm=...), data-only or tp, compile (their groups gather on the wire
-    around the graph; the 4-rank proofs are in tests/test_wire_four_ranks.py); checkpointed ones, or blocks
-    compiled before, which would gather inside the graph in full precision, are refused naming the fix."""
+    """Blocks compiled after parallelize(comm=...), data-only or tp, checkpointed or not, with float8 layers on
+    fsdp, compile (their groups gather on the wire around the graph; the 4-rank proofs are in
+    tests/test_wire_four_ranks.py); float8 layers over tp, or blocks compiled before, which would move tensors
+    inside the graph, are refused naming the fix."""
+    comm = {"params": "int8"}
     with fake_world({"fsdp": 2, "tp": 2}) as (mesh, _):
-        model = spmd.parallelize(tiny_model(), mesh, spmd.Rules.default(), comm={"params": "int8"})
+        model = spmd.parallelize(tiny_model(), mesh, spmd.Rules.default(), comm=comm)
         assert spmd.compile_blocks(model, backend="eager") == [0, 1]
+        float8 = spmd.parallelize(
+            spmd.float8_training(tiny_model(), emulate=True), mesh, spmd.Rules.default(), comm=comm
+        )
+        with pytest.raises(ValueError, match="layers.0, layers.1 hold float8 layers laid out over tp.*drop tp"):
+            spmd.compile_blocks(float8, backend="eager")
     with fake_world({"fsdp": 4}) as (mesh, _):
-        model = spmd.parallelize(tiny_model(), mesh, spmd.Rules.default(), comm={"params": "int8"})
+        model = spmd.parallelize(tiny_model(), mesh, spmd.Rules.default(), comm=comm)
         assert spmd.compile_blocks(model, backend="eager") == [0, 1]
-        checkpointed = spmd.parallelize(tiny_model(), mesh, spmd.Rules.default(), comm={"params": "int8"})
+        checkpointed = spmd.parallelize(tiny_model(), mesh, spmd.Rules.default(), comm=comm)
         spmd.apply_activation_checkpointing(checkpointed, "full")
-        with pytest.raises(ValueError, match="layers.0, layers.1 would gather .*--ac none"):
-            spmd.compile_blocks(checkpointed, backend="eager")
+        assert spmd.compile_blocks(checkpointed, backend="eager") == [0, 1]
+        float8 = spmd.parallelize(
+            spmd.float8_training(tiny_model(), emulate=True), mesh, spmd.Rules.default(), comm=comm
+        )
+        assert spmd.compile_blocks(float8, backend="eager") == [0, 1]
         compiled_first = tiny_model()
         spmd.compile_blocks(compiled_first, backend="eager")
         with pytest.raises(ValueError, match="call compile_blocks after parallelize"):
@@ -159,9 +169,8 @@ def test_trainer_flags_and_toml_set_comm(tmp_path):
         (["--comm-params", "float8"], "--comm-params float8 gathers float8 layers' weights .* needs --float8"),
         (["--comm-grads", "fp8"], "--comm-grads 'fp8' is not supported; use int8 or int4"),
         (["--hpz", "dp"], "--hpz 'dp' is not an axis of --mesh fsdp=4 with more than one rank"),
-        (["--comm-grads", "int8", "--compile", "--ac", "full"], "with --compile and --ac full is not supported"),
         (["--comm-params", "int8", "--compile", "--mesh", "fsdp=2,cp=2"], "--compile and --mesh axis cp is not"),
-        (["--comm-params", "int8", "--compile", "--float8"], "--compile and --float8 is not supported"),
+        (["--comm-params", "int8", "--compile", "--float8", "--mesh", "fsdp=2,tp=2"], "--float8 over tp is not"),
     ],
 )
 def test_trainer_refuses_bad_comm_flags(flags, match):

@@ -18,7 +18,7 @@ from ..gradients.layouts import grads_layout, held_for_step, reduce_gradient
 from ..state import tracing
 from ..wire.hpz import keep_secondary
 from .group import ParamGroup
-from .reshard import BODY_COMPILED_ATTR, CHECKPOINTED_ATTR, gathers_in_graph, reshard_after_forward, storage_key
+from .reshard import BODY_COMPILED_ATTR, CHECKPOINTED_ATTR, reshard_after_forward, storage_key
 
 __all__ = [
     "gather_param",
@@ -27,6 +27,7 @@ __all__ = [
     "release_module_params",
     "gather_shared",
     "gathered_param",
+    "place_for_graph",
     "regathering_group",
 ]
 
@@ -78,14 +79,21 @@ def gather_block(state, mod, compiling: bool) -> dict | None:
     """Gathers the flat group of `mod`, if it is a block's, for its modules to find (eager only). With comm a
     compiled block's group gathers here, for its graph to take; returns what backward regathers of it."""
     body = getattr(mod, BODY_COMPILED_ATTR, False)
-    group = None if compiling or (body and (state.wire is None or gathers_in_graph(mod))) else state.groups.get(id(mod))
+    group = None if compiling or (body and state.wire is None) else state.groups.get(id(mod))
     if group is None:
         return None
     group.values = group.gather(state)
-    for m in mod.modules() if body else ():  # the graph's modules take them as inputs (no guard on the block)
-        m.__dict__.update({n: group.values[id(p)] for n, p in m._parameters.items() if id(p) in group.values})
+    if body:
+        place_for_graph(mod, group.values)
     moved = [p for p in group.params if body and moves_data(p.placements, p._spmd_compute, state.mesh)]
     return {storage_key(group.values[id(p)]): (p, p._spmd_compute, group, None) for p in moved}
+
+
+def place_for_graph(block, values: dict) -> None:
+    """Puts a group's gathered `values` ({id(param): value}) where the modules of `block`'s compiled graph read
+    their parameters (`__dict__`, which the graph takes as inputs: no guard on the block)."""
+    for m in block.modules():
+        m.__dict__.update({n: values[id(p)] for n, p in m._parameters.items() if id(p) in values})
 
 
 def gather_module_params(state, mod, name: str, param_names, weight_layout, compiling: bool, regather=None):

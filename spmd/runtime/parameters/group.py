@@ -80,7 +80,7 @@ class ParamGroup:
             pending, self.prefetched = self.prefetched, None
         values = _Unshard.apply(self, state, pending, grad_layouts, None, self.name, *self.params)
         nxt = self.next
-        if not why and nxt is not None and nxt.prefetched is None and not gathers_in_graph(nxt.module):
+        if not why and nxt is not None and nxt.prefetched is None and not gathers_in_graph(nxt.module, self.wire):
             nxt.prefetched = nxt.issue(state.param_dtype, f"gather {nxt.name} to its compute layout, prefetched")
         return {id(p): v for p, v in zip(self.params, values)}
 

@@ -27,11 +27,12 @@ CHECKPOINTED_ATTR = "_spmd_checkpointed"
 BODY_COMPILED_ATTR = "_spmd_body_compiled"  # a block whose hooks run eager around its compiled body or forward
 
 
-def gathers_in_graph(block) -> bool:
+def gathers_in_graph(block, wire=None) -> bool:
     """Whether `block` gathers its parameters inside a compiled graph (compiled whole, or a checkpointed block's
-    compiled body), where nothing would take a prefetched bucket."""
+    compiled body off the quantized `wire`), where nothing would take a prefetched bucket. On the wire a
+    compiled body's group gathers in the block's hooks and again before its recompute."""
     return getattr(block, "_compiled_call_impl", None) is not None or (
-        getattr(block, BODY_COMPILED_ATTR, False) and getattr(block, CHECKPOINTED_ATTR, False)
+        getattr(block, BODY_COMPILED_ATTR, False) and getattr(block, CHECKPOINTED_ATTR, False) and wire is None
     )
 
 

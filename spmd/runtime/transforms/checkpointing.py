@@ -12,6 +12,7 @@ from torch.utils.checkpoint import checkpoint
 from ...layout.blocks import find_blocks
 from ..activations.global_view import GlobalView
 from ..local.whole_model import drop_local_model
+from ..parameters.gather import place_for_graph
 from ..parameters.reshard import BODY_COMPILED_ATTR, CHECKPOINTED_ATTR
 from ..state import STATE_ATTR, Phase, activated
 
@@ -89,12 +90,15 @@ def recomputing(state):
 @contextlib.contextmanager
 def _bucket_gathered(state, block: nn.Module):
     """While a bucketed block recomputes (its forward hook does not run again), its parameters gathered as
-    one bucket instead of one by one."""
-    bucket = None if state is None or getattr(block, BODY_COMPILED_ATTR, False) else state.groups.get(id(block))
+    one bucket instead of one by one; on the quantized wire also a compiled body's, for its graph to take."""
+    body = getattr(block, BODY_COMPILED_ATTR, False)
+    bucket = None if state is None or (body and state.wire is None) else state.groups.get(id(block))
     if bucket is None or bucket.values:  # forward: the hook gathered them
         yield
         return
     bucket.values = bucket.gather(state, why=f"regather {bucket.name} for recompute")
+    if body:
+        place_for_graph(block, bucket.values)
     try:
         yield
     finally:

@@ -3,8 +3,9 @@
 A block on local tensors (data-only, spmd.runtime.local.blocks) compiles its forward alone, its hooks eager around
 the graph as FSDP2's are: they gather, prefetch and reduce its bucket, and the graph sees plain tensors. With
 comm= every block compiles so, its group on the quantized wire in those hooks (a tp block's graph takes the
-gathered DTensors, its gradients summed to eager's layouts first: gradients.layouts.summed_as_eager); checkpointed
-blocks and float8 layers would gather inside the graph in full precision and are refused.
+gathered DTensors, its gradients summed to eager's layouts first: gradients.layouts.summed_as_eager); a checkpointed
+block compiles its body, its group gathered on the wire by its hooks and again before the recompute. float8 layers
+over tp would move float8 tensors inside the graph (their backward's redistribute) and are refused on the wire.
 Any other block compiles to one graph per block type, its gathers, layout moves and reductions inside as
 functional collectives (DTensor's redistribute, eager's layouts) that inductor buckets per kind; ZeRO-3's regather
 becomes a recompute-in-backward policy. A checkpointed block compiles its body, torch's checkpoint outside (torch
@@ -71,10 +72,10 @@ def compile_blocks(model: nn.Module, blocks: str | None = None, bucket: bool = T
             # hook ids are global counters, and dynamo guards on them being in this set: with it empty,
             # every block of a type shares one graph (in a compiled graph an error aborts it anyway)
             m._forward_hooks_always_called.clear()
-        if getattr(state, "wire", None) is not None:  # (not checkpointed: refused) its group on the wire around it
-            _compile_forward(block, **compile_kwargs)
-        elif getattr(block, CHECKPOINTED_ATTR, False):
+        if getattr(block, CHECKPOINTED_ATTR, False):  # on the wire its group gathers around the body too
             compile_body(block, **compile_kwargs)
+        elif getattr(state, "wire", None) is not None:  # its group on the wire around it
+            _compile_forward(block, **compile_kwargs)
         else:
             block.compile(**compile_kwargs)
     # blocks of one type share a graph; room for a recompile per block where guards differ (shapes)
@@ -83,23 +84,27 @@ def compile_blocks(model: nn.Module, blocks: str | None = None, bucket: bool = T
 
 
 def _refuse_wire_in_graph(state, path: str, block_list) -> None:
-    """With comm= a checkpointed block (its compiled body regathers) or float8 layers would gather inside the
-    graph through DTensor's redistribute, in full precision."""
+    """With comm= the float8 layers of a block that moves activations (tp) would move their float8 operands
+    inside the graph through DTensor's redistribute, which cannot split torchao's float8 tensors."""
     if getattr(state, "wire", None) is None:
         return
     inside = [
         f"{path}.{i}"
         for i, b in enumerate(block_list)
-        if getattr(b, CHECKPOINTED_ATTR, False) or any(computes_in_float8(m) for m in b.modules())
+        if any(computes_in_float8(m) and _computes_sharded(m) for m in b.modules())
     ]
     if inside:
         raise ValueError(
             f"compile_blocks with parallelize(comm=...): {', '.join(inside[:2])}{', ...' if len(inside) > 2 else ''} "
-            f"would gather and reduce inside the compiled graph (activation checkpointing, or float8 layers), "
-            f"through DTensor's redistribute, which has no quantized wire. Compiled blocks carry comm without "
-            f"checkpointing or float8: drop activation checkpointing (--ac none), --float8 or --compile, or "
-            f"pass comm=None"
+            f"hold float8 layers laid out over tp, whose backward would move float8 tensors inside the compiled "
+            f"graph through DTensor's redistribute, which cannot split them. Compiled blocks carry comm with "
+            f"float8 on data-parallel meshes (dp, fsdp): drop tp, --float8 or --compile, or pass comm=None"
         )
+
+
+def _computes_sharded(module: nn.Module) -> bool:
+    """Whether any of `module`'s own parameters computes sharded (tp), not replicated."""
+    return any(not c.is_replicate() for p in module.parameters(recurse=False) for c in p._spmd_compute)
 
 
 def _compile_forward(block: nn.Module, **compile_kwargs) -> None:
