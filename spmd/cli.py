@@ -216,7 +216,10 @@ def explain_main(argv=None) -> int:
 
 def run_command(module_name: str, main) -> None:
     """The body of a command module (spmd/explain.py, spmd/search.py): runs `main` as `python -m module_name`.
-    Imported instead, the module would take the place of the package's function of the same name."""
+    Imported instead, the module would take the place of the package's function of the same name. A process
+    that multiprocessing spawns (the search's workers) runs the module again as `__mp_main__`: nothing to do."""
+    if module_name == "__mp_main__":
+        return
     if module_name != "__main__":
         raise ImportError(
             f"spmd.{main.__name__.split('_')[0]} is a command (python -m); its code is "

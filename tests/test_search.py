@@ -551,6 +551,21 @@ def test_a_signal_stops_the_search_and_its_workers(name):
                 os.kill(p, 9)
 
 
+def test_the_command_plans_in_its_worker_processes():
+    """`python -m spmd.search` with worker processes answers: each spawned worker runs the command module again
+    as `__mp_main__`, which must do nothing (spmd.cli.run_command). Mutation: run_command raising there as on
+    any import: every worker dies at start, the pool respawns it, and the search never answers (timeout)."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    cmd = [sys.executable, "-m", "spmd.search", "--model", "tiny", "--world", "2", "--workers", "2"]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    for row in ("--mesh fsdp=2 --zero 3", "--mesh tp=2 ", "--mesh tp=2,sp "):
+        assert row in out.stdout, out.stdout
+
+
 def test_pipeline_specs_are_planned_whole_with_their_bubble():
     """A pp spec's row is explain's plan of the pipeline (memory and bytes of its busiest pp rank, equal), and
     its step is the rank's work over 1 - bubble, (p-1)/(m+p-1) for 1F1B. Mutation: dropping the bubble term
