@@ -1,21 +1,9 @@
-"""Many tensors summed over one mesh axis (or one flattened group of axes) in one collective: packed into one
-flat buffer, cut back after.
+"""Many tensors reduced or gathered over one mesh axis (or one flattened group of axes) in one collective.
 
-A reduce-scatter lays each tensor's chunks along its shard dim (DTensor's own split, so uneven chunks are
-allowed) out rank by rank, each rank's segment padded to the longest; each rank gets back its segment, its
-chunk of every tensor. An all-reduce lays the tensors back to back. Both are issued at once and waited on
-when the results are read, so a caller may go on while they travel. The bytes on the wire are those of the
-per-tensor collectives (plus the padding of uneven chunks).
-
-An all-gather is the reverse of a reduce-scatter: each rank packs its chunk of every tensor into its padded
-segment, and every rank receives every segment, from which the whole tensors are cut and joined.
-
-Used by the block buckets' gradient reductions (spmd.runtime.parameters.buckets), the reductions across blocks
-(spmd.runtime.gradients.reducer), ZeRO-1/2's step reductions (spmd.runtime.gradients.step_reduce) and their all-gathers
-of the updated parameters (spmd.runtime.optimizer.shard).
-
-Handed a `wire` (spmd.runtime.wire.Wire) whose `params` or `grads` names a format, a gather or a reduction
-over an axis of more than one rank travels quantized instead (spmd.runtime.wire.flat): payload + scales.
+A reduce-scatter lays each tensor's chunks along its shard dim (DTensor's own split: uneven chunks allowed) rank
+by rank, each segment padded to the longest; an all-reduce lays the tensors back to back; an all-gather is the
+reverse of a reduce-scatter. Each is issued at once and waited on when its results are read. On a `wire`
+(spmd.runtime.wire.Wire) naming a format, a collective over more than one rank travels quantized (wire.flat).
 """
 
 import torch

@@ -1,15 +1,10 @@
 """The pass's forward hooks on every module, and the phases they dispatch on.
 
-Before a module computes (`_pre_hook`): the root's inputs become DTensors (or the whole model runs on local
-tensors), a data-only block runs on local tensors, a block's bucket is gathered, the global view goes on (the
-root's forward, or a module called on its own), a linear layer's input moves to its weight's layout and the
-module's parameters are gathered. After (`_post_hook`): the parameters are dropped, partial sums reduced and
-the global view taken off. The phase (spmd.runtime.state.Phase) says where a step is: the root's hooks move it
-from idle to forward and on to backward; a checkpointed block's recompute runs in its own phase.
-
-Whatever the pre-hooks entered (torch-function modes, saved-tensor hooks, local calls, spmd's stacks) the root's
-post-hook leaves, also when the forward raised (torch calls it then too): `_unwind` brings every stack back to
-its depth at the root's entry, so a failed step leaves nothing on torch's stacks and the next one runs clean.
+Before a module computes (`_pre_hook`): the root's inputs become DTensors (or the whole model runs locally), a
+data-only block runs on local tensors, a bucket is gathered, the global view goes on, a linear layer's input moves
+to its weight's layout. After (`_post_hook`): parameters dropped, partial sums reduced, the global view off. The
+root's hooks move the phase (state.Phase) from idle to forward to backward. Whatever the pre-hooks entered the
+root's post-hook leaves (`_unwind`), also when the forward raised, so a failed step leaves torch's stacks clean.
 """
 
 import torch

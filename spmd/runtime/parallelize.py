@@ -1,12 +1,7 @@
 """`parallelize(model, mesh, rules)`: lays a global-view model out on a mesh, in place.
 
-Parameters become DTensors in their storage layout (the params map). Hooks on the modules (every module
-but the insides of blocks that run on local tensors: spmd.runtime.local.hook_sets) then run the propagation pass as
-the model runs: before a module computes, its parameters are gathered to their
-compute layout (and cast to the compute dtype); a linear layer's input is moved to the layout its weight
-needs (spmd.runtime.activations.moves); `constrain` points move activations to the rules' layout. After the
-forward of a module, gathered parameters are dropped and regathered for backward (ZeRO-3), unless the
-module sits under activation checkpointing, which regathers by recomputing.
+Parameters become DTensors in their storage layout; hooks on the modules (spmd.runtime.hooks) then run the
+propagation pass as the model runs.
 """
 
 from collections import Counter

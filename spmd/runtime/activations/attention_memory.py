@@ -1,11 +1,9 @@
-"""Attention's memory per rank, observed while it runs: what it saves for backward and the peak of what it
-allocates on the way (under cp, the ring's K/V blocks in flight and each block's scores).
+"""Attention's memory per rank, observed while it runs: what it saves for backward and its peak allocation (under
+cp, the ring's K/V blocks in flight and each block's scores).
 
-The pass runs every attention call (`F.scaled_dot_product_attention`, the ring's backward too) through
-`attending(call, ...)`. Whoever wants the figures opens `observe(record)` around a step: `explain`, the tests.
-Saved bytes are counted by the saved-tensor hook that counts activations, which asks `attending_now()`
-(spmd.runtime.parameters.reshard.observe_saved); the peak by a dispatch mode that follows each storage attention
-allocates until it is freed, so it holds on fake tensors (explain) as on real ones.
+Every attention call runs through `attending(call, ...)`; `observe(record)` around a step collects the figures
+(explain, tests). Saved bytes come from the activation-counting saved-tensor hook (`attending_now()`); the peak
+from a dispatch mode following each storage until it is freed, so fake tensors count as real ones.
 """
 
 import contextlib

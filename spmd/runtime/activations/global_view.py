@@ -1,19 +1,13 @@
 """Plain tensors a model makes while it runs (positions, masks, `arange`, constants) are replicated.
 
-A model on the global view makes such tensors from global shapes, so every rank holds the same whole
-tensor: exactly a replicated DTensor. While a parallelized model runs forward (and while a checkpointed
-block recomputes in backward), a torch-function mode turns every plain tensor that meets a DTensor in an
-op into a replicated DTensor before the op runs. Autograd then saves DTensors, so the backward never mixes
-the two either. The same mode hands parameters used outside their own module their compute layout
-(spmd.runtime.parameters.outside_use), and runs attention on a sequence split over cp as a ring
-(spmd.runtime.context_parallel.ring). Code outside the model keeps DTensor's strict mixing check.
+A model on the global view makes them from global shapes, so every rank holds the same whole tensor: a
+replicated DTensor. While a parallelized model runs forward (or recomputes), a torch-function mode turns every
+plain tensor meeting a DTensor into one, so autograd never mixes the two; it also hands parameters used outside
+their module their compute layout (parameters.outside_use) and runs cp attention as a ring (context_parallel).
 
-A block that flattens its tokens into one dim (OPT: `x.reshape(-1, hidden)`) merges a sequence-sharded
-dim into the batch dim before it, which no DTensor layout holds evenly. Inside a layer, such a view first
-gathers the merged dim (an all-gather over its mesh axis, listed by explain against the module), and the
-block runs on whole sequences from there on. The view back to tokens splits that dim again (a local slice:
-the tensors it meets next, the residual stream, are split so) and keeps its gradient in that layout, so that
-the backward's reverse view never merges a sharded dim either.
+A view flattening tokens (OPT: `x.reshape(-1, hidden)`) would merge a sequence-sharded dim into the batch dim,
+which no layout holds evenly: the merged dim is gathered first, and the view back splits it again (a local slice)
+keeping its gradient in that layout.
 """
 
 import math

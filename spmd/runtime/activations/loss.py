@@ -1,16 +1,10 @@
-"""A model's own `F.cross_entropy` or `F.nll_loss` on DTensor logits: the mean over every rank's non-ignored
-tokens.
+"""A model's own `F.cross_entropy` or `F.nll_loss` on DTensor logits: the mean over every rank's non-ignored tokens.
 
-DTensor's cross-entropy on logits split along the tokens averages the ranks' own means. Where the ranks hold
-different numbers of tokens the loss counts (padding, prompts masked out with ignore_index), that is not
-the one-device loss, and its gradients are not the one-device gradients; on logits split along the vocab it
-gathers them whole first. While a parallelized model runs, a mean over class-index targets (transformers'
-loss, nanoGPT's) goes to kernels.vocab_parallel_cross_entropy instead, as models.llama's loss does: the
-loss sum and the count of non-ignored tokens are summed over the ranks, and vocab-split logits stay split.
-With label smoothing or class weights, and for `F.nll_loss` on log-probabilities, the sum goes through DTensor
-and is divided by what one device divides it by: the count of every rank's non-ignored tokens, or the sum of
-their targets' weights. Logits with the class dim second and more dims after it ([B, V, T], as
-`F.cross_entropy` takes them) become [B * T, V] rows first.
+DTensor's cross-entropy averages the ranks' own means, which is not the one-device loss when ranks hold different
+counts of non-ignored tokens, and gathers vocab-split logits whole. So a mean over class-index targets goes to
+kernels.vocab_parallel_cross_entropy (sum and count summed over the ranks, vocab-split logits kept split); with
+label smoothing, class weights or `F.nll_loss`, the sum goes through DTensor and is divided by the global count
+(or weight sum). Logits [B, V, T] become [B * T, V] rows first.
 """
 
 import inspect

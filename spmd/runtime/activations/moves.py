@@ -1,17 +1,10 @@
 """How activations move: the layout decisions of the propagation pass and the moves that carry them out.
 
-DTensor's own op rules carry layouts through elementwise ops, views, attention and the loss. The pass
-decides at the points where a layout must change, and makes each change an explicit, recorded move:
-
-* a `constrain` point: the activation goes to the layout the rules give its logical axes, which turns
-  tensor-parallel partial sums into an all-reduce, or a reduce-scatter under sequence parallelism;
-* a linear layer: the input must fit the weight's compute layout; a weight whole over a mesh axis takes
-  an input whole along all but the batch dim over it. When both are sharded over one mesh
-  axis on different dims (a sequence-sharded activation meets a column-parallel weight, or a pinned
-  weight meets a batch-sharded activation), one of the two is gathered: the one with fewer bytes.
-
-`move(x, placements)` changes an activation's layout; its backward brings the gradient back to the
-layout `x` had (a Partial source gets a Replicate gradient: every partial sum sees the whole gradient).
+DTensor's op rules carry layouts through elementwise ops, views, attention and the loss; the pass decides where a
+layout must change, as an explicit, recorded move: at a `constrain` point (tensor-parallel partial sums become an
+all-reduce, or a reduce-scatter under sp), and at a linear layer, whose input must fit the weight's compute
+layout (when both shard one mesh axis on different dims, the one with fewer bytes is gathered). `move`'s backward
+brings the gradient back to the source's layout (Partial -> Replicate).
 """
 
 from dataclasses import asdict, dataclass

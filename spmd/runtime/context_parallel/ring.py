@@ -1,17 +1,10 @@
 """Ring attention over the `cp` mesh axis: attention on a sequence split across ranks.
 
-Each rank keeps its queries; the key/value blocks travel around the cp ring (cp-1 hops, each overlapped
-with the attention on the block at hand) and the partial results merge by their log-sum-exp. In backward
-the K/V blocks travel again, and each block's dK/dV accumulator travels behind it, gathering every rank's
-contribution, until a last hop brings it home: 2(cp-1) hops of a K/V block, twice the forward. K and V go
-with their kv_heads (GQA stays grouped on the wire); each query group attends to its shared head.
-
-The sequence is split zigzag (spmd.layout.sequence): rank i holds chunks i and 2cp-1-i. Under a causal
-mask the rank's own block is causal as it stands (its positions increase), an earlier rank's block is
-seen by every query through its first chunk only, and a later rank's whole block by the second half of
-the queries only: every step costs every rank the same. torch's own context parallel
-(torch.distributed.tensor.experimental.context_parallel) dispatches only the CUDA flash/efficient/cuDNN
-kernels, so this ring computes each block in plain torch, which runs on any device.
+Each rank keeps its queries; K/V blocks (GQA-grouped) travel around the ring, each hop overlapped with the
+attention on the block at hand, and the partial results merge by log-sum-exp. In backward each block's dK/dV
+accumulator travels behind it until a last hop brings it home (twice the forward's hops). The zigzag split (rank
+i holds chunks i and 2cp-1-i) makes every causal step cost every rank the same. torch's context_parallel
+dispatches only CUDA kernels, so each block is computed in plain torch, which runs on any device.
 """
 
 import torch

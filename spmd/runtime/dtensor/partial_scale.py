@@ -1,10 +1,8 @@
 """A partial sum times a constant scalar stays a partial sum.
 
-Gemma scales its embedding by sqrt(dim), a 0-d buffer: under tp the vocab-split lookup gives partial sums,
-and DTensor, whose rules treat a multiply by a tensor as nonlinear, reduces them first into a layout of its
-own choosing (on Gemma 3 the batch split over tp, which the whole model then followed, its projections'
-weights gathered whole). Scaling each rank's summand by the scalar is the same product and keeps the
-partial sums for the pass to reduce where it plans to.
+Gemma scales its vocab-split embedding (partial sums under tp) by a 0-d buffer; DTensor treats that multiply as
+nonlinear and reduces first, into a layout of its own choosing that the model then follows. Scaling each summand
+keeps the partial sums for the pass to reduce where it plans to.
 """
 
 import torch

@@ -1,17 +1,11 @@
 """DTensor's redistribution planning, kept per process: what it computes again for every op.
 
-DTensor prices each candidate sharding strategy of every op by the redistributions it would take
-(`expand_to_full_mesh_op_strategy`, `redistribute_cost`): on a mesh of three axes a matmul has 11 one-axis
-strategies and so 1,331 candidates, each input's move priced, and below each price a shortest-path search over
-placements (`find_min_cost_path`) whose every edge built two `DTensorSpec`s. A price depends on the two specs
-alone (mesh layout, placements, shard order, shape, stride, dtype); a graph's edges and their costs
-(`one_step_redistribute_cost`) on the mesh, the tensor's rank and its bytes, not its shape, and which states
-follow a state not even on the bytes. So they are kept (`install`, which `spmd.runtime.dtensor.install` calls:
-`parallelize` and `explain` both plan through them), and a shortest-path search runs once from its source to
-every state: until a target is first reached it pops exactly what torch's search for that target pops, so every
-path is torch's. Under a fake mode DTensor takes itself to be tracing and skips its own cache of transform
-plans; kept here, dry runs keep them too. tests/test_search_speed.py compares the answers with `torchs()`,
-torch planning alone.
+DTensor prices every candidate strategy of every op by its redistributions (on a three-axis mesh a matmul has
+1,331 candidates, each priced by a shortest-path search over placements). A price depends on the two specs alone,
+a graph's edges on the mesh, rank and bytes, and which states follow a state not even on the bytes: so they are
+kept (`install`), and one search runs from its source to every state, popping what torch's would pop for each
+target, so every path is torch's. Dry runs under a fake mode keep DTensor's transform plans too.
+tests/test_search_speed.py compares the answers with `torchs()`, torch planning alone.
 """
 
 import contextlib

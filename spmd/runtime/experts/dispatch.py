@@ -1,26 +1,13 @@
 """Expert parallelism: tokens go to their experts' ranks by all-to-all and come back the same way.
 
-An expert module is one whose parameters carry the `experts` axis on dim 0 (stacked experts, as
-torchtitan's GroupedExperts); it is called with the tokens sorted by expert and the count per expert, and
-returns one row per token. The module that calls it routes, sorts and combines each token on its own, so
-the pass runs it on this rank's tokens as plain tensors (the *routing region*): its tensor inputs, passed
-positionally, come in with their batch shards and nothing else sharded; its output (one tensor) goes back
-as a DTensor of that layout.
-
-Supported layout (DeepSpeed-MoE's and torchtitan's): `experts -> ep` with `ep` among the batch axes, so ep
-splits the data as dp and fsdp do and each rank holds E/ep experts. The expert module then
-* sends each expert's tokens to the rank holding it: an all-to-all of the counts, then an all-to-all of
-  the tokens with those split sizes; on arrival they are grouped by local expert;
-* computes with its local experts (under tp each rank holds a slice of `mlp`, so outputs and input
-  gradients are partial sums over tp, reduced after the region as a row-parallel layer's are);
-* sends the outputs back by the reverse all-to-all. Backward mirrors each all-to-all.
-Under `explain` (fake tensors, no data) the routing is taken to be balanced: every expert gets an equal
-share of each rank's tokens, and the plan's all-to-all records say so.
-An expert's gradient is this rank's share of the tokens: a partial sum over the batch axes that hold the
-expert whole (dp, fsdp), reduced into its storage layout as every parameter's is.
-
-An expert module called otherwise routes the tokens itself (transformers'): spmd.runtime.experts.whole_experts,
-and spmd.runtime.experts.routed_dispatch under ep.
+An expert module carries the `experts` axis on dim 0 of its parameters (torchtitan's GroupedExperts) and is
+called with the tokens sorted by expert and the count per expert. Its caller routes each token on its own, so
+it runs on this rank's tokens as plain tensors (the *routing region*: inputs with their batch shards only, one
+output going back as a DTensor of that layout). Layout: `experts -> ep` with ep among the batch axes
+(DeepSpeed-MoE's, torchtitan's), each rank holding E/ep experts: an all-to-all of the counts, one of the tokens,
+the local experts (partial sums over tp, reduced after the region), the reverse all-to-all; backward mirrors
+each. Under `explain` routing is taken to be balanced. Expert modules that route themselves (transformers'):
+experts.whole_experts, and experts.routed_dispatch under ep.
 """
 
 import contextlib

@@ -1,16 +1,11 @@
-"""Expert parallelism for expert modules that route their tokens themselves (transformers'): `forward(
-hidden_states [N, H], top_k_index [N, k], top_k_weights [N, k])` returning the weighted sum over each token's k
-experts, [N, H].
+"""Expert parallelism for expert modules that route their tokens themselves (transformers'): `forward(hidden_states
+[N, H], top_k_index [N, k], top_k_weights [N, k])`, the weighted sum over each token's k experts.
 
-Under `experts -> ep` each rank holds E/ep of the experts, and ep splits the batch as dp and fsdp do. Around
-the module's own forward (it runs on this rank's tokens as plain tensors, spmd.runtime.local.blocks):
-* each (token, choice) pair goes to the rank holding its expert: the pairs sorted by expert, an all-to-all of
-  the counts per expert, then of the tokens, their weights and their experts' local indices;
-* the module computes on what arrived, one choice per row, with its local experts and `num_experts` set to
-  their count, so its own routing finds them;
-* the rows go back by the reverse all-to-all, and each token sums its k rows.
-Backward mirrors each all-to-all. The router before it stays in the global view. Under `explain` (fake
-tensors) the routing is taken to be balanced, as spmd.runtime.experts.dispatch plans its own dispatch.
+Under `experts -> ep` each rank holds E/ep experts. Around the module's forward (on plain local tensors) each
+(token, choice) pair goes to its expert's rank (pairs sorted by expert; all-to-alls of the counts, then of the
+tokens, weights and local expert indices), the module computes one choice per row with `num_experts` set to its
+local count, and the rows come back by the reverse all-to-all to be summed per token. Backward mirrors each
+all-to-all; under `explain` the routing is taken to be balanced.
 """
 
 import inspect

@@ -1,13 +1,10 @@
 """Expert modules that route their tokens themselves, as transformers' do: `forward(hidden_states, top_k_index,
-top_k_weights)`, anything but the (tokens sorted by expert, tokens per expert) of spmd.runtime.experts.dispatch.
+top_k_weights)`, not experts.dispatch's (tokens sorted by expert, tokens per expert).
 
-Such a module sorts each token to its chosen experts inside its own forward: without ep it holds its experts
-whole on every rank, stored sharded as any parameter is (fsdp); under ep, E/ep of them, the (token, choice)
-pairs sent to them around its forward (spmd.runtime.experts.routed_dispatch). tp may not split their other dims. It
-runs on this rank's tokens as plain tensors (spmd.runtime.local.blocks, as a data-only block does), while the router
-before it stays in the global view, so that router logits a loss reads (transformers' load-balancing loss) are those of
-every rank's tokens. On fake tensors (explain) its grouped products take the balanced routing: equal groups, one batched
-product (torch's fake grouped product accepts bf16 only, where its CPU kernel takes any float).
+Without ep such a module holds its experts whole in compute (stored sharded as any parameter); under ep, E/ep of
+them (experts.routed_dispatch); tp may not split their other dims. It runs on plain local tensors while the
+router stays in the global view, so router logits a loss reads are every rank's. On fake tensors (explain) its
+grouped products take the balanced routing, one batched product (torch's fake grouped product takes bf16 only).
 """
 
 import inspect

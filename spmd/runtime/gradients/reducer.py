@@ -1,18 +1,11 @@
 """Gradient reductions that span blocks, in buckets of a set size (DDP's, 25 MB by default).
 
-A flat parameter group's backward (spmd.runtime.parameters.group) hands over each gradient whose reduction is at
-most one reduce-scatter (onto its shards over one mesh axis: FSDP) followed by one all-reduce (over the mesh axes that
-replicate it: DP, HSDP's dp axis, the dp and tp axes of a sequence-parallel norm weight, summed over their
-flattened group in one collective). They join the open buffer of their reduction and dtype; a buffer that
-reaches the size is issued at once, asynchronously, while backward goes on. A buffer that reduce-scatters and
-then all-reduces issues its all-reduce when the next buffer is issued (its reduce-scatter has had that much
-backward to travel) or at the end of backward. At the end of backward the rest are issued, everything is
-waited on, and each parameter's gradient is set (added to the one it already holds). As DDP's first bucket,
-the first buffer of each kind in a backward goes out at 1 MB, so the gradients that arrive first (the last
-block's) travel while the rest of backward runs. So a model whose gradients fit 25 MB reduces them in at
-most two collectives per kind, as DDP does, instead of one per block and mesh axis. Under
-`offload="optimizer"` a buffer whose last collective is issued is handed to the copy-out
-(spmd.runtime.optimizer.transfer) when the next buffer is issued, so its gradients travel to the host during backward.
+A flat group's backward hands over each gradient whose reduction is at most one reduce-scatter (FSDP) then one
+all-reduce (over the axes replicating it, one flattened group). They join the open buffer of their reduction and
+dtype; a full buffer is issued at once, asynchronously, its all-reduce when the next buffer is issued or at the
+end of backward, when everything is waited on and the gradients set. As DDP's, the first buffer goes out at 1 MB
+so the last block's gradients travel while backward runs. Under `offload="optimizer"` a finished buffer goes to
+the copy-out (optimizer.transfer) when the next is issued.
 """
 
 from torch.distributed.tensor import DTensor

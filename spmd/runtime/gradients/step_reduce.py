@@ -1,11 +1,7 @@
-"""ZeRO-1's step reduction in flat buffers: the gradients backward left unreduced reach their optimizer
-shards in one reduce-scatter per mesh axis (and one all-reduce over the flattened group of the axes that keep
-them replicated), as DDP's and FSDP's buckets do, instead of one collective per parameter.
-
-Each gradient is first sliced onto the shards it already may keep (free), as `gradients.reduce_to` does.
-Then, per mesh axis that turns a partial sum into a shard, one flat reduce-scatter (spmd.runtime.collectives)
-leaves each rank its chunk of every gradient. A gradient whose target shards one
-dim over two mesh axes takes the per-parameter path.
+"""ZeRO-1's step reduction in flat buffers: the gradients backward left unreduced reach their optimizer shards in
+one reduce-scatter per mesh axis (and one all-reduce over the replicating axes), not one collective per parameter.
+A gradient is first sliced onto the shards it already may keep (free); one sharding a dim over two mesh axes takes
+the per-parameter path.
 """
 
 from torch.distributed.tensor import DTensor, Replicate

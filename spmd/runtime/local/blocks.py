@@ -1,21 +1,11 @@
 """Blocks whose compute layout is data-only run on local tensors, as DDP and FSDP2 run theirs.
 
-A repeated block whose parameters and buffers are all replicated in compute over every active mesh axis, fed
-activations split along the batch dim only, computes on each rank exactly what that rank's slice of the batch
-needs: no op inside needs DTensor's dispatch. Such a block gathers its parameters as before (its bucket), then
-runs on their local tensors and its inputs' local tensors, and its outputs go back into DTensors in the
-input's layout. The local tensors carry their gradient layout across: a parameter's gradient comes back as
-this rank's partial sum over the mesh axes that split the batch, which the bucket reduces as before, and an
-input's gradient in the input's layout. Collectives, ZeRO-3's regather and no_sync are those of the DTensor
-path; only the per-op dispatch is gone. Blocks under activation checkpointing (their recomputation runs inside
-the block, past these hooks), compiled blocks, blocks holding experts or float8 layers keep the DTensor path. An
-expert module that routes its tokens itself (spmd.runtime.experts.whole_experts) runs on local tensors the
-same way, inside its block's DTensor path: its inputs are flat tokens split along dim 0.
-
-The layers of the root unit (embedding, final norm, output projection: leaf modules outside the blocks whose
-parameters the root unit gathers once per forward) run the same way, on the local tensors of those gathered
-values. The code between modules (the model's own forward: residual adds, the loss) keeps the global view.
-The edges (inputs in, outputs out, and consecutive local blocks passing local tensors) are
+A repeated block whose parameters and buffers are replicated in compute, fed activations split along the batch
+dim only, computes on each rank exactly what its batch slice needs: no op inside needs DTensor's dispatch. It
+gathers its bucket as before, runs on local tensors, and its outputs go back into DTensors in the input's layout;
+gradients keep their layouts across (a parameter's is a partial sum over the batch axes, reduced by the bucket).
+Checkpointed, compiled, expert-holding and float8 blocks keep the DTensor path. The root unit's leaf layers run
+the same way on its gathered values; the model's own code between modules keeps the global view. The edges are
 spmd.runtime.local.edges.
 """
 

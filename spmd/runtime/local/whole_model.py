@@ -1,15 +1,9 @@
 """On a mesh of one rank nothing moves: the whole model runs on local tensors, as plain PyTorch runs it.
 
-Every parameter's compute layout there is its stored local tensor (cast to the compute dtype, if one is set).
-The model's call gathers every bucket once, in forward order (one autograd node each, whose backward lays out
-and reduces the gradients as a block's does, spmd.runtime.parameters.group), puts the local values in the modules, and
-runs the model's own forward with no DTensor in it: no per-op dispatch and no global view. The hooks of the
-modules inside return at once; they stay for a module called on its own, outside the model's call. The loss
-comes back plain, the other tensor outputs as DTensors replicated on the mesh, as the DTensor path returns
-them (a pipeline stage's stay local, as its forward makes them).
-
-A model with a block under activation checkpointing takes the per-block path instead (spmd.runtime.local.blocks): the
-recompute runs in backward, after the model's call has ended and its local values have left the modules.
+The model's call gathers every bucket once, in forward order (one autograd node each, reducing as a block's
+does), puts the local values in the modules and runs the model's forward with no DTensor in it; the hooks inside
+return at once. The loss comes back plain, other outputs as replicated DTensors (a pipeline stage's stay local).
+A model with a checkpointed block takes the per-block path (local.blocks): its recompute runs after the call.
 """
 
 from torch.distributed.tensor import DTensor, Replicate

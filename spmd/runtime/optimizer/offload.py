@@ -1,12 +1,8 @@
 """Where offloaded optimizer state lives: host memory (`offload="optimizer"`) or files (`offload="nvme:DIR"`).
 
-`host_copy` makes a master's local shard on the host: pinned memory when there is a CUDA device, or a
-memory-mapped file under DIR (`torch.from_file(shared=True)`), so the operating system pages it in while the
-optimizer updates that tensor and writes it back after: a state larger than host memory still trains.
-`file_backed_adam_state` gives Adam/AdamW their moments in files too, before the first step (the optimizer
-then updates them in place). `release_pages` hands a file-backed tensor's pages back to the operating
-system once the step has updated it (its values stay in the file), so the step streams the state through
-memory one parameter at a time instead of leaving all of it resident.
+`host_copy`: pinned memory with CUDA, or a memory-mapped file the OS pages in and out, so a state larger than host
+memory still trains. `file_backed_adam_state` puts Adam's moments in files before the first step;
+`release_pages` drops a file-backed tensor's pages after its update, so the step streams one parameter at a time.
 """
 
 import ctypes

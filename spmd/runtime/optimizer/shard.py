@@ -1,23 +1,12 @@
 """`shard_optimizer(model, opt)`: the optimizer steps on the optimizer map's shards (ZeRO stages 1 and 2).
 
-Each parameter whose optimizer layout shards more than its storage layout, or whose master weights live with
-the optimizer (`parallelize(master="optimizer")`), gets a master: a DTensor in the optimizer layout that the
-optimizer updates in its place. In fp32 the master is a view of the parameter's own local shard (no copy:
-the update lands in the parameter); under `master="optimizer"` it is an fp32 copy. Before each step the
-reduced gradient moves to the master (sliced to its shard: no communication); after it, the updated shards
-are all-gathered into the parameters' storage layout (the phase `optimizer` of the plan). Parameters whose
-three layouts agree (stage 3, or any stage on a mesh with no data axis) are their own master.
-
-`parallelize(offload="optimizer")`: every master is a copy in host memory (pinned when there is a CUDA
-device), so the optimizer's states are made there too and its step runs on the CPU; gradients are copied
-out as backward reduces them (on a side stream with CUDA, while backward goes on; again at the step if one
-changed since: spmd.runtime.optimizer.transfer) and the updated masters copied back to the device, each gather
-buffer's copies during the all-gather of the one before. On a CPU-only machine host memory is the device,
-and the same path runs. `offload="nvme:DIR"`: the masters and the
-AdamW moments are memory-mapped files under DIR instead (spmd.runtime.optimizer.offload), and the step streams them:
-one parameter at a time its gradient is copied out, the optimizer updates its master and moments, the update
-is all-gathered into the parameter and the files' pages leave memory, so one parameter's state is resident
-at a time, however large the whole.
+A parameter whose optimizer layout shards more than its storage, or whose master weights live with the optimizer
+(`master="optimizer"`), gets a master DTensor in the optimizer layout that the optimizer updates instead: in fp32
+a view of the parameter's own local shard, else an fp32 copy. Before the step the reduced gradient is sliced onto
+the master (no communication); after it the updated shards are all-gathered into the storage layout.
+`offload="optimizer"`: masters live in host memory and the step runs on the CPU (copies: optimizer.transfer).
+`offload="nvme:DIR"`: masters and AdamW moments are memory-mapped files (optimizer.offload) and the step streams
+one parameter at a time, so one parameter's state is resident however large the whole.
 """
 
 import torch

@@ -1,19 +1,10 @@
-"""The copies of an offloaded optimizer step (`parallelize(offload="optimizer")`), overlapped with compute
-where the device allows, as DeepSpeed's ZeRO-Offload overlaps them.
+"""The copies of an offloaded optimizer step (`offload="optimizer"`), overlapped as DeepSpeed's ZeRO-Offload does.
 
-Gradients out: as backward leaves a parameter's gradient reduced (autograd's post-accumulate hook, or the
-cross-block reducer as it sets the gradient), it is copied into the host buffer its master's step reads. On
-CUDA the copy runs on a side stream, into pinned memory, ordered after the work that made the gradient,
-while backward goes on; the step waits for the stream before it reads. A gradient that changed after its
-copy (another micro-batch accumulated into it, clipping or loss scaling rescaled it in place: another tensor,
-or other values, which the step checks by a bit sum of each) is copied again at the step, so the step always
-reads the gradient as it is then.
-
-Parameters in: after the step the updated masters are copied to the device on the side stream, one gather
-buffer at a time, and each buffer's all-gather waits for its own copies only, so the copies of one buffer
-overlap with the all-gather of the one before.
-
-On a CPU-only machine host memory is the device: the same copies run at once, in the same order.
+Gradients out: as backward leaves a gradient reduced it is copied to its master's host buffer (on CUDA on a side
+stream into pinned memory, while backward goes on). A gradient changed after its copy (accumulated into,
+rescaled in place: checked by tensor identity and a bit sum) is copied again at the step. Parameters in: after
+the step the masters are copied back one gather buffer at a time, each buffer's all-gather waiting for its own
+copies only. On a CPU-only machine the same copies run at once, in the same order.
 """
 
 import contextlib

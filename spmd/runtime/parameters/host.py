@@ -1,10 +1,8 @@
 """`parallelize(offload="params")`: parameter shards live in host memory between uses (ZeRO-3 with offload).
 
-A parameter's local shard is a host tensor (pinned when there is a CUDA device); before it is gathered it
-is copied to the compute device in the compute dtype (so bf16 halves the transfer), and its reduced
-gradient is copied back to the host, where the optimizer steps on the shard itself. On a CPU-only machine
-host memory is the device and the same path runs: both copies are real copies, so the gathers never read
-the stored shard and the gradient never stays in the tensor the reduction wrote.
+A shard is copied to the device in the compute dtype before its gather, and its reduced gradient copied back to
+the host, where the optimizer steps. On a CPU-only machine both copies are still real, so gathers never read the
+stored shard and a gradient never stays in the tensor the reduction wrote.
 """
 
 import torch
