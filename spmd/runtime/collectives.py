@@ -65,8 +65,7 @@ def _padded(row: list, seg: int) -> list:
 
 
 def reduce_scatter(tensors: list, dims: list, mesh, m: int, wire=None) -> Flat:
-    """Sums `tensors` over mesh dim `m`; each rank receives its chunk of each along its dim in `dims`
-    (with `wire.grads`: each rank's chunk quantized, by all-to-all, summed in fp32)."""
+    """Sums `tensors` over mesh dim `m`; each rank receives its chunk of each along its dim in `dims`."""
     n, rank = mesh.size(m), mesh.get_local_rank(m)
     if all(t.shape[d] % n == 0 for t, d in zip(tensors, dims)):  # rank r's rows side by side, a few ops a tensor
         rows = [t.unflatten(d, (n, t.shape[d] // n)).movedim(d, 0) for t, d in zip(tensors, dims)]
@@ -82,8 +81,7 @@ def reduce_scatter(tensors: list, dims: list, mesh, m: int, wire=None) -> Flat:
 
 
 def all_reduce(tensors: list, mesh, dims, wire=None) -> Flat:
-    """Sums `tensors` over mesh dim `dims` (an int, or several dims as one flattened group); every rank
-    receives each whole (with `wire.grads`: a quantized reduce-scatter then a quantized all-gather)."""
+    """Sums `tensors` over mesh dim(s) `dims` (several: one flattened group); every rank receives each whole."""
     dims = (dims,) if isinstance(dims, int) else dims
     group = group_over(mesh, dims)
     out = torch.cat([t.reshape(-1) for t in tensors])
@@ -97,17 +95,14 @@ def all_reduce(tensors: list, mesh, dims, wire=None) -> Flat:
     for g in [group] if group is not None else [mesh.get_group(m) for m in dims]:  # else axis by axis
         if work is not None:
             work.wait()
-        # in place, as DDP reduces its buckets: the packed buffer is ours, so the sum needs no copy of it
-        # (functional collectives' all_reduce copies its input; their in-place one escapes CommDebugMode)
+        # in place, as DDP's buckets (funcol's all_reduce copies its input; its in-place one escapes CommDebugMode)
         work = dist.all_reduce(out, group=g, async_op=True)
     return Flat(out, [t.shape for t in tensors], work)
 
 
 def all_gather(tensors: list, dims: list, shapes: list, mesh, m: int, wire=None) -> list:
-    """Each rank's chunk (`tensors`) of whole tensors of `shapes`, split along their dims in `dims` over mesh
-    dim `m`, gathered: the whole tensors, on every rank."""
+    """The whole tensors of `shapes` from each rank's chunk (`tensors`), split along `dims` over mesh dim `m`."""
     n = mesh.size(m)
-    # the shapes of the n chunks DTensor's Shard(d) cuts each into (uneven ones allowed)
     metas = [
         Shard(d)._split_tensor(torch.empty(s, device="meta"), n, with_padding=False)[0] for s, d in zip(shapes, dims)
     ]
@@ -118,8 +113,7 @@ def all_gather(tensors: list, dims: list, shapes: list, mesh, m: int, wire=None)
 
 
 def unpack(gathered: torch.Tensor, chunks: list, dims: list) -> list:
-    """The whole tensors in an all-gather's rows (`gathered`, one a rank): per tensor its n chunks' shapes, back
-    to back in each row, joined along its dim in `dims`."""
+    """The whole tensors in an all-gather's rows (one a rank, chunks of `chunks`' shapes), joined along `dims`."""
     n, out, at = gathered.shape[0], [], [0] * gathered.shape[0]
     for c, d in zip(chunks, dims):
         if all(x == c[0] for x in c) and all(a == at[0] for a in at):  # every rank's at one offset: one op
@@ -132,16 +126,14 @@ def unpack(gathered: torch.Tensor, chunks: list, dims: list) -> list:
 
 
 def all_gather_buffer(buffer: torch.Tensor, mesh, m: int, wire=None) -> torch.Tensor:
-    """Every rank's `buffer` (one flat tensor) over mesh dim `m`, back to back; issued, waited on when read
-    (with `wire.params`: quantized codes + scales travel, dequantized to the buffer's dtype when read)."""
+    """Every rank's flat `buffer` over mesh dim `m`, back to back; issued now, waited on when read."""
     if wire is not None and wire.params in BLOCKWISE and mesh.size(m) > 1:
         return wire_flat.gather(buffer, wire.params, wire.block_for(wire.params), (mesh, m), mesh.size(m))
     return wire_flat.all_gather_single(buffer, 0, (mesh, m))
 
 
 def all_gather_dims(local: torch.Tensor, dims: dict, mesh, wire=None) -> torch.Tensor:
-    """A tensor whose shards are equal on every rank, gathered over each mesh dim of `dims` ({mesh dim:
-    tensor dim}, in mesh order): the whole tensor along those dims."""
+    """A tensor's equal-on-every-rank shards gathered over each mesh dim of `dims` ({mesh dim: tensor dim})."""
     for m in sorted(dims):
         n = mesh.size(m)
         rows = wait(all_gather_buffer(local.reshape(-1), mesh, m, wire)).view(n, -1)

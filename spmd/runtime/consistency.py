@@ -40,8 +40,7 @@ def check_ranks_agree(mesh, fields: dict[str, str], what: str) -> None:
 
 
 def check_layout_agrees(model, mesh, rules, layouts: dict, **settings) -> None:
-    """`parallelize`'s agreement: the mesh, the rules, its keyword settings, and every parameter's name, shape,
-    dtype and (storage, compute, grads, optimizer) layout (`layouts`)."""
+    """`parallelize`'s agreement: mesh, rules, settings, and each parameter's name, shape, dtype and layouts."""
     check_ranks_agree(
         mesh,
         {

@@ -37,8 +37,7 @@ def module_hooks(state: SPMDState, name: str, module: nn.Module, is_root: bool) 
 
 
 def _unwind(state: SPMDState, marks: tuple) -> None:
-    """Leaves, innermost first, whatever was entered since `marks` and is still entered (a no-op after a forward
-    that returned)."""
+    """Leaves, innermost first, whatever was entered since `marks` and is still entered."""
     local, saved, views, depth, phase = marks
     while len(state.local) > local:
         state.local.pop().leave(None)
@@ -68,8 +67,7 @@ def _to_dtensor(state: SPMDState, t, key):
 
 
 def _pre_hook(state: SPMDState, name: str, module: nn.Module, is_root: bool, entry: list):
-    # parameters are read from the module at call time, not captured here, so that a compiled block's
-    # graph takes them as inputs and serves every block of the same type
+    # parameters are read at call time, not captured: a compiled graph takes them as inputs, for every block
     param_names = [n for n, p in module._parameters.items() if isinstance(p, DTensor)]
     kind = out_dim(module)  # 0: nn.Linear, 1: Conv1D (transposed), or an embedding / other layer
     is_linear = kind is not None and not isinstance(module, nn.Embedding)
@@ -95,8 +93,7 @@ def _pre_hook(state: SPMDState, name: str, module: nn.Module, is_root: bool, ent
             hook_sets.dress_inside(mod)  # this call takes the DTensor path: the modules inside move things
         regather = gather_block(state, mod, compiling)  # before the global view (under its mode ops cost twice)
         if not compiling and (is_root or state.phase not in (Phase.FORWARD, Phase.RECOMPUTE)):
-            # the root's forward, or a module called on its own (the compiler must not read the phase: it differs
-            # between forward and recompute, and a guard on it recompiles)
+            # the root's forward, or a module called alone (not compiled: a guard on the phase would recompile)
             state.global_view.append((mod, GlobalView(state), state.phase))
             state.global_view[-1][1].__enter__()
             state.phase = Phase.FORWARD

@@ -46,8 +46,7 @@ def note_saved(key: int, nbytes: int) -> None:
 
 
 def attending(call, *args, **kwargs):
-    """`call(*args, **kwargs)`, one attention call (forward or backward), observed when someone observes; a
-    plain call otherwise (no context manager on the way, so a compiled block traces straight through)."""
+    """`call(*args, **kwargs)`, observed when someone observes (no context manager: compiled blocks trace through)."""
     global _depth
     if not _records:
         return call(*args, **kwargs)

@@ -87,9 +87,8 @@ class GlobalView(TorchFunctionMode):
         return func(*args, **kwargs)
 
     def _view_back(self, out: DTensor) -> DTensor:
-        """The view back to tokens splits again what the merge gathered (a local slice: the sequence over cp,
-        and over tp under sp, as the tensors it meets next are split), and keeps its gradient in that layout,
-        so that the backward's reverse view never merges a sharded dim either."""
+        """The view back to tokens splits again what the merge gathered (a local slice), its gradient kept in that
+        layout, so the backward's reverse view never merges a sharded dim either."""
         before = self.merged.get(tuple(out.shape))
         target = (
             out.placements
@@ -105,8 +104,7 @@ class GlobalView(TorchFunctionMode):
 
 
 def _uneven_split(x: DTensor, new) -> ValueError:
-    """The error of a view that splits a sharded dim into pieces the mesh axis cannot hand out whole: heads
-    that do not divide by tp, where the model's config names no head count (spmd.layout.heads)."""
+    """The error of a view splitting a sharded dim into groups (heads) the mesh axis cannot hand out whole."""
     axes = [
         f"{x.device_mesh.mesh_dim_names[i]}={x.device_mesh.size(i)}" for i, p in enumerate(x.placements) if p.is_shard()
     ]
@@ -122,13 +120,8 @@ _SDPA_ARGS = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 
 
 def _attention(q, k, v, *rest, **kwargs):
-    """Attention of q, k, v ([batch, heads, seq, head_dim]) split alike over batch or heads, and evenly: each
-    rank attends its own sequences and heads, so the call runs on the local tensors, with this rank's slice
-    of a mask that holds no gradient (a padding or sliding-window mask, made whole from global shapes). This
-    also keeps the backend's choice to the local tensors: DTensor's own dispatch of the math backend (fp32
-    with grouped heads on CUDA) mixes in a plain mask, and its strategy does not split a replicated mask
-    along the batch it splits. Anything else (dropout, uneven splits, a mask with a gradient) goes to
-    DTensor."""
+    """Attention split alike over batch or heads, evenly, runs on the local tensors with this rank's slice of a
+    gradient-free mask: DTensor's dispatch would mix in the plain mask and not split it. Else DTensor's."""
     kwargs = {**dict(zip(_SDPA_ARGS, rest)), **kwargs}
     mask = kwargs.pop("attn_mask", None)
     local = (
@@ -152,8 +145,7 @@ def _replicated_constant(t, mesh) -> bool:
 
 
 def _local_slice(mask: torch.Tensor, q: DTensor) -> torch.Tensor:
-    """This rank's part of a whole mask broadcast against attention scores [batch, heads, q_seq, k_seq] that
-    are split as `q` is: along each dim q's layout splits (batch or heads), unless the mask broadcasts it."""
+    """This rank's part of a whole mask broadcast against scores split as `q` is (batch or heads)."""
     local = local_of(mask)
     offset = local.ndim - 4  # a mask of fewer dims broadcasts from the right
     mesh = q.device_mesh
@@ -178,8 +170,7 @@ def _split_alike(*ts) -> bool:
 
 
 def _tensors(args, kwargs) -> list:
-    """The tensors among an op's arguments, at any depth of lists, tuples and dicts. Runs on every op of the
-    model's forward, so it walks the arguments itself: pytree's generic flatten costs more than many ops."""
+    """The tensors among an op's arguments, at any depth: walked here, as pytree's flatten costs more than many ops."""
     found = []
     stack = [args, tuple(kwargs.values())]
     while stack:
@@ -206,8 +197,7 @@ def _shape(x: torch.Tensor, shape) -> list | None:
 
 
 def _merged_dims(shape, new, inner_only: bool = False) -> set:
-    """Dims of `shape` that the view to `new` merges into the dim before them. `inner_only`: not counting the
-    last dim (a split of features into heads, merged back in backward)."""
+    """Dims of `shape` the view to `new` merges into the dim before them (`inner_only`: not the last dim)."""
     if new is None:
         return set()
     starts = [math.prod(new[:k]) for k in range(len(new) + 1)]

@@ -21,9 +21,7 @@ FUNCS = frozenset(_SIGNATURES)
 
 
 def global_mean(func, args, kwargs):
-    """The global mean of `func(*args, **kwargs)` (a function of FUNCS) on DTensor logits or log-probabilities;
-    None where it does not apply (another reduction, probability targets, logits still partial sums), for the
-    caller to run the op as is."""
+    """The global mean of `func(*args, **kwargs)` (one of FUNCS) on DTensor logits; None where it does not apply."""
     a = _SIGNATURES[func].bind(*args, **kwargs).arguments
     logits, targets = a["input"], a["target"]
     if (
@@ -47,7 +45,6 @@ def global_mean(func, args, kwargs):
     counted = targets != ignore_index
     if weight is None:
         return total / counted.sum()
-    # each counted token weighs its target's class weight (an ignored one looks up class 0, then counts 0); a
-    # plain weight tensor arrives replicated, as the global view wraps every plain tensor that meets a DTensor
+    # each counted token weighs its target's class weight (an ignored one looks up class 0, then counts 0)
     weights = F.embedding(targets.masked_fill(~counted, 0), weight.unsqueeze(1)).squeeze(1)
     return total / (weights * counted).sum()

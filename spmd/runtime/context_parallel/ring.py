@@ -51,11 +51,8 @@ _ELEMENTWISE = {
 
 
 def check_sequence_order(func, tensors) -> None:
-    """Under cp the sequence is in zigzag order. A tensor along the sequence that the model makes itself is in
-    natural order: a plain tensor made in forward with a sequence-long dim (positions from `arange`, a mask),
-    or one replicated over cp whose dim lines up with the split sequence dim in an elementwise op (a RoPE table
-    sliced to the length, a learned position embedding looked up at `arange`). Combining the two would
-    silently train wrong, so it is an error naming the fix."""
+    """Refuses combining the zigzag-ordered sequence with a tensor the model made along it in natural order (a
+    plain sequence-long tensor, or a cp-replicated one aligned in an elementwise op): it would train wrong."""
     split = next(((t, d) for t in tensors if isinstance(t, DTensor) for d in [_cp_dim(t)] if d is not None), None)
     if split is None:
         return
@@ -135,8 +132,7 @@ def _blocks(me: int, src: int, t: int, causal: bool):
 
 
 def _scores(q, k, causal: bool, scale: float):
-    """Scaled (and causally masked) scores of one block, fp32, in one buffer: the ring's largest allocation,
-    b · heads · tq · tk floats, so every later step works on it in place."""
+    """Scaled, masked fp32 scores of one block: the ring's largest allocation, so later steps work on it in place."""
     s = torch.einsum("bhgqd,bhkd->bhgqk", q.float(), k.float()).mul_(scale)
     if causal:
         s.masked_fill_(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
@@ -160,8 +156,7 @@ def _attend_backward(q, k, v, dout, delta, lse, causal: bool, scale: float):
 
 
 def _exchange(t: torch.Tensor, group, module: str, why: str, tag: int = 0):
-    """Sends `t` to the next rank of the ring and receives the previous rank's: (buffer, requests).
-    K/V and dK/dV messages are in flight together in backward; their tags keep them apart."""
+    """(buffer, requests) of `t` to the next ring rank, the previous one's received; `tag` keeps K/V and dK/dV apart."""
     n, me = group.size(), group.rank()
     recv = torch.empty_like(t)
     ops = [
@@ -244,8 +239,7 @@ class _Ring(torch.autograd.Function):
             if step == 0:
                 own = dkv
             else:
-                # the accumulator of the block held now goes on to the rank that holds it next; after the
-                # last step that rank is the block's owner
+                # the block's accumulator follows it to the next rank; after the last step, to its owner
                 total = dkv if arriving is None else dkv + arriving.float()
                 arriving = _wait(
                     _exchange(

@@ -12,9 +12,7 @@ __all__ = ["install"]
 
 
 def install() -> None:
-    """Registers spmd's DTensor op handlers (detach, the fused Adam/AdamW step) and attention strategies, keeps
-    DTensor's redistribution planning (planning), and makes `destroy_process_group` wait for the registered
-    teardown work."""
+    """Registers spmd's DTensor op handlers and strategies, the kept planning and the teardown wait."""
     detach.install()
     fused_step.install()
     strategies.install()

@@ -33,9 +33,8 @@ _AGREED: dict = {}  # the ids of a step's specs -> (those specs, held so that no
 
 
 def _agree(lists) -> bool:
-    """Whether each parameter, its gradient and its states are DTensors of one layout with no partial sums,
-    and its step count is whole on every rank. A function of the tensors' specs alone, which recur from step
-    to step (the parameters', the states', the gradients' cached layouts): answered once per set of specs."""
+    """Whether parameters, gradients and states share one layout without partial sums and the step count is
+    whole: a function of specs that recur each step, so answered once per set of specs."""
     specs = tuple([t._spec if isinstance(t, DTensor) else None for group in lists for t in group])
     key = (tuple(map(len, lists)), *map(id, specs))
     hit = _AGREED.get(key)

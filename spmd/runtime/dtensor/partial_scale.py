@@ -16,8 +16,7 @@ MULTIPLIES = {torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__
 
 
 def scale_partial(a, b) -> DTensor | None:
-    """`a * b` where one is a DTensor holding partial sums and the other a constant scalar tensor (one
-    element, no gradient), kept partial; None otherwise."""
+    """`a * b` of a partial-sum DTensor and a constant scalar tensor, kept partial; None otherwise."""
     for x, s in ((a, b), (b, a)):
         if (
             isinstance(x, DTensor)

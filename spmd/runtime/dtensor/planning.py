@@ -22,10 +22,7 @@ _MAX_KEPT = 200_000  # entries of each store
 
 
 def install() -> None:
-    """Answers DTensor's planning from the stores (once per process; `torchs()` undoes it for a while):
-    transform plans (which DTensor does not cache under a fake mode) per spec pair, strategy prices per spec
-    pair, and below a plan its graph: a state's moves per (mesh, rank, targets), priced per tensor size
-    (`_priced`), and the shortest paths from a state per (mesh, rank, bytes, targets)."""
+    """Answers DTensor's planning from the stores, once per process (`torchs()` undoes it for a while)."""
     if _KEPT:
         return
     from torch.distributed.tensor import _redistribute
@@ -115,8 +112,7 @@ def _moves(planner, next_states, placements, shard_order) -> dict:
 
 
 def _priced(mesh, size: int, moves: dict) -> dict:
-    """{state: cost} of `_moves` for a tensor of `size` bytes, as `one_step_redistribute_cost` prices a step
-    (equal floats)."""
+    """{state: cost} of `_moves` for a tensor of `size` bytes, as `one_step_redistribute_cost` prices it."""
     from torch.distributed.tensor._collective_utils import MeshTopoInfo, _compute_placement_transition_cost
 
     topo = MeshTopoInfo.build_from_mesh(mesh)
@@ -131,10 +127,8 @@ def _priced(mesh, size: int, moves: dict) -> dict:
 
 
 def _shortest_paths(planner, src) -> dict:
-    """{state: DTensor's shortest path to it from `src`} for every state reachable from `src`: torch's search
-    (`find_min_cost_path`: Dijkstra, ties broken by the order of discovery) run to the end instead of stopping at
-    one target. Until a target is first reached, it pops exactly what torch's search for that target pops, so
-    each path is the one torch would find."""
+    """{state: torch's shortest path from `src`} for every reachable state: `find_min_cost_path`'s Dijkstra run
+    to the end, so each path is the one torch would find for that target."""
     import heapq
 
     from torch.distributed.tensor._redistribute import _redistribute_cost_sort_key

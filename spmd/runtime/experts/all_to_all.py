@@ -13,8 +13,7 @@ __all__ = ["AllToAll", "balanced_counts", "exchange_counts"]
 
 
 class AllToAll(torch.autograd.Function):
-    """`apply(x, out_splits, in_splits, group, module, why)`: rows of `x` sent by `in_splits`, received by
-    `out_splits`; the gradient goes back the reverse way."""
+    """`apply(x, out_splits, in_splits, group, module, why)`: rows exchanged by split sizes; the gradient goes back."""
 
     @staticmethod
     def forward(ctx, x, out_splits, in_splits, group, module, why):
@@ -39,9 +38,8 @@ def balanced_counts(rows: int, experts: int) -> torch.Tensor:
 
 
 def exchange_counts(counts: torch.Tensor, balanced: bool, group, module: str, what: str) -> tuple:
-    """(rows received per [source rank, local expert], rows sent to each rank, rows received from each, the
-    plan's note) for `counts`, the rows this rank sends per expert. `balanced` (explain: no data): every rank
-    is taken to send what this one does."""
+    """(rows received per [source rank, local expert], rows sent to / received from each rank, the plan's note)
+    for this rank's `counts` per expert; `balanced` (explain): every rank sends what this one does."""
     n = dist.get_world_size(group)
     note = " (balanced routing assumed)" if balanced else ""
     received = torch.empty_like(counts)

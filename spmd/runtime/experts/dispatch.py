@@ -41,8 +41,7 @@ def expert_modules(model: nn.Module) -> dict[str, nn.Module]:
 
 @contextlib.contextmanager
 def balanced_routing(model: nn.Module):
-    """While it is open, a forward of `model` on fake tensors (no data to route by) gives each expert module
-    an equal share of the tokens, as explain plans; a dropless layer's FLOPs are the same for any routing."""
+    """While open, forwards of `model` on fake tensors route equal shares to each expert (dropless: same FLOPs)."""
 
     def balance(module, args):
         x, counts, *rest = args
@@ -104,8 +103,7 @@ def check_expert_layout(model: nn.Module, mesh, rules) -> None:
 
 
 def install_expert_hooks(model: nn.Module, state) -> None:
-    """Hooks the routing region (the expert module's parent) and the expert module, for expert modules routed
-    by their caller. Called after the pass's own hooks exist: these run inside them."""
+    """Hooks routing regions and expert modules; called after the pass's hooks exist, so these run inside them."""
     modules = dict(model.named_modules())
     for name, module in expert_modules(model).items():
         if routes_itself(module):
@@ -114,8 +112,7 @@ def install_expert_hooks(model: nn.Module, state) -> None:
                 RoutedDispatch(state, name, module).install()
             continue
         parent_name = name.rpartition(".")[0]
-        # mesh dims over which the experts' compute layout splits a dim other than `experts` (tp on mlp): the
-        # region's output and its inputs' gradients are partial sums over them
+        # mesh dims splitting another dim than `experts` (tp on mlp): outputs and input gradients are partial there
         split = {
             m
             for p in module.parameters(recurse=False)
@@ -131,8 +128,7 @@ def install_expert_hooks(model: nn.Module, state) -> None:
 
 
 class _Region:
-    """The routing region: DTensor inputs in (batch shards kept, everything else whole) as local tensors,
-    the local output back out as a DTensor."""
+    """The routing region: DTensor inputs in as local tensors (batch shards kept), the output back as a DTensor."""
 
     def __init__(self, state, name: str, split: set[int]):
         self.state, self.name, self.split = state, name, split

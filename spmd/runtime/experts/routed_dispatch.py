@@ -67,9 +67,8 @@ class RoutedDispatch:
         else:
             module.__dict__["num_experts"] = experts
         if output.shape[0] == 0:
-            # no pair came here, so a module that loops over the experts hit used none of its inputs: tie them
-            # and its experts to the output, so that this rank's backward runs the reverse exchanges with the
-            # others' and its experts take a (zero) gradient as theirs do
+            # no pair came: tie inputs and experts to the output so this rank's backward still runs the reverse
+            # exchanges with the others', its experts taking a (zero) gradient
             rows, _, row_weights = args
             output = output + 0 * (
                 rows.sum()

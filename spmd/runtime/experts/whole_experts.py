@@ -21,8 +21,7 @@ __all__ = ["routes_itself", "check_whole", "balanced_grouped_products"]
 
 
 def routes_itself(module: nn.Module) -> bool:
-    """Whether an expert module takes each token's chosen experts and sorts the tokens itself, rather than
-    tokens sorted by expert and the count per expert: its forward takes other than two positional arguments."""
+    """Whether an expert module sorts its tokens itself: its forward takes other than two positional arguments."""
     return _positional(module) != 2
 
 
@@ -86,8 +85,7 @@ class _BalancedGroupedProducts(TorchFunctionMode):
 
 
 def balanced_grouped_products(module: nn.Module) -> list:
-    """Hooks `module` so that, called on fake tensors, its grouped products run as balanced routing groups
-    them; returns the handles."""
+    """Hooks `module`'s grouped products on fake tensors to group as balanced routing would; returns the handles."""
     modes = []
 
     def enter(mod, args):

@@ -41,8 +41,7 @@ class _QueueReduction(torch.autograd.Function):
 
 @torch.no_grad()
 def reduce_accumulated(state) -> None:
-    """The compiled blocks' gradients summed unreduced over the micro-batches -> the grads map's layout (those
-    a ZeRO-1 step reduces stay for it)."""
+    """The compiled blocks' accumulated gradients -> the grads map's layout (those a ZeRO-1 step reduces stay)."""
     params = [
         p
         for p in state.compiled_params

@@ -57,8 +57,7 @@ class GradientReducer:
         self.open, self.sizes, self.issued, self.queued, self.started = {}, {}, [], False, set()
 
     def add(self, p, g: DTensor, scatter: int | None, summed: tuple, block: str):
-        """Takes `g` for `p`, a partial sum over mesh dim `scatter` (reduce-scattered onto p's grads shards)
-        and the dims `summed` (all-reduced) only; it is reduced by the end of backward."""
+        """Takes `g` for `p`, partial over mesh dim `scatter` (reduce-scattered) and `summed` (all-reduced) only."""
         key = (scatter, tuple(summed), g.dtype)
         self.open.setdefault(key, []).append((p, g, block))
         self.sizes[key] = self.sizes.get(key, 0) + local_of(g).numel() * local_of(g).element_size()
@@ -88,8 +87,7 @@ class GradientReducer:
                 with tags.reason(blocks[0], f"all-reduce {what}"):
                     pending = collectives.all_reduce(tensors, self.mesh, summed, self.wire)
         self._copy_out(self.issued)  # those issued before: they have had this buffer's backward to travel
-        # the unreduced gradients were copied into the buffer: only their layouts are kept, so each is freed
-        # now rather than held to the end of backward (a whole gradient's worth more at the peak)
+        # only the layouts are kept: each unreduced gradient is freed now, not held to the end of backward
         members = [(p, (g.placements, g.shape, g.stride()), b) for p, g, b in members]
         self.issued.append(_Issued(key, members, pending, blocks[0], what))
 

@@ -13,9 +13,8 @@ __all__ = ["reduce_all_to"]
 
 
 def reduce_all_to(grads: list, targets: list, why: str, wire=None) -> list:
-    """[g.redistribute(target)] for DTensor gradients whose placements are partial sums or already the
-    targets', in one collective per mesh axis and kind; `why` tags them for the collective recorder; `wire`
-    (spmd.runtime.wire.Wire): the precision the flat reductions travel in."""
+    """[g.redistribute(target)] for partial or already-placed DTensor gradients, one collective per mesh axis and
+    kind, tagged `why`, travelling on `wire`."""
     out = list(grads)
     flat = [i for i, (g, t) in enumerate(zip(grads, targets)) if _bucketable(g, t)]
     for i in set(range(len(grads))) - set(flat):

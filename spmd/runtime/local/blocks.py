@@ -25,9 +25,8 @@ __all__ = ["local_blocks", "enter_local", "LocalBlock", "whole_members"]
 
 
 def local_blocks(model, state) -> dict:
-    """{id(module): ([(module, name, param)], [(module, name, buffer)], facts)} for the bucketed blocks, and the
-    root unit's leaf modules, whose parameters and buffers are all replicated in compute on every mesh axis
-    of size > 1, and that hold no experts; and for the expert modules that route their tokens themselves."""
+    """{id(module): members} of the bucketed blocks and root-unit leaves replicated in compute and holding no
+    experts, and of the expert modules that route their tokens themselves."""
     mesh = state.mesh
     experts = {id(m): m for m in expert_modules(model).values()}
     found = {}
@@ -62,9 +61,8 @@ def local_blocks(model, state) -> dict:
 
 
 def whole_members(modules, mesh, experts_over: str | None = None) -> tuple | None:
-    """(parameters, buffers, {}) of `modules` as (module, name, tensor), when every one is replicated in compute
-    on the mesh axes of size > 1 (or, with `experts_over`, split there on its leading `experts` dim); else
-    None."""
+    """(parameters, buffers, {}) of `modules` as (module, name, tensor) when all are replicated in compute (or split
+    on their leading `experts` dim over `experts_over`); else None."""
     params, buffers = [], []
     for m in modules:
         if computes_in_float8(m):
@@ -87,8 +85,7 @@ def whole_members(modules, mesh, experts_over: str | None = None) -> tuple | Non
 
 
 def _batch_layout(args, kwargs, state) -> tuple | None:
-    """The placements of the block's first DTensor input when it is split along dim 0 at most (the batch) and
-    every other DTensor input is split the same way or whole; else None."""
+    """The first DTensor input's placements if split on dim 0 at most and the others alike or whole; else None."""
     mesh = state.mesh
     layout = None
     for t in _dtensors(args, kwargs):
@@ -175,8 +172,7 @@ class LocalBlock:
         return to_local(gathered_param(self.state, p, p._spmd_compute, self.name, False), self.split)
 
     def _facts(self, bucket) -> tuple:
-        """(the group's gradient layouts, the group that regathers each member for backward or None) for this
-        batch split: fixed once laid out, so worked out on the first call and kept with the members."""
+        """(gradient layouts, regathering group per member) for this batch split: fixed, so worked out once and kept."""
         split, mesh = self.split, self.state.mesh
         layouts = None if bucket is None else [batch_grad_layout(p._spmd_compute, split) for p in bucket.params]
         groups = [regathering_group(self.state, p) for _, _, p in self.members]
@@ -210,8 +206,7 @@ def enter_local(state, mod, name: str, args, kwargs):
     members = state.local_members.get(id(mod))
     if members is None:
         return None
-    # the model's global view (spmd.runtime.activations.global_view) leaves the torch-function stack until the block's
-    # exit: with no DTensor inside it has nothing to do, yet it would see every op (None: another mode sits above it)
+    # the global view leaves the mode stack until the block's exit: with no DTensor inside it would only see every op
     mode = suspend_top(state.global_view[-1][1]) if state.global_view else None
     try:
         layout = _batch_layout(args, kwargs, state)

@@ -27,8 +27,7 @@ def whole_model_members(model, state) -> tuple | None:
 
 
 def enter_local_model(state, model, name: str, args, kwargs):
-    """(args, kwargs) on local tensors when the whole model runs locally (and pushes the call on
-    `state.local`); None otherwise. Eager calls only."""
+    """(args, kwargs) on local tensors when the whole model runs locally (pushed on `state.local`); else None."""
     members = state.local_members.get(id(model))
     if members is None:
         return None

@@ -44,8 +44,7 @@ def host_copy(local: torch.Tensor, offload, name: str) -> torch.Tensor:
 
 
 def file_backed_adam_state(opt: torch.optim.Optimizer, masters, directory: str) -> None:
-    """Adam/AdamW moments of `masters` (DTensors) in files under `directory`, created now as the optimizer
-    would (zeros, step 0)."""
+    """Adam/AdamW moments of `masters` in files under `directory`, made as the optimizer would (zeros, step 0)."""
     if not isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)):
         raise ValueError(
             f"offload='nvme:DIR' keeps Adam/AdamW moments in files; {type(opt).__name__} is not "
@@ -69,9 +68,7 @@ _libc = ctypes.CDLL(None, use_errno=True) if hasattr(mmap, "MADV_DONTNEED") else
 
 
 def release_pages(tensors) -> None:
-    """Unmaps the resident pages of each memory-mapped file tensor from this process (madvise DONTNEED on
-    the shared mapping: dirty pages stay in the file; the next access reads them back). Tensors that are
-    not file-backed are left alone."""
+    """Drops the resident pages of each file-backed tensor (madvise DONTNEED: dirty pages stay in the file)."""
     for t in tensors:
         storage = local_of(t).untyped_storage()
         if _libc is None or not file_backed(t) or storage.nbytes() == 0:

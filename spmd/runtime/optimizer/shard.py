@@ -28,11 +28,9 @@ __all__ = ["shard_optimizer", "reduce_gradients", "masters_of", "refresh_masters
 
 
 def shard_optimizer(model: nn.Module, opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """Makes `opt` (built on `model.parameters()` of a model laid out by spmd.parallelize, or of a pipeline
-    from spmd.build_pipeline, before its first step) update masters in the optimizer map's layout, and returns
-    it. `opt.zero_grad` also clears the model's gradients. A no-op for parameters that are their own master (ZeRO-3, the
-    default rules, when nothing is offloaded). Call it before the first backward: from then on backward leaves the
-    gradients of parameters whose master shards beyond the grads map (ZeRO-1) for the step to reduce."""
+    """Makes `opt` (on a parallelized model's or pipeline's parameters, not yet stepped) update masters in the
+    optimizer map's layout, and returns it; `opt.zero_grad` clears the model's gradients too. Call it before the
+    first backward: from then on ZeRO-1 gradients are left for the step to reduce."""
     parts = laid_out_parts(model, "shard_optimizer")
     if any(opt.state.values()):
         raise ValueError(
@@ -71,8 +69,7 @@ def shard_optimizer(model: nn.Module, opt: torch.optim.Optimizer) -> torch.optim
 
 
 def _install_step_hooks(opt, model, parts, pairs, streamed: bool, copy_out: bool, copies) -> None:
-    """The step's hooks: gradients reduced and moved to the masters before it, the updated masters gathered into
-    the parameters after it (the optimizer_step phase in between); zero_grad clears the model's gradients too."""
+    """Step pre/post hooks (gradients to masters; updated masters gathered back) and a zero_grad for the model too."""
 
     def before_step(*_):  # returns None: a pre-hook's return value would replace the step's arguments
         for _, laid_out in parts:
@@ -105,11 +102,8 @@ def _install_step_hooks(opt, model, parts, pairs, streamed: bool, copy_out: bool
 
 @torch.no_grad()
 def reduce_gradients(model: nn.Module) -> None:
-    """Reduces the gradients backward left unreduced under ZeRO-1 straight into the optimizer map's layout (a
-    reduce-scatter, Ψ, where an all-reduce would move 2Ψ to keep a shard), in the reduce dtype, in flat
-    buffers: one collective per mesh axis (spmd.runtime.gradients.step_reduce). Once per step
-    however many backward passes accumulated; call it before clipping so the norm sees reduced gradients (the
-    step calls it too: a no-op for gradients already reduced)."""
+    """Reduces ZeRO-1's held gradients straight onto the optimizer shards (a reduce-scatter, Ψ, not an all-reduce's
+    2Ψ), once per step however many backwards accumulated. Call it before clipping (the step calls it too)."""
     parts = laid_out_parts(model, "reduce_gradients")
     dtype = parts[0][1].reduce_dtype or parts[0][1].param_dtype  # a pipeline's stages are laid out alike
     held = [
@@ -168,9 +162,8 @@ def _master(p: DTensor, state) -> DTensor:
 
 
 def _unfuse_for_views(group: dict) -> None:
-    """A fused step (`fused=True`) on a master that is a strided view of its parameter's shard (fp32 ZeRO-1
-    and 2, sharded on a dim other than the first) would update the wrong elements: torch's fused AdamW treats
-    each tensor as contiguous (on the CPU, torch 2.13). Such a group steps with foreach kernels instead."""
+    """torch's fused AdamW treats each tensor as contiguous (CPU, torch 2.13): a group with a strided master view
+    steps with foreach kernels instead."""
     if group.get("fused") and any(isinstance(m, DTensor) and not local_of(m).is_contiguous() for m in group["params"]):
         group["fused"], group["foreach"] = False, True
 
@@ -192,8 +185,7 @@ def _local_view(p: DTensor, optim) -> torch.Tensor:
 
 
 def _grads_to_masters(pairs, copy_out: bool, copies=None):
-    """Each parameter's reduced gradient onto its master (a copy when offloaded: `copies`, those backward made
-    already, spmd.runtime.optimizer.transfer), and off the parameter."""
+    """Each parameter's reduced gradient onto its master (copied when offloaded), and off the parameter."""
     copied = {}
     if copies is not None:
         copies.side.host_wait()
@@ -218,8 +210,7 @@ def _grads_to_masters(pairs, copy_out: bool, copies=None):
 
 @torch.no_grad()
 def _stream_step(opt: torch.optim.Optimizer, pairs) -> None:
-    """offload="nvme:DIR": the optimizer steps one master at a time (only that master has a gradient), its
-    update is all-gathered into the parameter, and its files' pages are released before the next."""
+    """offload="nvme:DIR": steps one master at a time, gathers its update, releases its pages before the next."""
     step = type(opt).step.__wrapped__  # the step without its hooks: this runs inside them
     with tags.phase("optimizer"):
         for p, master in pairs:

@@ -28,14 +28,11 @@ class SideStream:
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     def on_side(self):
-        """A context in which work is queued on the side stream (a collective's wait too: the side stream,
-        not the compute stream nor the host, then waits for it)."""
+        """A context queueing work on the side stream (a collective's wait too: then the side stream waits for it)."""
         return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, after_current: bool = True):
-        """`dst.copy_(src)`, after the work queued so far on the current stream unless `after_current` is
-        False (the side stream already waits for what made `src`); returns the CUDA event that marks its
-        end (None where it ran at once)."""
+        """`dst.copy_(src)`, after the current stream's work unless `after_current` is False; its CUDA event or None."""
         if self.stream is None:
             dst.copy_(src)
             return None
@@ -103,13 +100,9 @@ def bit_sum(t: torch.Tensor) -> torch.Tensor:
 
 
 class GradientCopies:
-    """Backward's copies of reduced gradients into host buffers, for masters that live on the host and take
-    their parameter's gradient whole (not ZeRO-1's, which the step reduces first).
-
-    The step uses a copy only if the parameter's gradient is still the DTensor copied, at the same version,
-    with the same bit sum: in-place ops on DTensors do not always move a version counter (torch's
-    clip_grad_norm_ on DTensor gradients moves none), so the values themselves are checked, one small read
-    for all."""
+    """Backward's copies of reduced gradients into host buffers (masters taking the whole gradient, not ZeRO-1's). A
+    copy is used only if the gradient is the same DTensor, version and bit sum: in-place ops on DTensors do not
+    always move a version counter (clip_grad_norm_ moves none)."""
 
     def __init__(self, pairs, device: torch.device):
         self.side = side_stream(device)
@@ -137,11 +130,8 @@ class GradientCopies:
         record.grad, record.version = g, g._version
 
     def copy_pending(self, params: list, pending) -> None:
-        """Copies out the pieces of an issued flat reduction (`pending`, spmd.runtime.collectives) that will become
-        these parameters' gradients, as soon as it lands: on CUDA the side stream waits for the collective,
-        while backward goes on. The reducer's `finish` then sets the gradients to those same pieces (`ready`
-        finds them copied) after `side.join()`, since the wait that orders a read after the collective was
-        the side stream's."""
+        """Copies out the pieces of an issued flat reduction that become these parameters' gradients as soon as it
+        lands (on CUDA the side stream waits for it); the reducer's `finish` then sets those same pieces."""
         chosen = [(i, p) for i, p in enumerate(params) if id(p) in self.master_of and p.grad is None]
         if not chosen or is_fake(self.master_of[id(chosen[0][1])]):
             return
@@ -179,8 +169,7 @@ class GradientCopies:
         return wrap_local(buffer, master.device_mesh, master.placements, master.shape, master.stride())
 
     def _copy(self, master, local: torch.Tensor) -> _Copy:
-        """Queues `local`'s copy into `master`'s buffer and its bit sum on the side stream (which already
-        waits for whatever made `local`)."""
+        """Queues `local`'s copy into `master`'s buffer and its bit sum on the side stream."""
         with self.side.on_side():
             checksum = bit_sum(local)
         self.side.copy(self._buffer(master), local, after_current=False)

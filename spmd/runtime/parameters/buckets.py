@@ -14,9 +14,8 @@ __all__ = ["make_buckets", "drop_root_unit"]
 
 
 def make_buckets(model, mesh, wire=None) -> tuple[dict, dict]:
-    """({id(module): ParamGroup}, {id(param): ParamGroup}) for the model's repeated blocks and its root unit (the
-    parameters outside the blocks). A group holds parameters that shard_dims covers and no two modules share; its
-    gathers and reductions travel in `wire`'s precision (spmd.runtime.wire)."""
+    """({id(module): ParamGroup}, {id(param): ParamGroup}) for the repeated blocks and the root unit: parameters
+    shard_dims covers that no two modules share, gathered and reduced on `wire`."""
     try:
         path, blocks = find_blocks(model)
     except ValueError:

@@ -31,8 +31,7 @@ def host_tensor(local: torch.Tensor) -> torch.Tensor:
 
 
 def to_compute(p, dtype, state):
-    """Parameter `p` as stored, in `dtype` (None: its own) and, under offload="params", copied to the compute
-    device; otherwise `p` itself when no cast is needed."""
+    """`p` as stored, in `dtype` (None: its own), on the compute device under offload="params"; else `p` itself."""
     dtype = p.dtype if dtype is None else dtype
     if host_params(state):
         return p.to(compute_device(state.mesh), dtype, copy=True)
