@@ -26,9 +26,6 @@ __all__ = [
     "unpack",
 ]
 
-# torch 2.13 names the flat collectives *_single and deprecates the *_tensor names (all-gather: spmd.runtime.wire.flat)
-_reduce_scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
-
 
 def wait(t: torch.Tensor) -> torch.Tensor:
     """The value of a collective issued through functional collectives (a plain tensor passes through)."""
@@ -77,7 +74,7 @@ def reduce_scatter(tensors: list, dims: list, mesh, m: int, wire=None) -> Flat:
         packed, shapes = packed.view(n, seg), [c[rank].shape for c in chunks]
     if wire is not None and wire.grads is not None and n > 1:
         return Flat(wire_flat.reduce_scatter(packed, wire.grads, wire.block_for(wire.grads), (mesh, m)), shapes)
-    return Flat(_reduce_scatter(packed.reshape(-1), "sum", 0, (mesh, m)), shapes)
+    return Flat(funcol.reduce_scatter_single(packed.reshape(-1), "sum", 0, (mesh, m)), shapes)
 
 
 def all_reduce(tensors: list, mesh, dims, wire=None) -> Flat:

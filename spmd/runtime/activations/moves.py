@@ -7,6 +7,7 @@ layout (when both shard one mesh axis on different dims, the one with fewer byte
 brings the gradient back to the source's layout (Partial -> Replicate).
 """
 
+import math
 from dataclasses import asdict, dataclass
 
 import torch
@@ -50,9 +51,7 @@ class Decision:
 
 def gathered_bytes(shape, placements, mesh, dim: int, element_size: int) -> int:
     """Per-rank bytes an all-gather over mesh dim `dim` moves: the local size after it, times (n-1)/n."""
-    numel = 1
-    for s in shape:
-        numel *= s
+    numel = math.prod(shape)
     for i, p in enumerate(placements):
         if i != dim and p.is_shard():
             numel //= mesh.size(i)

@@ -1,6 +1,6 @@
-"""Local tensors into and out of DTensors: wrapped without DTensor.from_local's per-call work: a layout's DTensorSpec is
-built once and shared (DTensor's own dispatch shares its cached output specs too), and the local tensor stays
-where it lives."""
+"""Local tensors into and out of DTensors without from_local's per-call work: a layout's spec is built once and
+shared, and the local tensor stays where it lives.
+"""
 
 import torch
 from torch.distributed.tensor import DTensor

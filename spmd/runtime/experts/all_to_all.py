@@ -1,6 +1,6 @@
-"""`AllToAll`: all_to_all_single with variable splits whose backward is the reverse exchange, each
-collective tagged with the module and the reason, for explain (funcol's autograd variant carries no reason);
-and the exchange of the counts per expert that sizes it (`exchange_counts`), balanced on fake tensors."""
+"""`AllToAll`: all_to_all_single with variable splits, its backward the reverse exchange, each collective tagged for
+explain (funcol's autograd variant carries no reason); `exchange_counts` sizes it, balanced on fake tensors.
+"""
 
 import torch
 import torch.distributed as dist

@@ -76,9 +76,7 @@ class _FromLocal(torch.autograd.Function):
         return local_of(g), None, None, None, None
 
 
-def from_local(t: torch.Tensor, mesh, layout, shape, stride) -> DTensor:
-    """`t` as the local tensor of a DTensor of `layout`; its gradient comes back as that DTensor's local tensor."""
-    return _FromLocal.apply(t, mesh, layout, shape, stride)
+from_local = _FromLocal.apply  # (t, mesh, layout, shape, stride)
 
 
 def batch_grad_layout(placements, partial_axes: tuple) -> tuple:

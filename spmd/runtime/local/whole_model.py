@@ -19,9 +19,11 @@ __all__ = ["whole_model_members", "enter_local_model", "drop_local_model"]
 def whole_model_members(model, state) -> tuple | None:
     """(parameters, buffers) of the whole model when it may run on local tensors: a mesh of one rank, no
     experts (their dispatch has its own hooks) and no block under activation checkpointing; else None."""
-    if state.mesh.size() != 1 or expert_modules(model):
-        return None
-    if any(getattr(m, CHECKPOINTED_ATTR, False) for m in model.modules()):
+    if (
+        state.mesh.size() != 1
+        or expert_modules(model)
+        or any(getattr(m, CHECKPOINTED_ATTR, False) for m in model.modules())
+    ):
         return None
     return whole_members(model.modules(), state.mesh)
 
