@@ -1,9 +1,6 @@
-"""Many tensors reduced or gathered over one mesh axis (or one flattened group of axes) in one collective.
-
-A reduce-scatter lays each tensor's chunks along its shard dim (DTensor's own split: uneven chunks allowed) rank
-by rank, each segment padded to the longest; an all-reduce lays the tensors back to back; an all-gather is the
-reverse of a reduce-scatter. Each is issued at once and waited on when its results are read. On a `wire`
-(spmd.runtime.wire.Wire) naming a format, a collective over more than one rank travels quantized (wire.flat).
+"""Many tensors reduced or gathered over one mesh axis (or one flattened group of axes) in one collective: each
+tensor's chunks laid out rank by rank (uneven chunks padded), issued at once and waited on when read. On a `wire`
+naming a format, a collective over more than one rank travels quantized (wire.flat).
 """
 
 import torch

@@ -1,10 +1,8 @@
 """The pass's forward hooks on every module, and the phases they dispatch on.
 
-Before a module computes (`_pre_hook`): the root's inputs become DTensors (or the whole model runs locally), a
-data-only block runs on local tensors, a bucket is gathered, the global view goes on, a linear layer's input moves
-to its weight's layout. After (`_post_hook`): parameters dropped, partial sums reduced, the global view off. The
-root's hooks move the phase (state.Phase) from idle to forward to backward. Whatever the pre-hooks entered the
-root's post-hook leaves (`_unwind`), also when the forward raised, so a failed step leaves torch's stacks clean.
+Before a module computes: inputs become DTensors (or run locally), a bucket is gathered, the global view goes on, a
+linear layer's input moves to its weight's layout. After: parameters dropped, partial sums reduced. The root's
+hooks move the phase (state.Phase); its post-hook leaves whatever was entered (`_unwind`), also when forward raised.
 """
 
 import torch

@@ -103,8 +103,7 @@ _top: SPMDState | None = None
 
 
 def laid_out_parts(model, needs: str) -> list:
-    """[(module, SPMDState)] of the modules spmd.parallelize laid out that make up `model`: the model itself,
-    or each stage a pipeline runs (spmd.Pipeline.laid_out_parts). `needs`: the caller, named in the error."""
+    """[(module, SPMDState)] that make up `model`: itself, or a pipeline's stages; `needs` names the caller."""
     state = getattr(model, STATE_ATTR, None)
     if state is not None:
         return [(model, state)]

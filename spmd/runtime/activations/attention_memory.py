@@ -1,9 +1,6 @@
-"""Attention's memory per rank, observed while it runs: what it saves for backward and its peak allocation (under
-cp, the ring's K/V blocks in flight and each block's scores).
-
-Every attention call runs through `attending(call, ...)`; `observe(record)` around a step collects the figures
-(explain, tests). Saved bytes come from the activation-counting saved-tensor hook (`attending_now()`); the peak
-from a dispatch mode following each storage until it is freed, so fake tensors count as real ones.
+"""Attention's memory per rank, observed while it runs: bytes saved for backward and peak allocation (under cp, the
+ring's blocks in flight and scores). `observe(record)` around a step collects them from every `attending` call:
+saved bytes through the activation-counting hook, the peak by a dispatch mode that holds on fake tensors too.
 """
 
 import contextlib

@@ -1,13 +1,10 @@
 """Plain tensors a model makes while it runs (positions, masks, `arange`, constants) are replicated.
 
-A model on the global view makes them from global shapes, so every rank holds the same whole tensor: a
-replicated DTensor. While a parallelized model runs forward (or recomputes), a torch-function mode turns every
-plain tensor meeting a DTensor into one, so autograd never mixes the two; it also hands parameters used outside
-their module their compute layout (parameters.outside_use) and runs cp attention as a ring (context_parallel).
-
-A view flattening tokens (OPT: `x.reshape(-1, hidden)`) would merge a sequence-sharded dim into the batch dim,
-which no layout holds evenly: the merged dim is gathered first, and the view back splits it again (a local slice)
-keeping its gradient in that layout.
+Made from global shapes, they are the same whole tensor on every rank: a replicated DTensor. While the model runs
+forward (or recomputes), a torch-function mode wraps every plain tensor meeting a DTensor so, hands parameters used
+outside their module their compute layout (parameters.outside_use), and runs cp attention as a ring. A view
+merging a sequence-sharded dim into the batch dim (OPT's `x.reshape(-1, hidden)`) gathers it first; the view back
+splits it again, keeping its gradient in that layout.
 """
 
 import math
@@ -87,8 +84,7 @@ class GlobalView(TorchFunctionMode):
         return func(*args, **kwargs)
 
     def _view_back(self, out: DTensor) -> DTensor:
-        """The view back to tokens splits again what the merge gathered (a local slice), its gradient kept in that
-        layout, so the backward's reverse view never merges a sharded dim either."""
+        """The view back to tokens splits again what the merge gathered, keeping its gradient so."""
         before = self.merged.get(tuple(out.shape))
         target = (
             out.placements

@@ -1,9 +1,6 @@
-"""A model's key/value cache (transformers' `use_cache`) under the pass.
-
-A training call (gradients on, training mode) only keeps a second copy of every layer's K/V alive, so it is
-passed `use_cache=False` (as torchtitan does), the user's config untouched. Under `no_grad` or eval the cache is
-built as forward-made tensors, so step-by-step decoding runs on the mesh; transformers' `generate` mixes DTensor
-logits with plain tensors and is refused.
+"""A model's key/value cache (transformers' `use_cache`) under the pass: a training call would only keep a second copy
+of every layer's K/V, so it gets `use_cache=False` (as torchtitan), the config untouched; no_grad or eval calls
+build the cache, so step-by-step decoding runs on the mesh. `generate` mixes DTensor logits with plain tensors: refused.
 """
 
 import inspect

@@ -1,10 +1,8 @@
 """A model's own `F.cross_entropy` or `F.nll_loss` on DTensor logits: the mean over every rank's non-ignored tokens.
 
-DTensor's cross-entropy averages the ranks' own means, which is not the one-device loss when ranks hold different
-counts of non-ignored tokens, and gathers vocab-split logits whole. So a mean over class-index targets goes to
-kernels.vocab_parallel_cross_entropy (sum and count summed over the ranks, vocab-split logits kept split); with
-label smoothing, class weights or `F.nll_loss`, the sum goes through DTensor and is divided by the global count
-(or weight sum). Logits [B, V, T] become [B * T, V] rows first.
+DTensor's averages the ranks' own means (wrong when ranks count different tokens) and gathers vocab-split logits.
+Plain means go to kernels.vocab_parallel_cross_entropy; with label smoothing, class weights or `nll_loss` the sum
+goes through DTensor, divided by the global count (or weight sum). Logits [B, V, T] become [B * T, V] rows first.
 """
 
 import inspect

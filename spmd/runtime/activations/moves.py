@@ -1,10 +1,8 @@
 """How activations move: the layout decisions of the propagation pass and the moves that carry them out.
 
-DTensor's op rules carry layouts through elementwise ops, views, attention and the loss; the pass decides where a
-layout must change, as an explicit, recorded move: at a `constrain` point (tensor-parallel partial sums become an
-all-reduce, or a reduce-scatter under sp), and at a linear layer, whose input must fit the weight's compute
-layout (when both shard one mesh axis on different dims, the one with fewer bytes is gathered). `move`'s backward
-brings the gradient back to the source's layout (Partial -> Replicate).
+DTensor's op rules carry layouts through most ops; the pass changes them in explicit, recorded moves at `constrain`
+points and at linear layers, whose input must fit the weight (when both shard one mesh axis on different dims,
+the smaller is gathered). `move`'s backward brings the gradient back to the source's layout.
 """
 
 import math
@@ -143,8 +141,7 @@ def move(x: DTensor, placements, module: str, why: str, grad_placements=None) ->
 
 
 def move_linear_input(state, name, w, x, transposed: bool = False):
-    """(x moved to the layout weight `w` needs, the weight's compute layout if it must differ, else None).
-    `transposed`: `w` is stored [in, out] (transformers' Conv1D) rather than nn.Linear's [out, in]."""
+    """(x moved to the layout `w` needs, the weight's layout if not its compute one); `transposed`: w is [in, out]."""
     el = torch.finfo(state.param_dtype).bits // 8 if state.param_dtype else w.element_size()
     compute = _transpose(w._spmd_compute) if transposed else tuple(w._spmd_compute)
     shape = tuple(reversed(w.shape)) if transposed else tuple(w.shape)

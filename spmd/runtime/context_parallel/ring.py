@@ -1,9 +1,6 @@
-"""Ring attention over the `cp` mesh axis: attention on a sequence split across ranks.
-
-Each rank keeps its queries; K/V blocks (GQA-grouped) travel around the ring, each hop overlapped with the
-attention on the block at hand, and the partial results merge by log-sum-exp. In backward each block's dK/dV
-accumulator travels behind it until a last hop brings it home (twice the forward's hops). The zigzag split (rank
-i holds chunks i and 2cp-1-i) makes every causal step cost every rank the same. torch's context_parallel
+"""Ring attention over the `cp` mesh axis: each rank keeps its queries while K/V blocks (GQA-grouped) travel the ring,
+each hop overlapped with the block at hand, partial results merged by log-sum-exp; in backward each block's dK/dV
+follows it home. The zigzag split makes every causal step cost every rank the same. torch's context_parallel
 dispatches only CUDA kernels, so each block is computed in plain torch, which runs on any device.
 """
 
@@ -77,13 +74,11 @@ def check_sequence_order(func, tensors) -> None:
 
 
 def cp_active(mesh) -> bool:
-    """Whether `mesh` has a cp axis of size > 1."""
     names = mesh.mesh_dim_names or ()
     return "cp" in names and mesh.size(names.index("cp")) > 1
 
 
 def _cp_dim(t: DTensor) -> int | None:
-    """The dim of `t` split over an active cp mesh axis, if any."""
     if not cp_active(t.device_mesh):
         return None
     p = t.placements[t.device_mesh.mesh_dim_names.index("cp")]

@@ -20,5 +20,4 @@ def _detach(op_call, args, kwargs):
 
 
 def install() -> None:
-    """Registers the handler for aten.detach (idempotent)."""
     DTensor._op_dispatcher._custom_op_handlers.setdefault(torch.ops.aten.detach.default, _detach)

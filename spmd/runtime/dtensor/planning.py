@@ -1,11 +1,9 @@
 """DTensor's redistribution planning, kept per process: what it computes again for every op.
 
-DTensor prices every candidate strategy of every op by its redistributions (on a three-axis mesh a matmul has
-1,331 candidates, each priced by a shortest-path search over placements). A price depends on the two specs alone,
-a graph's edges on the mesh, rank and bytes, and which states follow a state not even on the bytes: so they are
-kept (`install`), and one search runs from its source to every state, popping what torch's would pop for each
-target, so every path is torch's. Dry runs under a fake mode keep DTensor's transform plans too.
-tests/test_search_speed.py compares the answers with `torchs()`, torch planning alone.
+DTensor prices every candidate strategy of every op by its redistributions (1,331 for a matmul on three axes),
+each by a shortest-path search. Prices depend on the specs alone and graphs on mesh, rank and bytes, so they are
+kept (`install`); one search runs from a source to every state, popping what torch's would, so every path is
+torch's. tests/test_search_speed.py compares the answers with `torchs()`, torch planning alone.
 """
 
 import contextlib
@@ -127,8 +125,7 @@ def _priced(mesh, size: int, moves: dict) -> dict:
 
 
 def _shortest_paths(planner, src) -> dict:
-    """{state: torch's shortest path from `src`} for every reachable state: `find_min_cost_path`'s Dijkstra run
-    to the end, so each path is the one torch would find for that target."""
+    """{state: torch's shortest path from `src`}: torch's Dijkstra run to the end, so paths are torch's."""
     import heapq
 
     from torch.distributed.tensor._redistribute import _redistribute_cost_sort_key
@@ -149,8 +146,7 @@ def _shortest_paths(planner, src) -> dict:
 
 
 def memo(store: dict, key, compute):
-    """`store[key]`, computed by `compute()` the first time; the store is emptied when it outgrows its bound.
-    A key that cannot be hashed (symbolic sizes under a compiler's trace) is computed and not kept."""
+    """`store[key]`, computed once (store emptied past its bound); an unhashable key (symbolic sizes) is not kept."""
     try:
         found = store.get(key)
     except TypeError:

@@ -41,7 +41,6 @@ _installed: list = []
 
 
 def install() -> None:
-    """Registers the strategies (once per process)."""
     if not _installed:
         for op, strategy in _STRATEGIES.items():
             register_sharding(op)(strategy)

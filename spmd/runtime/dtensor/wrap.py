@@ -67,8 +67,7 @@ def cast_all(ts: list, dtypes) -> list:
 
 
 def cast_locals(tensors: list, dtype) -> list:
-    """Each tensor in `dtype`; the contiguous ones of one device by one foreach copy into one buffer (one kernel
-    per step, not one per parameter), returned as views of it."""
+    """Each tensor in `dtype`; contiguous ones of one device by one foreach copy into one buffer."""
     out = [t if t.dtype == dtype else None for t in tensors]
     batched = [
         i for i, t in enumerate(tensors) if out[i] is None and t.is_contiguous() and t.device == tensors[0].device
@@ -102,7 +101,6 @@ def layout_spec(mesh, placements, shape, stride, dtype) -> DTensorSpec:
 
 
 def contiguous_stride(shape) -> tuple:
-    """The strides of a contiguous tensor of `shape`."""
     stride, acc = [], 1
     for s in reversed(shape):
         stride.append(acc)

@@ -1,13 +1,10 @@
 """Expert parallelism: tokens go to their experts' ranks by all-to-all and come back the same way.
 
-An expert module carries the `experts` axis on dim 0 of its parameters (torchtitan's GroupedExperts) and is
-called with the tokens sorted by expert and the count per expert. Its caller routes each token on its own, so
-it runs on this rank's tokens as plain tensors (the *routing region*: inputs with their batch shards only, one
-output going back as a DTensor of that layout). Layout: `experts -> ep` with ep among the batch axes
-(DeepSpeed-MoE's, torchtitan's), each rank holding E/ep experts: an all-to-all of the counts, one of the tokens,
-the local experts (partial sums over tp, reduced after the region), the reverse all-to-all; backward mirrors
-each. Under `explain` routing is taken to be balanced. Expert modules that route themselves (transformers'):
-experts.whole_experts, and experts.routed_dispatch under ep.
+An expert module (the `experts` axis on dim 0, torchtitan's GroupedExperts) takes tokens sorted by expert and the
+count per expert; its caller, the *routing region*, runs on this rank's tokens as plain tensors. Under `experts ->
+ep` (ep among the batch axes, DeepSpeed-MoE's layout) each rank holds E/ep experts: all-to-alls of the counts and
+tokens, the local experts (partial over tp, reduced after the region), the reverse all-to-all; backward mirrors
+them, and `explain` takes the routing to be balanced. Self-routing modules: whole_experts, routed_dispatch.
 """
 
 import contextlib

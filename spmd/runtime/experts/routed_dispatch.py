@@ -1,11 +1,7 @@
-"""Expert parallelism for expert modules that route their tokens themselves (transformers'): `forward(hidden_states
-[N, H], top_k_index [N, k], top_k_weights [N, k])`, the weighted sum over each token's k experts.
-
-Under `experts -> ep` each rank holds E/ep experts. Around the module's forward (on plain local tensors) each
-(token, choice) pair goes to its expert's rank (pairs sorted by expert; all-to-alls of the counts, then of the
-tokens, weights and local expert indices), the module computes one choice per row with `num_experts` set to its
-local count, and the rows come back by the reverse all-to-all to be summed per token. Backward mirrors each
-all-to-all; under `explain` the routing is taken to be balanced.
+"""Expert parallelism for self-routing expert modules (transformers'): `forward(hidden_states [N, H], top_k_index
+[N, k], top_k_weights [N, k])`. Under `experts -> ep` each (token, choice) pair goes to its expert's rank by
+all-to-all, the module computes one choice per row with `num_experts` set to its E/ep local experts, and the rows
+come back to be summed per token. Backward mirrors each all-to-all; `explain` takes the routing to be balanced.
 """
 
 import inspect

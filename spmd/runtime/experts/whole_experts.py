@@ -1,10 +1,7 @@
-"""Expert modules that route their tokens themselves, as transformers' do: `forward(hidden_states, top_k_index,
-top_k_weights)`, not experts.dispatch's (tokens sorted by expert, tokens per expert).
-
-Without ep such a module holds its experts whole in compute (stored sharded as any parameter); under ep, E/ep of
-them (experts.routed_dispatch); tp may not split their other dims. It runs on plain local tensors while the
-router stays in the global view, so router logits a loss reads are every rank's. On fake tensors (explain) its
-grouped products take the balanced routing, one batched product (torch's fake grouped product takes bf16 only).
+"""Expert modules that route their tokens themselves (transformers': `forward(hidden_states, top_k_index,
+top_k_weights)`). They compute with whole experts (E/ep under ep: routed_dispatch) on plain local tensors, while the
+router stays in the global view so a load-balancing loss sees every rank's logits. On fake tensors (explain) their
+grouped products take the balanced routing as one batched product (torch's fake grouped product takes bf16 only).
 """
 
 import inspect
@@ -31,8 +28,8 @@ def _positional(module: nn.Module) -> int:
 
 
 def check_whole(name: str, module: nn.Module, mesh, rules, ep: int) -> None:
-    """An expert module that routes its tokens itself computes with whole experts: all of them, or E/ep
-    under ep (spmd.runtime.experts.routed_dispatch), whose forward takes (tokens, experts chosen, their weights)."""
+    """Refuses what a self-routing expert module cannot do: ep without (tokens, choices, weights), experts not
+    dividing by ep, tp splitting its other dims."""
     if ep > 1:
         params = [p for p in module.parameters(recurse=False) if "experts" in (get_axes(p) or ())]
         if _positional(module) != 3:

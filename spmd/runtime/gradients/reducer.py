@@ -1,11 +1,9 @@
 """Gradient reductions that span blocks, in buckets of a set size (DDP's, 25 MB by default).
 
-A flat group's backward hands over each gradient whose reduction is at most one reduce-scatter (FSDP) then one
-all-reduce (over the axes replicating it, one flattened group). They join the open buffer of their reduction and
-dtype; a full buffer is issued at once, asynchronously, its all-reduce when the next buffer is issued or at the
-end of backward, when everything is waited on and the gradients set. As DDP's, the first buffer goes out at 1 MB
-so the last block's gradients travel while backward runs. Under `offload="optimizer"` a finished buffer goes to
-the copy-out (optimizer.transfer) when the next is issued.
+A flat group's backward hands over each gradient needing at most one reduce-scatter then one all-reduce. They fill
+buffers per reduction and dtype, each issued asynchronously when full (the first at 1 MB, as DDP's, so the last
+block's gradients travel during backward); the rest are issued, waited on and set at the end of backward.
+Under `offload="optimizer"` a finished buffer goes to the copy-out (optimizer.transfer).
 """
 
 from torch.distributed.tensor import DTensor

@@ -13,8 +13,7 @@ __all__ = ["reduce_all_to"]
 
 
 def reduce_all_to(grads: list, targets: list, why: str, wire=None) -> list:
-    """[g.redistribute(target)] for partial or already-placed DTensor gradients, one collective per mesh axis and
-    kind, tagged `why`, travelling on `wire`."""
+    """[g.redistribute(target)] for partial or placed gradients, one collective per mesh axis and kind, on `wire`."""
     out = list(grads)
     flat = [i for i, (g, t) in enumerate(zip(grads, targets)) if _bucketable(g, t)]
     for i in set(range(len(grads))) - set(flat):

@@ -1,12 +1,9 @@
 """Blocks whose compute layout is data-only run on local tensors, as DDP and FSDP2 run theirs.
 
-A repeated block whose parameters and buffers are replicated in compute, fed activations split along the batch
-dim only, computes on each rank exactly what its batch slice needs: no op inside needs DTensor's dispatch. It
-gathers its bucket as before, runs on local tensors, and its outputs go back into DTensors in the input's layout;
-gradients keep their layouts across (a parameter's is a partial sum over the batch axes, reduced by the bucket).
-Checkpointed, compiled, expert-holding and float8 blocks keep the DTensor path. The root unit's leaf layers run
-the same way on its gathered values; the model's own code between modules keeps the global view. The edges are
-spmd.runtime.local.edges.
+A repeated block with everything replicated in compute, fed batch-split activations, computes on each rank exactly
+its batch slice's share: no op needs DTensor's dispatch. It gathers its bucket, runs on local tensors, and its
+outputs go back into DTensors; gradients keep their layouts across (edges). Checkpointed, compiled, expert and
+float8 blocks keep the DTensor path. The root unit's leaf layers run the same way.
 """
 
 import torch
@@ -25,8 +22,7 @@ __all__ = ["local_blocks", "enter_local", "LocalBlock", "whole_members"]
 
 
 def local_blocks(model, state) -> dict:
-    """{id(module): members} of the bucketed blocks and root-unit leaves replicated in compute and holding no
-    experts, and of the expert modules that route their tokens themselves."""
+    """{id(module): members} of blocks and root-unit leaves replicated in compute, without experts, and self-routers."""
     mesh = state.mesh
     experts = {id(m): m for m in expert_modules(model).values()}
     found = {}
@@ -198,8 +194,7 @@ _INSIDE_ATTR = "_spmd_local_inside"  # on a module that runs on local tensors in
 
 
 def enter_local(state, mod, name: str, args, kwargs):
-    """(args, kwargs) on local tensors when `mod` is a data-only block fed batch-split inputs (and pushes
-    the call on `state.local`); None otherwise. Eager calls only (a compiled block takes the DTensor path)."""
+    """(args, kwargs) on local tensors when `mod` is a data-only block fed batch-split inputs (pushed); else None."""
     # a checkpointed block recomputes past its own hooks; a module inside it runs its hooks again
     if getattr(mod, CHECKPOINTED_ATTR, False) and not getattr(mod, _INSIDE_ATTR, False):
         return None

@@ -1,9 +1,6 @@
-"""On a mesh of one rank nothing moves: the whole model runs on local tensors, as plain PyTorch runs it.
-
-The model's call gathers every bucket once, in forward order (one autograd node each, reducing as a block's
-does), puts the local values in the modules and runs the model's forward with no DTensor in it; the hooks inside
-return at once. The loss comes back plain, other outputs as replicated DTensors (a pipeline stage's stay local).
-A model with a checkpointed block takes the per-block path (local.blocks): its recompute runs after the call.
+"""On a mesh of one rank nothing moves: the whole model runs on local tensors, as plain PyTorch runs it. Its call
+gathers every bucket once (one autograd node each, reducing as a block's does) and runs forward with no DTensor;
+outputs come back as the DTensor path returns them. A checkpointed block makes it take the per-block path.
 """
 
 from torch.distributed.tensor import DTensor, Replicate
@@ -17,8 +14,7 @@ __all__ = ["whole_model_members", "enter_local_model", "drop_local_model"]
 
 
 def whole_model_members(model, state) -> tuple | None:
-    """(parameters, buffers) of the whole model when it may run on local tensors: a mesh of one rank, no
-    experts (their dispatch has its own hooks) and no block under activation checkpointing; else None."""
+    """(parameters, buffers) of the whole model on a mesh of one rank, without experts or checkpointing; else None."""
     if (
         state.mesh.size() != 1
         or expert_modules(model)

@@ -71,8 +71,7 @@ def _capped(members: list, cap: int) -> list:
 
 
 def _to_param_device(masters) -> tuple:
-    """(the masters' updated shards on their parameters' device in their dtype, the event their copies end
-    with): host masters (offloaded) copy on the side stream (spmd.runtime.optimizer.transfer), others cast in place."""
+    """(the masters' shards on their parameters' device and dtype, the event their side-stream copies end with)."""
     out, event = [], None
     for m in masters:
         p, local = getattr(m, MASTER_OF_ATTR), local_of(m)

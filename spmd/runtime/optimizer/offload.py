@@ -18,7 +18,6 @@ __all__ = ["nvme_dir", "host_copy", "file_backed_adam_state", "file_backed", "re
 
 
 def nvme_dir(offload) -> str | None:
-    """DIR of `offload="nvme:DIR"`, else None."""
     return offload[len("nvme:") :] if isinstance(offload, str) and offload.startswith("nvme:") else None
 
 

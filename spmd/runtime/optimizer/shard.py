@@ -1,12 +1,9 @@
 """`shard_optimizer(model, opt)`: the optimizer steps on the optimizer map's shards (ZeRO stages 1 and 2).
 
-A parameter whose optimizer layout shards more than its storage, or whose master weights live with the optimizer
-(`master="optimizer"`), gets a master DTensor in the optimizer layout that the optimizer updates instead: in fp32
-a view of the parameter's own local shard, else an fp32 copy. Before the step the reduced gradient is sliced onto
-the master (no communication); after it the updated shards are all-gathered into the storage layout.
-`offload="optimizer"`: masters live in host memory and the step runs on the CPU (copies: optimizer.transfer).
-`offload="nvme:DIR"`: masters and AdamW moments are memory-mapped files (optimizer.offload) and the step streams
-one parameter at a time, so one parameter's state is resident however large the whole.
+A parameter whose optimizer layout shards more than its storage, or whose fp32 master lives with the optimizer,
+gets a master in the optimizer layout that the optimizer updates instead (a view of its local shard in fp32, else
+a copy); gradients are sliced onto it before the step, the update all-gathered back after. Offloaded masters live
+in host memory (transfer) or, under "nvme:DIR", in files streamed one parameter at a time (offload).
 """
 
 import torch
@@ -162,8 +159,7 @@ def _master(p: DTensor, state) -> DTensor:
 
 
 def _unfuse_for_views(group: dict) -> None:
-    """torch's fused AdamW treats each tensor as contiguous (CPU, torch 2.13): a group with a strided master view
-    steps with foreach kernels instead."""
+    """torch's fused AdamW takes each tensor as contiguous (CPU, 2.13): strided master views step with foreach."""
     if group.get("fused") and any(isinstance(m, DTensor) and not local_of(m).is_contiguous() for m in group["params"]):
         group["fused"], group["foreach"] = False, True
 

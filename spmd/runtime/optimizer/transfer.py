@@ -1,10 +1,7 @@
-"""The copies of an offloaded optimizer step (`offload="optimizer"`), overlapped as DeepSpeed's ZeRO-Offload does.
-
-Gradients out: as backward leaves a gradient reduced it is copied to its master's host buffer (on CUDA on a side
-stream into pinned memory, while backward goes on). A gradient changed after its copy (accumulated into,
-rescaled in place: checked by tensor identity and a bit sum) is copied again at the step. Parameters in: after
-the step the masters are copied back one gather buffer at a time, each buffer's all-gather waiting for its own
-copies only. On a CPU-only machine the same copies run at once, in the same order.
+"""The copies of an offloaded optimizer step (`offload="optimizer"`), overlapped as DeepSpeed's ZeRO-Offload does:
+gradients out to host buffers as backward reduces them (on CUDA on a side stream), copied again at the step if
+changed since (checked by identity, version and bit sum); updated masters in one gather buffer at a time, each
+buffer's all-gather waiting for its own copies only. On a CPU-only machine the copies run at once, in order.
 """
 
 import contextlib
@@ -71,7 +68,6 @@ class SideStream:
 
 @functools.cache
 def side_stream(device: torch.device) -> SideStream:
-    """The process's side stream for copies to and from `device`."""
     return SideStream(device)
 
 
@@ -143,8 +139,7 @@ class GradientCopies:
                 self.copied[id(p)] = self._copy(master, pieces[i])
 
     def take(self, pairs) -> dict:
-        """{id(param): its master's gradient from the copy backward made} for the (param, master) `pairs`
-        whose gradient is unchanged since (call after `side.host_wait()`). The records are used up."""
+        """{id(param): master gradient from backward's copy} for `pairs` whose gradient is unchanged since; used up."""
         records = [(p, m, self.copied.pop(id(p), None)) for p, m in pairs]
         valid = [
             (p, m, r)

@@ -12,8 +12,7 @@ __all__ = ["make_buckets", "drop_root_unit"]
 
 
 def make_buckets(model, mesh, wire=None) -> tuple[dict, dict]:
-    """({id(module): ParamGroup}, {id(param): ParamGroup}) for the repeated blocks and the root unit: parameters
-    shard_dims covers that no two modules share, gathered and reduced on `wire`."""
+    """({id(module): ParamGroup}, {id(param): ParamGroup}) of the repeated blocks and the root unit, on `wire`."""
     try:
         path, blocks = find_blocks(model)
     except ValueError:

@@ -119,7 +119,6 @@ class ParamGroup:
         ]
 
     def finish_local(self, pending) -> list[torch.Tensor]:
-        """`finish`'s values as this rank's local tensors."""
         locals_, axes, launched, why = pending
         locals_ = list(locals_)
         for k, m in enumerate(axes):
@@ -154,8 +153,7 @@ class ParamGroup:
         return self.regathered
 
     def reduce(self, grads: list, state, module: str | None = None) -> list:
-        """Gradients (compute layout) -> the grads layout in the parameters' dtype: partial sums in one buffer per
-        mesh axis and kind (or to the cross-block reducer), every other gradient alone."""
+        """Gradients -> the grads layout and parameters' dtype: partial sums in flat buffers or the reducer."""
         if state.reduce_dtype is not None:
             grads = cast_all(grads, state.reduce_dtype)
         if getattr(self.module, BODY_COMPILED_ATTR, False):

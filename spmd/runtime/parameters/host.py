@@ -13,7 +13,6 @@ PARAMS = "params"
 
 
 def host_params(state) -> bool:
-    """Whether the parameters of the model `state` describes live in host memory between uses."""
     return state is not None and state.offload == PARAMS
 
 
