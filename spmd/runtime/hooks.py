@@ -150,17 +150,13 @@ def _post_hook(state: SPMDState, module: nn.Module, is_root: bool, entry: list):
             if is_root:
                 output = finish_output(output, tags.current_module())
         if is_root:
-            output = _end_of_model(state, output)
+            state.shared_gathers.clear()
+            if state.sync and state.accumulating:  # the backward that syncs reduces what no_sync accumulated
+                if state.compiled_params:
+                    output = reduce_after_backward(output, state)
+                else:
+                    state.accumulating = False
         active.pop()
         return output
 
     return hook
-
-
-def _end_of_model(state: SPMDState, output):
-    state.shared_gathers.clear()
-    if state.sync and state.accumulating:
-        if state.compiled_params:
-            return reduce_after_backward(output, state)
-        state.accumulating = False
-    return output

@@ -84,7 +84,8 @@ class GlobalView(TorchFunctionMode):
         return func(*args, **kwargs)
 
     def _view_back(self, out: DTensor) -> DTensor:
-        """The view back to tokens splits again what the merge gathered, keeping its gradient so."""
+        """The view back to tokens splits again what the merge gathered (a local slice), keeping its gradient in
+        that layout so that the backward's reverse view never merges a sharded dim either."""
         before = self.merged.get(tuple(out.shape))
         target = (
             out.placements

@@ -48,7 +48,11 @@ def shard_optimizer(model: nn.Module, opt: torch.optim.Optimizer) -> torch.optim
                 pairs.append((p, master))
                 setattr(p, HELD_ATTR, grads_layout(p) != tuple(master.placements))
                 group["params"][i] = master
-        _unfuse_for_views(group)
+        # torch's fused AdamW takes each tensor as contiguous (CPU, 2.13): strided master views step with foreach
+        if group.get("fused") and any(
+            isinstance(m, DTensor) and not local_of(m).is_contiguous() for m in group["params"]
+        ):
+            group["fused"], group["foreach"] = False, True
     offload = parts[0][1].offload  # a pipeline's stages are laid out alike
     streamed = bool(pairs) and nvme_dir(offload) is not None
     if streamed and not is_fake(pairs[0][1]):
@@ -156,12 +160,6 @@ def _master(p: DTensor, state) -> DTensor:
     setattr(master, MASTER_OF_ATTR, p)
     master._spmd_name = p._spmd_name
     return master
-
-
-def _unfuse_for_views(group: dict) -> None:
-    """torch's fused AdamW takes each tensor as contiguous (CPU, 2.13): strided master views step with foreach."""
-    if group.get("fused") and any(isinstance(m, DTensor) and not local_of(m).is_contiguous() for m in group["params"]):
-        group["fused"], group["foreach"] = False, True
 
 
 def _local_view(p: DTensor, optim) -> torch.Tensor:
