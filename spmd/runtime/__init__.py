@@ -1,6 +1,6 @@
-"""The propagation pass at run time: module hooks that move parameters (params, buckets, reshard) and
-activations (activations) into the layouts the rules give, plus activation checkpointing and compilation
-of the blocks it lays out."""
+"""The propagation pass at run time: module hooks that move parameters and activations into the layouts the rules
+give, in rooms by concern (see each subpackage).
+"""
 
 from .activations.moves import constrain
 from .parallelize import no_sync, parallelize

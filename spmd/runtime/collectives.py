@@ -1,21 +1,6 @@
-"""Many tensors summed over one mesh axis (or one flattened group of axes) in one collective: packed into one
-flat buffer, cut back after.
-
-A reduce-scatter lays each tensor's chunks along its shard dim (DTensor's own split, so uneven chunks are
-allowed) out rank by rank, each rank's segment padded to the longest; each rank gets back its segment, its
-chunk of every tensor. An all-reduce lays the tensors back to back. Both are issued at once and waited on
-when the results are read, so a caller may go on while they travel. The bytes on the wire are those of the
-per-tensor collectives (plus the padding of uneven chunks).
-
-An all-gather is the reverse of a reduce-scatter: each rank packs its chunk of every tensor into its padded
-segment, and every rank receives every segment, from which the whole tensors are cut and joined.
-
-Used by the block buckets' gradient reductions (spmd.runtime.parameters.buckets), the reductions across blocks
-(spmd.runtime.gradients.reducer), ZeRO-1/2's step reductions (spmd.runtime.gradients.step_reduce) and their all-gathers
-of the updated parameters (spmd.runtime.optimizer.shard).
-
-Handed a `wire` (spmd.runtime.wire.Wire) whose `params` or `grads` names a format, a gather or a reduction
-over an axis of more than one rank travels quantized instead (spmd.runtime.wire.flat): payload + scales.
+"""Many tensors reduced or gathered over one mesh axis (or one flattened group of axes) in one collective: each
+tensor's chunks laid out rank by rank (uneven chunks padded), issued at once and waited on when read. On a `wire`
+naming a format, a collective over more than one rank travels quantized (wire.flat).
 """
 
 import torch
@@ -37,9 +22,6 @@ __all__ = [
     "all_gather_dims",
     "unpack",
 ]
-
-# torch 2.13 names the flat collectives *_single and deprecates the *_tensor names (all-gather: spmd.runtime.wire.flat)
-_reduce_scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
 
 
 def wait(t: torch.Tensor) -> torch.Tensor:
@@ -77,8 +59,7 @@ def _padded(row: list, seg: int) -> list:
 
 
 def reduce_scatter(tensors: list, dims: list, mesh, m: int, wire=None) -> Flat:
-    """Sums `tensors` over mesh dim `m`; each rank receives its chunk of each along its dim in `dims`
-    (with `wire.grads`: each rank's chunk quantized, by all-to-all, summed in fp32)."""
+    """Sums `tensors` over mesh dim `m`; each rank receives its chunk of each along its dim in `dims`."""
     n, rank = mesh.size(m), mesh.get_local_rank(m)
     if all(t.shape[d] % n == 0 for t, d in zip(tensors, dims)):  # rank r's rows side by side, a few ops a tensor
         rows = [t.unflatten(d, (n, t.shape[d] // n)).movedim(d, 0) for t, d in zip(tensors, dims)]
@@ -90,12 +71,11 @@ def reduce_scatter(tensors: list, dims: list, mesh, m: int, wire=None) -> Flat:
         packed, shapes = packed.view(n, seg), [c[rank].shape for c in chunks]
     if wire is not None and wire.grads is not None and n > 1:
         return Flat(wire_flat.reduce_scatter(packed, wire.grads, wire.block_for(wire.grads), (mesh, m)), shapes)
-    return Flat(_reduce_scatter(packed.reshape(-1), "sum", 0, (mesh, m)), shapes)
+    return Flat(funcol.reduce_scatter_single(packed.reshape(-1), "sum", 0, (mesh, m)), shapes)
 
 
 def all_reduce(tensors: list, mesh, dims, wire=None) -> Flat:
-    """Sums `tensors` over mesh dim `dims` (an int, or several dims as one flattened group); every rank
-    receives each whole (with `wire.grads`: a quantized reduce-scatter then a quantized all-gather)."""
+    """Sums `tensors` over mesh dim(s) `dims` (several: one flattened group); every rank receives each whole."""
     dims = (dims,) if isinstance(dims, int) else dims
     group = group_over(mesh, dims)
     out = torch.cat([t.reshape(-1) for t in tensors])
@@ -109,17 +89,14 @@ def all_reduce(tensors: list, mesh, dims, wire=None) -> Flat:
     for g in [group] if group is not None else [mesh.get_group(m) for m in dims]:  # else axis by axis
         if work is not None:
             work.wait()
-        # in place, as DDP reduces its buckets: the packed buffer is ours, so the sum needs no copy of it
-        # (functional collectives' all_reduce copies its input; their in-place one escapes CommDebugMode)
+        # in place, as DDP's buckets (funcol's all_reduce copies its input; its in-place one escapes CommDebugMode)
         work = dist.all_reduce(out, group=g, async_op=True)
     return Flat(out, [t.shape for t in tensors], work)
 
 
 def all_gather(tensors: list, dims: list, shapes: list, mesh, m: int, wire=None) -> list:
-    """Each rank's chunk (`tensors`) of whole tensors of `shapes`, split along their dims in `dims` over mesh
-    dim `m`, gathered: the whole tensors, on every rank."""
+    """The whole tensors of `shapes` from each rank's chunk (`tensors`), split along `dims` over mesh dim `m`."""
     n = mesh.size(m)
-    # the shapes of the n chunks DTensor's Shard(d) cuts each into (uneven ones allowed)
     metas = [
         Shard(d)._split_tensor(torch.empty(s, device="meta"), n, with_padding=False)[0] for s, d in zip(shapes, dims)
     ]
@@ -130,8 +107,7 @@ def all_gather(tensors: list, dims: list, shapes: list, mesh, m: int, wire=None)
 
 
 def unpack(gathered: torch.Tensor, chunks: list, dims: list) -> list:
-    """The whole tensors in an all-gather's rows (`gathered`, one a rank): per tensor its n chunks' shapes, back
-    to back in each row, joined along its dim in `dims`."""
+    """The whole tensors in an all-gather's rows (one a rank, chunks of `chunks`' shapes), joined along `dims`."""
     n, out, at = gathered.shape[0], [], [0] * gathered.shape[0]
     for c, d in zip(chunks, dims):
         if all(x == c[0] for x in c) and all(a == at[0] for a in at):  # every rank's at one offset: one op
@@ -144,16 +120,14 @@ def unpack(gathered: torch.Tensor, chunks: list, dims: list) -> list:
 
 
 def all_gather_buffer(buffer: torch.Tensor, mesh, m: int, wire=None) -> torch.Tensor:
-    """Every rank's `buffer` (one flat tensor) over mesh dim `m`, back to back; issued, waited on when read
-    (with `wire.params`: quantized codes + scales travel, dequantized to the buffer's dtype when read)."""
+    """Every rank's flat `buffer` over mesh dim `m`, back to back; issued now, waited on when read."""
     if wire is not None and wire.params in BLOCKWISE and mesh.size(m) > 1:
         return wire_flat.gather(buffer, wire.params, wire.block_for(wire.params), (mesh, m), mesh.size(m))
     return wire_flat.all_gather_single(buffer, 0, (mesh, m))
 
 
 def all_gather_dims(local: torch.Tensor, dims: dict, mesh, wire=None) -> torch.Tensor:
-    """A tensor whose shards are equal on every rank, gathered over each mesh dim of `dims` ({mesh dim:
-    tensor dim}, in mesh order): the whole tensor along those dims."""
+    """A tensor's equal-on-every-rank shards gathered over each mesh dim of `dims` ({mesh dim: tensor dim})."""
     for m in sorted(dims):
         n = mesh.size(m)
         rows = wait(all_gather_buffer(local.reshape(-1), mesh, m, wire)).view(n, -1)

@@ -1,10 +1,8 @@
 """Ranks that lay a model out together must agree on how: the same mesh, rules, dtypes and parameters.
 
-Ranks started with different settings would otherwise issue different collectives and wait on each other
-forever, or move tensors of different shapes and train on garbage. `check_ranks_agree` exchanges a short
-digest of each field (8 bytes each, one all-gather of the same size on every rank, so it cannot hang when
-every rank reaches it) and raises on every rank, naming the fields that differ, before any collective of
-the layout itself.
+Otherwise they would issue different collectives and hang, or train on garbage. `check_ranks_agree` all-gathers
+an 8-byte digest per field (the same size on every rank, so it cannot hang) and raises on every rank, naming the
+fields that differ, before any collective of the layout.
 """
 
 import hashlib
@@ -42,8 +40,7 @@ def check_ranks_agree(mesh, fields: dict[str, str], what: str) -> None:
 
 
 def check_layout_agrees(model, mesh, rules, layouts: dict, **settings) -> None:
-    """`parallelize`'s agreement: the mesh, the rules, its keyword settings, and every parameter's name, shape,
-    dtype and (storage, compute, grads, optimizer) layout (`layouts`)."""
+    """`parallelize`'s agreement: mesh, rules, settings, and each parameter's name, shape, dtype and layouts."""
     check_ranks_agree(
         mesh,
         {

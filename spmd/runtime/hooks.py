@@ -1,15 +1,8 @@
 """The pass's forward hooks on every module, and the phases they dispatch on.
 
-Before a module computes (`_pre_hook`): the root's inputs become DTensors (or the whole model runs on local
-tensors), a data-only block runs on local tensors, a block's bucket is gathered, the global view goes on (the
-root's forward, or a module called on its own), a linear layer's input moves to its weight's layout and the
-module's parameters are gathered. After (`_post_hook`): the parameters are dropped, partial sums reduced and
-the global view taken off. The phase (spmd.runtime.state.Phase) says where a step is: the root's hooks move it
-from idle to forward and on to backward; a checkpointed block's recompute runs in its own phase.
-
-Whatever the pre-hooks entered (torch-function modes, saved-tensor hooks, local calls, spmd's stacks) the root's
-post-hook leaves, also when the forward raised (torch calls it then too): `_unwind` brings every stack back to
-its depth at the root's entry, so a failed step leaves nothing on torch's stacks and the next one runs clean.
+Before a module computes: inputs become DTensors (or run locally), a bucket is gathered, the global view goes on, a
+linear layer's input moves to its weight's layout. After: parameters dropped, partial sums reduced. The root's
+hooks move the phase (state.Phase); its post-hook leaves whatever was entered (`_unwind`), also when forward raised.
 """
 
 import torch
@@ -42,8 +35,7 @@ def module_hooks(state: SPMDState, name: str, module: nn.Module, is_root: bool) 
 
 
 def _unwind(state: SPMDState, marks: tuple) -> None:
-    """Leaves, innermost first, whatever was entered since `marks` and is still entered (a no-op after a forward
-    that returned)."""
+    """Leaves, innermost first, whatever was entered since `marks` and is still entered."""
     local, saved, views, depth, phase = marks
     while len(state.local) > local:
         state.local.pop().leave(None)
@@ -73,8 +65,7 @@ def _to_dtensor(state: SPMDState, t, key):
 
 
 def _pre_hook(state: SPMDState, name: str, module: nn.Module, is_root: bool, entry: list):
-    # parameters are read from the module at call time, not captured here, so that a compiled block's
-    # graph takes them as inputs and serves every block of the same type
+    # parameters are read at call time, not captured: a compiled graph takes them as inputs, for every block
     param_names = [n for n, p in module._parameters.items() if isinstance(p, DTensor)]
     kind = out_dim(module)  # 0: nn.Linear, 1: Conv1D (transposed), or an embedding / other layer
     is_linear = kind is not None and not isinstance(module, nn.Embedding)
@@ -100,8 +91,7 @@ def _pre_hook(state: SPMDState, name: str, module: nn.Module, is_root: bool, ent
             hook_sets.dress_inside(mod)  # this call takes the DTensor path: the modules inside move things
         regather = gather_block(state, mod, compiling)  # before the global view (under its mode ops cost twice)
         if not compiling and (is_root or state.phase not in (Phase.FORWARD, Phase.RECOMPUTE)):
-            # the root's forward, or a module called on its own (the compiler must not read the phase: it differs
-            # between forward and recompute, and a guard on it recompiles)
+            # the root's forward, or a module called alone (not compiled: a guard on the phase would recompile)
             state.global_view.append((mod, GlobalView(state), state.phase))
             state.global_view[-1][1].__enter__()
             state.phase = Phase.FORWARD
@@ -160,17 +150,13 @@ def _post_hook(state: SPMDState, module: nn.Module, is_root: bool, entry: list):
             if is_root:
                 output = finish_output(output, tags.current_module())
         if is_root:
-            output = _end_of_model(state, output)
+            state.shared_gathers.clear()
+            if state.sync and state.accumulating:  # the backward that syncs reduces what no_sync accumulated
+                if state.compiled_params:
+                    output = reduce_after_backward(output, state)
+                else:
+                    state.accumulating = False
         active.pop()
         return output
 
     return hook
-
-
-def _end_of_model(state: SPMDState, output):
-    state.shared_gathers.clear()
-    if state.sync and state.accumulating:
-        if state.compiled_params:
-            return reduce_after_backward(output, state)
-        state.accumulating = False
-    return output

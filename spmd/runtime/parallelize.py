@@ -1,12 +1,7 @@
 """`parallelize(model, mesh, rules)`: lays a global-view model out on a mesh, in place.
 
-Parameters become DTensors in their storage layout (the params map). Hooks on the modules (every module
-but the insides of blocks that run on local tensors: spmd.runtime.local.hook_sets) then run the propagation pass as
-the model runs: before a module computes, its parameters are gathered to their
-compute layout (and cast to the compute dtype); a linear layer's input is moved to the layout its weight
-needs (spmd.runtime.activations.moves); `constrain` points move activations to the rules' layout. After the
-forward of a module, gathered parameters are dropped and regathered for backward (ZeRO-3), unless the
-module sits under activation checkpointing, which regathers by recomputing.
+Parameters become DTensors in their storage layout; hooks on the modules (spmd.runtime.hooks) then run the
+propagation pass as the model runs.
 """
 
 from collections import Counter
@@ -40,8 +35,7 @@ __all__ = ["parallelize", "no_sync", "param_layouts"]
 
 
 def param_layouts(model: nn.Module, mesh: DeviceMesh, rules: Rules):
-    """(storage, compute, grads, optimizer) placements of every parameter, by qualified name: where it is
-    stored (params map), used, its reduced gradient held (grads map) and its optimizer state (optimizer map)."""
+    """(storage, compute, grads, optimizer) placements of every parameter, by qualified name."""
     axes = infer_axes(model)
     check_expert_layout(model, mesh, rules)
     layouts = {}
@@ -87,31 +81,16 @@ def parallelize(
     bucket_mb=DEFAULT_BUCKET_MB,
     comm: dict | None = None,
 ) -> nn.Module:
-    """Lays `model` out on `mesh` following `rules`, in place, and returns it.
-
-    Plain-tensor inputs are this rank's slice of the batch (as with DDP) and, under cp, its zigzag share of the
-    sequence (spmd.cp_slice); `input_axes`: their logical axes, a tuple for all or a dict from position or keyword
-    (default: `batch`, the rest whole; an unnamed dim 1 is split over cp); tensors made in forward are replicated.
-    A scalar (the loss), alone or in a dict, tuple or ModelOutput, comes back plain, equal on every rank.
-
-    `bucket`: each block's parameters, and the rest as a root unit, gather in one collective per mesh axis
-    (spmd.runtime.parameters.group), gradients reduce across blocks in `bucket_mb` MB buffers
-    (spmd.runtime.gradients.reducer), data-only blocks run on local tensors (spmd.runtime.local.blocks). False (and
-    offload="params") moves each alone.
-
-    A model built on the meta device needs `param_init(name, meta_tensor)`: the full initial value of each meta
-    parameter and buffer (once each, in `named_parameters` order); this rank keeps its slice, one full tensor at
-    a time. Given a one-device build's values (`Llama.initializer(seed)`), every layout holds the same model.
-
-    `master`: where the fp32 master weights live when `param_dtype` is lower. "params": the parameters stay
-    fp32 and are cast when gathered; "optimizer": the parameters are stored in `param_dtype` and the fp32
-    copy lives with the optimizer states, in the optimizer map's layout (spmd.shard_optimizer). `offload`: they
-    live in host memory ("optimizer"; "nvme:DIR": files; "params": stage-3 parameter shards too, runtime.host).
-
-    `comm`: the wire precision of the gathers and reductions (ZeRO++), e.g. {"params": "int8", "grads":
-    "int4", "block": 4096}: parameters gather as int8/fp8 codes + one fp32 scale per block, gradients reduce
-    by a quantized all-to-all summed in fp32 (spmd.runtime.wire; docs/compression.md).
-    """
+    """Lays `model` out on `mesh` following `rules`, in place, and returns it (docs/layouts-and-rules.md).
+    Plain-tensor inputs are this rank's slice of the batch (as with DDP; under cp its zigzag share of the
+    sequence, spmd.cp_slice); `input_axes` names their logical axes (a tuple, or a dict by position or keyword;
+    default `batch`, the rest whole). A scalar output (the loss) comes back plain, equal on every rank.
+    `bucket`: blocks and the root unit gather in one collective per mesh axis, gradients reduce across blocks in
+    `bucket_mb` MB buffers, data-only blocks run on local tensors; False (and offload="params") moves each alone.
+    `param_init(name, meta_tensor)`: the full initial value of each meta parameter and buffer, once each, in order.
+    `master`: where fp32 master weights live under a lower `param_dtype` ("params": cast when gathered;
+    "optimizer": with the optimizer states). `offload`: "optimizer", "nvme:DIR" or "params" (docs/zero-and-offload.md).
+    `comm`: the wire precision of gathers and reductions (ZeRO++, docs/compression.md)."""
     if hasattr(model, STATE_ATTR):
         raise ValueError("this model is already parallelized; build a fresh model to lay it out again")
     dtensor.install()
@@ -207,8 +186,7 @@ def _offloads_stage_3(state, layouts) -> bool:
 
 
 class no_sync:
-    """Context manager: backward passes inside leave gradients unreduced (gradient accumulation);
-    the first backward outside reduces everything accumulated, once."""
+    """Context manager: backwards inside leave gradients unreduced; the first backward outside reduces them once."""
 
     def __init__(self, model: nn.Module):
         if not hasattr(model, STATE_ATTR):

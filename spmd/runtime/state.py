@@ -81,9 +81,7 @@ class SPMDState:
         self.global_view: list = []  # (module, GlobalView, phase before it) entered by the root or a recompute
 
     def target(self, key: tuple, decide):
-        """The placements `decide()` gives for `key` (a constrain's, a model input's, a block input's on the active
-        mesh axes), decided once: they follow from the rules, the mesh and the shape alone. Not cached while the
-        compiler traces (it would guard on the map)."""
+        """The placements `decide()` gives for `key`, decided once; not kept while tracing (a guard on the map)."""
         if tracing():
             return decide()
         hit = self.targets.get(key)
@@ -95,21 +93,17 @@ class SPMDState:
 
 
 def tracing() -> bool:
-    """Whether the compiler traces this call (a compiled block's graph, which serves every block of its type):
-    then nothing is cached, pushed or tagged, and parameters move by DTensor's redistribute. The one place that
-    asks; the hooks ask once per call and hand the answer on."""
+    """Whether the compiler traces this call: then nothing is cached, pushed or tagged. The one place that asks."""
     return torch.compiler.is_compiling()
 
 
 _active: list[tuple] = []  # (SPMDState, module name) of each running call, innermost last
-# the state on top of _active, read under the compiler: a guard on this one object holds in forward and in a
-# checkpointed block's recompute alike, where a guard on the stack's depth would recompile the block
+# the top state, read under the compiler: a guard on it holds in forward and recompute alike (a depth would not)
 _top: SPMDState | None = None
 
 
 def laid_out_parts(model, needs: str) -> list:
-    """[(module, SPMDState)] of the modules spmd.parallelize laid out that make up `model`: the model itself,
-    or each stage a pipeline runs (spmd.Pipeline.laid_out_parts). `needs`: the caller, named in the error."""
+    """[(module, SPMDState)] that make up `model`: itself, or a pipeline's stages; `needs` names the caller."""
     state = getattr(model, STATE_ATTR, None)
     if state is not None:
         return [(model, state)]

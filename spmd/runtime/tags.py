@@ -1,9 +1,7 @@
 """Why each collective is issued: the module running, the reason the pass gives, and the training phase.
 
-The pass wraps every redistribution it plans in `reason(module, why)`, and the hooks push each running module
-with its model's state (spmd.runtime.state.push); `spmd.analysis.record` reads these when it records a
-collective. Under the compiler nothing is tagged: compiled graphs issue their collectives without a dispatch
-mode to see them.
+The pass wraps each redistribution in `reason(module, why)` and the hooks push each running module
+(state.push); `spmd.analysis.record` reads both. Compiled graphs are not tagged (no dispatch mode sees them).
 """
 
 import contextlib

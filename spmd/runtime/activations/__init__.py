@@ -1,5 +1,5 @@
-"""Activations: the layout decisions and the moves that carry them out (moves, `constrain`), where partial sums are
-reduced (partials), the global view a model runs under (global_view), the loss over every rank's tokens (loss), and
-attention memory observed while it runs (attention_memory)."""
+"""Activations: layout decisions and moves (moves, `constrain`), partial sums reduced (partials), the global view
+(global_view), the loss over every rank's tokens (loss), attention memory observed (attention_memory).
+"""
 
 __all__: list[str] = []

@@ -1,11 +1,6 @@
-"""Attention's memory per rank, observed while it runs: what it saves for backward and the peak of what it
-allocates on the way (under cp, the ring's K/V blocks in flight and each block's scores).
-
-The pass runs every attention call (`F.scaled_dot_product_attention`, the ring's backward too) through
-`attending(call, ...)`. Whoever wants the figures opens `observe(record)` around a step: `explain`, the tests.
-Saved bytes are counted by the saved-tensor hook that counts activations, which asks `attending_now()`
-(spmd.runtime.parameters.reshard.observe_saved); the peak by a dispatch mode that follows each storage attention
-allocates until it is freed, so it holds on fake tensors (explain) as on real ones.
+"""Attention's memory per rank, observed while it runs: bytes saved for backward and peak allocation (under cp, the
+ring's blocks in flight and scores). `observe(record)` around a step collects them from every `attending` call:
+saved bytes through the activation-counting hook, the peak by a dispatch mode that holds on fake tensors too.
 """
 
 import contextlib
@@ -48,8 +43,7 @@ def note_saved(key: int, nbytes: int) -> None:
 
 
 def attending(call, *args, **kwargs):
-    """`call(*args, **kwargs)`, one attention call (forward or backward), observed when someone observes; a
-    plain call otherwise (no context manager on the way, so a compiled block traces straight through)."""
+    """`call(*args, **kwargs)`, observed when someone observes (no context manager: compiled blocks trace through)."""
     global _depth
     if not _records:
         return call(*args, **kwargs)

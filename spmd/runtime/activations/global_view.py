@@ -1,19 +1,10 @@
 """Plain tensors a model makes while it runs (positions, masks, `arange`, constants) are replicated.
 
-A model on the global view makes such tensors from global shapes, so every rank holds the same whole
-tensor: exactly a replicated DTensor. While a parallelized model runs forward (and while a checkpointed
-block recomputes in backward), a torch-function mode turns every plain tensor that meets a DTensor in an
-op into a replicated DTensor before the op runs. Autograd then saves DTensors, so the backward never mixes
-the two either. The same mode hands parameters used outside their own module their compute layout
-(spmd.runtime.parameters.outside_use), and runs attention on a sequence split over cp as a ring
-(spmd.runtime.context_parallel.ring). Code outside the model keeps DTensor's strict mixing check.
-
-A block that flattens its tokens into one dim (OPT: `x.reshape(-1, hidden)`) merges a sequence-sharded
-dim into the batch dim before it, which no DTensor layout holds evenly. Inside a layer, such a view first
-gathers the merged dim (an all-gather over its mesh axis, listed by explain against the module), and the
-block runs on whole sequences from there on. The view back to tokens splits that dim again (a local slice:
-the tensors it meets next, the residual stream, are split so) and keeps its gradient in that layout, so that
-the backward's reverse view never merges a sharded dim either.
+Made from global shapes, they are the same whole tensor on every rank: a replicated DTensor. While the model runs
+forward (or recomputes), a torch-function mode wraps every plain tensor meeting a DTensor so, hands parameters used
+outside their module their compute layout (parameters.outside_use), and runs cp attention as a ring. A view
+merging a sequence-sharded dim into the batch dim (OPT's `x.reshape(-1, hidden)`) gathers it first; the view back
+splits it again, keeping its gradient in that layout.
 """
 
 import math
@@ -93,9 +84,8 @@ class GlobalView(TorchFunctionMode):
         return func(*args, **kwargs)
 
     def _view_back(self, out: DTensor) -> DTensor:
-        """The view back to tokens splits again what the merge gathered (a local slice: the sequence over cp,
-        and over tp under sp, as the tensors it meets next are split), and keeps its gradient in that layout,
-        so that the backward's reverse view never merges a sharded dim either."""
+        """The view back to tokens splits again what the merge gathered (a local slice), keeping its gradient in
+        that layout so that the backward's reverse view never merges a sharded dim either."""
         before = self.merged.get(tuple(out.shape))
         target = (
             out.placements
@@ -111,8 +101,7 @@ class GlobalView(TorchFunctionMode):
 
 
 def _uneven_split(x: DTensor, new) -> ValueError:
-    """The error of a view that splits a sharded dim into pieces the mesh axis cannot hand out whole: heads
-    that do not divide by tp, where the model's config names no head count (spmd.layout.heads)."""
+    """The error of a view splitting a sharded dim into groups (heads) the mesh axis cannot hand out whole."""
     axes = [
         f"{x.device_mesh.mesh_dim_names[i]}={x.device_mesh.size(i)}" for i, p in enumerate(x.placements) if p.is_shard()
     ]
@@ -128,13 +117,8 @@ _SDPA_ARGS = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 
 
 def _attention(q, k, v, *rest, **kwargs):
-    """Attention of q, k, v ([batch, heads, seq, head_dim]) split alike over batch or heads, and evenly: each
-    rank attends its own sequences and heads, so the call runs on the local tensors, with this rank's slice
-    of a mask that holds no gradient (a padding or sliding-window mask, made whole from global shapes). This
-    also keeps the backend's choice to the local tensors: DTensor's own dispatch of the math backend (fp32
-    with grouped heads on CUDA) mixes in a plain mask, and its strategy does not split a replicated mask
-    along the batch it splits. Anything else (dropout, uneven splits, a mask with a gradient) goes to
-    DTensor."""
+    """Attention split alike over batch or heads, evenly, runs on the local tensors with this rank's slice of a
+    gradient-free mask: DTensor's dispatch would mix in the plain mask and not split it. Else DTensor's."""
     kwargs = {**dict(zip(_SDPA_ARGS, rest)), **kwargs}
     mask = kwargs.pop("attn_mask", None)
     local = (
@@ -158,8 +142,7 @@ def _replicated_constant(t, mesh) -> bool:
 
 
 def _local_slice(mask: torch.Tensor, q: DTensor) -> torch.Tensor:
-    """This rank's part of a whole mask broadcast against attention scores [batch, heads, q_seq, k_seq] that
-    are split as `q` is: along each dim q's layout splits (batch or heads), unless the mask broadcasts it."""
+    """This rank's part of a whole mask broadcast against scores split as `q` is (batch or heads)."""
     local = local_of(mask)
     offset = local.ndim - 4  # a mask of fewer dims broadcasts from the right
     mesh = q.device_mesh
@@ -184,8 +167,7 @@ def _split_alike(*ts) -> bool:
 
 
 def _tensors(args, kwargs) -> list:
-    """The tensors among an op's arguments, at any depth of lists, tuples and dicts. Runs on every op of the
-    model's forward, so it walks the arguments itself: pytree's generic flatten costs more than many ops."""
+    """The tensors among an op's arguments, at any depth: walked here, as pytree's flatten costs more than many ops."""
     found = []
     stack = [args, tuple(kwargs.values())]
     while stack:
@@ -212,8 +194,7 @@ def _shape(x: torch.Tensor, shape) -> list | None:
 
 
 def _merged_dims(shape, new, inner_only: bool = False) -> set:
-    """Dims of `shape` that the view to `new` merges into the dim before them. `inner_only`: not counting the
-    last dim (a split of features into heads, merged back in backward)."""
+    """Dims of `shape` the view to `new` merges into the dim before them (`inner_only`: not the last dim)."""
     if new is None:
         return set()
     starts = [math.prod(new[:k]) for k in range(len(new) + 1)]

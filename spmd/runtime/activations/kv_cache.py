@@ -1,12 +1,6 @@
-"""A model's key/value cache (transformers' `use_cache`, on by default in its configs) under the pass.
-
-The cache serves generation: a training call that builds one only keeps a second copy of every layer's keys
-and values alive with the output. So, as torchtitan and transformers' own checkpointed training do, a call
-made for training (gradients on, module in training mode) is passed `use_cache=False`, whatever the config
-says and however the model was annotated; the user's config is left as it is. Calls under `torch.no_grad()`
-or in eval mode build the cache the model asks for, as tensors made in forward (spmd.runtime.plain), so a
-decoding loop that calls the model step by step with its cache runs on the mesh. transformers' `generate`
-does not: it mixes the logits, which come back as DTensors, with plain tensors of its own; it is refused.
+"""A model's key/value cache (transformers' `use_cache`) under the pass: a training call would only keep a second copy
+of every layer's K/V, so it gets `use_cache=False` (as torchtitan), the config untouched; no_grad or eval calls
+build the cache, so step-by-step decoding runs on the mesh. `generate` mixes DTensor logits with plain tensors: refused.
 """
 
 import inspect

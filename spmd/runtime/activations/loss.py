@@ -1,16 +1,8 @@
-"""A model's own `F.cross_entropy` or `F.nll_loss` on DTensor logits: the mean over every rank's non-ignored
-tokens.
+"""A model's own `F.cross_entropy` or `F.nll_loss` on DTensor logits: the mean over every rank's non-ignored tokens.
 
-DTensor's cross-entropy on logits split along the tokens averages the ranks' own means. Where the ranks hold
-different numbers of tokens the loss counts (padding, prompts masked out with ignore_index), that is not
-the one-device loss, and its gradients are not the one-device gradients; on logits split along the vocab it
-gathers them whole first. While a parallelized model runs, a mean over class-index targets (transformers'
-loss, nanoGPT's) goes to kernels.vocab_parallel_cross_entropy instead, as models.llama's loss does: the
-loss sum and the count of non-ignored tokens are summed over the ranks, and vocab-split logits stay split.
-With label smoothing or class weights, and for `F.nll_loss` on log-probabilities, the sum goes through DTensor
-and is divided by what one device divides it by: the count of every rank's non-ignored tokens, or the sum of
-their targets' weights. Logits with the class dim second and more dims after it ([B, V, T], as
-`F.cross_entropy` takes them) become [B * T, V] rows first.
+DTensor's averages the ranks' own means (wrong when ranks count different tokens) and gathers vocab-split logits.
+Plain means go to kernels.vocab_parallel_cross_entropy; with label smoothing, class weights or `nll_loss` the sum
+goes through DTensor, divided by the global count (or weight sum). Logits [B, V, T] become [B * T, V] rows first.
 """
 
 import inspect
@@ -27,9 +19,7 @@ FUNCS = frozenset(_SIGNATURES)
 
 
 def global_mean(func, args, kwargs):
-    """The global mean of `func(*args, **kwargs)` (a function of FUNCS) on DTensor logits or log-probabilities;
-    None where it does not apply (another reduction, probability targets, logits still partial sums), for the
-    caller to run the op as is."""
+    """The global mean of `func(*args, **kwargs)` (one of FUNCS) on DTensor logits; None where it does not apply."""
     a = _SIGNATURES[func].bind(*args, **kwargs).arguments
     logits, targets = a["input"], a["target"]
     if (
@@ -53,7 +43,6 @@ def global_mean(func, args, kwargs):
     counted = targets != ignore_index
     if weight is None:
         return total / counted.sum()
-    # each counted token weighs its target's class weight (an ignored one looks up class 0, then counts 0); a
-    # plain weight tensor arrives replicated, as the global view wraps every plain tensor that meets a DTensor
+    # each counted token weighs its target's class weight (an ignored one looks up class 0, then counts 0)
     weights = F.embedding(targets.masked_fill(~counted, 0), weight.unsqueeze(1)).squeeze(1)
     return total / (weights * counted).sum()

@@ -1,19 +1,11 @@
 """How activations move: the layout decisions of the propagation pass and the moves that carry them out.
 
-DTensor's own op rules carry layouts through elementwise ops, views, attention and the loss. The pass
-decides at the points where a layout must change, and makes each change an explicit, recorded move:
-
-* a `constrain` point: the activation goes to the layout the rules give its logical axes, which turns
-  tensor-parallel partial sums into an all-reduce, or a reduce-scatter under sequence parallelism;
-* a linear layer: the input must fit the weight's compute layout; a weight whole over a mesh axis takes
-  an input whole along all but the batch dim over it. When both are sharded over one mesh
-  axis on different dims (a sequence-sharded activation meets a column-parallel weight, or a pinned
-  weight meets a batch-sharded activation), one of the two is gathered: the one with fewer bytes.
-
-`move(x, placements)` changes an activation's layout; its backward brings the gradient back to the
-layout `x` had (a Partial source gets a Replicate gradient: every partial sum sees the whole gradient).
+DTensor's op rules carry layouts through most ops; the pass changes them in explicit, recorded moves at `constrain`
+points and at linear layers, whose input must fit the weight (when both shard one mesh axis on different dims,
+the smaller is gathered). `move`'s backward brings the gradient back to the source's layout.
 """
 
+import math
 from dataclasses import asdict, dataclass
 
 import torch
@@ -57,9 +49,7 @@ class Decision:
 
 def gathered_bytes(shape, placements, mesh, dim: int, element_size: int) -> int:
     """Per-rank bytes an all-gather over mesh dim `dim` moves: the local size after it, times (n-1)/n."""
-    numel = 1
-    for s in shape:
-        numel *= s
+    numel = math.prod(shape)
     for i, p in enumerate(placements):
         if i != dim and p.is_shard():
             numel //= mesh.size(i)
@@ -68,10 +58,7 @@ def gathered_bytes(shape, placements, mesh, dim: int, element_size: int) -> int:
 
 
 def linear_layouts(x: DTensor, w_shape, w_placements, w_element_size: int, module: str):
-    """For `F.linear(x, w)`: the input layout to move to, the weight layout to use, and any decisions.
-
-    Weight dims: 0 = out features, 1 = in features; x's last dim is the in-features dim.
-    """
+    """For `F.linear(x, w)` (w: [out, in]): the input layout to move to, the weight layout to use, any decisions."""
     mesh = x.device_mesh
     last = x.ndim - 1
     x_target = list(x.placements)
@@ -82,17 +69,15 @@ def linear_layouts(x: DTensor, w_shape, w_placements, w_element_size: int, modul
         if mesh.size(m) == 1 or axis == "cp":
             continue  # cp splits only tokens, which a linear layer takes one by one
         if xp.is_partial():
-            # a partial sum cannot enter a matmul with a bias or a sharded weight: finish the sum here,
-            # into the layout the weight wants (reduce-scatter onto in-features for a row-parallel weight)
+            # a partial sum cannot meet a bias or a sharded weight: summed here into the layout the weight wants
             x_target[m] = Shard(last) if wp == Shard(1) else Replicate()
             continue
         x_sharded_elsewhere = xp.is_shard() and xp.dim != last
         if wp == Shard(0) and xp.is_shard() or wp == Shard(1) and x_sharded_elsewhere:
             act = gathered_bytes(x.shape, x.placements, mesh, m, x.element_size()) if xp.is_shard() else 0
             wb = gathered_bytes(w_shape, w_placements, mesh, m, w_element_size)
-            # Gathering the weight keeps the layer data-parallel over this axis: sound when x is split on
-            # the batch dim. Split on another token dim (sequence), attention downstream would need the
-            # whole sequence, so the activation is gathered instead.
+            # gathering the weight keeps the layer data-parallel: sound for a batch split only (attention
+            # downstream needs the whole sequence)
             if x_sharded_elsewhere and xp.dim == 0 and wb < act:
                 w_target[m] = Replicate()
                 decisions.append(Decision(module, axis, "gather weight", act, wb, "fewer bytes"))
@@ -111,8 +96,7 @@ def linear_layouts(x: DTensor, w_shape, w_placements, w_element_size: int, modul
         elif wp == Shard(1) and not xp.is_shard():
             x_target[m] = Shard(last)  # a local slice, no communication
         elif wp.is_replicate() and xp.is_shard() and xp.dim != 0:
-            # split along its features, or along the sequence, which attention after a weight that is whole
-            # over this axis (a fused qkv projection) needs whole: gathered before the matmul
+            # split along features, or the sequence that attention after a whole (fused qkv) weight needs whole
             x_target[m] = Replicate()
     return tuple(x_target), tuple(w_target), decisions
 
@@ -146,8 +130,7 @@ def move(x: DTensor, placements, module: str, why: str, grad_placements=None) ->
     if tuple(x.placements) == placements and (grad_placements is None or compiling):
         return x
     if compiling:
-        # DTensor's own redistribute traces to functional collectives; its backward brings the gradient
-        # back to x's layout (Partial sources get Replicate), the same layout _Move's backward gives
+        # DTensor's redistribute traces to functional collectives; its backward's layout is _Move's
         return x.redistribute(placements=placements)
     if not x.requires_grad:
         if tuple(x.placements) == placements:
@@ -158,14 +141,12 @@ def move(x: DTensor, placements, module: str, why: str, grad_placements=None) ->
 
 
 def move_linear_input(state, name, w, x, transposed: bool = False):
-    """(x moved to the layout weight `w` needs, the weight's compute layout if it must differ, else None).
-    `transposed`: `w` is stored [in, out] (transformers' Conv1D) rather than nn.Linear's [out, in]."""
+    """(x moved to the layout `w` needs, the weight's layout if not its compute one); `transposed`: w is [in, out]."""
     el = torch.finfo(state.param_dtype).bits // 8 if state.param_dtype else w.element_size()
     compute = _transpose(w._spmd_compute) if transposed else tuple(w._spmd_compute)
     shape = tuple(reversed(w.shape)) if transposed else tuple(w.shape)
     if tracing():
-        # the same decision without its bookkeeping: a graph that names its module serves only that module, and the
-        # compiler merges repeated moves itself (and cannot key a cache by id)
+        # no bookkeeping: a graph serves every module of a type, and the compiler merges repeated moves itself
         x_target, w_target, _ = linear_layouts(x, shape, compute, el, "")
         moved = _move_input(x, x_target, name)
     else:

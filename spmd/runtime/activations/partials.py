@@ -1,10 +1,8 @@
 """Where partial sums are reduced, without constraint points.
 
-A layer whose weight is sharded along its input features (a row-parallel linear, a vocab-sharded
-embedding) yields partial sums over that mesh axis. The pass reduces them as the layer returns, into the
-layout the rules give the output's logical axes: the weight's output axis last, `batch` and `seq` in
-front. With `embed` replicated that is an all-reduce; under sequence parallelism (`seq -> tp`) a
-reduce-scatter over the sequence. A `constrain` after the layer then finds the layout already in place.
+A layer whose weight shards its input features (row-parallel linear, vocab-sharded embedding) yields partial
+sums; the pass reduces them as it returns, into the rules' layout for its output (an all-reduce, or a
+reduce-scatter over the sequence under sp), so a later `constrain` finds the layout in place.
 """
 
 import torch.nn as nn

@@ -1,17 +1,7 @@
-"""Ring attention over the `cp` mesh axis: attention on a sequence split across ranks.
-
-Each rank keeps its queries; the key/value blocks travel around the cp ring (cp-1 hops, each overlapped
-with the attention on the block at hand) and the partial results merge by their log-sum-exp. In backward
-the K/V blocks travel again, and each block's dK/dV accumulator travels behind it, gathering every rank's
-contribution, until a last hop brings it home: 2(cp-1) hops of a K/V block, twice the forward. K and V go
-with their kv_heads (GQA stays grouped on the wire); each query group attends to its shared head.
-
-The sequence is split zigzag (spmd.layout.sequence): rank i holds chunks i and 2cp-1-i. Under a causal
-mask the rank's own block is causal as it stands (its positions increase), an earlier rank's block is
-seen by every query through its first chunk only, and a later rank's whole block by the second half of
-the queries only: every step costs every rank the same. torch's own context parallel
-(torch.distributed.tensor.experimental.context_parallel) dispatches only the CUDA flash/efficient/cuDNN
-kernels, so this ring computes each block in plain torch, which runs on any device.
+"""Ring attention over the `cp` mesh axis: each rank keeps its queries while K/V blocks (GQA-grouped) travel the ring,
+each hop overlapped with the block at hand, partial results merged by log-sum-exp; in backward each block's dK/dV
+follows it home. The zigzag split makes every causal step cost every rank the same. torch's context_parallel
+dispatches only CUDA kernels, so each block is computed in plain torch, which runs on any device.
 """
 
 import torch
@@ -58,11 +48,8 @@ _ELEMENTWISE = {
 
 
 def check_sequence_order(func, tensors) -> None:
-    """Under cp the sequence is in zigzag order. A tensor along the sequence that the model makes itself is in
-    natural order: a plain tensor made in forward with a sequence-long dim (positions from `arange`, a mask),
-    or one replicated over cp whose dim lines up with the split sequence dim in an elementwise op (a RoPE table
-    sliced to the length, a learned position embedding looked up at `arange`). Combining the two would
-    silently train wrong, so it is an error naming the fix."""
+    """Refuses combining the zigzag-ordered sequence with a tensor the model made along it in natural order (a
+    plain sequence-long tensor, or a cp-replicated one aligned in an elementwise op): it would train wrong."""
     split = next(((t, d) for t in tensors if isinstance(t, DTensor) for d in [_cp_dim(t)] if d is not None), None)
     if split is None:
         return
@@ -87,13 +74,11 @@ def check_sequence_order(func, tensors) -> None:
 
 
 def cp_active(mesh) -> bool:
-    """Whether `mesh` has a cp axis of size > 1."""
     names = mesh.mesh_dim_names or ()
     return "cp" in names and mesh.size(names.index("cp")) > 1
 
 
 def _cp_dim(t: DTensor) -> int | None:
-    """The dim of `t` split over an active cp mesh axis, if any."""
     if not cp_active(t.device_mesh):
         return None
     p = t.placements[t.device_mesh.mesh_dim_names.index("cp")]
@@ -142,8 +127,7 @@ def _blocks(me: int, src: int, t: int, causal: bool):
 
 
 def _scores(q, k, causal: bool, scale: float):
-    """Scaled (and causally masked) scores of one block, fp32, in one buffer: the ring's largest allocation,
-    b · heads · tq · tk floats, so every later step works on it in place."""
+    """Scaled, masked fp32 scores of one block: the ring's largest allocation, so later steps work on it in place."""
     s = torch.einsum("bhgqd,bhkd->bhgqk", q.float(), k.float()).mul_(scale)
     if causal:
         s.masked_fill_(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
@@ -167,8 +151,7 @@ def _attend_backward(q, k, v, dout, delta, lse, causal: bool, scale: float):
 
 
 def _exchange(t: torch.Tensor, group, module: str, why: str, tag: int = 0):
-    """Sends `t` to the next rank of the ring and receives the previous rank's: (buffer, requests).
-    K/V and dK/dV messages are in flight together in backward; their tags keep them apart."""
+    """(buffer, requests) of `t` to the next ring rank, the previous one's received; `tag` keeps K/V and dK/dV apart."""
     n, me = group.size(), group.rank()
     recv = torch.empty_like(t)
     ops = [
@@ -251,8 +234,7 @@ class _Ring(torch.autograd.Function):
             if step == 0:
                 own = dkv
             else:
-                # the accumulator of the block held now goes on to the rank that holds it next; after the
-                # last step that rank is the block's owner
+                # the block's accumulator follows it to the next rank; after the last step, to its owner
                 total = dkv if arriving is None else dkv + arriving.float()
                 arriving = _wait(
                     _exchange(

@@ -1,12 +1,9 @@
-"""DTensor internals, in one room: the op handlers and sharding strategies spmd adds to DTensor (`install`),
-DTensor construction around local tensors without `from_local`'s per-call work (wrap), its redistribution
-planning kept per process (planning), and the reach into torch's torch-function mode stack and autograd engine
-(stack). The rest of the runtime speaks DTensor's public API or these functions. It is also the one place spmd
-changes torch.distributed: `destroy_process_group` waits for the work registered to end first (teardown: a
-checkpoint save in flight).
+"""DTensor internals, in one room: the op handlers and strategies spmd adds (`install`), DTensors around local tensors
+without `from_local`'s per-call work (wrap), redistribution planning kept per process (planning), the reach into
+torch's mode stack and autograd engine (stack), and `destroy_process_group` waiting for registered work (teardown).
 
-Importing spmd changes nothing in torch: `install()`, which `spmd.parallelize`, `spmd.explain` and
-`spmd.checkpoint.AsyncSaver` call, registers the handlers and the teardown wait (idempotent).
+Importing spmd changes nothing in torch: `install()` (called by `parallelize`, `explain`, `AsyncSaver`) does it,
+idempotently.
 """
 
 from . import detach, fused_step, planning, strategies, teardown
@@ -15,9 +12,7 @@ __all__ = ["install"]
 
 
 def install() -> None:
-    """Registers spmd's DTensor op handlers (detach, the fused Adam/AdamW step) and attention strategies, keeps
-    DTensor's redistribution planning (planning), and makes `destroy_process_group` wait for the registered
-    teardown work."""
+    """Registers spmd's DTensor op handlers and strategies, the kept planning and the teardown wait."""
     detach.install()
     fused_step.install()
     strategies.install()

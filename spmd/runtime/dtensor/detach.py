@@ -1,10 +1,7 @@
 """`detach` of a DTensor is the same layout around its local tensor's detach.
 
-Autograd detaches every gradient it stores into a parameter's `.grad` (AccumulateGrad), one per parameter
-per step, and DTensor's dispatch spends longer propagating the layout of a detach than the detach itself
-takes. This DTensor op handler (torch's mechanism for ops it treats specially, as fused_step's) gives the
-answer directly: the input's spec, shared as DTensor's cached output specs are. A traced detach (under
-torch.compile) keeps DTensor's own dispatch. `spmd.runtime.dtensor.install` registers it.
+AccumulateGrad detaches every gradient it stores, and DTensor spends longer propagating a detach's layout than
+the detach takes: this op handler answers with the input's spec directly. A traced detach keeps DTensor's own.
 """
 
 import torch
@@ -23,5 +20,4 @@ def _detach(op_call, args, kwargs):
 
 
 def install() -> None:
-    """Registers the handler for aten.detach (idempotent)."""
     DTensor._op_dispatcher._custom_op_handlers.setdefault(torch.ops.aten.detach.default, _detach)

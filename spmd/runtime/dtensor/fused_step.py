@@ -1,12 +1,6 @@
-"""A fused Adam/AdamW step (`fused=True`, the trainer's) on DTensor parameters runs on their local tensors.
-
-The update is elementwise within each parameter: where a parameter, its gradient and its states share one
-layout that holds no partial sums, updating every rank's local shard is the update of the whole, and
-DTensor's dispatch of the fused op (the sharding propagation of five lists of tensors) has nothing to decide.
-On the tiny model on one process it costs about 0.6 ms of a 1.4 ms step. This installs a DTensor op handler
-(torch's own mechanism for ops it treats specially, as its loss_parallel does) that calls the fused kernel
-on the local tensors when the layouts agree, and otherwise leaves the op to DTensor's dispatch as before.
-`spmd.runtime.dtensor.install` registers it.
+"""A fused Adam/AdamW step on DTensor parameters runs on their local tensors: the update is elementwise, so where
+parameter, gradient and states share one layout without partial sums, the local update is the whole one, and
+DTensor's propagation over five tensor lists (0.6 ms of a 1.4 ms tiny step) decides nothing. Else DTensor's.
 """
 
 import torch
@@ -36,9 +30,8 @@ _AGREED: dict = {}  # the ids of a step's specs -> (those specs, held so that no
 
 
 def _agree(lists) -> bool:
-    """Whether each parameter, its gradient and its states are DTensors of one layout with no partial sums,
-    and its step count is whole on every rank. A function of the tensors' specs alone, which recur from step
-    to step (the parameters', the states', the gradients' cached layouts): answered once per set of specs."""
+    """Whether parameters, gradients and states share one layout without partial sums and the step count is
+    whole: a function of specs that recur each step, so answered once per set of specs."""
     specs = tuple([t._spec if isinstance(t, DTensor) else None for group in lists for t in group])
     key = (tuple(map(len, lists)), *map(id, specs))
     hit = _AGREED.get(key)

@@ -1,10 +1,8 @@
 """A partial sum times a constant scalar stays a partial sum.
 
-Gemma scales its embedding by sqrt(dim), a 0-d buffer: under tp the vocab-split lookup gives partial sums,
-and DTensor, whose rules treat a multiply by a tensor as nonlinear, reduces them first into a layout of its
-own choosing (on Gemma 3 the batch split over tp, which the whole model then followed, its projections'
-weights gathered whole). Scaling each rank's summand by the scalar is the same product and keeps the
-partial sums for the pass to reduce where it plans to.
+Gemma scales its vocab-split embedding (partial sums under tp) by a 0-d buffer; DTensor treats that multiply as
+nonlinear and reduces first, into a layout of its own choosing that the model then follows. Scaling each summand
+keeps the partial sums for the pass to reduce where it plans to.
 """
 
 import torch
@@ -18,8 +16,7 @@ MULTIPLIES = {torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__
 
 
 def scale_partial(a, b) -> DTensor | None:
-    """`a * b` where one is a DTensor holding partial sums and the other a constant scalar tensor (one
-    element, no gradient), kept partial; None otherwise."""
+    """`a * b` of a partial-sum DTensor and a constant scalar tensor, kept partial; None otherwise."""
     for x, s in ((a, b), (b, a)):
         if (
             isinstance(x, DTensor)

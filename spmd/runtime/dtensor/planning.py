@@ -1,17 +1,9 @@
 """DTensor's redistribution planning, kept per process: what it computes again for every op.
 
-DTensor prices each candidate sharding strategy of every op by the redistributions it would take
-(`expand_to_full_mesh_op_strategy`, `redistribute_cost`): on a mesh of three axes a matmul has 11 one-axis
-strategies and so 1,331 candidates, each input's move priced, and below each price a shortest-path search over
-placements (`find_min_cost_path`) whose every edge built two `DTensorSpec`s. A price depends on the two specs
-alone (mesh layout, placements, shard order, shape, stride, dtype); a graph's edges and their costs
-(`one_step_redistribute_cost`) on the mesh, the tensor's rank and its bytes, not its shape, and which states
-follow a state not even on the bytes. So they are kept (`install`, which `spmd.runtime.dtensor.install` calls:
-`parallelize` and `explain` both plan through them), and a shortest-path search runs once from its source to
-every state: until a target is first reached it pops exactly what torch's search for that target pops, so every
-path is torch's. Under a fake mode DTensor takes itself to be tracing and skips its own cache of transform
-plans; kept here, dry runs keep them too. tests/test_search_speed.py compares the answers with `torchs()`,
-torch planning alone.
+DTensor prices every candidate strategy of every op by its redistributions (1,331 for a matmul on three axes),
+each by a shortest-path search. Prices depend on the specs alone and graphs on mesh, rank and bytes, so they are
+kept (`install`); one search runs from a source to every state, popping what torch's would, so every path is
+torch's. tests/test_search_speed.py compares the answers with `torchs()`, torch planning alone.
 """
 
 import contextlib
@@ -28,10 +20,7 @@ _MAX_KEPT = 200_000  # entries of each store
 
 
 def install() -> None:
-    """Answers DTensor's planning from the stores (once per process; `torchs()` undoes it for a while):
-    transform plans (which DTensor does not cache under a fake mode) per spec pair, strategy prices per spec
-    pair, and below a plan its graph: a state's moves per (mesh, rank, targets), priced per tensor size
-    (`_priced`), and the shortest paths from a state per (mesh, rank, bytes, targets)."""
+    """Answers DTensor's planning from the stores, once per process (`torchs()` undoes it for a while)."""
     if _KEPT:
         return
     from torch.distributed.tensor import _redistribute
@@ -121,8 +110,7 @@ def _moves(planner, next_states, placements, shard_order) -> dict:
 
 
 def _priced(mesh, size: int, moves: dict) -> dict:
-    """{state: cost} of `_moves` for a tensor of `size` bytes, as `one_step_redistribute_cost` prices a step
-    (equal floats)."""
+    """{state: cost} of `_moves` for a tensor of `size` bytes, as `one_step_redistribute_cost` prices it."""
     from torch.distributed.tensor._collective_utils import MeshTopoInfo, _compute_placement_transition_cost
 
     topo = MeshTopoInfo.build_from_mesh(mesh)
@@ -137,10 +125,7 @@ def _priced(mesh, size: int, moves: dict) -> dict:
 
 
 def _shortest_paths(planner, src) -> dict:
-    """{state: DTensor's shortest path to it from `src`} for every state reachable from `src`: torch's search
-    (`find_min_cost_path`: Dijkstra, ties broken by the order of discovery) run to the end instead of stopping at
-    one target. Until a target is first reached, it pops exactly what torch's search for that target pops, so
-    each path is the one torch would find."""
+    """{state: torch's shortest path from `src`}: torch's Dijkstra run to the end, so paths are torch's."""
     import heapq
 
     from torch.distributed.tensor._redistribute import _redistribute_cost_sort_key
@@ -161,8 +146,7 @@ def _shortest_paths(planner, src) -> dict:
 
 
 def memo(store: dict, key, compute):
-    """`store[key]`, computed by `compute()` the first time; the store is emptied when it outgrows its bound.
-    A key that cannot be hashed (symbolic sizes under a compiler's trace) is computed and not kept."""
+    """`store[key]`, computed once (store emptied past its bound); an unhashable key (symbolic sizes) is not kept."""
     try:
         found = store.get(key)
     except TypeError:

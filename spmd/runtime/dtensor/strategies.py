@@ -1,6 +1,6 @@
-"""Sharding strategies DTensor lacks: attention on CPU (batch- or head-sharded attention is local, with or
-without a mask; a mask follows q's split along a dim it has, and is whole along a dim it broadcasts).
-`install` registers them with DTensor's sharding propagator."""
+"""Sharding strategies DTensor lacks: attention on CPU, batch- or head-sharded, with or without a mask (split as q
+where it has the dim, whole where it broadcasts). `install` registers them.
+"""
 
 import torch
 from torch.distributed.tensor import Replicate, Shard
@@ -41,7 +41,6 @@ _installed: list = []
 
 
 def install() -> None:
-    """Registers the strategies (once per process)."""
     if not _installed:
         for op, strategy in _STRATEGIES.items():
             register_sharding(op)(strategy)

@@ -1,7 +1,7 @@
-"""Work that must end before the process group goes (a checkpoint save in flight, whose collectives run on a
-group the call would destroy): `install()` wraps `torch.distributed.destroy_process_group` once, so that
-destroying the world first runs each callback `before_destroy` registered, and so does the interpreter's exit.
-The first error is raised after the groups are gone, or, at exit, printed, and the process exits 1."""
+"""Work that must end before the process group goes (a checkpoint save in flight): `install()` wraps
+`destroy_process_group` so it, and the interpreter's exit, first run each callback `before_destroy` registered;
+the first error is raised after the groups are gone (at exit: printed, exit status 1).
+"""
 
 import atexit
 import functools

@@ -1,6 +1,6 @@
-"""Local tensors into and out of DTensors: wrapped without DTensor.from_local's per-call work: a layout's DTensorSpec is
-built once and shared (DTensor's own dispatch shares its cached output specs too), and the local tensor stays
-where it lives."""
+"""Local tensors into and out of DTensors without from_local's per-call work: a layout's spec is built once and
+shared, and the local tensor stays where it lives.
+"""
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -27,8 +27,7 @@ def local_of(t: torch.Tensor) -> torch.Tensor:
 def wrap_local(local: torch.Tensor, mesh, placements, shape, stride, requires_grad: bool = False) -> DTensor:
     """A DTensor of global `shape` and `stride` whose local tensor is `local` itself, wherever it lives
     (`DTensor.from_local` moves a host tensor to the mesh's device: offloaded state would return to the GPU)."""
-    # the constructor alone: DTensor.__init__ only calls Tensor.__init__, through a dynamo and an export
-    # wrapper that cost a third of a wrap
+    # the constructor alone: DTensor.__init__'s dynamo and export wrappers cost a third of a wrap
     return DTensor.__new__(
         DTensor, local, layout_spec(mesh, placements, shape, stride, local.dtype), requires_grad=requires_grad
     )
@@ -50,8 +49,7 @@ def cast(t: DTensor, dtype) -> DTensor:
 
 
 def cast_all(ts: list, dtypes) -> list:
-    """`cast(t, dtype)` for each DTensor of `ts` (None stays None), `dtypes` one dtype or one per tensor: the
-    local tensors cast by `cast_locals`, each rewrapped in its own layout."""
+    """`cast(t, dtype)` for each DTensor of `ts` (None stays None), `dtypes` one or one per tensor."""
     dtypes = dtypes if isinstance(dtypes, (list, tuple)) else [dtypes] * len(ts)
     out = list(ts)
     groups: dict = {}  # dtype -> indices whose local tensors cast together (a tensor in autograd casts alone)
@@ -69,9 +67,7 @@ def cast_all(ts: list, dtypes) -> list:
 
 
 def cast_locals(tensors: list, dtype) -> list:
-    """Each tensor in `dtype`. The contiguous ones of one device are copied into one new buffer by one
-    foreach copy and come back as views of it: a block's parameters cast to the compute dtype, and their
-    gradients back, in one kernel per step rather than one per parameter (on a GPU each is a launch)."""
+    """Each tensor in `dtype`; contiguous ones of one device by one foreach copy into one buffer."""
     out = [t if t.dtype == dtype else None for t in tensors]
     batched = [
         i for i, t in enumerate(tensors) if out[i] is None and t.is_contiguous() and t.device == tensors[0].device
@@ -105,7 +101,6 @@ def layout_spec(mesh, placements, shape, stride, dtype) -> DTensorSpec:
 
 
 def contiguous_stride(shape) -> tuple:
-    """The strides of a contiguous tensor of `shape`."""
     stride, acc = [], 1
     for s in reversed(shape):
         stride.append(acc)

@@ -1,6 +1,6 @@
-"""`AllToAll`: all_to_all_single with variable splits whose backward is the reverse exchange, each
-collective tagged with the module and the reason, for explain (funcol's autograd variant carries no reason);
-and the exchange of the counts per expert that sizes it (`exchange_counts`), balanced on fake tensors."""
+"""`AllToAll`: all_to_all_single with variable splits, its backward the reverse exchange, each collective tagged for
+explain (funcol's autograd variant carries no reason); `exchange_counts` sizes it, balanced on fake tensors.
+"""
 
 import torch
 import torch.distributed as dist
@@ -13,8 +13,7 @@ __all__ = ["AllToAll", "balanced_counts", "exchange_counts"]
 
 
 class AllToAll(torch.autograd.Function):
-    """`apply(x, out_splits, in_splits, group, module, why)`: rows of `x` sent by `in_splits`, received by
-    `out_splits`; the gradient goes back the reverse way."""
+    """`apply(x, out_splits, in_splits, group, module, why)`: rows exchanged by split sizes; the gradient goes back."""
 
     @staticmethod
     def forward(ctx, x, out_splits, in_splits, group, module, why):
@@ -39,9 +38,8 @@ def balanced_counts(rows: int, experts: int) -> torch.Tensor:
 
 
 def exchange_counts(counts: torch.Tensor, balanced: bool, group, module: str, what: str) -> tuple:
-    """(rows received per [source rank, local expert], rows sent to each rank, rows received from each, the
-    plan's note) for `counts`, the rows this rank sends per expert. `balanced` (explain: no data): every rank
-    is taken to send what this one does."""
+    """(rows received per [source rank, local expert], rows sent to / received from each rank, the plan's note)
+    for this rank's `counts` per expert; `balanced` (explain): every rank sends what this one does."""
     n = dist.get_world_size(group)
     note = " (balanced routing assumed)" if balanced else ""
     received = torch.empty_like(counts)

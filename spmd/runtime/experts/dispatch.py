@@ -1,26 +1,10 @@
 """Expert parallelism: tokens go to their experts' ranks by all-to-all and come back the same way.
 
-An expert module is one whose parameters carry the `experts` axis on dim 0 (stacked experts, as
-torchtitan's GroupedExperts); it is called with the tokens sorted by expert and the count per expert, and
-returns one row per token. The module that calls it routes, sorts and combines each token on its own, so
-the pass runs it on this rank's tokens as plain tensors (the *routing region*): its tensor inputs, passed
-positionally, come in with their batch shards and nothing else sharded; its output (one tensor) goes back
-as a DTensor of that layout.
-
-Supported layout (DeepSpeed-MoE's and torchtitan's): `experts -> ep` with `ep` among the batch axes, so ep
-splits the data as dp and fsdp do and each rank holds E/ep experts. The expert module then
-* sends each expert's tokens to the rank holding it: an all-to-all of the counts, then an all-to-all of
-  the tokens with those split sizes; on arrival they are grouped by local expert;
-* computes with its local experts (under tp each rank holds a slice of `mlp`, so outputs and input
-  gradients are partial sums over tp, reduced after the region as a row-parallel layer's are);
-* sends the outputs back by the reverse all-to-all. Backward mirrors each all-to-all.
-Under `explain` (fake tensors, no data) the routing is taken to be balanced: every expert gets an equal
-share of each rank's tokens, and the plan's all-to-all records say so.
-An expert's gradient is this rank's share of the tokens: a partial sum over the batch axes that hold the
-expert whole (dp, fsdp), reduced into its storage layout as every parameter's is.
-
-An expert module called otherwise routes the tokens itself (transformers'): spmd.runtime.experts.whole_experts,
-and spmd.runtime.experts.routed_dispatch under ep.
+An expert module (the `experts` axis on dim 0, torchtitan's GroupedExperts) takes tokens sorted by expert and the
+count per expert; its caller, the *routing region*, runs on this rank's tokens as plain tensors. Under `experts ->
+ep` (ep among the batch axes, DeepSpeed-MoE's layout) each rank holds E/ep experts: all-to-alls of the counts and
+tokens, the local experts (partial over tp, reduced after the region), the reverse all-to-all; backward mirrors
+them, and `explain` takes the routing to be balanced. Self-routing modules: whole_experts, routed_dispatch.
 """
 
 import contextlib
@@ -54,8 +38,7 @@ def expert_modules(model: nn.Module) -> dict[str, nn.Module]:
 
 @contextlib.contextmanager
 def balanced_routing(model: nn.Module):
-    """While it is open, a forward of `model` on fake tensors (no data to route by) gives each expert module
-    an equal share of the tokens, as explain plans; a dropless layer's FLOPs are the same for any routing."""
+    """While open, forwards of `model` on fake tensors route equal shares to each expert (dropless: same FLOPs)."""
 
     def balance(module, args):
         x, counts, *rest = args
@@ -117,8 +100,7 @@ def check_expert_layout(model: nn.Module, mesh, rules) -> None:
 
 
 def install_expert_hooks(model: nn.Module, state) -> None:
-    """Hooks the routing region (the expert module's parent) and the expert module, for expert modules routed
-    by their caller. Called after the pass's own hooks exist: these run inside them."""
+    """Hooks routing regions and expert modules; called after the pass's hooks exist, so these run inside them."""
     modules = dict(model.named_modules())
     for name, module in expert_modules(model).items():
         if routes_itself(module):
@@ -127,8 +109,7 @@ def install_expert_hooks(model: nn.Module, state) -> None:
                 RoutedDispatch(state, name, module).install()
             continue
         parent_name = name.rpartition(".")[0]
-        # mesh dims over which the experts' compute layout splits a dim other than `experts` (tp on mlp): the
-        # region's output and its inputs' gradients are partial sums over them
+        # mesh dims splitting another dim than `experts` (tp on mlp): outputs and input gradients are partial there
         split = {
             m
             for p in module.parameters(recurse=False)
@@ -144,8 +125,7 @@ def install_expert_hooks(model: nn.Module, state) -> None:
 
 
 class _Region:
-    """The routing region: DTensor inputs in (batch shards kept, everything else whole) as local tensors,
-    the local output back out as a DTensor."""
+    """The routing region: DTensor inputs in as local tensors (batch shards kept), the output back as a DTensor."""
 
     def __init__(self, state, name: str, split: set[int]):
         self.state, self.name, self.split = state, name, split

@@ -1,16 +1,7 @@
-"""Expert parallelism for expert modules that route their tokens themselves (transformers'): `forward(
-hidden_states [N, H], top_k_index [N, k], top_k_weights [N, k])` returning the weighted sum over each token's k
-experts, [N, H].
-
-Under `experts -> ep` each rank holds E/ep of the experts, and ep splits the batch as dp and fsdp do. Around
-the module's own forward (it runs on this rank's tokens as plain tensors, spmd.runtime.local.blocks):
-* each (token, choice) pair goes to the rank holding its expert: the pairs sorted by expert, an all-to-all of
-  the counts per expert, then of the tokens, their weights and their experts' local indices;
-* the module computes on what arrived, one choice per row, with its local experts and `num_experts` set to
-  their count, so its own routing finds them;
-* the rows go back by the reverse all-to-all, and each token sums its k rows.
-Backward mirrors each all-to-all. The router before it stays in the global view. Under `explain` (fake
-tensors) the routing is taken to be balanced, as spmd.runtime.experts.dispatch plans its own dispatch.
+"""Expert parallelism for self-routing expert modules (transformers'): `forward(hidden_states [N, H], top_k_index
+[N, k], top_k_weights [N, k])`. Under `experts -> ep` each (token, choice) pair goes to its expert's rank by
+all-to-all, the module computes one choice per row with `num_experts` set to its E/ep local experts, and the rows
+come back to be summed per token. Backward mirrors each all-to-all; `explain` takes the routing to be balanced.
 """
 
 import inspect
@@ -72,9 +63,8 @@ class RoutedDispatch:
         else:
             module.__dict__["num_experts"] = experts
         if output.shape[0] == 0:
-            # no pair came here, so a module that loops over the experts hit used none of its inputs: tie them
-            # and its experts to the output, so that this rank's backward runs the reverse exchanges with the
-            # others' and its experts take a (zero) gradient as theirs do
+            # no pair came: tie inputs and experts to the output so this rank's backward still runs the reverse
+            # exchanges with the others', its experts taking a (zero) gradient
             rows, _, row_weights = args
             output = output + 0 * (
                 rows.sum()

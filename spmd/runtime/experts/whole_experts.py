@@ -1,13 +1,7 @@
-"""Expert modules that route their tokens themselves, as transformers' do: `forward(hidden_states, top_k_index,
-top_k_weights)`, anything but the (tokens sorted by expert, tokens per expert) of spmd.runtime.experts.dispatch.
-
-Such a module sorts each token to its chosen experts inside its own forward: without ep it holds its experts
-whole on every rank, stored sharded as any parameter is (fsdp); under ep, E/ep of them, the (token, choice)
-pairs sent to them around its forward (spmd.runtime.experts.routed_dispatch). tp may not split their other dims. It
-runs on this rank's tokens as plain tensors (spmd.runtime.local.blocks, as a data-only block does), while the router
-before it stays in the global view, so that router logits a loss reads (transformers' load-balancing loss) are those of
-every rank's tokens. On fake tensors (explain) its grouped products take the balanced routing: equal groups, one batched
-product (torch's fake grouped product accepts bf16 only, where its CPU kernel takes any float).
+"""Expert modules that route their tokens themselves (transformers': `forward(hidden_states, top_k_index,
+top_k_weights)`). They compute with whole experts (E/ep under ep: routed_dispatch) on plain local tensors, while the
+router stays in the global view so a load-balancing loss sees every rank's logits. On fake tensors (explain) their
+grouped products take the balanced routing as one batched product (torch's fake grouped product takes bf16 only).
 """
 
 import inspect
@@ -24,8 +18,7 @@ __all__ = ["routes_itself", "check_whole", "balanced_grouped_products"]
 
 
 def routes_itself(module: nn.Module) -> bool:
-    """Whether an expert module takes each token's chosen experts and sorts the tokens itself, rather than
-    tokens sorted by expert and the count per expert: its forward takes other than two positional arguments."""
+    """Whether an expert module sorts its tokens itself: its forward takes other than two positional arguments."""
     return _positional(module) != 2
 
 
@@ -35,8 +28,8 @@ def _positional(module: nn.Module) -> int:
 
 
 def check_whole(name: str, module: nn.Module, mesh, rules, ep: int) -> None:
-    """An expert module that routes its tokens itself computes with whole experts: all of them, or E/ep
-    under ep (spmd.runtime.experts.routed_dispatch), whose forward takes (tokens, experts chosen, their weights)."""
+    """Refuses what a self-routing expert module cannot do: ep without (tokens, choices, weights), experts not
+    dividing by ep, tp splitting its other dims."""
     if ep > 1:
         params = [p for p in module.parameters(recurse=False) if "experts" in (get_axes(p) or ())]
         if _positional(module) != 3:
@@ -89,8 +82,7 @@ class _BalancedGroupedProducts(TorchFunctionMode):
 
 
 def balanced_grouped_products(module: nn.Module) -> list:
-    """Hooks `module` so that, called on fake tensors, its grouped products run as balanced routing groups
-    them; returns the handles."""
+    """Hooks `module`'s grouped products on fake tensors to group as balanced routing would; returns the handles."""
     modes = []
 
     def enter(mod, args):

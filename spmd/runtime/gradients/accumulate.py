@@ -1,10 +1,7 @@
-"""Gradient accumulation through compiled blocks: a compiled graph cannot read a gradient that a no_sync pass
-left in `p.grad`, so while micro-batches accumulate the blocks' graphs leave every gradient unreduced (the
-compiler guards on `state.accumulating`, set from no_sync's start to the end of the backward that syncs:
-one graph each way), autograd sums them in
-`p.grad`, and the end of the last micro-batch's backward reduces the sums once, in flat buffers: one
-collective per mesh axis and kind for all compiled blocks (spmd.runtime.gradients.step_reduce), as eager's no_sync
-reduces each gradient once."""
+"""Gradient accumulation through compiled blocks: a compiled graph cannot read a no_sync gradient in `p.grad`, so while
+micro-batches accumulate (`state.accumulating`, one graph each way) the graphs leave gradients unreduced and the
+last micro-batch's backward reduces the sums once, in flat buffers (gradients.step_reduce), as eager's no_sync does.
+"""
 
 import torch
 
@@ -18,8 +15,7 @@ __all__ = ["reduce_after_backward"]
 
 
 def reduce_after_backward(output, state):
-    """`output` (of the micro-batch that ends accumulation) with tensors whose backward queues the reduction of
-    the compiled blocks' accumulated gradients for the end of that backward (once, however many carry it)."""
+    """`output` whose backward queues, once, the reduction of the compiled blocks' accumulated gradients."""
     once = []
     return map_tensors(output, lambda t: _QueueReduction.apply(t, state, once) if t.requires_grad else t)
 
@@ -41,8 +37,7 @@ class _QueueReduction(torch.autograd.Function):
 
 @torch.no_grad()
 def reduce_accumulated(state) -> None:
-    """The compiled blocks' gradients summed unreduced over the micro-batches -> the grads map's layout (those
-    a ZeRO-1 step reduces stay for it)."""
+    """The compiled blocks' accumulated gradients -> the grads map's layout (those a ZeRO-1 step reduces stay)."""
     params = [
         p
         for p in state.compiled_params

@@ -34,12 +34,9 @@ def grads_layout(p) -> tuple:
 
 
 def reduce_gradient(g: DTensor, grads, held: bool, unreduced: bool, p=None, where: tuple | None = None) -> DTensor:
-    """One gradient, in the reduce dtype, brought to the layout backward leaves it in: as computed while
-    micro-batches accumulate (`unreduced`); for a ZeRO-1 step (`held`) on the grads map's shards, partial sums kept
-    on the axes it replicates for the step to reduce-scatter; else the grads map's layout `grads`. `p`: its
-    parameter in eager, whose gradient held back under no_sync joins it, once (a compiled graph cannot read
-    p.grad: there a held gradient reaches its shards while micro-batches accumulate too). `where`: (module,
-    parameter name) the collectives are tagged with; None in a compiled graph, where nothing is tagged."""
+    """One gradient, in the reduce dtype, in the layout backward leaves: unreduced while accumulating; `held` for a
+    ZeRO-1 step (partial sums kept on the axes it replicates); else `grads`. `p`: its eager parameter, whose held
+    no_sync gradient joins it once. `where`: the (module, parameter) tag; None in a compiled graph."""
     if unreduced and (p is not None or not held):
         return g
     if held:
@@ -66,9 +63,7 @@ def optim_layout(p) -> tuple:
 
 
 def reduce_to(g: DTensor, storage) -> DTensor:
-    """Redistributes a gradient to `storage` in the order that moves fewest bytes: slice replicated dims
-    (free), then reduce-scatter partial sums onto sharded dims, then all-reduce what stays replicated
-    (HSDP all-reduces the fsdp shard over dp, not the whole gradient)."""
+    """Redistributes a gradient to `storage` moving fewest bytes: slice, then reduce-scatter, then all-reduce."""
     g = slice_onto_shards(g, storage)
     step = tuple(s if c.is_partial() and s.is_shard() else c for c, s in zip(g.placements, storage))
     if step != tuple(g.placements):
@@ -85,8 +80,7 @@ def slice_onto_shards(g: DTensor, storage) -> DTensor:
 
 
 def join_unreduced(p, g: DTensor) -> DTensor:
-    """`g` plus the gradient `p` accumulated unreduced under no_sync, which then leaves `p.grad`: both are
-    reduced together, once."""
+    """`g` plus the gradient `p` accumulated under no_sync (then taken off `p.grad`): reduced together, once."""
     if p.grad is not None and tuple(p.grad.placements) != grads_layout(p):
         g = g + p.grad.to(g.dtype)
         p.grad = None
@@ -94,9 +88,8 @@ def join_unreduced(p, g: DTensor) -> DTensor:
 
 
 def summed_as_eager(params: list, grads: list, token_axes: tuple, where: str) -> list:
-    """A compiled block's gradients in eager's layouts: partial only over the axes in `token_axes` (splitting batch
-    or sequence) that replicate the parameter. A compiled backward may leave partial over tp what eager's activation
-    moves summed (norms) or scattered (row-parallel weights): summed here in full precision, before any wire."""
+    """A compiled block's gradients in eager's layouts (partial only over the token axes replicating the parameter):
+    what a compiled backward leaves partial over tp is summed here in full precision, before any wire."""
     out = []
     for p, g in zip(params, grads):
         if isinstance(g, DTensor):

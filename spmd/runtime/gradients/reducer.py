@@ -1,18 +1,9 @@
 """Gradient reductions that span blocks, in buckets of a set size (DDP's, 25 MB by default).
 
-A flat parameter group's backward (spmd.runtime.parameters.group) hands over each gradient whose reduction is at
-most one reduce-scatter (onto its shards over one mesh axis: FSDP) followed by one all-reduce (over the mesh axes that
-replicate it: DP, HSDP's dp axis, the dp and tp axes of a sequence-parallel norm weight, summed over their
-flattened group in one collective). They join the open buffer of their reduction and dtype; a buffer that
-reaches the size is issued at once, asynchronously, while backward goes on. A buffer that reduce-scatters and
-then all-reduces issues its all-reduce when the next buffer is issued (its reduce-scatter has had that much
-backward to travel) or at the end of backward. At the end of backward the rest are issued, everything is
-waited on, and each parameter's gradient is set (added to the one it already holds). As DDP's first bucket,
-the first buffer of each kind in a backward goes out at 1 MB, so the gradients that arrive first (the last
-block's) travel while the rest of backward runs. So a model whose gradients fit 25 MB reduces them in at
-most two collectives per kind, as DDP does, instead of one per block and mesh axis. Under
-`offload="optimizer"` a buffer whose last collective is issued is handed to the copy-out
-(spmd.runtime.optimizer.transfer) when the next buffer is issued, so its gradients travel to the host during backward.
+A flat group's backward hands over each gradient needing at most one reduce-scatter then one all-reduce. They fill
+buffers per reduction and dtype, each issued asynchronously when full (the first at 1 MB, as DDP's, so the last
+block's gradients travel during backward); the rest are issued, waited on and set at the end of backward.
+Under `offload="optimizer"` a finished buffer goes to the copy-out (optimizer.transfer).
 """
 
 from torch.distributed.tensor import DTensor
@@ -64,8 +55,7 @@ class GradientReducer:
         self.open, self.sizes, self.issued, self.queued, self.started = {}, {}, [], False, set()
 
     def add(self, p, g: DTensor, scatter: int | None, summed: tuple, block: str):
-        """Takes `g` for `p`, a partial sum over mesh dim `scatter` (reduce-scattered onto p's grads shards)
-        and the dims `summed` (all-reduced) only; it is reduced by the end of backward."""
+        """Takes `g` for `p`, partial over mesh dim `scatter` (reduce-scattered) and `summed` (all-reduced) only."""
         key = (scatter, tuple(summed), g.dtype)
         self.open.setdefault(key, []).append((p, g, block))
         self.sizes[key] = self.sizes.get(key, 0) + local_of(g).numel() * local_of(g).element_size()
@@ -95,8 +85,7 @@ class GradientReducer:
                 with tags.reason(blocks[0], f"all-reduce {what}"):
                     pending = collectives.all_reduce(tensors, self.mesh, summed, self.wire)
         self._copy_out(self.issued)  # those issued before: they have had this buffer's backward to travel
-        # the unreduced gradients were copied into the buffer: only their layouts are kept, so each is freed
-        # now rather than held to the end of backward (a whole gradient's worth more at the peak)
+        # only the layouts are kept: each unreduced gradient is freed now, not held to the end of backward
         members = [(p, (g.placements, g.shape, g.stride()), b) for p, g, b in members]
         self.issued.append(_Issued(key, members, pending, blocks[0], what))
 

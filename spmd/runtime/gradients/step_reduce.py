@@ -1,11 +1,7 @@
-"""ZeRO-1's step reduction in flat buffers: the gradients backward left unreduced reach their optimizer
-shards in one reduce-scatter per mesh axis (and one all-reduce over the flattened group of the axes that keep
-them replicated), as DDP's and FSDP's buckets do, instead of one collective per parameter.
-
-Each gradient is first sliced onto the shards it already may keep (free), as `gradients.reduce_to` does.
-Then, per mesh axis that turns a partial sum into a shard, one flat reduce-scatter (spmd.runtime.collectives)
-leaves each rank its chunk of every gradient. A gradient whose target shards one
-dim over two mesh axes takes the per-parameter path.
+"""ZeRO-1's step reduction in flat buffers: the gradients backward left unreduced reach their optimizer shards in
+one reduce-scatter per mesh axis (and one all-reduce over the replicating axes), not one collective per parameter.
+A gradient is first sliced onto the shards it already may keep (free); one sharding a dim over two mesh axes takes
+the per-parameter path.
 """
 
 from torch.distributed.tensor import DTensor, Replicate
@@ -17,9 +13,7 @@ __all__ = ["reduce_all_to"]
 
 
 def reduce_all_to(grads: list, targets: list, why: str, wire=None) -> list:
-    """[g.redistribute(target)] for DTensor gradients whose placements are partial sums or already the
-    targets', in one collective per mesh axis and kind; `why` tags them for the collective recorder; `wire`
-    (spmd.runtime.wire.Wire): the precision the flat reductions travel in."""
+    """[g.redistribute(target)] for partial or placed gradients, one collective per mesh axis and kind, on `wire`."""
     out = list(grads)
     flat = [i for i, (g, t) in enumerate(zip(grads, targets)) if _bucketable(g, t)]
     for i in set(range(len(grads))) - set(flat):

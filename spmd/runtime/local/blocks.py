@@ -1,22 +1,9 @@
 """Blocks whose compute layout is data-only run on local tensors, as DDP and FSDP2 run theirs.
 
-A repeated block whose parameters and buffers are all replicated in compute over every active mesh axis, fed
-activations split along the batch dim only, computes on each rank exactly what that rank's slice of the batch
-needs: no op inside needs DTensor's dispatch. Such a block gathers its parameters as before (its bucket), then
-runs on their local tensors and its inputs' local tensors, and its outputs go back into DTensors in the
-input's layout. The local tensors carry their gradient layout across: a parameter's gradient comes back as
-this rank's partial sum over the mesh axes that split the batch, which the bucket reduces as before, and an
-input's gradient in the input's layout. Collectives, ZeRO-3's regather and no_sync are those of the DTensor
-path; only the per-op dispatch is gone. Blocks under activation checkpointing (their recomputation runs inside
-the block, past these hooks), compiled blocks, blocks holding experts or float8 layers keep the DTensor path. An
-expert module that routes its tokens itself (spmd.runtime.experts.whole_experts) runs on local tensors the
-same way, inside its block's DTensor path: its inputs are flat tokens split along dim 0.
-
-The layers of the root unit (embedding, final norm, output projection: leaf modules outside the blocks whose
-parameters the root unit gathers once per forward) run the same way, on the local tensors of those gathered
-values. The code between modules (the model's own forward: residual adds, the loss) keeps the global view.
-The edges (inputs in, outputs out, and consecutive local blocks passing local tensors) are
-spmd.runtime.local.edges.
+A repeated block with everything replicated in compute, fed batch-split activations, computes on each rank exactly
+its batch slice's share: no op needs DTensor's dispatch. It gathers its bucket, runs on local tensors, and its
+outputs go back into DTensors; gradients keep their layouts across (edges). Checkpointed, compiled, expert and
+float8 blocks keep the DTensor path. The root unit's leaf layers run the same way.
 """
 
 import torch
@@ -35,9 +22,7 @@ __all__ = ["local_blocks", "enter_local", "LocalBlock", "whole_members"]
 
 
 def local_blocks(model, state) -> dict:
-    """{id(module): ([(module, name, param)], [(module, name, buffer)], facts)} for the bucketed blocks, and the
-    root unit's leaf modules, whose parameters and buffers are all replicated in compute on every mesh axis
-    of size > 1, and that hold no experts; and for the expert modules that route their tokens themselves."""
+    """{id(module): members} of blocks and root-unit leaves replicated in compute, without experts, and self-routers."""
     mesh = state.mesh
     experts = {id(m): m for m in expert_modules(model).values()}
     found = {}
@@ -72,9 +57,8 @@ def local_blocks(model, state) -> dict:
 
 
 def whole_members(modules, mesh, experts_over: str | None = None) -> tuple | None:
-    """(parameters, buffers, {}) of `modules` as (module, name, tensor), when every one is replicated in compute
-    on the mesh axes of size > 1 (or, with `experts_over`, split there on its leading `experts` dim); else
-    None."""
+    """(parameters, buffers, {}) of `modules` as (module, name, tensor) when all are replicated in compute (or split
+    on their leading `experts` dim over `experts_over`); else None."""
     params, buffers = [], []
     for m in modules:
         if computes_in_float8(m):
@@ -97,8 +81,7 @@ def whole_members(modules, mesh, experts_over: str | None = None) -> tuple | Non
 
 
 def _batch_layout(args, kwargs, state) -> tuple | None:
-    """The placements of the block's first DTensor input when it is split along dim 0 at most (the batch) and
-    every other DTensor input is split the same way or whole; else None."""
+    """The first DTensor input's placements if split on dim 0 at most and the others alike or whole; else None."""
     mesh = state.mesh
     layout = None
     for t in _dtensors(args, kwargs):
@@ -185,8 +168,7 @@ class LocalBlock:
         return to_local(gathered_param(self.state, p, p._spmd_compute, self.name, False), self.split)
 
     def _facts(self, bucket) -> tuple:
-        """(the group's gradient layouts, the group that regathers each member for backward or None) for this
-        batch split: fixed once laid out, so worked out on the first call and kept with the members."""
+        """(gradient layouts, regathering group per member) for this batch split: fixed, so worked out once and kept."""
         split, mesh = self.split, self.state.mesh
         layouts = None if bucket is None else [batch_grad_layout(p._spmd_compute, split) for p in bucket.params]
         groups = [regathering_group(self.state, p) for _, _, p in self.members]
@@ -212,16 +194,14 @@ _INSIDE_ATTR = "_spmd_local_inside"  # on a module that runs on local tensors in
 
 
 def enter_local(state, mod, name: str, args, kwargs):
-    """(args, kwargs) on local tensors when `mod` is a data-only block fed batch-split inputs (and pushes
-    the call on `state.local`); None otherwise. Eager calls only (a compiled block takes the DTensor path)."""
+    """(args, kwargs) on local tensors when `mod` is a data-only block fed batch-split inputs (pushed); else None."""
     # a checkpointed block recomputes past its own hooks; a module inside it runs its hooks again
     if getattr(mod, CHECKPOINTED_ATTR, False) and not getattr(mod, _INSIDE_ATTR, False):
         return None
     members = state.local_members.get(id(mod))
     if members is None:
         return None
-    # the model's global view (spmd.runtime.activations.global_view) leaves the torch-function stack until the block's
-    # exit: with no DTensor inside it has nothing to do, yet it would see every op (None: another mode sits above it)
+    # the global view leaves the mode stack until the block's exit: with no DTensor inside it would only see every op
     mode = suspend_top(state.global_view[-1][1]) if state.global_view else None
     try:
         layout = _batch_layout(args, kwargs, state)

@@ -13,8 +13,7 @@ __all__ = ["to_local", "from_local", "batch_grad_layout", "wrap_outputs", "map_t
 
 
 def to_local(x, partial_axes: tuple = ()):
-    """`x`'s local tensor; its gradient comes back in `x`'s layout, a partial sum over `partial_axes` where
-    `x` is replicated (this rank saw only its slice of the batch)."""
+    """`x`'s local tensor, its gradient back in `x`'s layout (partial over `partial_axes` where `x` is replicated)."""
     if not isinstance(x, DTensor):
         if isinstance(x, (tuple, list)):
             return type(x)(to_local(v, partial_axes) for v in x)
@@ -77,9 +76,7 @@ class _FromLocal(torch.autograd.Function):
         return local_of(g), None, None, None, None
 
 
-def from_local(t: torch.Tensor, mesh, layout, shape, stride) -> DTensor:
-    """`t` as the local tensor of a DTensor of `layout`; its gradient comes back as that DTensor's local tensor."""
-    return _FromLocal.apply(t, mesh, layout, shape, stride)
+from_local = _FromLocal.apply  # (t, mesh, layout, shape, stride)
 
 
 def batch_grad_layout(placements, partial_axes: tuple) -> tuple:
@@ -109,8 +106,7 @@ def wrap_outputs(output, mesh, layout, batch):
 
 
 def map_tensors(output, fn):
-    """`fn` applied to the tensors of a model output (a tensor, a mapping such as ModelOutput, a tuple or
-    list), one level deep, keeping the container's type."""
+    """`fn` applied to the tensors of a model output (tensor, mapping, tuple or list, one level), container kept."""
     if isinstance(output, torch.Tensor):
         return fn(output)
     if isinstance(output, dict):

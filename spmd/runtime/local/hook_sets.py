@@ -1,11 +1,8 @@
 """Which modules carry the pass's forward hooks.
 
-Every module gets them when the model is laid out, except the insides of the blocks that may run on local
-tensors (spmd.runtime.local.blocks): there nothing moves, and any hook sends a module down nn.Module's slower call
-path. Such a block's insides get their hooks back (`dress_inside`) the first time the block takes the DTensor
-path instead (inputs not split by batch, activation checkpointing) and before it is compiled; from then on
-they keep them. A module that carries hooks of its own (the user's, the expert dispatch's) keeps the pass's
-hooks all along, so that hooks run in the order they were registered.
+All of them, except the insides of blocks that may run on local tensors (local.blocks), where nothing moves and a
+hook only slows nn.Module's call. Those get their hooks back (`dress_inside`) the first time the block takes the
+DTensor path, or before it is compiled. A module with hooks of its own keeps the pass's, so the order holds.
 """
 
 import torch.nn as nn

@@ -1,15 +1,6 @@
-"""On a mesh of one rank nothing moves: the whole model runs on local tensors, as plain PyTorch runs it.
-
-Every parameter's compute layout there is its stored local tensor (cast to the compute dtype, if one is set).
-The model's call gathers every bucket once, in forward order (one autograd node each, whose backward lays out
-and reduces the gradients as a block's does, spmd.runtime.parameters.group), puts the local values in the modules, and
-runs the model's own forward with no DTensor in it: no per-op dispatch and no global view. The hooks of the
-modules inside return at once; they stay for a module called on its own, outside the model's call. The loss
-comes back plain, the other tensor outputs as DTensors replicated on the mesh, as the DTensor path returns
-them (a pipeline stage's stay local, as its forward makes them).
-
-A model with a block under activation checkpointing takes the per-block path instead (spmd.runtime.local.blocks): the
-recompute runs in backward, after the model's call has ended and its local values have left the modules.
+"""On a mesh of one rank nothing moves: the whole model runs on local tensors, as plain PyTorch runs it. Its call
+gathers every bucket once (one autograd node each, reducing as a block's does) and runs forward with no DTensor;
+outputs come back as the DTensor path returns them. A checkpointed block makes it take the per-block path.
 """
 
 from torch.distributed.tensor import DTensor, Replicate
@@ -23,18 +14,18 @@ __all__ = ["whole_model_members", "enter_local_model", "drop_local_model"]
 
 
 def whole_model_members(model, state) -> tuple | None:
-    """(parameters, buffers) of the whole model when it may run on local tensors: a mesh of one rank, no
-    experts (their dispatch has its own hooks) and no block under activation checkpointing; else None."""
-    if state.mesh.size() != 1 or expert_modules(model):
-        return None
-    if any(getattr(m, CHECKPOINTED_ATTR, False) for m in model.modules()):
+    """(parameters, buffers) of the whole model on a mesh of one rank, without experts or checkpointing; else None."""
+    if (
+        state.mesh.size() != 1
+        or expert_modules(model)
+        or any(getattr(m, CHECKPOINTED_ATTR, False) for m in model.modules())
+    ):
         return None
     return whole_members(model.modules(), state.mesh)
 
 
 def enter_local_model(state, model, name: str, args, kwargs):
-    """(args, kwargs) on local tensors when the whole model runs locally (and pushes the call on
-    `state.local`); None otherwise. Eager calls only."""
+    """(args, kwargs) on local tensors when the whole model runs locally (pushed on `state.local`); else None."""
     members = state.local_members.get(id(model))
     if members is None:
         return None

@@ -57,8 +57,7 @@ def _gathered_dims(master, p):
 
 
 def _capped(members: list, cap: int) -> list:
-    """`members` ((master, dim) pairs) cut in order into runs whose parameters hold at most `cap` bytes (a
-    larger one alone)."""
+    """`members` cut in order into runs of at most `cap` parameter bytes (a larger one alone)."""
     runs, size = [[]], 0
     for master, dim in members:
         local = local_of(getattr(master, MASTER_OF_ATTR))
@@ -72,8 +71,7 @@ def _capped(members: list, cap: int) -> list:
 
 
 def _to_param_device(masters) -> tuple:
-    """(the masters' updated shards on their parameters' device in their dtype, the event their copies end
-    with): host masters (offloaded) copy on the side stream (spmd.runtime.optimizer.transfer), others cast in place."""
+    """(the masters' shards on their parameters' device and dtype, the event their side-stream copies end with)."""
     out, event = [], None
     for m in masters:
         p, local = getattr(m, MASTER_OF_ATTR), local_of(m)
@@ -86,8 +84,7 @@ def _to_param_device(masters) -> tuple:
 
 
 def _gather_bucket(bucket: list, mesh_dim: int, arrived: tuple) -> None:
-    """One flat all-gather over `mesh_dim` of the updated shards of `bucket`'s (master, tensor dim) pairs,
-    `arrived` on the device (`_to_param_device`)."""
+    """One flat all-gather over `mesh_dim` of `bucket`'s updated shards, `arrived` on the device."""
     params = [getattr(m, MASTER_OF_ATTR) for m, _ in bucket]
     shards, event = arrived
     SideStream.device_wait(event)

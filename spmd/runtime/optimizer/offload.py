@@ -1,12 +1,8 @@
 """Where offloaded optimizer state lives: host memory (`offload="optimizer"`) or files (`offload="nvme:DIR"`).
 
-`host_copy` makes a master's local shard on the host: pinned memory when there is a CUDA device, or a
-memory-mapped file under DIR (`torch.from_file(shared=True)`), so the operating system pages it in while the
-optimizer updates that tensor and writes it back after: a state larger than host memory still trains.
-`file_backed_adam_state` gives Adam/AdamW their moments in files too, before the first step (the optimizer
-then updates them in place). `release_pages` hands a file-backed tensor's pages back to the operating
-system once the step has updated it (its values stay in the file), so the step streams the state through
-memory one parameter at a time instead of leaving all of it resident.
+`host_copy`: pinned memory with CUDA, or a memory-mapped file the OS pages in and out, so a state larger than host
+memory still trains. `file_backed_adam_state` puts Adam's moments in files before the first step;
+`release_pages` drops a file-backed tensor's pages after its update, so the step streams one parameter at a time.
 """
 
 import ctypes
@@ -22,7 +18,6 @@ __all__ = ["nvme_dir", "host_copy", "file_backed_adam_state", "file_backed", "re
 
 
 def nvme_dir(offload) -> str | None:
-    """DIR of `offload="nvme:DIR"`, else None."""
     return offload[len("nvme:") :] if isinstance(offload, str) and offload.startswith("nvme:") else None
 
 
@@ -48,8 +43,7 @@ def host_copy(local: torch.Tensor, offload, name: str) -> torch.Tensor:
 
 
 def file_backed_adam_state(opt: torch.optim.Optimizer, masters, directory: str) -> None:
-    """Adam/AdamW moments of `masters` (DTensors) in files under `directory`, created now as the optimizer
-    would (zeros, step 0)."""
+    """Adam/AdamW moments of `masters` in files under `directory`, made as the optimizer would (zeros, step 0)."""
     if not isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)):
         raise ValueError(
             f"offload='nvme:DIR' keeps Adam/AdamW moments in files; {type(opt).__name__} is not "
@@ -73,9 +67,7 @@ _libc = ctypes.CDLL(None, use_errno=True) if hasattr(mmap, "MADV_DONTNEED") else
 
 
 def release_pages(tensors) -> None:
-    """Unmaps the resident pages of each memory-mapped file tensor from this process (madvise DONTNEED on
-    the shared mapping: dirty pages stay in the file; the next access reads them back). Tensors that are
-    not file-backed are left alone."""
+    """Drops the resident pages of each file-backed tensor (madvise DONTNEED: dirty pages stay in the file)."""
     for t in tensors:
         storage = local_of(t).untyped_storage()
         if _libc is None or not file_backed(t) or storage.nbytes() == 0:

@@ -1,23 +1,9 @@
 """`shard_optimizer(model, opt)`: the optimizer steps on the optimizer map's shards (ZeRO stages 1 and 2).
 
-Each parameter whose optimizer layout shards more than its storage layout, or whose master weights live with
-the optimizer (`parallelize(master="optimizer")`), gets a master: a DTensor in the optimizer layout that the
-optimizer updates in its place. In fp32 the master is a view of the parameter's own local shard (no copy:
-the update lands in the parameter); under `master="optimizer"` it is an fp32 copy. Before each step the
-reduced gradient moves to the master (sliced to its shard: no communication); after it, the updated shards
-are all-gathered into the parameters' storage layout (the phase `optimizer` of the plan). Parameters whose
-three layouts agree (stage 3, or any stage on a mesh with no data axis) are their own master.
-
-`parallelize(offload="optimizer")`: every master is a copy in host memory (pinned when there is a CUDA
-device), so the optimizer's states are made there too and its step runs on the CPU; gradients are copied
-out as backward reduces them (on a side stream with CUDA, while backward goes on; again at the step if one
-changed since: spmd.runtime.optimizer.transfer) and the updated masters copied back to the device, each gather
-buffer's copies during the all-gather of the one before. On a CPU-only machine host memory is the device,
-and the same path runs. `offload="nvme:DIR"`: the masters and the
-AdamW moments are memory-mapped files under DIR instead (spmd.runtime.optimizer.offload), and the step streams them:
-one parameter at a time its gradient is copied out, the optimizer updates its master and moments, the update
-is all-gathered into the parameter and the files' pages leave memory, so one parameter's state is resident
-at a time, however large the whole.
+A parameter whose optimizer layout shards more than its storage, or whose fp32 master lives with the optimizer,
+gets a master in the optimizer layout that the optimizer updates instead (a view of its local shard in fp32, else
+a copy); gradients are sliced onto it before the step, the update all-gathered back after. Offloaded masters live
+in host memory (transfer) or, under "nvme:DIR", in files streamed one parameter at a time (offload).
 """
 
 import torch
@@ -39,11 +25,9 @@ __all__ = ["shard_optimizer", "reduce_gradients", "masters_of", "refresh_masters
 
 
 def shard_optimizer(model: nn.Module, opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """Makes `opt` (built on `model.parameters()` of a model laid out by spmd.parallelize, or of a pipeline
-    from spmd.build_pipeline, before its first step) update masters in the optimizer map's layout, and returns
-    it. `opt.zero_grad` also clears the model's gradients. A no-op for parameters that are their own master (ZeRO-3, the
-    default rules, when nothing is offloaded). Call it before the first backward: from then on backward leaves the
-    gradients of parameters whose master shards beyond the grads map (ZeRO-1) for the step to reduce."""
+    """Makes `opt` (on a parallelized model's or pipeline's parameters, not yet stepped) update masters in the
+    optimizer map's layout, and returns it; `opt.zero_grad` clears the model's gradients too. Call it before the
+    first backward: from then on ZeRO-1 gradients are left for the step to reduce."""
     parts = laid_out_parts(model, "shard_optimizer")
     if any(opt.state.values()):
         raise ValueError(
@@ -64,7 +48,11 @@ def shard_optimizer(model: nn.Module, opt: torch.optim.Optimizer) -> torch.optim
                 pairs.append((p, master))
                 setattr(p, HELD_ATTR, grads_layout(p) != tuple(master.placements))
                 group["params"][i] = master
-        _unfuse_for_views(group)
+        # torch's fused AdamW takes each tensor as contiguous (CPU, 2.13): strided master views step with foreach
+        if group.get("fused") and any(
+            isinstance(m, DTensor) and not local_of(m).is_contiguous() for m in group["params"]
+        ):
+            group["fused"], group["foreach"] = False, True
     offload = parts[0][1].offload  # a pipeline's stages are laid out alike
     streamed = bool(pairs) and nvme_dir(offload) is not None
     if streamed and not is_fake(pairs[0][1]):
@@ -82,8 +70,7 @@ def shard_optimizer(model: nn.Module, opt: torch.optim.Optimizer) -> torch.optim
 
 
 def _install_step_hooks(opt, model, parts, pairs, streamed: bool, copy_out: bool, copies) -> None:
-    """The step's hooks: gradients reduced and moved to the masters before it, the updated masters gathered into
-    the parameters after it (the optimizer_step phase in between); zero_grad clears the model's gradients too."""
+    """Step pre/post hooks (gradients to masters; updated masters gathered back) and a zero_grad for the model too."""
 
     def before_step(*_):  # returns None: a pre-hook's return value would replace the step's arguments
         for _, laid_out in parts:
@@ -116,11 +103,8 @@ def _install_step_hooks(opt, model, parts, pairs, streamed: bool, copy_out: bool
 
 @torch.no_grad()
 def reduce_gradients(model: nn.Module) -> None:
-    """Reduces the gradients backward left unreduced under ZeRO-1 straight into the optimizer map's layout (a
-    reduce-scatter, Ψ, where an all-reduce would move 2Ψ to keep a shard), in the reduce dtype, in flat
-    buffers: one collective per mesh axis (spmd.runtime.gradients.step_reduce). Once per step
-    however many backward passes accumulated; call it before clipping so the norm sees reduced gradients (the
-    step calls it too: a no-op for gradients already reduced)."""
+    """Reduces ZeRO-1's held gradients straight onto the optimizer shards (a reduce-scatter, Ψ, not an all-reduce's
+    2Ψ), once per step however many backwards accumulated. Call it before clipping (the step calls it too)."""
     parts = laid_out_parts(model, "reduce_gradients")
     dtype = parts[0][1].reduce_dtype or parts[0][1].param_dtype  # a pipeline's stages are laid out alike
     held = [
@@ -178,14 +162,6 @@ def _master(p: DTensor, state) -> DTensor:
     return master
 
 
-def _unfuse_for_views(group: dict) -> None:
-    """A fused step (`fused=True`) on a master that is a strided view of its parameter's shard (fp32 ZeRO-1
-    and 2, sharded on a dim other than the first) would update the wrong elements: torch's fused AdamW treats
-    each tensor as contiguous (on the CPU, torch 2.13). Such a group steps with foreach kernels instead."""
-    if group.get("fused") and any(isinstance(m, DTensor) and not local_of(m).is_contiguous() for m in group["params"]):
-        group["fused"], group["foreach"] = False, True
-
-
 def _local_view(p: DTensor, optim) -> torch.Tensor:
     """The part of p's local tensor that the layout `optim` gives this rank (a view: it shares storage)."""
     mesh = p.device_mesh
@@ -203,8 +179,7 @@ def _local_view(p: DTensor, optim) -> torch.Tensor:
 
 
 def _grads_to_masters(pairs, copy_out: bool, copies=None):
-    """Each parameter's reduced gradient onto its master (a copy when offloaded: `copies`, those backward made
-    already, spmd.runtime.optimizer.transfer), and off the parameter."""
+    """Each parameter's reduced gradient onto its master (copied when offloaded), and off the parameter."""
     copied = {}
     if copies is not None:
         copies.side.host_wait()
@@ -229,8 +204,7 @@ def _grads_to_masters(pairs, copy_out: bool, copies=None):
 
 @torch.no_grad()
 def _stream_step(opt: torch.optim.Optimizer, pairs) -> None:
-    """offload="nvme:DIR": the optimizer steps one master at a time (only that master has a gradient), its
-    update is all-gathered into the parameter, and its files' pages are released before the next."""
+    """offload="nvme:DIR": steps one master at a time, gathers its update, releases its pages before the next."""
     step = type(opt).step.__wrapped__  # the step without its hooks: this runs inside them
     with tags.phase("optimizer"):
         for p, master in pairs:

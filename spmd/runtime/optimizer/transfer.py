@@ -1,19 +1,7 @@
-"""The copies of an offloaded optimizer step (`parallelize(offload="optimizer")`), overlapped with compute
-where the device allows, as DeepSpeed's ZeRO-Offload overlaps them.
-
-Gradients out: as backward leaves a parameter's gradient reduced (autograd's post-accumulate hook, or the
-cross-block reducer as it sets the gradient), it is copied into the host buffer its master's step reads. On
-CUDA the copy runs on a side stream, into pinned memory, ordered after the work that made the gradient,
-while backward goes on; the step waits for the stream before it reads. A gradient that changed after its
-copy (another micro-batch accumulated into it, clipping or loss scaling rescaled it in place: another tensor,
-or other values, which the step checks by a bit sum of each) is copied again at the step, so the step always
-reads the gradient as it is then.
-
-Parameters in: after the step the updated masters are copied to the device on the side stream, one gather
-buffer at a time, and each buffer's all-gather waits for its own copies only, so the copies of one buffer
-overlap with the all-gather of the one before.
-
-On a CPU-only machine host memory is the device: the same copies run at once, in the same order.
+"""The copies of an offloaded optimizer step (`offload="optimizer"`), overlapped as DeepSpeed's ZeRO-Offload does:
+gradients out to host buffers as backward reduces them (on CUDA on a side stream), copied again at the step if
+changed since (checked by identity, version and bit sum); updated masters in one gather buffer at a time, each
+buffer's all-gather waiting for its own copies only. On a CPU-only machine the copies run at once, in order.
 """
 
 import contextlib
@@ -37,14 +25,11 @@ class SideStream:
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     def on_side(self):
-        """A context in which work is queued on the side stream (a collective's wait too: the side stream,
-        not the compute stream nor the host, then waits for it)."""
+        """A context queueing work on the side stream (a collective's wait too: then the side stream waits for it)."""
         return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, after_current: bool = True):
-        """`dst.copy_(src)`, after the work queued so far on the current stream unless `after_current` is
-        False (the side stream already waits for what made `src`); returns the CUDA event that marks its
-        end (None where it ran at once)."""
+        """`dst.copy_(src)`, after the current stream's work unless `after_current` is False; its CUDA event or None."""
         if self.stream is None:
             dst.copy_(src)
             return None
@@ -83,7 +68,6 @@ class SideStream:
 
 @functools.cache
 def side_stream(device: torch.device) -> SideStream:
-    """The process's side stream for copies to and from `device`."""
     return SideStream(device)
 
 
@@ -112,13 +96,9 @@ def bit_sum(t: torch.Tensor) -> torch.Tensor:
 
 
 class GradientCopies:
-    """Backward's copies of reduced gradients into host buffers, for masters that live on the host and take
-    their parameter's gradient whole (not ZeRO-1's, which the step reduces first).
-
-    The step uses a copy only if the parameter's gradient is still the DTensor copied, at the same version,
-    with the same bit sum: in-place ops on DTensors do not always move a version counter (torch's
-    clip_grad_norm_ on DTensor gradients moves none), so the values themselves are checked, one small read
-    for all."""
+    """Backward's copies of reduced gradients into host buffers (masters taking the whole gradient, not ZeRO-1's). A
+    copy is used only if the gradient is the same DTensor, version and bit sum: in-place ops on DTensors do not
+    always move a version counter (clip_grad_norm_ moves none)."""
 
     def __init__(self, pairs, device: torch.device):
         self.side = side_stream(device)
@@ -146,11 +126,8 @@ class GradientCopies:
         record.grad, record.version = g, g._version
 
     def copy_pending(self, params: list, pending) -> None:
-        """Copies out the pieces of an issued flat reduction (`pending`, spmd.runtime.collectives) that will become
-        these parameters' gradients, as soon as it lands: on CUDA the side stream waits for the collective,
-        while backward goes on. The reducer's `finish` then sets the gradients to those same pieces (`ready`
-        finds them copied) after `side.join()`, since the wait that orders a read after the collective was
-        the side stream's."""
+        """Copies out the pieces of an issued flat reduction that become these parameters' gradients as soon as it
+        lands (on CUDA the side stream waits for it); the reducer's `finish` then sets those same pieces."""
         chosen = [(i, p) for i, p in enumerate(params) if id(p) in self.master_of and p.grad is None]
         if not chosen or is_fake(self.master_of[id(chosen[0][1])]):
             return
@@ -162,8 +139,7 @@ class GradientCopies:
                 self.copied[id(p)] = self._copy(master, pieces[i])
 
     def take(self, pairs) -> dict:
-        """{id(param): its master's gradient from the copy backward made} for the (param, master) `pairs`
-        whose gradient is unchanged since (call after `side.host_wait()`). The records are used up."""
+        """{id(param): master gradient from backward's copy} for `pairs` whose gradient is unchanged since; used up."""
         records = [(p, m, self.copied.pop(id(p), None)) for p, m in pairs]
         valid = [
             (p, m, r)
@@ -188,8 +164,7 @@ class GradientCopies:
         return wrap_local(buffer, master.device_mesh, master.placements, master.shape, master.stride())
 
     def _copy(self, master, local: torch.Tensor) -> _Copy:
-        """Queues `local`'s copy into `master`'s buffer and its bit sum on the side stream (which already
-        waits for whatever made `local`)."""
+        """Queues `local`'s copy into `master`'s buffer and its bit sum on the side stream."""
         with self.side.on_side():
             checksum = bit_sum(local)
         self.side.copy(self._buffer(master), local, after_current=False)

@@ -1,7 +1,6 @@
-"""Parameters: their storage layout (storage); the parameter group, one type for every way they move (group: a
-block's, the root unit's, one parameter's; it unshards them to the compute layout, regathers them for backward and
-reduces their gradients); which groups a model has (buckets); which move each module's parameters take before it
-runs (gather); what happens to them between forward and backward (reshard); the parameters used outside their own
-module (outside_use); and parameter shards kept in host memory (host)."""
+"""Parameters: storage layout (storage), the one parameter-group type for every move (group), a model's groups
+(buckets), each module's moves before it runs (gather), between forward and backward (reshard), uses outside
+their module (outside_use), and shards kept in host memory (host).
+"""
 
 __all__: list[str] = []

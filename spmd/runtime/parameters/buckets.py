@@ -1,8 +1,6 @@
-"""Which parameter groups a model has (spmd.runtime.parameters.group): one flat group per repeated block, one
-collective per block and mesh axis rather than one per parameter (the flat buffers of FSDP2 and DDP), and the
-root unit for the parameters outside the blocks. A parameter whose move is not a flat gather (a layout the
-buffers do not cover, one several modules share) is a group of one, made where it moves
-(spmd.runtime.parameters.gather); compiled blocks leave all of this to the compiler.
+"""Which parameter groups a model has: one flat group per repeated block (one collective per block and mesh axis, as
+FSDP2's and DDP's flat buffers) and the root unit for the rest. Any other parameter is a group of one, made where
+it moves (parameters.gather); compiled blocks leave all of this to the compiler.
 """
 
 from torch.distributed.tensor import DTensor
@@ -14,9 +12,7 @@ __all__ = ["make_buckets", "drop_root_unit"]
 
 
 def make_buckets(model, mesh, wire=None) -> tuple[dict, dict]:
-    """({id(module): ParamGroup}, {id(param): ParamGroup}) for the model's repeated blocks and its root unit (the
-    parameters outside the blocks). A group holds parameters that shard_dims covers and no two modules share; its
-    gathers and reductions travel in `wire`'s precision (spmd.runtime.wire)."""
+    """({id(module): ParamGroup}, {id(param): ParamGroup}) of the repeated blocks and the root unit, on `wire`."""
     try:
         path, blocks = find_blocks(model)
     except ValueError:

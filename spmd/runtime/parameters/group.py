@@ -1,15 +1,9 @@
-"""A parameter group: parameters that move together, and every move they make (FSDP2's FSDPParamGroup): a block's
-parameters and the root unit (those outside the blocks) are flat groups; a parameter moving alone, a group of one.
-
-Unshard: a flat group flattens its members' local shards per mesh axis into one buffer, all-gathers it and cuts it
-back into per-parameter tensors in the compute dtype (DTensors, or local tensors for a block that runs on them),
-issued one block ahead (`issue`, FSDP2's prefetch) and finished when the block starts (`finish`); a group of one
-redistributes its parameter to its module's layout. Regather: under ZeRO-3 a flat group's backward regathers it
-once and starts the previous block's; a group of one regathers alone; the root unit keeps its values (`keep`).
-Reduce: the gradients, in the reduce dtype (a compiled block's first summed to eager's layouts), reach the grads
-map's layout (gradients.layouts.reduce_gradient: held for a ZeRO-1 step, unreduced under no_sync), a flat group's
-partial sums in one reduce-scatter and one all-reduce per mesh axis (or via the reducer across blocks; a group of
-one's the same way on a quantized wire), then go back to the parameters' dtype (the host under offload="params").
+"""A parameter group: parameters that move together, and every move they make (FSDP2's FSDPParamGroup). A block's
+parameters and the root unit are flat groups (one buffer per mesh axis); a parameter moving alone, a group of one.
+Unshard is issued one block ahead (`issue`) and finished when the block starts (`finish`); under ZeRO-3 backward
+regathers once and starts the previous block's (the root unit `keep`s its values). Reduce brings the gradients, in
+the reduce dtype, to the grads map's layout (gradients.layouts.reduce_gradient), a flat group's partial sums in one
+collective per mesh axis and kind (or via the cross-block reducer), then back to the parameters' dtype.
 """
 
 import torch
@@ -35,8 +29,7 @@ __all__ = ["ParamGroup", "shard_dims"]
 
 
 def shard_dims(p, mesh) -> dict | None:
-    """{mesh dim: tensor dim} that p's storage shards and its compute layout replicates, or None when the
-    move is anything else (the parameter then moves on its own)."""
+    """{mesh dim: tensor dim} that p's storage shards and its compute layout replicates; None: p moves alone."""
     dims, sharded = {}, set()
     for m, (s, c) in enumerate(zip(p.placements, p._spmd_compute)):
         if mesh.size(m) == 1:
@@ -70,10 +63,8 @@ class ParamGroup:
         self.prefetched = None  # its gather, issued while the block before ran
 
     def gather(self, state, grad_layouts=None, why: str | None = None) -> dict:
-        """{id(param): value} in the compute layout, differentiable (reductions in backward). Finishes the gather
-        issued ahead for this group, if any, and issues the next block's. With `grad_layouts` (one per parameter)
-        the values are local tensors whose gradients take those layouts. `why`: a gather of its own (a
-        checkpointed block's recompute), neither prefetched nor prefetching."""
+        """{id(param): value} in the compute layout, differentiable; prefetches the next block's. `grad_layouts`:
+        local values whose gradients take those layouts. `why`: a recompute's own gather, no prefetch either way."""
         if why:
             pending = self.issue(state.param_dtype, why)
         else:
@@ -98,8 +89,7 @@ class ParamGroup:
             return x.redistribute(placements=placements) if moved is None else moved
 
     def issue(self, dtype, why: str):
-        """Starts the all-gather of the first mesh axis (asynchronous); `finish` completes the gather. Issued
-        one block ahead, it runs while the previous block computes (FSDP2's prefetch)."""
+        """Starts the all-gather of the first mesh axis (asynchronously); `finish` completes it."""
         with torch.no_grad():
             locals_ = [local_of(p) for p in self.params]
             if dtype is not None:
@@ -122,15 +112,13 @@ class ParamGroup:
         return launched
 
     def finish(self, pending) -> list[DTensor]:
-        """Every parameter in its compute layout (cast to the dtype `issue` got): one all-gather per mesh axis."""
-        # the DTensor constructor itself: from_local's autograd function would be a node for nothing here
+        """Every parameter in its compute layout (the DTensor constructor: from_local would add an autograd node)."""
         return [
             wrap_local(local.view_as(local), self.mesh, p._spmd_compute, p.shape, p.stride())
             for p, local in zip(self.params, self.finish_local(pending))
         ]
 
     def finish_local(self, pending) -> list[torch.Tensor]:
-        """`finish`'s values as this rank's local tensors."""
         locals_, axes, launched, why = pending
         locals_ = list(locals_)
         for k, m in enumerate(axes):
@@ -144,9 +132,8 @@ class ParamGroup:
         return locals_
 
     def regather(self, dtype, state=None, compute=None, module: str = "", secondary=None) -> dict:
-        """The parameters for this group's backward, gathered once (or finished, when prefetched), and the
-        previous block's regather started so it runs during this block's backward. A group of one regathers its
-        parameter to `compute` each time it is asked (for `module`), from its hpZ `secondary` shard if kept."""
+        """The parameters for this group's backward, gathered once, the previous block's regather started. A group
+        of one regathers to `compute` each time it is asked, from its hpZ `secondary` shard if kept."""
         if not self.flat:  # (in the compute dtype, as `dtype` is)
             p = self.params[0]
             if secondary is not None:
@@ -166,9 +153,7 @@ class ParamGroup:
         return self.regathered
 
     def reduce(self, grads: list, state, module: str | None = None) -> list:
-        """Gradients (compute layout) -> the layout backward leaves them in, in their parameters' dtype: a flat
-        group's partial sums bound for the grads map in one buffer per mesh axis and kind (or handed to the reducer
-        across blocks), every other gradient alone. `module`: the module a group of one was gathered for."""
+        """Gradients -> the grads layout and parameters' dtype: partial sums in flat buffers or the reducer."""
         if state.reduce_dtype is not None:
             grads = cast_all(grads, state.reduce_dtype)
         if getattr(self.module, BODY_COMPILED_ATTR, False):
@@ -211,8 +196,7 @@ class ParamGroup:
                     self._reduce_group(work, group, m, kind)
 
     def _hand_over(self, p, g, reducer) -> bool:
-        """Gives `g` to the cross-block reducer when a reduce-scatter over one mesh axis and an all-reduce over
-        the others that replicate it (either may be absent) complete it."""
+        """Gives `g` to the cross-block reducer when one reduce-scatter and/or all-reduces complete it."""
         storage = grads_layout(p)
         scatter, summed = [], []
         for m in range(self.mesh.ndim):

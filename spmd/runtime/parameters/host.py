@@ -1,10 +1,8 @@
 """`parallelize(offload="params")`: parameter shards live in host memory between uses (ZeRO-3 with offload).
 
-A parameter's local shard is a host tensor (pinned when there is a CUDA device); before it is gathered it
-is copied to the compute device in the compute dtype (so bf16 halves the transfer), and its reduced
-gradient is copied back to the host, where the optimizer steps on the shard itself. On a CPU-only machine
-host memory is the device and the same path runs: both copies are real copies, so the gathers never read
-the stored shard and the gradient never stays in the tensor the reduction wrote.
+A shard is copied to the device in the compute dtype before its gather, and its reduced gradient copied back to
+the host, where the optimizer steps. On a CPU-only machine both copies are still real, so gathers never read the
+stored shard and a gradient never stays in the tensor the reduction wrote.
 """
 
 import torch
@@ -15,7 +13,6 @@ PARAMS = "params"
 
 
 def host_params(state) -> bool:
-    """Whether the parameters of the model `state` describes live in host memory between uses."""
     return state is not None and state.offload == PARAMS
 
 
@@ -33,8 +30,7 @@ def host_tensor(local: torch.Tensor) -> torch.Tensor:
 
 
 def to_compute(p, dtype, state):
-    """Parameter `p` as stored, in `dtype` (None: its own) and, under offload="params", copied to the compute
-    device; otherwise `p` itself when no cast is needed."""
+    """`p` as stored, in `dtype` (None: its own), on the compute device under offload="params"; else `p` itself."""
     dtype = p.dtype if dtype is None else dtype
     if host_params(state):
         return p.to(compute_device(state.mesh), dtype, copy=True)

@@ -1,10 +1,8 @@
 """Parameters a model uses outside their own module's forward: a tied head `F.linear(x, self.wte.weight)`.
 
-Inside a module's forward its parameters are the gathered ones the hooks put there. Read from another
-module (the root's forward, here), the attribute is the parameter in its storage layout. While a
-parallelized model runs forward, the matrix functions below see such a parameter replaced by its
-compute-layout gather (whose backward reduces the gradient into storage, as every gather's does), and
-`F.linear` first moves its input to the layout that weight needs, as a linear layer's hook does.
+Read from another module the attribute is the parameter in storage layout; while the model runs forward the
+matrix functions below get its compute-layout gather instead (backward reducing into storage), and `F.linear`
+first moves its input to that weight's layout, as a linear layer's hook does.
 """
 
 import torch
