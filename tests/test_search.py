@@ -566,6 +566,35 @@ def test_the_command_plans_in_its_worker_processes():
         assert row in out.stdout, out.stdout
 
 
+class _DiesWhenUnpickled:
+    """A model argument whose unpickling in a worker process ends that process at once."""
+
+    def __reduce__(self):
+        return (os._exit, (3,))
+
+
+def test_a_worker_that_dies_stops_the_search_with_an_error():
+    """Worker processes that die as they start (their model argument ends them) raise an error naming the fix
+    within seconds, where the pool would respawn them and the search wait for ever. Mutation: Workers.map
+    without its check of the pool's workers: the alarm after 60 s fails it."""
+    import signal
+
+    from spmd.analysis.search_pool import Workers
+
+    def hung(signum, frame):
+        raise AssertionError("the search waited for ever on its dead workers")
+
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(60)
+    try:
+        with Workers(_DiesWhenUnpickled(), 2) as workers:
+            with pytest.raises(RuntimeError, match="worker process of the search ended unexpectedly.*--workers 1"):
+                list(workers.map([["a mesh's jobs"]]))
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 def test_pipeline_specs_are_planned_whole_with_their_bubble():
     """A pp spec's row is explain's plan of the pipeline (memory and bytes of its busiest pp rank, equal), and
     its step is the rank's work over 1 - bubble, (p-1)/(m+p-1) for 1F1B. Mutation: dropping the bubble term

@@ -129,8 +129,23 @@ class Workers:
             self.pool.join()
 
     def map(self, groups: list):
-        """The results of `_plan_group` on each group, in the order they finish."""
-        return self.pool.imap_unordered(_plan_group, groups)
+        """The results of `_plan_group` on each group, in the order they finish. A worker that dies (at start,
+        or killed) would leave its group unanswered and the pool respawning it: that raises instead."""
+        import multiprocessing
+
+        results, workers = self.pool.imap_unordered(_plan_group, groups), set()
+        for _ in groups:
+            while True:
+                try:
+                    yield results.next(timeout=1.0)
+                    break
+                except multiprocessing.TimeoutError:
+                    workers |= {p.pid for p in multiprocessing.active_children() if "PoolWorker" in p.name}
+                if len(workers) > self.processes:  # a healthy pool never replaces a worker
+                    raise RuntimeError(
+                        "a worker process of the search ended unexpectedly (its error, if any, is above); "
+                        "run with workers=1 (--workers 1) to plan in this process and see it"
+                    )
 
 
 def plan_all(net: nn.Module, jobs: list, workers: Workers | None = None, progress: Progress | None = None) -> dict:
