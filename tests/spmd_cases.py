@@ -58,7 +58,8 @@ def norm_rel_errs(pairs) -> dict:
     expected whole tensor) of `pairs`, in one collective instead of a gather per tensor: each rank compares its
     own shard with DTensor's split of `expected` (`distribute_tensor(..., src_data_rank=None)`, no
     communication), and the squared norms are summed over the ranks holding the other shards of this rank's
-    copy. Every rank of the world passes as many pairs; a tensor with partial sums is gathered as before."""
+    copy. Every rank of the world calls it at once (a pipeline stage with its own parameters); a tensor with
+    partial sums is gathered as before."""
     import torch.distributed as dist
     from torch.distributed.tensor import distribute_tensor
 
@@ -73,7 +74,10 @@ def norm_rel_errs(pairs) -> dict:
         assert mine.shape == piece.shape, (name, mine.shape, piece.shape)
         mine, piece = mine.detach().double(), piece.double()
         local.append(torch.stack([(mine - piece).square().sum(), piece.square().sum()]))
-    stats = torch.stack(local) if local else torch.zeros(0, 2, dtype=torch.float64)
+    count = torch.tensor(len(local))
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)  # a pipeline stage holds its own parameters: pad to the most
+    stats = torch.zeros(int(count), 2, dtype=torch.float64)
+    stats[: len(local)] = torch.stack(local) if local else stats[:0]
     every = stats.new_empty(dist.get_world_size() * len(stats), 2)
     dist.all_gather_into_tensor(every, stats)
     every = every.view(-1, *stats.shape)
