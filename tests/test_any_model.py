@@ -209,13 +209,13 @@ MODEL_GROUPS = [
     [
         (("llama", "nanogpt"), SPECS),
         (("llama_padded", "mistral", "gpt2", "qwen2", "qwen3", "gemma"), FAMILY_SPECS),
+        (("granite", "stablelm", "cohere", "phi", "phi3", "gpt_neox"), FAMILY_SPECS),
     ],
-    [(("granite", "stablelm", "cohere", "phi", "phi3", "gpt_neox"), FAMILY_SPECS)],
 ]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("groups", MODEL_GROUPS, ids=["every_spec_and_families_a", "families_b"])
+@pytest.mark.parametrize("groups", MODEL_GROUPS, ids=["every_spec_and_families"])
 def test_model_matches_one_device(groups):
     """One launch runs several groups (a process's second model on a spec reuses DTensor's sharding rules decided
     for the first: a launch per model paid them again)."""
