@@ -38,7 +38,7 @@ MUTANTS = [
         "                locals_ = cast_locals(locals_, dtype)\n"
         "                for p, low in zip(self.params, locals_):\n"
         "                    p._local_tensor.copy_(low)\n",
-        "tests/test_mixed_precision.py::test_bf16_with_fp32_masters_trains_as_the_recipe_on_one_process[specs]",
+        "tests/test_mixed_precision.py::test_bf16_with_fp32_masters_trains_as_the_recipe_on_one_process",
     ),
     # data-only blocks stay eager under compile_blocks: the compiled schedule would compare eager with eager
     Mutant(

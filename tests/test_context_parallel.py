@@ -35,7 +35,7 @@ from spmd.runtime.activations import attention_memory
 from spmd.runtime.context_parallel.ring import ring_attention
 from tests.dist_utils import run_distributed
 from tests.measured import saved_bytes
-from tests.spmd_cases import BATCH, SEQ, global_batch, local_slice, norm_rel_err, plan_for, tiny_model
+from tests.spmd_cases import BATCH, SEQ, global_batch, local_slice, norm_rel_err, norm_rel_errs, plan_for, tiny_model
 
 TOL = 1e-5
 # measured memory against the plan, which is cp rank 0's: a rank that sees earlier ranks' blocks through their
@@ -152,8 +152,9 @@ def _train_and_compare(spec: str, planned=None, build=tiny_model):
     ref = build()
     # eps above the roundoff of the smallest gradients, which Adam would otherwise blow up to steps of size lr
     # (as in tests/test_any_model.py)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, eps=1e-6)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.1, eps=1e-6)
+    # (fused, the trainer's: on DTensor parameters it updates the local shards)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, eps=1e-6, fused=True)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.1, eps=1e-6, fused=True)
     ref_params = dict(ref.named_parameters())
     for step in range(2):
         recorder = CollectiveRecorder(mesh) if planned and step == 0 else None
@@ -165,15 +166,15 @@ def _train_and_compare(spec: str, planned=None, build=tiny_model):
         ref_loss = ref(*global_batch(step))
         assert abs(loss.item() - ref_loss.item()) <= TOL * abs(ref_loss.item()), (spec, step, loss, ref_loss)
         ref_loss.backward()
-        for name, p in model.named_parameters():
-            err = norm_rel_err(p.grad.full_tensor(), ref_params[name].grad)
+        grads = [(name, p.grad, ref_params[name].grad) for name, p in model.named_parameters()]
+        for name, err in norm_rel_errs(grads).items():
             assert err <= TOL, f"{spec} step {step}: gradient of {name} off by {err:.2e}"
         opt.step()
         ref_opt.step()
         opt.zero_grad()
         ref_opt.zero_grad()
-        for name, p in model.named_parameters():
-            err = norm_rel_err(p.full_tensor(), ref_params[name].detach())
+        params = [(name, p, ref_params[name].detach()) for name, p in model.named_parameters()]
+        for name, err in norm_rel_errs(params).items():
             assert err <= TOL, f"{spec} step {step}: parameter {name} off by {err:.2e}"
 
 

@@ -1,6 +1,6 @@
 """The mixture-of-experts model (models/moe.py) under expert parallelism matches one process.
 
-Four gloo processes on CPU, fixed seeds, AdamW, 2 steps (the second's gradients, taken at the updated parameters,
+Four gloo processes on CPU, fixed seeds, fused AdamW, 2 steps (the second's gradients, taken at the updated parameters,
 and its update, reading Adam's stored moments, prove what a third did), each spec against the same model trained in
 one process: loss (cross-entropy plus the router losses), every gradient and every updated parameter within 1e-5
 (relative norm, as tests/test_spmd_numerics.py measures). In float64, as tests/test_pipeline.py and for its reason:
@@ -71,7 +71,7 @@ def _reference(steps: int = 2, micro: list | None = None, max_norm: float | None
     """One process's trajectory: per step the loss, tokens per expert (of the last micro-batch), gradients,
     their norm before clipping to `max_norm` (if given), and updated parameters."""
     ref = moe_tiny()
-    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.1)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.1, fused=True)
     out = []
     for step in range(steps):
         tokens, targets = global_batch(step)
@@ -145,7 +145,7 @@ def _train_and_compare(spec, reference, planned=None):
     mesh = spmd.make_mesh(spmd.parse_spec(spec)[0])
     rules = spmd.Rules.default()
     model = spmd.parallelize(moe_tiny(), mesh, rules)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, fused=True)
     for step, ref in enumerate(reference):
         tokens, targets = global_batch(step)
         checked = planned and step == 0
@@ -179,7 +179,7 @@ def _pipeline_matches_one_process(reference, loss_scale=4.0, max_norm=0.5):
     mesh, rules, model = spmd.make_mesh({"pp": 2, "ep": 2}), spmd.Rules.default(), moe_tiny()
     layers = list(model.layers)
     pipe = spmd.build_pipeline(model, mesh, rules, schedule="1f1b", microbatches=MICROBATCHES, reduce_dtype=None)
-    opt = torch.optim.AdamW(pipe.parameters(), lr=1e-3, weight_decay=0.1)
+    opt = torch.optim.AdamW(pipe.parameters(), lr=1e-3, weight_decay=0.1, fused=True)
     mine = [i for s in pipe.split.stages_of_rank(pipe.pp_rank) for i in s.blocks]
     for step, ref in enumerate(reference):
         tokens, targets = global_batch(step)

@@ -312,60 +312,54 @@ def _plan_check(spec, zero=3, **kwargs):
     return expected, p["reported_rank"], tuple(p["activation_shape"]), sends
 
 
+def _zero_stage_configs(tmp_path) -> list:
+    """The pp=2,fsdp=2 configs with ZeRO stages and offload."""
+    return [
+        ("1f1b", 1, 2, {"zero": 1, "ckpt": str(tmp_path)}),
+        ("zero-bubble", 2, 4, {"zero": 1}),
+        ("1f1b", 1, 2, {"zero": 2}),
+        ("gpipe", 1, 2, {"zero": 0}),
+        ("1f1b", 1, 2, {"zero": 1, "offload": "optimizer"}),
+        ("gpipe", 1, 2, {"zero": 3, "offload": "optimizer"}),
+        ("1f1b", 1, 2, {"zero": 3, "offload": "params"}),
+        ("1f1b", 1, 2, {"zero": 2, "offload": f"nvme:{tmp_path}/nvme"}),
+        (
+            "1f1b",
+            1,
+            2,
+            {
+                "zero": 1,
+                "dtype": torch.float32,
+                "steps": 1,
+                "plan": _plan_check("pp=2,fsdp=2", 1, schedule="1f1b", microbatches=2),
+            },
+        ),
+        (
+            "1f1b",
+            1,
+            2,
+            {
+                "zero": 2,
+                "dtype": torch.float32,
+                "steps": 1,
+                "plan": _plan_check("pp=2,fsdp=2", 2, schedule="1f1b", microbatches=2),
+            },
+        ),
+    ]
+
+
 @pytest.mark.slow
-def test_pipeline_with_zero_stages_0_1_2_matches_one_device(tmp_path):
-    """ZeRO stages with a pp axis: the optimizer steps on each stage's optimizer-map shards
+def test_pipeline_matches_one_device_with_zero_stages_and_composed_with_fsdp_tp_sp_and_dp(tmp_path):
+    """pp composed with fsdp, tp+sp and dp; explain's plan for pp=2,fsdp=2 (made here, on a fake world) lists
+    what the real step does. ZeRO stages with a pp axis: the optimizer steps on each stage's optimizer-map shards
     (spmd.shard_optimizer(pipeline, opt)); stage 1 leaves gradients unreduced over the micro-batches and
     spmd.reduce_gradients(pipeline) reduce-scatters them once, stage 2 reduce-scatters in the last backward;
     both all-gather the updated shards after the step. Gradients (in the optimizer's layout), losses and
     updated parameters equal one device, and an fp32 step issues exactly the collectives explain plans for it.
     With offload="optimizer" (stages 1 and 3) and "nvme:DIR" (stage 2) every master is a copy apart from
     the device's parameters, and the numbers are the same. A stage-1 pipeline's checkpoint (sharded optimizer
-    states) loads into one unsplit model."""
-    cases = [
-        (
-            "pp=2,fsdp=2",
-            4,
-            [
-                ("1f1b", 1, 2, {"zero": 1, "ckpt": str(tmp_path)}),
-                ("zero-bubble", 2, 4, {"zero": 1}),
-                ("1f1b", 1, 2, {"zero": 2}),
-                ("gpipe", 1, 2, {"zero": 0}),
-                ("1f1b", 1, 2, {"zero": 1, "offload": "optimizer"}),
-                ("gpipe", 1, 2, {"zero": 3, "offload": "optimizer"}),
-                ("1f1b", 1, 2, {"zero": 3, "offload": "params"}),
-                ("1f1b", 1, 2, {"zero": 2, "offload": f"nvme:{tmp_path}/nvme"}),
-                (
-                    "1f1b",
-                    1,
-                    2,
-                    {
-                        "zero": 1,
-                        "dtype": torch.float32,
-                        "steps": 1,
-                        "plan": _plan_check("pp=2,fsdp=2", 1, schedule="1f1b", microbatches=2),
-                    },
-                ),
-                (
-                    "1f1b",
-                    1,
-                    2,
-                    {
-                        "zero": 2,
-                        "dtype": torch.float32,
-                        "steps": 1,
-                        "plan": _plan_check("pp=2,fsdp=2", 2, schedule="1f1b", microbatches=2),
-                    },
-                ),
-            ],
-        )
-    ]
-    run_distributed(_run_cases, 4, cases, timeout_s=300)
-
-
-@pytest.mark.slow
-def test_pipeline_composes_with_fsdp_tp_sp_and_dp():
-    """Also: explain's plan for pp=2,fsdp=2 (made here, on a fake world) lists what the real step does."""
+    states) loads into one unsplit model.
+    One launch: the ZeRO cases and the plain ones share the pp=2,fsdp=2 mesh and DTensor's decisions for it."""
     check = _plan_check("pp=2,fsdp=2", schedule="1f1b", microbatches=2)
     cases = [
         (
@@ -375,9 +369,10 @@ def test_pipeline_composes_with_fsdp_tp_sp_and_dp():
                 ("1f1b", 1, 2, {"extra": True}),
                 ("zero-bubble", 2, 4),
                 ("1f1b", 1, 2, {"dtype": torch.float32, "plan": check}),
+                *_zero_stage_configs(tmp_path),
             ],
         ),
         ("pp=2,tp=2,sp", 4, [("interleaved-1f1b", 2, 4), ("zbv", 2, 4)]),
         ("pp=2,dp=2", 4, [("gpipe", 1, 2), ("1f1b", 1, 2)]),
     ]
-    run_distributed(_run_cases, 4, cases, timeout_s=300)
+    run_distributed(_run_cases, 4, cases, timeout_s=400)

@@ -79,8 +79,8 @@ def _pipeline_matches_one_device(rank, world, dirs):
                 virtual_stages=v,
                 ac=ac,
             )
-        opt = torch.optim.AdamW(pipe.parameters(), lr=1e-3, weight_decay=0.1, eps=1e-6)
-        ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.1, eps=1e-6)
+        opt = torch.optim.AdamW(pipe.parameters(), lr=1e-3, weight_decay=0.1, eps=1e-6, fused=True)
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.1, eps=1e-6, fused=True)
         ref_params = dict(ref.named_parameters())
         everyone = [None] * world
         torch.distributed.all_gather_object(everyone, [n for n, _ in pipe.named_parameters()])
