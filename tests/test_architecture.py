@@ -228,8 +228,10 @@ MAX_FILES_PER_ROOM = 9  # the dtensor room's: its planning kept per process join
 # tags' context variables: 5,183; plus DTensor's redistribution planning kept per process (dtensor.planning),
 # moved from the analysis room's fake worlds so that real runs plan through it too: 5,360; with docstrings and
 # comments cut to the why, one-caller helpers folded and torch<2.13's reduce-scatter fallback gone: 4,965;
-# checkpointed and float8 compiled blocks on the quantized wire: 4,983.
-MAX_RUNTIME_LINES, MAX_IS_COMPILING_FILES, MAX_LOCAL_TENSOR_FILES = 4_983, 1, 3
+# checkpointed and float8 compiled blocks on the quantized wire: 4,983; plus a strategy's spec checks kept
+# (shard order, its check, shardability) and prices kept without strides: 5,029; a compiled recompute on the
+# wire puts the parameters back in its modules: 5,038.
+MAX_RUNTIME_LINES, MAX_IS_COMPILING_FILES, MAX_LOCAL_TENSOR_FILES = 5_038, 1, 3
 MAX_TRACING_CALLS, MAX_SPMD_ATTRIBUTES, MAX_LONGEST_RUNTIME_FUNCTION = 13, 19, 46
 DTENSOR_INTERNALS = (
     r"\._local_tensor\b",

@@ -77,3 +77,40 @@ def test_kept_shortest_paths_are_torchs():
             fields = state.placements, state.tensor_dim_to_mesh_dim
             for p in (first, small):
                 assert p.get_next_state(*fields) == torchs[0](p, *fields), state
+
+
+def test_kept_spec_checks_and_prices_are_torchs():
+    """A strategy's spec checks and a move's price, as a dry run keeps them (planning.install: shardability per
+    shape, placements and mesh sizes; the price without strides), answer as torch's own functions do, for
+    layouts over tensors of several shapes and strides on a mesh of three axes: one shape splits where another
+    does not, and moves of one layout cost more for more bytes. Mutations it kills: the price keyed without the
+    shape (`_price_key`), shardability keyed without the shape (`kept_shardable`)."""
+    from torch.distributed.tensor import Partial, Replicate, Shard
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+    from torch.distributed.tensor._ops import utils as op_utils
+
+    planning.install()
+    torch_price, torch_shardable = planning._TORCHS["price"], planning._TORCHS["shardable"]
+    layouts = [(Shard(0), Replicate(), Shard(1)), (Replicate(), Shard(1), Partial()), (Shard(1), Shard(0), Replicate())]
+    layouts.append((Replicate(),) * 3)
+    with fake.fake_world({"cp": 2, "fsdp": 2, "tp": 2}) as (mesh, _):
+        for store in (planning._prices, planning._shardable):
+            store.clear()
+
+        def spec(placements, shape, transposed):
+            t = torch.empty(shape[::-1] if transposed else shape, device="meta")
+            t = t.t() if transposed else t
+            return DTensorSpec(mesh, placements, tensor_meta=TensorMeta(t.shape, t.stride(), torch.float32))
+
+        splits, prices = set(), set()
+        for shape in [(1, 8), (8, 8), (4, 16), (3, 5)]:
+            for transposed in (False, True):
+                for src in layouts:
+                    s = spec(src, shape, transposed)
+                    splits.add(torch_shardable(shape, s))
+                    assert op_utils.is_tensor_shardable(shape, s) == torch_shardable(shape, s), (shape, src)
+                    for dst in layouts:
+                        d = spec(dst, shape, transposed)
+                        prices.add(torch_price(s, d))
+                        assert op_utils.redistribute_cost(s, d) == torch_price(s, d), (shape, transposed, src, dst)
+    assert splits == {True, False} and len(prices) > 8

@@ -1,9 +1,11 @@
 """DTensor's redistribution planning, kept per process: what it computes again for every op.
 
 DTensor prices every candidate strategy of every op by its redistributions (1,331 for a matmul on three axes),
-each by a shortest-path search. Prices depend on the specs alone and graphs on mesh, rank and bytes, so they are
-kept (`install`); one search runs from a source to every state, popping what torch's would, so every path is
-torch's. tests/test_search_speed.py compares the answers with `torchs()`, torch planning alone.
+each by a shortest-path search. Prices depend on the specs alone (not their strides) and graphs on mesh, rank
+and bytes, so they are kept (`install`); one search runs from a source to every state, popping what torch's
+would, so every path is torch's. Building each candidate's specs checks their shard order and whether the shape
+splits: functions of placements, mesh sizes and shape, kept too. tests/test_search_speed.py compares the
+answers with `torchs()`, torch planning alone.
 """
 
 import contextlib
@@ -16,6 +18,9 @@ _KEPT: dict = {}  # the functions install() put in their place
 _transform_plans: dict = {}  # (src spec, dst spec, graph-based or not, torch's override) -> transform plan
 _prices: dict = {}  # (src spec, dst spec, torch's override) -> an op strategy's price of that move
 _graphs: dict = {}  # (mesh, rank, bytes, targets) and a state -> its next states and costs, or its paths
+_orders: dict = {}  # placements -> their default shard order
+_verified: dict = {}  # (placements, shard order) -> True once torch's check passed
+_shardable: dict = {}  # (shape, placements, mesh sizes, allow_unbacked) -> whether the shape splits so
 _MAX_KEPT = 200_000  # entries of each store
 
 
@@ -33,7 +38,7 @@ def install() -> None:
         return list(memo(_transform_plans, key, lambda: original(src_spec, dst_spec, use_graph_based_transform)))
 
     def kept_price(src_spec, dst_spec):
-        key = (src_spec, dst_spec, _redistribute._FORCE_MIN_COST_REDISTRIBUTION_PLAN)
+        key = (_price_key(src_spec), _price_key(dst_spec), _redistribute._FORCE_MIN_COST_REDISTRIBUTION_PLAN)
         return memo(_prices, key, lambda: price(src_spec, dst_spec))
 
     planner = _redistribute.DTensorRedistributePlanner
@@ -54,17 +59,62 @@ def install() -> None:
 
     _TORCHS.update(transform=original, price=price, next_states=next_states, shortest_path=shortest_path)
     _KEPT.update(transform=kept, price=kept_price, next_states=kept_next_states, shortest_path=kept_shortest_path)
+    _TORCHS.update(_spec_checks())
+    _KEPT.update(_kept_spec_checks(_TORCHS))
     _put(_KEPT)
+
+
+def _price_key(spec) -> tuple:
+    """What a move's price reads of a spec: mesh, placements, shard order, shape and element size, not strides."""
+    meta = spec.tensor_meta
+    if meta is None:
+        return (spec,)
+    order = spec.shard_order, spec.use_strided_shard_as_shard_order
+    return spec.mesh, spec.placements, order, tuple(meta.shape), meta.dtype.itemsize
+
+
+def _spec_checks() -> dict:
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
+    from torch.distributed.tensor._ops import utils as op_utils
+
+    return {
+        "order": DTensorSpec.__dict__["compute_default_shard_order"],
+        "verify": DTensorSpec._verify_shard_order,
+        "shardable": op_utils.is_tensor_shardable,
+    }
+
+
+def _kept_spec_checks(torchs: dict) -> dict:
+    """A strategy's specs are built and checked per candidate (millions in a cold step): their default shard
+    order, its check and whether a shape can be split are functions of placements, mesh sizes and shape."""
+    order, verify, shardable = torchs["order"].__func__, torchs["verify"], torchs["shardable"]
+
+    def kept_order(placements):
+        return memo(_orders, placements, lambda: order(placements))
+
+    def kept_verify(spec, shard_order) -> None:
+        memo(_verified, (spec.placements, shard_order), lambda: verify(spec, shard_order) or True)
+
+    def kept_shardable(shape, spec, allow_unbacked_sharding=None):
+        if not all(type(n) is int for n in shape):  # symbolic sizes: torch's guards decide
+            return shardable(shape, spec, allow_unbacked_sharding)
+        key = (tuple(shape), spec.placements, spec.mesh.shape, allow_unbacked_sharding)
+        return memo(_shardable, key, lambda: shardable(shape, spec, allow_unbacked_sharding))
+
+    return {"order": staticmethod(kept_order), "verify": kept_verify, "shardable": kept_shardable}
 
 
 def _put(functions: dict) -> None:
     from torch.distributed.tensor import _redistribute
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
     from torch.distributed.tensor._ops import utils as op_utils
 
     _redistribute._gen_transform_infos_non_cached = functions["transform"]
     op_utils.redistribute_cost = functions["price"]
     planner = _redistribute.DTensorRedistributePlanner
     planner.get_next_state, planner.find_min_cost_path = functions["next_states"], functions["shortest_path"]
+    DTensorSpec.compute_default_shard_order, DTensorSpec._verify_shard_order = functions["order"], functions["verify"]
+    op_utils.is_tensor_shardable = functions["shardable"]
 
 
 @contextlib.contextmanager
