@@ -589,10 +589,43 @@ def test_a_worker_that_dies_stops_the_search_with_an_error():
     try:
         with Workers(_DiesWhenUnpickled(), 2) as workers:
             with pytest.raises(RuntimeError, match="worker process of the search ended unexpectedly.*--workers 1"):
-                list(workers.map([["a mesh's jobs"]]))
+                list(workers.map([[((("dp", 2),), "the rest of a job")]]))
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)
+
+
+def test_another_pool_of_the_program_is_not_taken_for_a_dead_worker():
+    """The search watches its own worker processes: a program that runs it beside a process pool of its own
+    (a data loader's, say) is not told that a search worker died. Mutation: counting every pool worker among
+    this process's children (as `multiprocessing.active_children()` lists them) fails it."""
+    import multiprocessing
+
+    from spmd.analysis.search_pool import Workers
+
+    other = multiprocessing.get_context("spawn").Pool(1)
+    try:
+        with Workers(models.preset("tiny"), 2) as workers:
+            workers._check_alive()
+            assert len(workers.pids) == 2
+    finally:
+        other.terminate()
+        other.join()
+
+
+def test_a_free_worker_plans_its_own_meshes_then_new_ones_then_anothers():
+    """A worker keeps DTensor's prices of the meshes it planned, so a round gives each worker its own meshes
+    first, then new ones, and only then takes another worker's (the last of the longest queue), never
+    leaving a worker idle while any group waits. Mutation: new meshes before a worker's own fails it."""
+    from spmd.analysis.search_pool import _next_group
+
+    own, theirs, last, new = ["own"], ["theirs"], ["last of theirs"], ["new"]
+    queues, fresh = {0: [own], 1: [theirs, last], 2: []}, [new]
+    assert _next_group(0, queues, fresh) is own
+    assert _next_group(2, queues, fresh) is new
+    assert _next_group(0, queues, fresh) is last and queues[1] == [theirs]
+    assert _next_group(1, queues, fresh) is theirs
+    assert _next_group(2, queues, fresh) is None
 
 
 def test_pipeline_specs_are_planned_whole_with_their_bubble():

@@ -109,10 +109,13 @@ def _by_mesh(jobs: list) -> list[list]:
 class Workers:
     """The search's worker processes (none for `processes` 1), spawned on entering the `with` block, so that they
     start (import torch, copy the model) while this process checks the derivations on its first mesh, and kept
-    for every round; terminated when the block ends, however it ends."""
+    for every round; terminated when the block ends, however it ends. A mesh is planned where it was planned
+    before: its first dry run prices every op's strategies on that mesh (most of a search's time), and the
+    worker keeps those prices for its later rounds."""
 
     def __init__(self, model_arg, processes: int):
-        self.model_arg, self.processes, self.pool = model_arg, processes, None
+        self.model_arg, self.processes, self.pools, self.pids = model_arg, processes, [], set()
+        self.owner: dict = {}  # mesh -> the worker that planned it
 
     def __enter__(self):
         if self.processes > 1:
@@ -120,32 +123,65 @@ class Workers:
 
             arg = self.model_arg
             payload = arg if not isinstance(arg, nn.Module) else fake_copy(arg, None)
-            self.pool = multiprocessing.get_context("spawn").Pool(self.processes, _worker_init, (payload,))
+            spawn = multiprocessing.get_context("spawn")
+            self.pools = [spawn.Pool(1, _worker_init, (payload,)) for _ in range(self.processes)]
+            self.pids = {p.pid for p in self._processes()}
         return self
 
     def __exit__(self, *exc):
-        if self.pool is not None:
-            self.pool.terminate()
-            self.pool.join()
+        for pool in self.pools:
+            pool.terminate()
+        for pool in self.pools:
+            pool.join()
 
     def map(self, groups: list):
-        """The results of `_plan_group` on each group, in the order they finish. A worker that dies (at start,
-        or killed) would leave its group unanswered and the pool respawning it: that raises instead."""
-        import multiprocessing
+        """The results of `_plan_group` on each group, in the order they finish. A free worker takes its own
+        meshes first, then new ones (most axes first: the costliest), then another worker's. A worker that dies
+        (at start, or killed) would leave its group unanswered and its pool respawning it: that raises instead."""
+        queues = {w: [] for w in range(len(self.pools))}
+        fresh = sorted((g for g in groups if g[0][0] not in self.owner), key=lambda g: -_axes(g[0][0]))
+        for group in groups:
+            if group[0][0] in self.owner:
+                queues[self.owner[group[0][0]]].append(group)
+        running, left = {}, len(groups)
+        while left:
+            for w in queues:
+                group = None if w in running else _next_group(w, queues, fresh)
+                if group is not None:
+                    self.owner[group[0][0]] = w
+                    running[w] = self.pools[w].apply_async(_plan_group, (group,))
+            finished = [w for w, result in running.items() if result.ready()]
+            for w in finished:
+                left -= 1
+                yield running.pop(w).get()
+            if not finished:
+                next(iter(running.values())).wait(0.05)
+                self._check_alive()
 
-        results, workers = self.pool.imap_unordered(_plan_group, groups), set()
-        for _ in groups:
-            while True:
-                try:
-                    yield results.next(timeout=1.0)
-                    break
-                except multiprocessing.TimeoutError:
-                    workers |= {p.pid for p in multiprocessing.active_children() if "PoolWorker" in p.name}
-                if len(workers) > self.processes:  # a healthy pool never replaces a worker
-                    raise RuntimeError(
-                        "a worker process of the search ended unexpectedly (its error, if any, is above); "
-                        "run with workers=1 (--workers 1) to plan in this process and see it"
-                    )
+    def _processes(self) -> list:
+        return [p for pool in self.pools for p in pool._pool]  # a pool's worker processes (no public view)
+
+    def _check_alive(self) -> None:
+        """Raises once a worker has ended: a pool replaces it silently and its group is never answered."""
+        if any(p.exitcode is not None or p.pid not in self.pids for p in self._processes()):
+            raise RuntimeError(
+                "a worker process of the search ended unexpectedly (its error, if any, is above); "
+                "run with workers=1 (--workers 1) to plan in this process and see it"
+            )
+
+
+def _axes(mesh) -> int:
+    return sum(n > 1 for _, n in mesh)
+
+
+def _next_group(w: int, queues: dict, fresh: list):
+    """Worker w's next group: its own, else a new mesh, else the last of the longest queue of another worker."""
+    if queues[w]:
+        return queues[w].pop(0)
+    if fresh:
+        return fresh.pop(0)
+    other = max(queues, key=lambda v: len(queues[v]))
+    return queues[other].pop() if queues[other] else None
 
 
 def plan_all(net: nn.Module, jobs: list, workers: Workers | None = None, progress: Progress | None = None) -> dict:
@@ -209,7 +245,7 @@ def _dry_run_all(net: nn.Module, jobs: list, workers: Workers | None, progress: 
     """{job: Summary or ValueError} of `jobs`, each dry-run (or taken from the cache)."""
     groups = _by_mesh([j for j in jobs if _job_key(net, j) not in _cache])
     results, before = {}, DRY_RUNS[0]
-    if workers is not None and workers.processes > 1 and len(groups) > 1:
+    if workers is not None and workers.pools and len(groups) > 1:
         progress.show(0, len(groups))
         for i, (done, dry_runs) in enumerate(workers.map(groups), 1):
             progress.dry_runs += dry_runs
