@@ -96,6 +96,13 @@ def place_for_graph(block, values: dict) -> None:
         m.__dict__.update({n: values[id(p)] for n, p in m._parameters.items() if id(p) in values})
 
 
+def release_from_graph(block, values: dict) -> None:
+    """Points the names `place_for_graph` filled back at the parameters, as the graph does when it runs to its
+    end: a recompute that checkpointing stops at its last saved tensor never gets there."""
+    for m in block.modules():
+        m.__dict__.update({n: p for n, p in m._parameters.items() if id(p) in values})
+
+
 def gather_module_params(state, mod, name: str, param_names, weight_layout, compiling: bool, regather=None):
     """Puts `mod`'s parameters, in their compute layout, where attribute lookup finds them first
     (`mod.__dict__`), and returns the saved-tensor hooks that drop them (and `regather`'s) after forward, or None.
