@@ -171,6 +171,7 @@ class Workers:
 
 
 def _axes(mesh) -> int:
+    """How many axes of a mesh (its sizes as pairs) have more than one rank."""
     return sum(n > 1 for _, n in mesh)
 
 
@@ -228,7 +229,7 @@ def lightest(jobs):
     """The job or spec key (mesh sizes first) to check a derivation on: the mesh of fewest axes, then without cp
     (DTensor prices each op's strategies over every axis: a first dry run on `cp=2,dp=2,tp=2` costs ten times
     one on `fsdp=8`); a derivation holds for a model or not, whichever mesh checks it."""
-    return min(jobs, key=lambda job: (sum(n > 1 for _, n in job[0]), dict(job[0]).get("cp", 1) > 1, repr(job)))
+    return min(jobs, key=lambda job: (_axes(job[0]), dict(job[0]).get("cp", 1) > 1, repr(job)))
 
 
 def verdict(net: nn.Module, rule: str, held: bool | None = None) -> bool | None:
