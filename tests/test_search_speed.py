@@ -1,6 +1,8 @@
 """What makes the search's dry runs (and a real run's first step) cheap changes no plan: DTensor's planning kept
 per process (spmd/runtime/dtensor/planning.py) gives explain's plan as torch's own planner does."""
 
+import contextlib
+
 import torch
 
 import spmd
@@ -81,36 +83,85 @@ def test_kept_shortest_paths_are_torchs():
 
 def test_kept_spec_checks_and_prices_are_torchs():
     """A strategy's spec checks and a move's price, as a dry run keeps them (planning.install: shardability per
-    shape, placements and mesh sizes; the price without strides), answer as torch's own functions do, for
-    layouts over tensors of several shapes and strides on a mesh of three axes: one shape splits where another
-    does not, and moves of one layout cost more for more bytes. Mutations it kills: the price keyed without the
-    shape (`_price_key`), shardability keyed without the shape (`kept_shardable`)."""
-    from torch.distributed.tensor import Partial, Replicate, Shard
-    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+    shape, placements and mesh sizes; the price without strides, a greedy move's steps per placements), answer as
+    torch's own functions do, for layouts over tensors of several shapes and strides on three meshes of three axes
+    (of other sizes, one of size 1): one shape splits where another does not, moves of one layout cost more for
+    more bytes, nested and reordered shardings take several steps. A real move's plan (its shapes too) stays
+    torch's after the prices. Mutations it kills: the price keyed without the shape (`_price_key`), shardability
+    keyed without the shape (`kept_shardable`), greedy steps kept for real moves too (`steps` in place of `kept`
+    at `_put`), every move taken for a greedy one (`_greedy`), greedy steps keyed without the target placements."""
+    from torch.distributed.tensor import Partial, Replicate, Shard, _redistribute
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, ShardOrderEntry, TensorMeta
     from torch.distributed.tensor._ops import utils as op_utils
 
     planning.install()
     torch_price, torch_shardable = planning._TORCHS["price"], planning._TORCHS["shardable"]
+    torch_plan = planning._TORCHS["transform"]
     layouts = [(Shard(0), Replicate(), Shard(1)), (Replicate(), Shard(1), Partial()), (Shard(1), Shard(0), Replicate())]
-    layouts.append((Replicate(),) * 3)
-    with fake.fake_world({"cp": 2, "fsdp": 2, "tp": 2}) as (mesh, _):
-        for store in (planning._prices, planning._shardable):
-            store.clear()
+    layouts += [(Replicate(),) * 3, (Shard(0), Shard(0), Replicate()), (Replicate(), Shard(0), Shard(0))]
+    reordered = (ShardOrderEntry(tensor_dim=0, mesh_dims=(1, 0)),)  # dim 0 split over mesh dim 1, then 0
+    splits, prices = set(), set()
+    for store in (planning._prices, planning._shardable, planning._transform_plans):
+        store.clear()
+    for sizes in ({"cp": 2, "fsdp": 2, "tp": 2}, {"dp": 4, "fsdp": 2, "tp": 2}, {"cp": 2, "fsdp": 1, "tp": 2}):
+        with fake.fake_world(sizes) as (mesh, _):
 
-        def spec(placements, shape, transposed):
-            t = torch.empty(shape[::-1] if transposed else shape, device="meta")
-            t = t.t() if transposed else t
-            return DTensorSpec(mesh, placements, tensor_meta=TensorMeta(t.shape, t.stride(), torch.float32))
+            def spec(placements, shape, transposed):
+                t = torch.empty(shape[::-1] if transposed else shape, device="meta")
+                t = t.t() if transposed else t
+                order = reordered if placements == (Shard(0), Shard(0), Replicate()) and shape[0] == 8 else None
+                meta = TensorMeta(t.shape, t.stride(), torch.float32)
+                return DTensorSpec(mesh, placements, tensor_meta=meta, shard_order=order)
 
-        splits, prices = set(), set()
-        for shape in [(1, 8), (8, 8), (4, 16), (3, 5)]:
-            for transposed in (False, True):
-                for src in layouts:
-                    s = spec(src, shape, transposed)
-                    splits.add(torch_shardable(shape, s))
-                    assert op_utils.is_tensor_shardable(shape, s) == torch_shardable(shape, s), (shape, src)
-                    for dst in layouts:
-                        d = spec(dst, shape, transposed)
-                        prices.add(torch_price(s, d))
-                        assert op_utils.redistribute_cost(s, d) == torch_price(s, d), (shape, transposed, src, dst)
+            for shape in [(1, 8), (8, 8), (4, 16), (3, 5)]:
+                for transposed in (False, True):
+                    for src in layouts:
+                        s = spec(src, shape, transposed)
+                        splits.add(torch_shardable(shape, s))
+                        assert op_utils.is_tensor_shardable(shape, s) == torch_shardable(shape, s), (shape, src)
+                        for dst in layouts:
+                            d = spec(dst, shape, transposed)
+                            with planning.torchs():  # torch's answer now, as a dry run asks (no cached plan)
+                                _redistribute._gen_transform_infos.cache_clear()
+                                price, plan = torch_price(s, d), torch_plan(s, d)
+                            prices.add(price)
+                            assert op_utils.redistribute_cost(s, d) == price, (sizes, shape, src, dst)
+                            if price not in (0.0, float("inf")):  # real moves: plans with their shapes
+                                assert _redistribute._gen_transform_infos(s, d) == plan, (sizes, shape, src, dst)
+                                assert _redistribute._gen_transform_infos_non_cached(s, d) == plan
     assert splits == {True, False} and len(prices) > 8
+    _graph_moves_priced_as_torchs(torch_price)
+
+
+def _graph_moves_priced_as_torchs(torch_price):
+    """Moves torch plans by its graph keep their own price per size (the shortest path changes with the bytes,
+    test_kept_shortest_paths_are_torchs): a reordered sharding, a _StridedShard read as a plain shard, and any move
+    under torch's `use_min_cost_redistribution_plan`."""
+    from torch.distributed.tensor import Replicate, Shard, _redistribute
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, ShardOrderEntry, TensorMeta
+    from torch.distributed.tensor._ops import utils as op_utils
+    from torch.distributed.tensor._redistribute import use_min_cost_redistribution_plan
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    reordered = (ShardOrderEntry(tensor_dim=0, mesh_dims=(2, 0)),)
+    strided = (Replicate(), Replicate(), _StridedShard(0, split_factor=2))
+    layouts = [((Shard(0), Replicate(), Shard(0)), reordered), (strided, None)]
+    layouts += [((Replicate(), Replicate(), Shard(1)), None), ((Replicate(), Shard(0), Replicate()), None)]
+    layouts += [((Shard(0), Replicate(), Shard(0)), None)]
+    with fake.fake_world({"cp": 2, "fsdp": 2, "tp": 2}) as (mesh, _):
+        for forced in (None, True):
+            planning._prices.clear()
+            planning._transform_plans.clear()
+            for shape in [(16, 8192, 4096), (2, 2, 2)]:
+                meta = TensorMeta(torch.Size(shape), torch.empty(shape, device="meta").stride(), torch.float32)
+                specs = [
+                    DTensorSpec(mesh, p, tensor_meta=meta, shard_order=order, use_strided_shard_as_shard_order=False)
+                    for p, order in layouts
+                ]
+                with use_min_cost_redistribution_plan(forced) if forced else contextlib.nullcontext():
+                    for s in specs:
+                        for d in specs:
+                            with planning.torchs():
+                                _redistribute._gen_transform_infos.cache_clear()
+                                price = torch_price(s, d)
+                            assert op_utils.redistribute_cost(s, d) == price, (forced, shape, s, d)

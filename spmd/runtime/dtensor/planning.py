@@ -1,11 +1,11 @@
 """DTensor's redistribution planning, kept per process: what it computes again for every op.
 
 DTensor prices every candidate strategy of every op by its redistributions (1,331 for a matmul on three axes),
-each by a shortest-path search. Prices depend on the specs alone (not their strides) and graphs on mesh, rank
-and bytes, so they are kept (`install`); one search runs from a source to every state, popping what torch's
-would, so every path is torch's. Building each candidate's specs checks their shard order and whether the shape
-splits: functions of placements, mesh sizes and shape, kept too. tests/test_search_speed.py compares the
-answers with `torchs()`, torch planning alone.
+each by a shortest-path search. Prices depend on the specs alone (not their strides), a greedy plan's steps on
+the placements alone, and graphs on mesh, rank and bytes, so they are kept (`install`); one search runs from a
+source to every state, popping what torch's would, so every path is torch's. Building each candidate's specs
+checks their shard order and whether the shape splits: functions of placements, mesh sizes and shape, kept too.
+tests/test_search_speed.py compares the answers with `torchs()`, torch planning alone.
 """
 
 import contextlib
@@ -15,7 +15,7 @@ __all__ = ["install", "torchs", "memo"]
 
 _TORCHS: dict = {}  # torch's own planning functions, put back by torchs()
 _KEPT: dict = {}  # the functions install() put in their place
-_transform_plans: dict = {}  # (src spec, dst spec, graph-based or not, torch's override) -> transform plan
+_transform_plans: dict = {}  # (src spec, dst spec, graph-based or not, override) -> plan; a greedy move: its steps
 _prices: dict = {}  # (src spec, dst spec, torch's override) -> an op strategy's price of that move
 _graphs: dict = {}  # (mesh, rank, bytes, targets) and a state -> its next states and costs, or its paths
 _orders: dict = {}  # placements -> their default shard order
@@ -37,9 +37,15 @@ def install() -> None:
         key = (src_spec, dst_spec, use_graph_based_transform, _redistribute._FORCE_MIN_COST_REDISTRIBUTION_PLAN)
         return list(memo(_transform_plans, key, lambda: original(src_spec, dst_spec, use_graph_based_transform)))
 
+    def steps(src_spec, dst_spec, use_graph_based_transform=None):
+        if not _greedy(src_spec, dst_spec, use_graph_based_transform):
+            return kept(src_spec, dst_spec, use_graph_based_transform)
+        key = (src_spec.placements, dst_spec.placements, src_spec.num_shards > 1)
+        return memo(_transform_plans, key, lambda: original(src_spec, dst_spec, use_graph_based_transform))
+
     def kept_price(src_spec, dst_spec):
         key = (_price_key(src_spec), _price_key(dst_spec), _redistribute._FORCE_MIN_COST_REDISTRIBUTION_PLAN)
-        return memo(_prices, key, lambda: price(src_spec, dst_spec))
+        return memo(_prices, key, lambda: _priced_move(price, steps, src_spec, dst_spec))
 
     planner = _redistribute.DTensorRedistributePlanner
     next_states, shortest_path = planner.get_next_state, planner.find_min_cost_path
@@ -62,6 +68,34 @@ def install() -> None:
     _TORCHS.update(_spec_checks())
     _KEPT.update(_kept_spec_checks(_TORCHS))
     _put(_KEPT)
+
+
+def _priced_move(price, steps, src_spec, dst_spec) -> float:
+    """torch's price of a move, its plan answered by `steps`: a price reads a plan's steps, not the shapes on
+    them, so a greedy plan serves every shape and mesh size (kept out of torch's cache of plans for real moves)."""
+    from torch.distributed.tensor import _redistribute
+
+    plans = _redistribute._gen_transform_infos, _redistribute._gen_transform_infos_non_cached
+    _redistribute._gen_transform_infos = _redistribute._gen_transform_infos_non_cached = steps
+    try:
+        return price(src_spec, dst_spec)
+    finally:
+        _redistribute._gen_transform_infos, _redistribute._gen_transform_infos_non_cached = plans
+
+
+def _greedy(src_spec, dst_spec, use_graph_based_transform) -> bool:
+    """Whether torch plans this move greedily: its steps then depend on the placements alone and whether the source
+    is sharded, not on shapes or mesh sizes (torch's `_gen_transform_infos_non_cached`)."""
+    from torch.distributed.tensor import _redistribute
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    specs = src_spec, dst_spec
+    if any(isinstance(p, _StridedShard) for s in specs for p in s.placements):
+        return False
+    forced = _redistribute._FORCE_MIN_COST_REDISTRIBUTION_PLAN
+    graph = forced if forced is not None else use_graph_based_transform
+    return not graph and all(DTensorSpec.is_default_device_order(s.shard_order) for s in specs)
 
 
 def _price_key(spec) -> tuple:
