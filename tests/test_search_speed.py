@@ -87,9 +87,10 @@ def test_kept_spec_checks_and_prices_are_torchs():
     torch's own functions do, for layouts over tensors of several shapes and strides on three meshes of three axes
     (of other sizes, one of size 1): one shape splits where another does not, moves of one layout cost more for
     more bytes, nested and reordered shardings take several steps. A real move's plan (its shapes too) stays
-    torch's after the prices. Mutations it kills: the price keyed without the shape (`_price_key`), shardability
-    keyed without the shape (`kept_shardable`), greedy steps kept for real moves too (`steps` in place of `kept`
-    at `_put`), every move taken for a greedy one (`_greedy`), greedy steps keyed without the target placements."""
+    torch's after the prices, and in another thread while this one prices. Mutations it kills: the price keyed
+    without the shape (`_price_key`), shardability keyed without the shape (`kept_shardable`), a price's steps
+    put in torch's cache of plans for real moves (`kept_cached` ignoring `_pricing`), every move taken for a greedy
+    one (`_greedy`), greedy steps keyed without the target placements, one pricing flag for every thread."""
     from torch.distributed.tensor import Partial, Replicate, Shard, _redistribute
     from torch.distributed.tensor._dtensor_spec import DTensorSpec, ShardOrderEntry, TensorMeta
     from torch.distributed.tensor._ops import utils as op_utils
@@ -131,6 +132,40 @@ def test_kept_spec_checks_and_prices_are_torchs():
                                 assert _redistribute._gen_transform_infos_non_cached(s, d) == plan
     assert splits == {True, False} and len(prices) > 8
     _graph_moves_priced_as_torchs(torch_price)
+    _another_threads_moves_plan_as_torchs(torch_plan)
+
+
+def _another_threads_moves_plan_as_torchs(torch_plan):
+    """While one thread prices a move (its plan's steps kept per placements, their shapes another tensor's),
+    another thread's real move of those placements gets torch's plan, shapes and all."""
+    import threading
+
+    from torch.distributed.tensor import Replicate, Shard, _redistribute
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    with fake.fake_world({"cp": 2, "fsdp": 2, "tp": 2}) as (mesh, _):
+        src, dst = (Shard(0), Replicate(), Shard(1)), (Replicate(),) * 3
+        specs = [
+            [
+                DTensorSpec(mesh, p, tensor_meta=TensorMeta(torch.Size(shape), (shape[1], 1), torch.float32))
+                for p in (src, dst)
+            ]
+            for shape in [(8, 8), (4, 16)]
+        ]
+        planning._transform_plans.clear()
+        planning._pricing.on = True
+        try:
+            steps = _redistribute._gen_transform_infos_non_cached(*specs[0])  # this thread: steps kept
+            real = []
+            thread = threading.Thread(
+                target=lambda: real.append(_redistribute._gen_transform_infos_non_cached(*specs[1]))
+            )
+            thread.start()
+            thread.join()
+        finally:
+            planning._pricing.on = False
+        with planning.torchs():
+            assert real == [torch_plan(*specs[1])] and steps != real[0]
 
 
 def _graph_moves_priced_as_torchs(torch_price):

@@ -10,12 +10,14 @@ tests/test_search_speed.py compares the answers with `torchs()`, torch planning 
 
 import contextlib
 import math
+import threading
 
 __all__ = ["install", "torchs", "memo"]
 
 _TORCHS: dict = {}  # torch's own planning functions, put back by torchs()
 _KEPT: dict = {}  # the functions install() put in their place
 _transform_plans: dict = {}  # (src spec, dst spec, graph-based or not, override) -> plan; a greedy move: its steps
+_pricing = threading.local()  # .on while this thread prices a move (its plan's steps are all that is read)
 _prices: dict = {}  # (src spec, dst spec, torch's override) -> an op strategy's price of that move
 _graphs: dict = {}  # (mesh, rank, bytes, targets) and a state -> its next states and costs, or its paths
 _orders: dict = {}  # placements -> their default shard order
@@ -30,22 +32,6 @@ def install() -> None:
         return
     from torch.distributed.tensor import _redistribute
     from torch.distributed.tensor._ops import utils as op_utils
-
-    original, price = _redistribute._gen_transform_infos_non_cached, op_utils.redistribute_cost
-
-    def kept(src_spec, dst_spec, use_graph_based_transform=None):
-        key = (src_spec, dst_spec, use_graph_based_transform, _redistribute._FORCE_MIN_COST_REDISTRIBUTION_PLAN)
-        return list(memo(_transform_plans, key, lambda: original(src_spec, dst_spec, use_graph_based_transform)))
-
-    def steps(src_spec, dst_spec, use_graph_based_transform=None):
-        if not _greedy(src_spec, dst_spec, use_graph_based_transform):
-            return kept(src_spec, dst_spec, use_graph_based_transform)
-        key = (src_spec.placements, dst_spec.placements, src_spec.num_shards > 1)
-        return memo(_transform_plans, key, lambda: original(src_spec, dst_spec, use_graph_based_transform))
-
-    def kept_price(src_spec, dst_spec):
-        key = (_price_key(src_spec), _price_key(dst_spec), _redistribute._FORCE_MIN_COST_REDISTRIBUTION_PLAN)
-        return memo(_prices, key, lambda: _priced_move(price, steps, src_spec, dst_spec))
 
     planner = _redistribute.DTensorRedistributePlanner
     next_states, shortest_path = planner.get_next_state, planner.find_min_cost_path
@@ -63,24 +49,56 @@ def install() -> None:
         paths = memo(_graphs, (_graph_key(self), src_state), lambda: _shortest_paths(self, src_state))
         return list(paths[dst_state]) if dst_state in paths else shortest_path(self, src_state, dst_state)
 
-    _TORCHS.update(transform=original, price=price, next_states=next_states, shortest_path=shortest_path)
-    _KEPT.update(transform=kept, price=kept_price, next_states=kept_next_states, shortest_path=kept_shortest_path)
+    _TORCHS.update(transform=_redistribute._gen_transform_infos_non_cached, cached=_redistribute._gen_transform_infos)
+    _TORCHS.update(price=op_utils.redistribute_cost, next_states=next_states, shortest_path=shortest_path)
+    _KEPT.update(_kept_moves(_TORCHS), next_states=kept_next_states, shortest_path=kept_shortest_path)
     _TORCHS.update(_spec_checks())
     _KEPT.update(_kept_spec_checks(_TORCHS))
     _put(_KEPT)
 
 
-def _priced_move(price, steps, src_spec, dst_spec) -> float:
-    """torch's price of a move, its plan answered by `steps`: a price reads a plan's steps, not the shapes on
-    them, so a greedy plan serves every shape and mesh size (kept out of torch's cache of plans for real moves)."""
+def _kept_moves(torchs: dict) -> dict:
+    """A move's plan kept per specs, and its price per specs without strides. A price's plan is answered by its
+    steps alone, kept per placements for a greedy move (`_greedy`), and never enters torch's cache of plans,
+    which real moves read for their shapes."""
     from torch.distributed.tensor import _redistribute
 
-    plans = _redistribute._gen_transform_infos, _redistribute._gen_transform_infos_non_cached
-    _redistribute._gen_transform_infos = _redistribute._gen_transform_infos_non_cached = steps
+    original, cached, price = torchs["transform"], torchs["cached"], torchs["price"]
+
+    def kept(src_spec, dst_spec, use_graph_based_transform=None):
+        if getattr(_pricing, "on", False):
+            return steps(src_spec, dst_spec, use_graph_based_transform)
+        key = (src_spec, dst_spec, use_graph_based_transform, _redistribute._FORCE_MIN_COST_REDISTRIBUTION_PLAN)
+        return list(memo(_transform_plans, key, lambda: original(src_spec, dst_spec, use_graph_based_transform)))
+
+    def kept_cached(src_spec, dst_spec, use_graph_based_transform=None):
+        if getattr(_pricing, "on", False):
+            return steps(src_spec, dst_spec, use_graph_based_transform)
+        return cached(src_spec, dst_spec, use_graph_based_transform)
+
+    def steps(src_spec, dst_spec, use_graph_based_transform=None):
+        if not _greedy(src_spec, dst_spec, use_graph_based_transform):
+            key = (src_spec, dst_spec, use_graph_based_transform, _redistribute._FORCE_MIN_COST_REDISTRIBUTION_PLAN)
+        else:
+            key = (src_spec.placements, dst_spec.placements, src_spec.num_shards > 1)
+        return memo(_transform_plans, key, lambda: original(src_spec, dst_spec, use_graph_based_transform))
+
+    def kept_price(src_spec, dst_spec):
+        key = (_price_key(src_spec), _price_key(dst_spec), _redistribute._FORCE_MIN_COST_REDISTRIBUTION_PLAN)
+        return memo(_prices, key, lambda: _priced_move(price, src_spec, dst_spec))
+
+    kept_cached.cache_clear = cached.cache_clear
+    return {"transform": kept, "cached": kept_cached, "price": kept_price}
+
+
+def _priced_move(price, src_spec, dst_spec) -> float:
+    """torch's price of a move, its plan answered by `steps` in this thread: a price reads a plan's steps, not the
+    shapes on them, so a greedy plan serves every shape and mesh size. Other threads' real moves plan as before."""
+    _pricing.on = True
     try:
         return price(src_spec, dst_spec)
     finally:
-        _redistribute._gen_transform_infos, _redistribute._gen_transform_infos_non_cached = plans
+        _pricing.on = False
 
 
 def _greedy(src_spec, dst_spec, use_graph_based_transform) -> bool:
@@ -144,6 +162,7 @@ def _put(functions: dict) -> None:
     from torch.distributed.tensor._ops import utils as op_utils
 
     _redistribute._gen_transform_infos_non_cached = functions["transform"]
+    _redistribute._gen_transform_infos = functions["cached"]
     op_utils.redistribute_cost = functions["price"]
     planner = _redistribute.DTensorRedistributePlanner
     planner.get_next_state, planner.find_min_cost_path = functions["next_states"], functions["shortest_path"]
