@@ -231,8 +231,8 @@ MAX_FILES_PER_ROOM = 9  # the dtensor room's: its planning kept per process join
 # checkpointed and float8 compiled blocks on the quantized wire: 4,983; plus a strategy's spec checks kept
 # (shard order, its check, shardability) and prices kept without strides: 5,029; a compiled recompute on the
 # wire puts the parameters back in its modules: 5,038; a greedy move's steps kept per placements for prices, the
-# pricing flag per thread: 5,091.
-MAX_RUNTIME_LINES, MAX_IS_COMPILING_FILES, MAX_LOCAL_TENSOR_FILES = 5_091, 1, 3
+# pricing flag per thread: 5,092.
+MAX_RUNTIME_LINES, MAX_IS_COMPILING_FILES, MAX_LOCAL_TENSOR_FILES = 5_092, 1, 3
 MAX_TRACING_CALLS, MAX_SPMD_ATTRIBUTES, MAX_LONGEST_RUNTIME_FUNCTION = 13, 19, 46
 DTENSOR_INTERNALS = (
     r"\._local_tensor\b",

@@ -90,7 +90,8 @@ def test_kept_spec_checks_and_prices_are_torchs():
     torch's after the prices, and in another thread while this one prices. Mutations it kills: the price keyed
     without the shape (`_price_key`), shardability keyed without the shape (`kept_shardable`), a price's steps
     put in torch's cache of plans for real moves (`kept_cached` ignoring `_pricing`), every move taken for a greedy
-    one (`_greedy`), greedy steps keyed without the target placements, one pricing flag for every thread."""
+    one (`_greedy`), greedy steps keyed without the target placements or whether the source is sharded, one
+    pricing flag for every thread."""
     from torch.distributed.tensor import Partial, Replicate, Shard, _redistribute
     from torch.distributed.tensor._dtensor_spec import DTensorSpec, ShardOrderEntry, TensorMeta
     from torch.distributed.tensor._ops import utils as op_utils
@@ -100,6 +101,7 @@ def test_kept_spec_checks_and_prices_are_torchs():
     torch_plan = planning._TORCHS["transform"]
     layouts = [(Shard(0), Replicate(), Shard(1)), (Replicate(), Shard(1), Partial()), (Shard(1), Shard(0), Replicate())]
     layouts += [(Replicate(),) * 3, (Shard(0), Shard(0), Replicate()), (Replicate(), Shard(0), Shard(0))]
+    layouts += [(Shard(0), Replicate(), Partial()), (Replicate(), Shard(1), Replicate())]  # on fsdp=1: one shard
     reordered = (ShardOrderEntry(tensor_dim=0, mesh_dims=(1, 0)),)  # dim 0 split over mesh dim 1, then 0
     splits, prices = set(), set()
     for store in (planning._prices, planning._shardable, planning._transform_plans):
@@ -125,6 +127,7 @@ def test_kept_spec_checks_and_prices_are_torchs():
                             with planning.torchs():  # torch's answer now, as a dry run asks (no cached plan)
                                 _redistribute._gen_transform_infos.cache_clear()
                                 price, plan = torch_price(s, d), torch_plan(s, d)
+                            _redistribute._gen_transform_infos.cache_clear()  # the kept price plans into an empty cache
                             prices.add(price)
                             assert op_utils.redistribute_cost(s, d) == price, (sizes, shape, src, dst)
                             if price not in (0.0, float("inf")):  # real moves: plans with their shapes

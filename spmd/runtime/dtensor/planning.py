@@ -2,10 +2,11 @@
 
 DTensor prices every candidate strategy of every op by its redistributions (1,331 for a matmul on three axes),
 each by a shortest-path search. Prices depend on the specs alone (not their strides), a greedy plan's steps on
-the placements alone, and graphs on mesh, rank and bytes, so they are kept (`install`); one search runs from a
-source to every state, popping what torch's would, so every path is torch's. Building each candidate's specs
-checks their shard order and whether the shape splits: functions of placements, mesh sizes and shape, kept too.
-tests/test_search_speed.py compares the answers with `torchs()`, torch planning alone.
+the placements (and whether the source is sharded), and graphs on mesh, rank and bytes, so they are kept
+(`install`); one search runs from a source to every state, popping what torch's would, so every path is
+torch's. Building each candidate's specs checks their shard order and whether the shape splits: functions of
+placements, mesh sizes and shape, kept too. tests/test_search_speed.py compares the answers with `torchs()`,
+torch planning alone.
 """
 
 import contextlib
@@ -94,11 +95,11 @@ def _kept_moves(torchs: dict) -> dict:
 def _priced_move(price, src_spec, dst_spec) -> float:
     """torch's price of a move, its plan answered by `steps` in this thread: a price reads a plan's steps, not the
     shapes on them, so a greedy plan serves every shape and mesh size. Other threads' real moves plan as before."""
-    _pricing.on = True
+    outer, _pricing.on = getattr(_pricing, "on", False), True
     try:
         return price(src_spec, dst_spec)
     finally:
-        _pricing.on = False
+        _pricing.on = outer
 
 
 def _greedy(src_spec, dst_spec, use_graph_based_transform) -> bool:
