@@ -352,6 +352,33 @@ def test_each_row_equals_explain_of_its_flags():
             assert row.memory == {**want.memory, "recompute": recompute, "total": want.memory["total"] + recompute}
 
 
+def test_the_full_checkpointing_check_is_planned_within_its_round(monkeypatch):
+    """The once-per-model check of derived.full_from_none (the lightest spec's 1- and 2-block copies under
+    `full`) is planned in the same plan_all as the round's 1-block copies, so that workers plan it beside them
+    rather than after them; once it held, a round plans the 1-block copies alone. Mutation it kills: the check
+    planned after the round (a second plan_all)."""
+    from spmd.analysis import search_pool
+
+    model = tiny(n_layers=4)
+    for key in [k for k in summaries._cache if k[0] == "full_from_none holds"]:
+        del summaries._cache[key]
+    keys = [((("fsdp", 2), ("tp", 2)), True, 3), ((("dp", 4),), False, None)]
+    nones = {
+        k: summaries.planned(model, dict(k[0]), k[1], SHAPE, "fp32", summaries.rules_for(k[1], k[2]), "none", 1)
+        for k in keys
+    }
+    calls = []
+    plan_all = search_rounds.plan_all
+    monkeypatch.setattr(search_rounds, "plan_all", lambda net, jobs, *a: calls.append(jobs) or plan_all(net, jobs, *a))
+    for _ in range(2):
+        search_rounds._plan_full(model, {k: [1] for k in keys}, nones, (*SHAPE, "fp32"), (None, S.Progress(False)))
+    assert search_pool.verdict(model, "full_from_none") is True
+    assert [sorted({job[-1] for job in jobs}, key=str) for jobs in calls] == [
+        ["1-block copy", True],
+        ["1-block copy"],
+    ]
+
+
 def test_search_assumes_the_least_recompute_then_the_fewest_micro_batches_that_fit():
     model = tiny(n_layers=4)
     total = lambda sizes, sp, ac: summaries.plan_summary(model, sizes, sp, SHAPE, "fp32", ac=ac).memory["total"]  # noqa

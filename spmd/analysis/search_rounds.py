@@ -85,13 +85,17 @@ def _plan_full(net, needs: dict, nones: dict, shape, workers) -> dict:
     the verdict holds for its later rounds and searches."""
     if verdict(net, "full_from_none") is False:
         return _plan_round(net, needs, "full", shape, workers, block=True)
-    ones = _plan_round(net, needs, "full", shape, workers, block=ONE_BLOCK)
+    probe = lightest(needs) if needs and verdict(net, "full_from_none") is None else None
+    check = {probe: needs[probe]} if probe is not None else {}  # its exact plan in the same round, not after
+    ones, exact = _plan_rounds(net, [(needs, ONE_BLOCK), (check, True)], "full", shape, workers)
     fulls = {key: full_from_none(nones[key], one) for key, one in ones.items()}
     laid_out = [key for key, full in fulls.items() if not isinstance(full, Exception)]
     if not laid_out or verdict(net, "full_from_none"):
         return fulls
-    probe = lightest(laid_out)
-    exact = _plan_round(net, {probe: needs[probe]}, "full", shape, workers, block=True)[probe]
+    if probe not in laid_out:  # the lightest of them did not lay out: check on the lightest that did
+        probe = lightest(laid_out)
+        exact = _plan_round(net, {probe: needs[probe]}, "full", shape, workers, block=True)
+    exact = exact[probe]
     if verdict(net, "full_from_none", same_plan(fulls[probe], exact)):
         return {**fulls, probe: exact}
     return _plan_round(net, needs, "full", shape, workers, block=True)
@@ -125,12 +129,18 @@ def _plan_round(net, pending: dict, mode: str, shape, workers, block=False) -> d
     """{spec key: plan or error} of each pending spec at its next K with checkpointing `mode`, in one plan_all;
     `block`: with one block's share (checkpointing composes from it), or ONE_BLOCK: the 1-block copy's plan
     alone (derived.full_from_none). `workers`: (Workers, Progress)."""
+    return _plan_rounds(net, [(pending, block)], mode, shape, workers)[0]
+
+
+def _plan_rounds(net, asked: list, mode: str, shape, workers) -> list[dict]:
+    """_plan_round of each (pending, block) in `asked`, all in one plan_all: their dry runs share the workers."""
     batch, seq, dtype = shape
-    jobs = {key: _job(key, ks[0], mode, batch, seq, dtype) + (block,) for key, ks in pending.items()}
+    jobs = [{key: _job(key, ks[0], mode, batch, seq, dtype) + (block,) for key, ks in p.items()} for p, block in asked]
     pool, progress = workers
     progress.stage = f"--ac {mode}"
-    planned = plan_all(net, sorted(set(jobs.values()), key=repr), pool, progress) if jobs else {}
-    return {key: planned[job] for key, job in jobs.items()}
+    every = sorted({job for j in jobs for job in j.values()}, key=repr)
+    planned = plan_all(net, every, pool, progress) if every else {}
+    return [{key: planned[job] for key, job in j.items()} for j in jobs]
 
 
 def _fits(none, modes, budget: float) -> bool:
