@@ -83,21 +83,21 @@ def _plan_full(net, needs: dict, nones: dict, shape, workers) -> dict:
     (a Hugging Face decoder's rotary cos/sin): the blocks save it once without checkpointing, each checkpointed
     block once more. Such a model is planned from both copies. Checked once per model (search_pool.verdict),
     the verdict holds for its later rounds and searches."""
-    if verdict(net, "full_from_none") is False:
+    held = verdict(net, "full_from_none")
+    if held is False:
         return _plan_round(net, needs, "full", shape, workers, block=True)
-    probe = lightest(needs) if needs and verdict(net, "full_from_none") is None else None
+    probe = lightest(needs) if needs and held is None else None
     check = {probe: needs[probe]} if probe is not None else {}  # its exact plan in the same round, not after
-    ones, exact = _plan_rounds(net, [(needs, ONE_BLOCK), (check, True)], "full", shape, workers)
+    ones, exacts = _plan_rounds(net, [(needs, ONE_BLOCK), (check, True)], "full", shape, workers)
     fulls = {key: full_from_none(nones[key], one) for key, one in ones.items()}
     laid_out = [key for key, full in fulls.items() if not isinstance(full, Exception)]
-    if not laid_out or verdict(net, "full_from_none"):
+    if not laid_out or held:
         return fulls
     if probe not in laid_out:  # the lightest of them did not lay out: check on the lightest that did
         probe = lightest(laid_out)
-        exact = _plan_round(net, {probe: needs[probe]}, "full", shape, workers, block=True)
-    exact = exact[probe]
-    if verdict(net, "full_from_none", same_plan(fulls[probe], exact)):
-        return {**fulls, probe: exact}
+        exacts = _plan_round(net, {probe: needs[probe]}, "full", shape, workers, block=True)
+    if verdict(net, "full_from_none", same_plan(fulls[probe], exacts[probe])):
+        return {**fulls, probe: exacts[probe]}
     return _plan_round(net, needs, "full", shape, workers, block=True)
 
 

@@ -67,22 +67,16 @@ def _kept_moves(torchs: dict) -> dict:
     original, cached, price = torchs["transform"], torchs["cached"], torchs["price"]
 
     def kept(src_spec, dst_spec, use_graph_based_transform=None):
-        if getattr(_pricing, "on", False):
-            return steps(src_spec, dst_spec, use_graph_based_transform)
-        key = (src_spec, dst_spec, use_graph_based_transform, _redistribute._FORCE_MIN_COST_REDISTRIBUTION_PLAN)
+        if getattr(_pricing, "on", False) and _greedy(src_spec, dst_spec, use_graph_based_transform):
+            key = (src_spec.placements, dst_spec.placements, src_spec.num_shards > 1)
+        else:
+            key = (src_spec, dst_spec, use_graph_based_transform, _redistribute._FORCE_MIN_COST_REDISTRIBUTION_PLAN)
         return list(memo(_transform_plans, key, lambda: original(src_spec, dst_spec, use_graph_based_transform)))
 
     def kept_cached(src_spec, dst_spec, use_graph_based_transform=None):
-        if getattr(_pricing, "on", False):
-            return steps(src_spec, dst_spec, use_graph_based_transform)
+        if getattr(_pricing, "on", False):  # a price's plan stays out of the cache that real moves read
+            return kept(src_spec, dst_spec, use_graph_based_transform)
         return cached(src_spec, dst_spec, use_graph_based_transform)
-
-    def steps(src_spec, dst_spec, use_graph_based_transform=None):
-        if not _greedy(src_spec, dst_spec, use_graph_based_transform):
-            key = (src_spec, dst_spec, use_graph_based_transform, _redistribute._FORCE_MIN_COST_REDISTRIBUTION_PLAN)
-        else:
-            key = (src_spec.placements, dst_spec.placements, src_spec.num_shards > 1)
-        return memo(_transform_plans, key, lambda: original(src_spec, dst_spec, use_graph_based_transform))
 
     def kept_price(src_spec, dst_spec):
         key = (_price_key(src_spec), _price_key(dst_spec), _redistribute._FORCE_MIN_COST_REDISTRIBUTION_PLAN)
@@ -93,8 +87,9 @@ def _kept_moves(torchs: dict) -> dict:
 
 
 def _priced_move(price, src_spec, dst_spec) -> float:
-    """torch's price of a move, its plan answered by `steps` in this thread: a price reads a plan's steps, not the
-    shapes on them, so a greedy plan serves every shape and mesh size. Other threads' real moves plan as before."""
+    """torch's price of a move, its plan answered in this thread by steps kept per placements where greedy: a price
+    reads a plan's steps, not the shapes on them, so they serve every shape and mesh size. Other threads' real
+    moves plan as before."""
     outer, _pricing.on = getattr(_pricing, "on", False), True
     try:
         return price(src_spec, dst_spec)
