@@ -207,7 +207,7 @@ def test_no_module_swaps_a_class_or_an_entry_in_sys_modules():
 
 
 RUNTIME = ROOT / "spmd" / "runtime"
-MAX_FILES_PER_ROOM = 9  # the dtensor room's: its planning kept per process joined it
+MAX_FILES_PER_ROOM = 10  # the dtensor room's: its planning kept per process, then its choice of strategies
 # measured when every parameter's moves became one parameter group's (spmd/runtime/parameters/group.py); before
 # the rooms: 4,427 source lines in 41 flat files, counted as above; 23 is_compiling branches in 7 files;
 # _local_tensor 50 times in 18 files; 21 _spmd_ attribute names. The ceilings only come down. Whether the compiler
@@ -231,8 +231,9 @@ MAX_FILES_PER_ROOM = 9  # the dtensor room's: its planning kept per process join
 # checkpointed and float8 compiled blocks on the quantized wire: 4,983; plus a strategy's spec checks kept
 # (shard order, its check, shardability) and prices kept without strides: 5,029; a compiled recompute on the
 # wire puts the parameters back in its modules: 5,038; a greedy move's steps kept per placements for prices, the
-# pricing flag per thread: 5,092.
-MAX_RUNTIME_LINES, MAX_IS_COMPILING_FILES, MAX_LOCAL_TENSOR_FILES = 5_092, 1, 3
+# pricing flag per thread: 5,092; plus each op's strategy chosen from the few candidates and prices that decide
+# it (dtensor.selection): 5,206.
+MAX_RUNTIME_LINES, MAX_IS_COMPILING_FILES, MAX_LOCAL_TENSOR_FILES = 5_206, 1, 3
 MAX_TRACING_CALLS, MAX_SPMD_ATTRIBUTES, MAX_LONGEST_RUNTIME_FUNCTION = 13, 19, 46
 DTENSOR_INTERNALS = (
     r"\._local_tensor\b",

@@ -203,3 +203,166 @@ def _graph_moves_priced_as_torchs(torch_price):
                                 _redistribute._gen_transform_infos.cache_clear()
                                 price = torch_price(s, d)
                             assert op_utils.redistribute_cost(s, d) == price, (forced, shape, s, d)
+
+
+def _choices(model, sizes, sp, batch_shape) -> list:
+    """(op, DTensor's output sharding) of every op a dry run propagates."""
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+    seen, propagate = [], ShardingPropagator.propagate_op_sharding_non_cached
+
+    def recorded(self, op_schema):
+        out = propagate(self, op_schema)
+        seen.append((str(op_schema.op), repr(out)))
+        return out
+
+    ShardingPropagator.propagate_op_sharding_non_cached = recorded
+    try:
+        spmd.explain(model, spmd.Rules.default(sp), sizes, batch_shape=batch_shape, ac="none")
+    finally:
+        ShardingPropagator.propagate_op_sharding_non_cached = propagate
+    return seen
+
+
+def test_choices_build_and_price_few_candidates_and_are_torchs(monkeypatch):
+    """DTensor's choice of each op's strategy, with the expansion narrowed to the rows that move no input on some
+    mesh dim and prices worked out only when read (spmd/runtime/dtensor/selection.py), is the choice of torch's full
+    expansion with every price worked out (its `expand_to_full_mesh_op_strategy`, `generate_redistribute_costs` and
+    `_select_min_cost_strategy`), for every op of a dry run on a mesh of three axes whose activations hold
+    _StridedShard layouts (batch over dp, sequence over cp, flattened) and of one with sequence parallelism; the
+    kept way builds and prices a small share of the candidates."""
+    from torch.distributed.tensor import _sharding_prop
+    from torch.distributed.tensor._ops import utils as op_utils
+
+    from spmd.runtime.dtensor import selection
+
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig.preset("tiny", kernels="torch"))
+    planning.install()
+    strided = []
+    for sizes, sp in [({"cp": 2, "dp": 2, "tp": 2}, False), ({"dp": 2, "fsdp": 2, "tp": 2}, True)]:
+        made, rows = [], []
+        monkeypatch.setattr(selection.Prices, "__init__", _counted(selection.Prices.__init__, made))
+        kept = _choices(model, sizes, sp, (8, 64))
+        monkeypatch.undo()
+        monkeypatch.setattr(op_utils, "expand_to_full_mesh_op_strategy", planning._TORCHS["expansion"])
+        monkeypatch.setattr(op_utils, "generate_redistribute_costs", _counted(planning._TORCHS["costs"], rows))
+        monkeypatch.setattr(_sharding_prop, "_select_min_cost_strategy", planning._TORCHS["choice"])
+        assert kept == _choices(model, sizes, sp, (8, 64)), sizes
+        monkeypatch.undo()
+        assert sum(row._values is not None for row in made) < len(made) < 0.1 * len(rows), (len(made), len(rows))
+        strided.append(sum("_StridedShard" in out for _, out in kept))
+    assert strided[0] > 10
+
+
+def _counted(function, made):
+    """`function`, noting in `made` each call's first argument (a `Prices` row being built) or else its answer."""
+
+    def counted(*args):
+        answer = function(*args)
+        made.append(args[0] if answer is None else answer)
+        return answer
+
+    return counted
+
+
+def test_a_choice_among_candidates_that_move_no_input_is_torchs():
+    """Where several candidates move no input, the kept choice takes torch's: the last of them that costs nothing
+    (one that keeps the placements but not the shard order costs something), reading no other candidate's prices;
+    a price is the one of its target spec as built, even when DTensor sets the spec's shard order before it
+    chooses (`_propagate_use_strided_shard_flag`). Mutations it kills: the first such candidate taken
+    (`reversed` dropped in `kept_choice`'s `choice`), its cost not checked, the target read as it is when read."""
+    from torch.distributed.tensor import Replicate, Shard, _sharding_prop
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, ShardOrderEntry, TensorMeta
+    from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy
+    from torch.distributed.tensor._ops import utils as op_utils
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from spmd.runtime.dtensor import selection
+
+    planning.install()
+    reordered = (ShardOrderEntry(tensor_dim=0, mesh_dims=(1, 0)),)
+    meta = TensorMeta(torch.Size((64, 32)), (32, 1), torch.float32)
+    with fake.fake_world({"cp": 2, "fsdp": 2, "tp": 2}) as (mesh, _):
+
+        def spec(placements, order=None, strided=None):
+            return DTensorSpec(
+                mesh, placements, tensor_meta=meta, shard_order=order, use_strided_shard_as_shard_order=strided
+            )
+
+        def chosen(costs, choice, args, candidates):
+            options = []
+            for out, ins in candidates:
+                prices = [costs(OpStrategy([OpSpec(a)]), i) for a, i in zip(args, ins)]
+                options.append(OpSpec(out, input_specs=ins, redistribute_cost=prices))
+            schema = OpSchema(torch.ops.aten.add.Tensor, tuple(args), {})
+            picked = choice(OpStrategy(options), schema)
+            return options.index(picked), options
+
+        S0, R = Shard(0), Replicate()
+        x, y = spec((S0, S0, R), reordered), spec((R, R, R))
+        same = [spec((S0, S0, R), reordered), spec((R, R, R))]
+        moved = [spec((S0, R, R)), spec((S0, R, R))]
+        cases = [
+            [(spec((S0, S0, R)), moved), (spec((R, S0, R)), same), (spec((S0, S0, R)), same), (spec((R, R, R)), moved)],
+            [(spec((S0, S0, R)), same), (spec((R, S0, R)), [spec((S0, S0, R)), y]), (spec((R, R, R)), moved)],
+        ]
+        for candidates in cases:
+            kept, options = chosen(
+                op_utils.generate_redistribute_costs, _sharding_prop._select_min_cost_strategy, (x, y), candidates
+            )
+            torchs, _ = chosen(planning._TORCHS["costs"], planning._TORCHS["choice"], (x, y), candidates)
+            assert kept == torchs, (kept, torchs)
+            assert all(row._values is None for row in options[-1].redistribute_cost)  # moves an input: never read
+        assert (kept, torchs) == (0, 0)  # the last candidate keeping the placements reorders: it costs something
+
+        strided = (R, S0, _StridedShard(0, split_factor=2))
+        built = spec(strided, strided=False)
+        prices = selection.Prices(op_utils.redistribute_cost, [OpSpec(spec((S0, R, R)))], built)
+        built.use_strided_shard_as_shard_order, built.shard_order = True, None  # as DTensor sets it before choosing
+        with planning.torchs():
+            as_built = op_utils.redistribute_cost(spec((S0, R, R)), spec(strided, strided=False))
+        assert list(prices) == [as_built] and as_built != float("inf")
+
+
+def test_a_narrowed_expansion_chooses_as_the_full_one():
+    """The expansion narrowed to the rows that move no input on some mesh dim (`kept_choice`'s `expansion` in
+    spmd/runtime/dtensor/selection.py) serves only when a candidate of it moves no input and costs nothing; then
+    DTensor's choice over it is its choice over the full expansion. Cases: the candidates that keep the placements
+    but not the shard order of an input (they cost something: the full expansion serves), and an op of two outputs
+    whose rows keep the inputs on one mesh dim in two ways (the last is chosen). Mutations it kills: a narrowed
+    candidate taken without its cost checked (`_free`), a row's outputs read as inputs (`row[1:]` in
+    `_rows_keeping_a_dim`)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, ShardOrderEntry, TensorMeta
+    from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy
+
+    planning.install()
+    S0, S1, R = Shard(0), Shard(1), Replicate()
+    meta = TensorMeta(torch.Size((64, 32)), (32, 1), torch.float32)
+    with fake.fake_world({"cp": 2, "fsdp": 2, "tp": 2}) as (mesh, _):
+
+        def chosen(functions, args, rows, outputs):
+            schema = OpSchema(torch.ops.aten.add.Tensor, tuple(OpStrategy([OpSpec(a)]) for a in args), {})
+            strategy = functions["expansion"](mesh, schema, rows, input_index=outputs)
+            picked = functions["choice"](strategy, OpSchema(torch.ops.aten.add.Tensor, tuple(args), {}))
+            specs = (*picked.output_specs,) if outputs > 1 else (picked.output_spec,)
+            return [s.placements for s in (*specs, *picked.input_specs)], len(strategy.strategies)
+
+        def kept(args, rows, outputs=1):
+            answer, candidates = chosen(planning._KEPT, args, rows, outputs)
+            torchs, full = chosen(planning._TORCHS, args, rows, outputs)
+            assert answer == torchs, (args, rows)
+            return answer, candidates, full
+
+        reordered = (ShardOrderEntry(tensor_dim=0, mesh_dims=(1, 0)),)
+        x = DTensorSpec(mesh, (S0, S0, R), tensor_meta=meta, shard_order=reordered)
+        y = DTensorSpec(mesh, (S0, S0, R), tensor_meta=meta)
+        elementwise = [[S0, S0, S0], [S1, S1, S1], [R, R, R]]
+        _, candidates, full = kept((x, y), elementwise)
+        assert candidates == full == 27  # the candidates keeping x's placements cost a reorder: no narrowing
+
+        x, y = (DTensorSpec(mesh, (S0, R, R), tensor_meta=meta) for _ in range(2))
+        two_outputs = [[S0, S0, S0, S0], [S1, R, S0, S0], [R, R, R, R], [S1, S1, S1, S1]]
+        answer, candidates, full = kept((x, y), two_outputs, outputs=2)
+        assert answer[:2] == [(S1, R, R), (R, R, R)] and candidates < full  # the last that keeps them

@@ -1,6 +1,7 @@
 """DTensor internals, in one room: the op handlers and strategies spmd adds (`install`), DTensors around local tensors
-without `from_local`'s per-call work (wrap), redistribution planning kept per process (planning), the reach into
-torch's mode stack and autograd engine (stack), and `destroy_process_group` waiting for registered work (teardown).
+without `from_local`'s per-call work (wrap), redistribution planning kept per process (planning) and each op's
+strategy chosen from the candidates that decide it (selection), the reach into torch's mode stack and autograd
+engine (stack), and `destroy_process_group` waiting for registered work (teardown).
 
 Importing spmd changes nothing in torch: `install()` (called by `parallelize`, `explain`, `AsyncSaver`) does it,
 idempotently.

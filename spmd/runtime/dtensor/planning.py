@@ -13,6 +13,8 @@ import contextlib
 import math
 import threading
 
+from .selection import kept_choice
+
 __all__ = ["install", "torchs", "memo"]
 
 _TORCHS: dict = {}  # torch's own planning functions, put back by torchs()
@@ -31,7 +33,7 @@ def install() -> None:
     """Answers DTensor's planning from the stores, once per process (`torchs()` undoes it for a while)."""
     if _KEPT:
         return
-    from torch.distributed.tensor import _redistribute
+    from torch.distributed.tensor import _redistribute, _sharding_prop
     from torch.distributed.tensor._ops import utils as op_utils
 
     planner = _redistribute.DTensorRedistributePlanner
@@ -53,8 +55,9 @@ def install() -> None:
     _TORCHS.update(transform=_redistribute._gen_transform_infos_non_cached, cached=_redistribute._gen_transform_infos)
     _TORCHS.update(price=op_utils.redistribute_cost, next_states=next_states, shortest_path=shortest_path)
     _KEPT.update(_kept_moves(_TORCHS), next_states=kept_next_states, shortest_path=kept_shortest_path)
-    _TORCHS.update(_spec_checks())
-    _KEPT.update(_kept_spec_checks(_TORCHS))
+    _TORCHS.update(_spec_checks(), costs=op_utils.generate_redistribute_costs)
+    _TORCHS.update(choice=_sharding_prop._select_min_cost_strategy, expansion=op_utils.expand_to_full_mesh_op_strategy)
+    _KEPT.update(_kept_spec_checks(_TORCHS), **kept_choice(_KEPT["price"], _TORCHS))
     _put(_KEPT)
 
 
@@ -153,7 +156,7 @@ def _kept_spec_checks(torchs: dict) -> dict:
 
 
 def _put(functions: dict) -> None:
-    from torch.distributed.tensor import _redistribute
+    from torch.distributed.tensor import _redistribute, _sharding_prop
     from torch.distributed.tensor._dtensor_spec import DTensorSpec
     from torch.distributed.tensor._ops import utils as op_utils
 
@@ -164,6 +167,11 @@ def _put(functions: dict) -> None:
     planner.get_next_state, planner.find_min_cost_path = functions["next_states"], functions["shortest_path"]
     DTensorSpec.compute_default_shard_order, DTensorSpec._verify_shard_order = functions["order"], functions["verify"]
     op_utils.is_tensor_shardable = functions["shardable"]
+    op_utils.expand_to_full_mesh_op_strategy, op_utils.generate_redistribute_costs = (
+        functions["expansion"],
+        functions["costs"],
+    )
+    _sharding_prop._select_min_cost_strategy = functions["choice"]
 
 
 @contextlib.contextmanager
