@@ -366,3 +366,67 @@ def test_a_narrowed_expansion_chooses_as_the_full_one():
         two_outputs = [[S0, S0, S0, S0], [S1, R, S0, S0], [R, R, R, R], [S1, S1, S1, S1]]
         answer, candidates, full = kept((x, y), two_outputs, outputs=2)
         assert answer[:2] == [(S1, R, R), (R, R, R)] and candidates < full  # the last that keeps them
+
+
+def test_foreach_ops_and_symbolic_shapes_choose_as_torch():
+    """Where the narrowed choice would not be torch's, the full expansion serves: a foreach op (torch chooses each
+    element without the op's schema: the first cheapest candidate, here one that moves an input to Partial(avg)
+    at no cost), an unbacked size (torch's shardability check of a candidate that splits it raises), and a backed
+    symbolic size (torch's checks leave shape guards). Compared with torch's own propagation. Mutations it kills:
+    foreach ops narrowed (`single_dim_expansion` returning `expanded` always), symbolic shapes narrowed
+    (`_concrete` answering True)."""
+    from torch._dynamo.source import ConstantSource
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+    from torch.distributed.tensor._op_schema import OpSchema
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
+
+    planning.install()
+    aten, R = torch.ops.aten, Replicate()
+    meta = TensorMeta(torch.Size((64, 32)), (32, 1), torch.float32)
+    with fake.fake_world({"cp": 2, "fsdp": 2, "tp": 2}) as (mesh, _):
+        propagator = DTensor._op_dispatcher.sharding_propagator
+
+        def propagated(op, args):
+            schema = OpSchema(op, args, {}, schema_info=propagator.op_to_schema_info.get(op))
+            try:
+                return repr(propagator.propagate_op_sharding_non_cached(schema))
+            except Exception as e:  # torch's own refusal, to be met the same way
+                return type(e).__name__
+
+        def as_torch(op, make_args):
+            kept = propagated(op, make_args())
+            with planning.torchs():
+                assert kept == propagated(op, make_args()), op
+            return kept
+
+        a, b = (
+            DTensorSpec(mesh, (Partial("avg"), R, R), tensor_meta=meta),
+            DTensorSpec(mesh, (R,) * 3, tensor_meta=meta),
+        )
+        assert "needs_redistribute=True" in as_torch(aten._foreach_add.List, lambda: ([a], [b]))  # b to Partial(avg)
+
+        def layer_norm_args(size):
+            x_meta = TensorMeta(torch.Size((size, 64, 32)), (64 * 32, 32, 1), torch.float32)
+            w = DTensorSpec(mesh, (R, R, R), tensor_meta=TensorMeta(torch.Size((32,)), (1,), torch.float32))
+            return (DTensorSpec(mesh, (R, R, Shard(1)), tensor_meta=x_meta), [32], w, w, 1e-5)
+
+        env = ShapeEnv()
+        with FakeTensorMode(shape_env=env):
+            unbacked = env.create_unbacked_symint()
+            assert (
+                as_torch(aten.native_layer_norm.default, lambda: layer_norm_args(unbacked))
+                == "GuardOnDataDependentSymNode"
+            )
+
+        guards = []
+        for _ in range(2):  # the kept way, then torch's: each in a shape environment of its own
+            env = ShapeEnv()
+            symbol = env.create_symbol(16, ConstantSource("batch"), dynamic_dim=DimDynamic.DYNAMIC)
+            with FakeTensorMode(shape_env=env):
+                args = layer_norm_args(env.create_symintnode(symbol, hint=16))
+                with planning.torchs() if guards else contextlib.nullcontext():
+                    propagated(aten.native_layer_norm.default, args)
+            guards.append([str(g.expr) for g in env.guards])
+        assert guards[0] == guards[1] and guards[0]

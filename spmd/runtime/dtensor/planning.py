@@ -57,6 +57,7 @@ def install() -> None:
     _KEPT.update(_kept_moves(_TORCHS), next_states=kept_next_states, shortest_path=kept_shortest_path)
     _TORCHS.update(_spec_checks(), costs=op_utils.generate_redistribute_costs)
     _TORCHS.update(choice=_sharding_prop._select_min_cost_strategy, expansion=op_utils.expand_to_full_mesh_op_strategy)
+    _TORCHS.update(single_dim=_sharding_prop._expand_single_dim_strategy_to_mesh)
     _KEPT.update(_kept_spec_checks(_TORCHS), **kept_choice(_KEPT["price"], _TORCHS))
     _put(_KEPT)
 
@@ -172,6 +173,7 @@ def _put(functions: dict) -> None:
         functions["costs"],
     )
     _sharding_prop._select_min_cost_strategy = functions["choice"]
+    _sharding_prop._expand_single_dim_strategy_to_mesh = functions["single_dim"]
 
 
 @contextlib.contextmanager

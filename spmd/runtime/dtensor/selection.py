@@ -6,13 +6,18 @@ one (`_select_min_cost_strategy`); only otherwise does it compare prices, all of
 expansion runs first over the rows that keep the inputs' placement on some mesh dim: their product holds every
 candidate that moves no input, in torch's order, and when one of them costs nothing the few decide as the whole
 would. Prices are worked out when read (`Prices`), and the choice reads only those of candidates that move no
-input. Else the full expansion, every price read. tests/test_search_speed.py holds every choice to torch's.
+input. Else the full expansion, every price read; also where an op's elements are chosen without its schema
+(foreach ops: torch then takes the first cheapest candidate) and where shapes are symbolic (torch's shape guards
+see every candidate). tests/test_search_speed.py holds every choice to torch's.
 """
 
+import threading
 from collections.abc import Sequence
 from itertools import chain
 
 __all__ = ["Prices", "kept_choice"]
+
+_whole = threading.local()  # .on while this thread expands an op whose elements are chosen without its schema
 
 
 class Prices(Sequence):
@@ -53,6 +58,7 @@ def kept_choice(price, torchs: dict) -> dict:
     """torch's `expand_to_full_mesh_op_strategy` (as single-dim and decomposed strategies call it),
     `generate_redistribute_costs` and `_select_min_cost_strategy`, answered from the few that decide."""
     expand, torch_choice = torchs["expansion"], torchs["choice"]
+    torch_costs, single_dim = torchs["costs"], torchs["single_dim"]
 
     def expansion(mesh, op_schema, single_mesh_dim_strategies, **kwargs):
         rows = _rows_keeping_a_dim(mesh, op_schema, single_mesh_dim_strategies, kwargs)
@@ -74,18 +80,46 @@ def kept_choice(price, torchs: dict) -> dict:
                 return last_free
         return torch_choice(strategy, op_schema)
 
-    def costs(src_strategy, dst_spec) -> Prices:
+    def costs(src_strategy, dst_spec):
+        if getattr(_whole, "on", False) or not _concrete([dst_spec, *(s.output_spec for s in src_strategy.strategies)]):
+            return torch_costs(src_strategy, dst_spec)
         return Prices(price, src_strategy.strategies, dst_spec)
 
-    return {"expansion": expansion, "choice": choice, "costs": costs}
+    return {"expansion": expansion, "choice": choice, "costs": costs, "single_dim": _whole_for_foreach(single_dim)}
+
+
+def _whole_for_foreach(single_dim):
+    """torch's `_expand_single_dim_strategy_to_mesh`, each element of a foreach op expanded and priced whole: torch
+    chooses it without the op's schema (the first cheapest candidate, which may move an input at no cost)."""
+    from torch.distributed.tensor._op_schema import TupleStrategy
+
+    def expansion(mesh, op_schema, strategy_info, output_tensor_meta):
+        expanded = single_dim(mesh, op_schema, strategy_info, output_tensor_meta)
+        if not any(isinstance(arg, TupleStrategy) for arg in op_schema.args_schema):
+            return expanded
+
+        def whole(*args, **kwargs):
+            outer, _whole.on = getattr(_whole, "on", False), True
+            try:
+                return expanded(*args, **kwargs)
+            finally:
+                _whole.on = outer
+
+        return whole
+
+    return expansion
 
 
 def _rows_keeping_a_dim(mesh, op_schema, rows, kwargs):
     """The single-dim rows whose positional inputs keep their current placement on some mesh dim, or None where
-    that does not narrow the expansion, or cannot (an input of several strategies, inputs on other meshes, rows that
-    differ in which entries are not tensors)."""
+    that does not narrow the expansion, or cannot (a foreach op, an input of several strategies or of a symbolic
+    shape, inputs on other meshes, rows that differ in which entries are not tensors)."""
     inputs = op_schema.args_strategy + op_schema.kwargs_strategy
-    if kwargs.get("different_mesh_args") or any(len(arg.strategies) != 1 for arg in inputs):
+    if getattr(_whole, "on", False) or kwargs.get("different_mesh_args"):
+        return None
+    if any(len(arg.strategies) != 1 for arg in inputs):
+        return None
+    if not _concrete([arg.strategies[0].output_spec for arg in inputs]):
         return None
     if len({tuple(p is None for p in row) for row in rows}) != 1:
         return None
@@ -98,6 +132,11 @@ def _rows_keeping_a_dim(mesh, op_schema, rows, kwargs):
 
     narrowed = [row for row in rows if any(keeps(row, dim) for dim in range(mesh.ndim))]
     return narrowed if len(narrowed) < len(rows) else None
+
+
+def _concrete(specs) -> bool:
+    """Whether every spec has a shape of plain ints (symbolic sizes: torch's guards must see every candidate)."""
+    return all(s.tensor_meta is not None and all(type(n) is int for n in s.tensor_meta.shape) for s in specs)
 
 
 def _priced_lazily(candidate) -> bool:
