@@ -127,14 +127,11 @@ def move(x: DTensor, placements, module: str, why: str, grad_placements=None) ->
     """Redistributes `x` to `placements`. `grad_placements` overrides the gradient's layout on the way back."""
     placements = tuple(placements)
     compiling = tracing()
-    if tuple(x.placements) == placements and (grad_placements is None or compiling):
+    if tuple(x.placements) == placements and (grad_placements is None or compiling or not x.requires_grad):
         return x
-    if compiling:
-        # DTensor's redistribute traces to functional collectives; its backward's layout is _Move's
-        return x.redistribute(placements=placements)
-    if not x.requires_grad:
-        if tuple(x.placements) == placements:
-            return x
+    if compiling or not x.requires_grad:
+        # no gradient to lay out; or the compiler's, where DTensor's redistribute traces to functional collectives,
+        # its backward's layout being _Move's
         with tags.reason(module, why):
             return x.redistribute(placements=placements)
     return _Move.apply(x, placements, grad_placements, module, why)
@@ -145,12 +142,11 @@ def move_linear_input(state, name, w, x, transposed: bool = False):
     el = torch.finfo(state.param_dtype).bits // 8 if state.param_dtype else w.element_size()
     compute = _transpose(w._spmd_compute) if transposed else tuple(w._spmd_compute)
     shape = tuple(reversed(w.shape)) if transposed else tuple(w.shape)
-    if tracing():
-        # no bookkeeping: a graph serves every module of a type, and the compiler merges repeated moves itself
-        x_target, w_target, _ = linear_layouts(x, shape, compute, el, "")
+    compiling = tracing()
+    x_target, w_target, decisions = linear_layouts(x, shape, compute, el, "" if compiling else name)
+    if compiling:  # no bookkeeping: a graph serves every module of a type, and the compiler merges repeated moves
         moved = _move_input(x, x_target, name)
     else:
-        x_target, w_target, decisions = linear_layouts(x, shape, compute, el, name)
         for d in decisions:
             state.decisions[(name, d.mesh_axis)] = d
         key = (id(x), x_target)
