@@ -81,9 +81,10 @@ def whole_members(modules, mesh, experts_over: str | None = None) -> tuple | Non
 
 
 def _batch_layout(args, kwargs, state) -> tuple | None:
-    """The first DTensor input's placements if split on dim 0 at most and the others alike or whole; else None."""
+    """The first DTensor input's placements if split on dim 0 at most and the others alike or whole, though not whole
+    along the batch it splits (a mask made from global shapes, DTensor or plain: DTensor slices it); else None."""
     mesh = state.mesh
-    layout = None
+    layout, whole = None, []
     for t in _dtensors(args, kwargs):
         if t.device_mesh is not mesh and t.device_mesh != mesh:
             return None
@@ -95,19 +96,15 @@ def _batch_layout(args, kwargs, state) -> tuple | None:
         if layout is None:
             if not all(p.is_replicate() or (p.is_shard() and p.dim == 0) for p in placements):
                 return None
-            layout = placements
-            first_batch = t.shape[0] if t.ndim else None
+            layout, first = placements, t
         elif placements != layout and not all(p.is_replicate() for p in placements):
             return None
-        elif placements != layout and t.ndim and t.shape[0] == first_batch and any(q.is_shard() for q in layout):
-            return None  # whole along a batch the others split (a mask made from global shapes): DTensor slices it
-    return layout
-
-
-def _whole_batch_plain(args, kwargs) -> bool:
-    first = next(iter(_dtensors(args, kwargs)))
-    plain = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor) and not isinstance(a, DTensor)]
-    return first.ndim > 0 and any(a.ndim and a.shape[0] == first.shape[0] for a in plain)
+        elif placements != layout:
+            whole.append(t)
+    if layout is None or not first.ndim or not any(q.is_shard() for q in layout):
+        return layout
+    whole += [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor) and not isinstance(a, DTensor)]
+    return None if any(t.ndim and t.shape[0] == first.shape[0] for t in whole) else layout
 
 
 def _dtensors(args, kwargs) -> list:
@@ -123,13 +120,13 @@ def _dtensors(args, kwargs) -> list:
 class LocalBlock:
     """One call of a data-only block on local tensors: `enter` before its forward, `leave` after."""
 
-    def __init__(self, state, module, name: str, members: tuple, layout: tuple):
+    def __init__(self, state, module, name: str, members: tuple, layout: tuple, mode=None):
         self.state, self.module, self.name, self.layout = state, module, name, layout
         self.members, self.buffers, self.facts = members
         self.split = tuple(p.is_shard() for p in layout)
+        self.mode = mode  # the global view, off the mode stack until `leave`
         self.hooks = None
         self.batch = None
-        self.mode = None
 
     def enter(self, args, kwargs):
         """Gathers the block's parameters into its modules as local tensors; returns the local inputs."""
@@ -205,11 +202,10 @@ def enter_local(state, mod, name: str, args, kwargs):
     mode = suspend_top(state.global_view[-1][1]) if state.global_view else None
     try:
         layout = _batch_layout(args, kwargs, state)
-        if layout is None or (any(q.is_shard() for q in layout) and _whole_batch_plain(args, kwargs)):
+        if layout is None:
             resume(mode)
-            return None  # a plain tensor made from global shapes (a mask) meets the split batch: DTensor slices it
-        call = LocalBlock(state, mod, name, members, layout)
-        call.mode = mode
+            return None
+        call = LocalBlock(state, mod, name, members, layout, mode)
         out = call.enter(args, kwargs)
     except BaseException:
         resume(mode)
