@@ -23,9 +23,7 @@ def output_axis(module: nn.Module) -> str | None:
 
 
 def token_axes(ndim: int, last: str | None) -> tuple:
-    """Logical axes of an activation of `ndim` dims: (batch, seq, ..., last)."""
-    if ndim == 0:
-        return ()
+    """Logical axes of an activation of `ndim` >= 1 dims: (batch, seq, ..., last)."""
     lead = ("batch", "seq")[: ndim - 1]
     return lead + (None,) * (ndim - 1 - len(lead)) + (last,)
 
