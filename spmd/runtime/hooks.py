@@ -30,8 +30,10 @@ __all__ = ["module_hooks"]
 
 def module_hooks(state: SPMDState, name: str, module: nn.Module, is_root: bool) -> tuple:
     """(pre-hook, post-hook) of `module`; the root's share the depths of the stacks at its entry."""
+    # parameters are read at call time, not captured: a compiled graph takes them as inputs, for every block
+    params = [n for n, p in module._parameters.items() if isinstance(p, DTensor)]
     entry: list = []
-    return _pre_hook(state, name, module, is_root, entry), _post_hook(state, module, is_root, entry)
+    return _pre_hook(state, name, module, is_root, entry, params), _post_hook(state, module, is_root, entry, params)
 
 
 def _unwind(state: SPMDState, marks: tuple) -> None:
@@ -64,9 +66,7 @@ def _to_dtensor(state: SPMDState, t, key):
     return as_dtensor(t, state.mesh, state.target(("input", key, t.dim()), decide))
 
 
-def _pre_hook(state: SPMDState, name: str, module: nn.Module, is_root: bool, entry: list):
-    # parameters are read at call time, not captured: a compiled graph takes them as inputs, for every block
-    param_names = [n for n, p in module._parameters.items() if isinstance(p, DTensor)]
+def _pre_hook(state: SPMDState, name: str, module: nn.Module, is_root: bool, entry: list, param_names: list):
     kind = out_dim(module)  # 0: nn.Linear, 1: Conv1D (transposed), or an embedding / other layer
     is_linear = kind is not None and not isinstance(module, nn.Embedding)
 
@@ -117,8 +117,7 @@ def _start_step(state: SPMDState) -> None:
         state.reducer.reset()
 
 
-def _post_hook(state: SPMDState, module: nn.Module, is_root: bool, entry: list):
-    param_names = [n for n, p in module._parameters.items() if isinstance(p, DTensor)]
+def _post_hook(state: SPMDState, module: nn.Module, is_root: bool, entry: list, param_names: list):
     has_children = next(module.children(), None) is not None
 
     def hook(mod, args, output):

@@ -149,8 +149,7 @@ def unwind_to(n: int) -> None:
 
 def pop():
     if not tracing() and _active:
-        _active.pop()
-        _set_top()
+        unwind_to(len(_active) - 1)
 
 
 @contextlib.contextmanager
