@@ -67,7 +67,7 @@ class GlobalView(TorchFunctionMode):
             attend = ring.ring_attention if ring.applies(args[0]) else _attention
             return attention_memory.attending(attend, *args, **kwargs)
         if func in _VIEWS and isinstance(args[0], DTensor) and tags.current_module():
-            x = _gather_merged(args[0], args[0].shape, _shape(args[0], args[1:]))
+            x = _gather_merged(args[0], _shape(args[0], args[1:]))
             if x is not args[0]:
                 self.merged[tuple(args[0].shape)] = args[0].placements
             try:
@@ -201,9 +201,9 @@ def _merged_dims(shape, new, inner_only: bool = False) -> set:
     return {d for d in range(1, len(shape) - inner_only) if math.prod(shape[:d]) not in starts}
 
 
-def _gather_merged(x: DTensor, shape, new) -> DTensor:
+def _gather_merged(x: DTensor, new) -> DTensor:
     """`x`, gathered over each mesh axis that shards a dim the view to `new` merges into the dim before it."""
-    dims = _merged_dims(shape, new)
+    dims = _merged_dims(x.shape, new)
     merged = [p.is_shard() and p.dim in dims for p in x.placements]
     if not any(merged):
         return x
