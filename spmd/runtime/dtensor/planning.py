@@ -29,15 +29,35 @@ _shardable: dict = {}  # (shape, placements, mesh sizes, allow_unbacked) -> whet
 _MAX_KEPT = 200_000  # entries of each store
 
 
+def _targets() -> dict:
+    """Where each of torch's planning functions that install() answers lives: {name: (module or class, attribute)}."""
+    from torch.distributed.tensor import _redistribute, _sharding_prop
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
+    from torch.distributed.tensor._ops import utils as op_utils
+
+    planner = _redistribute.DTensorRedistributePlanner
+    return {
+        "transform": (_redistribute, "_gen_transform_infos_non_cached"),
+        "cached": (_redistribute, "_gen_transform_infos"),
+        "price": (op_utils, "redistribute_cost"),
+        "next_states": (planner, "get_next_state"),
+        "shortest_path": (planner, "find_min_cost_path"),
+        "order": (DTensorSpec, "compute_default_shard_order"),  # (a staticmethod, kept as one)
+        "verify": (DTensorSpec, "_verify_shard_order"),
+        "shardable": (op_utils, "is_tensor_shardable"),
+        "costs": (op_utils, "generate_redistribute_costs"),
+        "expansion": (op_utils, "expand_to_full_mesh_op_strategy"),
+        "choice": (_sharding_prop, "_select_min_cost_strategy"),
+        "single_dim": (_sharding_prop, "_expand_single_dim_strategy_to_mesh"),
+    }
+
+
 def install() -> None:
     """Answers DTensor's planning from the stores, once per process (`torchs()` undoes it for a while)."""
     if _KEPT:
         return
-    from torch.distributed.tensor import _redistribute, _sharding_prop
-    from torch.distributed.tensor._ops import utils as op_utils
-
-    planner = _redistribute.DTensorRedistributePlanner
-    next_states, shortest_path = planner.get_next_state, planner.find_min_cost_path
+    _TORCHS.update({name: vars(owner)[attr] for name, (owner, attr) in _targets().items()})
+    next_states, shortest_path = _TORCHS["next_states"], _TORCHS["shortest_path"]
 
     def kept_next_states(self, placements, shard_order):
         mesh, rank, size, targets = key = _graph_key(self)
@@ -52,12 +72,7 @@ def install() -> None:
         paths = memo(_graphs, (_graph_key(self), src_state), lambda: _shortest_paths(self, src_state))
         return list(paths[dst_state]) if dst_state in paths else shortest_path(self, src_state, dst_state)
 
-    _TORCHS.update(transform=_redistribute._gen_transform_infos_non_cached, cached=_redistribute._gen_transform_infos)
-    _TORCHS.update(price=op_utils.redistribute_cost, next_states=next_states, shortest_path=shortest_path)
     _KEPT.update(_kept_moves(_TORCHS), next_states=kept_next_states, shortest_path=kept_shortest_path)
-    _TORCHS.update(_spec_checks(), costs=op_utils.generate_redistribute_costs)
-    _TORCHS.update(choice=_sharding_prop._select_min_cost_strategy, expansion=op_utils.expand_to_full_mesh_op_strategy)
-    _TORCHS.update(single_dim=_sharding_prop._expand_single_dim_strategy_to_mesh)
     _KEPT.update(_kept_spec_checks(_TORCHS), **kept_choice(_KEPT["price"], _TORCHS))
     _put(_KEPT)
 
@@ -125,17 +140,6 @@ def _price_key(spec) -> tuple:
     return spec.mesh, spec.placements, order, tuple(meta.shape), meta.dtype.itemsize
 
 
-def _spec_checks() -> dict:
-    from torch.distributed.tensor._dtensor_spec import DTensorSpec
-    from torch.distributed.tensor._ops import utils as op_utils
-
-    return {
-        "order": DTensorSpec.__dict__["compute_default_shard_order"],
-        "verify": DTensorSpec._verify_shard_order,
-        "shardable": op_utils.is_tensor_shardable,
-    }
-
-
 def _kept_spec_checks(torchs: dict) -> dict:
     """A strategy's specs are built and checked per candidate (millions in a cold step): their default shard
     order, its check and whether a shape can be split are functions of placements, mesh sizes and shape."""
@@ -157,23 +161,8 @@ def _kept_spec_checks(torchs: dict) -> dict:
 
 
 def _put(functions: dict) -> None:
-    from torch.distributed.tensor import _redistribute, _sharding_prop
-    from torch.distributed.tensor._dtensor_spec import DTensorSpec
-    from torch.distributed.tensor._ops import utils as op_utils
-
-    _redistribute._gen_transform_infos_non_cached = functions["transform"]
-    _redistribute._gen_transform_infos = functions["cached"]
-    op_utils.redistribute_cost = functions["price"]
-    planner = _redistribute.DTensorRedistributePlanner
-    planner.get_next_state, planner.find_min_cost_path = functions["next_states"], functions["shortest_path"]
-    DTensorSpec.compute_default_shard_order, DTensorSpec._verify_shard_order = functions["order"], functions["verify"]
-    op_utils.is_tensor_shardable = functions["shardable"]
-    op_utils.expand_to_full_mesh_op_strategy, op_utils.generate_redistribute_costs = (
-        functions["expansion"],
-        functions["costs"],
-    )
-    _sharding_prop._select_min_cost_strategy = functions["choice"]
-    _sharding_prop._expand_single_dim_strategy_to_mesh = functions["single_dim"]
+    for name, (owner, attr) in _targets().items():
+        setattr(owner, attr, functions[name])
 
 
 @contextlib.contextmanager
