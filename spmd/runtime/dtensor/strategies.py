@@ -11,26 +11,23 @@ __all__ = ["install"]
 aten = torch.ops.aten
 
 
-def _mask(attn_mask, dim):
-    if attn_mask is None:
-        return None
-    if dim is None:
-        return Replicate()
-    return Shard(dim) if attn_mask.ndim == 4 and attn_mask.shape[dim] > 1 else Replicate()
+def _strategies(outputs: int, inputs: int, attn_mask) -> list:
+    """Replicated, batch- and head-sharded: `outputs` results and `inputs` tensors alike, then dropout_p,
+    is_causal, the mask and scale."""
+    strategies = []
+    for dim, p in [(None, Replicate()), (0, Shard(0)), (1, Shard(1))]:
+        split = dim is not None and attn_mask is not None and attn_mask.ndim == 4 and attn_mask.shape[dim] > 1
+        mask = None if attn_mask is None else p if split else Replicate()
+        strategies.append(([p] * outputs, [p] * inputs + [None, None, mask, None]))
+    return strategies
 
 
 def _sdpa_cpu(query, key, value, dropout_p=0.0, is_causal=False, attn_mask=None, scale=None):
-    strategies = [([Replicate(), Replicate()], [Replicate()] * 3 + [None, None, _mask(attn_mask, None), None])]
-    for dim in (0, 1):  # batch, heads
-        strategies.append(([Shard(dim), Shard(dim)], [Shard(dim)] * 3 + [None, None, _mask(attn_mask, dim), None]))
-    return strategies
+    return _strategies(2, 3, attn_mask)
 
 
 def _sdpa_cpu_backward(grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, attn_mask=None, scale=None):
-    strategies = [([Replicate()] * 3, [Replicate()] * 6 + [None, None, _mask(attn_mask, None), None])]
-    for dim in (0, 1):
-        strategies.append(([Shard(dim)] * 3, [Shard(dim)] * 6 + [None, None, _mask(attn_mask, dim), None]))
-    return strategies
+    return _strategies(3, 6, attn_mask)
 
 
 _STRATEGIES = {
