@@ -25,13 +25,10 @@ def parse_mode(mode: str) -> int:
         return 0
     if mode == "full":
         return 1
-    if mode.startswith("selective:"):
-        try:
-            n = int(mode.split(":", 1)[1])
-        except ValueError:
-            n = 0
-        if n >= 1:
-            return n
+    head, _, n = mode.partition(":")
+    with contextlib.suppress(ValueError):  # (N not an int)
+        if head == "selective" and int(n) >= 1:
+            return int(n)
     raise ValueError(f"activation checkpointing mode must be none, full or selective:N with N >= 1, got {mode!r}")
 
 

@@ -37,6 +37,7 @@ def compile_blocks(model: nn.Module, blocks: str | None = None, bucket: bool = T
     all-reduces (a global inductor setting): a block's collectives of one kind merge into one, as
     spmd.runtime.parameters.group does in eager. `compile_kwargs` go to `torch.compile`."""
     path, block_list = find_blocks(model, blocks)
+    state = getattr(model, STATE_ATTR, None)
     routed = [f"{path}.{i}.{name}" for i, block in enumerate(block_list) for name in expert_modules(block)]
     if routed:
         raise ValueError(
@@ -44,12 +45,12 @@ def compile_blocks(model: nn.Module, blocks: str | None = None, bucket: bool = T
             f"dispatch has split sizes that depend on the routing: torch.compile breaks the graph and "
             f"recompiles for every routing. Run a mixture of experts without compile_blocks (--compile)"
         )
-    if host_params(getattr(model, STATE_ATTR, None)):
+    if host_params(state):
         raise ValueError(
             "compile_blocks does not support parallelize(offload='params') (a compiled block gathers "
             "parameters where they are stored); leave the blocks eager, or use offload='optimizer'"
         )
-    _refuse_wire_in_graph(getattr(model, STATE_ATTR, None), path, block_list)
+    _refuse_wire_in_graph(state, path, block_list)
     if bucket:
         from torch._inductor import config as inductor_config
 
@@ -58,7 +59,6 @@ def compile_blocks(model: nn.Module, blocks: str | None = None, bucket: bool = T
         inductor_config.bucket_all_reduces_fx = "all"
     if any(computes_in_float8(m) for m in model.modules()):
         compile_kwargs.setdefault("dynamic", False)  # dynamo's dynamic-shape recompile fails on torchao's float8
-    state = getattr(model, STATE_ATTR, None)
     if state is not None:
         compiled = (*state.compiled_params, *(p for block in block_list for p in block.parameters()))
         state.compiled_params = list({id(p): p for p in compiled}.values())  # each once, however often called
