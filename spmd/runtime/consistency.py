@@ -1,6 +1,6 @@
 """Ranks that lay a model out together must agree on how: the same mesh, rules, dtypes and parameters.
 
-Otherwise they would issue different collectives and hang, or train on garbage. `check_ranks_agree` all-gathers
+Otherwise they would issue different collectives and hang, or train on garbage. `check_layout_agrees` all-gathers
 an 8-byte digest per field (the same size on every rank, so it cannot hang) and raises on every rank, naming the
 fields that differ, before any collective of the layout.
 """
@@ -10,17 +10,24 @@ import hashlib
 import torch
 import torch.distributed as dist
 
-__all__ = ["check_ranks_agree", "check_layout_agrees"]
+__all__ = ["check_layout_agrees"]
 
 
-def check_ranks_agree(mesh, fields: dict[str, str], what: str) -> None:
-    """`fields`: {name: a text every rank must have equal}. A no-op alone, in a fake world (explain), or on a
-    mesh that covers only some of the ranks (a pipeline stage: stages hold different parameters)."""
+def check_layout_agrees(model, mesh, rules, layouts: dict, **settings) -> None:
+    """`parallelize`'s agreement: mesh, rules, settings, and each parameter's name, shape, dtype and layouts. A
+    no-op alone, in a fake world (explain), or on a mesh that covers only some of the ranks (a pipeline stage:
+    stages hold different parameters)."""
     if not dist.is_initialized() or dist.get_backend() == "fake":
         return
     world = dist.get_world_size()
     if world == 1 or mesh.size() != world:
         return
+    fields = {  # name -> a text every rank must have equal
+        "mesh": f"{dict(zip(mesh.mesh_dim_names, mesh.shape))} on {mesh.device_type}",
+        "rules": _rules_summary(rules),
+        "settings": ", ".join(f"{k}={v}" for k, v in sorted(settings.items())),
+        "parameters": repr([(n, tuple(p.shape), p.dtype, layouts[n]) for n, p in model.named_parameters()]),
+    }
     names = sorted(fields)
     digest = b"".join(hashlib.sha256(fields[n].encode()).digest()[:8] for n in names)
     mine = torch.frombuffer(bytearray(digest), dtype=torch.uint8).to(mesh.device_type)
@@ -34,23 +41,9 @@ def check_ranks_agree(mesh, fields: dict[str, str], what: str) -> None:
         shown = [n for n in sorted({n for d in differ.values() for n in d}) if len(fields[n]) <= 600]
         mine_now = "".join(f"; {n} here (rank {dist.get_rank()}): {fields[n]}" for n in shown)
         raise ValueError(
-            f"{what}: ranks disagree with rank 0 on {where}{mine_now}. "
+            f"spmd.parallelize: ranks disagree with rank 0 on {where}{mine_now}. "
             f"Start every rank with the same mesh, rules, dtypes and model"
         )
-
-
-def check_layout_agrees(model, mesh, rules, layouts: dict, **settings) -> None:
-    """`parallelize`'s agreement: mesh, rules, settings, and each parameter's name, shape, dtype and layouts."""
-    check_ranks_agree(
-        mesh,
-        {
-            "mesh": f"{dict(zip(mesh.mesh_dim_names, mesh.shape))} on {mesh.device_type}",
-            "rules": _rules_summary(rules),
-            "settings": ", ".join(f"{k}={v}" for k, v in sorted(settings.items())),
-            "parameters": repr([(n, tuple(p.shape), p.dtype, layouts[n]) for n, p in model.named_parameters()]),
-        },
-        "spmd.parallelize",
-    )
 
 
 def _rules_summary(rules) -> str:
