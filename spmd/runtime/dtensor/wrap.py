@@ -3,6 +3,7 @@ shared, and the local tensor stays where it lives.
 """
 
 import torch
+from torch._prims_common import make_contiguous_strides_for as contiguous_stride  # (a shape's contiguous strides)
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._utils import compute_global_tensor_info
@@ -98,11 +99,3 @@ def layout_spec(mesh, placements, shape, stride, dtype) -> DTensorSpec:
             DTensorSpec(mesh, tuple(placements), tensor_meta=TensorMeta(torch.Size(shape), tuple(stride), dtype)),
         )
     return hit[1]
-
-
-def contiguous_stride(shape) -> tuple:
-    stride, acc = [], 1
-    for s in reversed(shape):
-        stride.append(acc)
-        acc *= s
-    return tuple(reversed(stride))
