@@ -18,7 +18,7 @@ __all__ = ["Pending", "gather", "reduce_scatter", "all_reduce", "ON_THE_WIRE", "
 
 ON_THE_WIRE = "on the wire"
 
-all_gather_single = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor  # torch < 2.13: _tensor
+all_gather_single = funcol.all_gather_single  # (spmd.runtime.collectives gathers through it too)
 
 
 def waited(t):

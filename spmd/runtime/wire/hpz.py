@@ -48,7 +48,7 @@ def secondary_bytes(model, state) -> int:
     """Bytes per rank of the secondary copies a step keeps from forward to backward (all at once: the last
     module's backward needs its copy after every forward has run)."""
     total = 0
-    for p in {id(p): p for p in model.parameters()}.values():
+    for p in model.parameters():  # (each once, shared ones too)
         if isinstance(p, DTensor) and secondary_placements(p, p._spmd_compute, state.wire.hpz) is not None:
             size = p.device_mesh.size(p.device_mesh.mesh_dim_names.index(state.wire.hpz))
             dtype = state.param_dtype or p.dtype
