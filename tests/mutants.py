@@ -43,8 +43,9 @@ MUTANTS = [
     # data-only blocks stay eager under compile_blocks: the compiled schedule would compare eager with eager
     Mutant(
         "spmd/runtime/transforms/compile.py",
-        "    block.forward = torch.compile(block.forward, **compile_kwargs)\n",
-        "    pass\n",
+        "    setattr(block, name, torch.compile(getattr(block, name), **compile_kwargs))\n",
+        '    if name != "forward":\n'
+        "        setattr(block, name, torch.compile(getattr(block, name), **compile_kwargs))\n",
         "tests/test_compile.py::test_compiled_blocks_gather_what_eager_gathers",
     ),
     # a group of an equal mesh built earlier is named by its number, not by the axes its ranks span

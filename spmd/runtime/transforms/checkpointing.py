@@ -5,7 +5,6 @@ the same as without it."""
 
 import contextlib
 
-import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
@@ -16,7 +15,7 @@ from ..parameters.gather import place_for_graph, release_from_graph
 from ..parameters.reshard import BODY_COMPILED_ATTR, CHECKPOINTED_ATTR
 from ..state import STATE_ATTR, Phase, activated
 
-__all__ = ["apply_activation_checkpointing", "checkpoint_block", "compile_body", "parse_mode"]
+__all__ = ["apply_activation_checkpointing", "checkpoint_block", "parse_mode"]
 
 
 def parse_mode(mode: str) -> int:
@@ -46,7 +45,7 @@ def apply_activation_checkpointing(model: nn.Module, mode: str = "full", blocks:
 
 def checkpoint_block(root: nn.Module, block: nn.Module):
     drop_local_model(root, getattr(root, STATE_ATTR, None))  # the recompute runs after the model's call ended
-    block._spmd_body = block.forward  # what the checkpoint recomputes; compile_body compiles it
+    block._spmd_body = block.forward  # what the checkpoint recomputes; compile_blocks compiles it
 
     def run(*args, **kwargs):
         state = getattr(root, STATE_ATTR, None)
@@ -59,13 +58,6 @@ def checkpoint_block(root: nn.Module, block: nn.Module):
     block.forward = checkpointed
     for m in block.modules():
         setattr(m, CHECKPOINTED_ATTR, True)
-
-
-def compile_body(block: nn.Module, **compile_kwargs):
-    """torch.compile the body of a checkpointed block: the checkpoint stays outside the graph and its
-    recompute runs the compiled body again. The block's own hooks run eager and leave the gathers to it."""
-    block._spmd_body = torch.compile(block._spmd_body, **compile_kwargs)
-    setattr(block, BODY_COMPILED_ATTR, True)
 
 
 @contextlib.contextmanager

@@ -25,7 +25,6 @@ from ..local.hook_sets import dress_inside
 from ..parameters.host import host_params
 from ..parameters.reshard import BODY_COMPILED_ATTR, CHECKPOINTED_ATTR
 from ..state import STATE_ATTR
-from .checkpointing import compile_body
 
 __all__ = ["compile_blocks"]
 
@@ -65,7 +64,7 @@ def compile_blocks(model: nn.Module, blocks: str | None = None, bucket: bool = T
     local = {} if state is None else state.local_members  # blocks that run on local tensors
     for block in block_list:
         if id(block) in local and not getattr(block, CHECKPOINTED_ATTR, False):
-            _compile_forward(block, **compile_kwargs)
+            _compile_in_place(block, "forward", **compile_kwargs)
             continue
         dress_inside(block)  # a compiled block takes the DTensor path (spmd.runtime.local.hook_sets)
         for m in block.modules():
@@ -73,9 +72,9 @@ def compile_blocks(model: nn.Module, blocks: str | None = None, bucket: bool = T
             # every block of a type shares one graph (in a compiled graph an error aborts it anyway)
             m._forward_hooks_always_called.clear()
         if getattr(block, CHECKPOINTED_ATTR, False):  # on the wire its group gathers around the body too
-            compile_body(block, **compile_kwargs)
+            _compile_in_place(block, "_spmd_body", **compile_kwargs)
         elif getattr(state, "wire", None) is not None:  # its group on the wire around it
-            _compile_forward(block, **compile_kwargs)
+            _compile_in_place(block, "forward", **compile_kwargs)
         else:
             block.compile(**compile_kwargs)
     # blocks of one type share a graph; room for a recompile per block where guards differ (shapes)
@@ -107,8 +106,9 @@ def _computes_sharded(module: nn.Module) -> bool:
     return any(not c.is_replicate() for p in module.parameters(recurse=False) for c in p._spmd_compute)
 
 
-def _compile_forward(block: nn.Module, **compile_kwargs) -> None:
-    """torch.compile a block's forward alone, its hooks left eager around it; on a DTensor-path call the graph
-    gathers the parameters itself, as a checkpointed block's compiled body does."""
-    block.forward = torch.compile(block.forward, **compile_kwargs)
+def _compile_in_place(block: nn.Module, name: str, **compile_kwargs) -> None:
+    """torch.compile a block's `forward` alone, its hooks left eager around it (on a DTensor-path call the graph
+    gathers the parameters itself), or a checkpointed block's `_spmd_body`: the checkpoint stays outside the
+    graph and its recompute runs the compiled body again, the block's own hooks eager."""
+    setattr(block, name, torch.compile(getattr(block, name), **compile_kwargs))
     setattr(block, BODY_COMPILED_ATTR, True)
