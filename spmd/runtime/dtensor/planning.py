@@ -243,14 +243,14 @@ def _shortest_paths(planner, src) -> dict:
     return paths
 
 
-def memo(store: dict, key, compute):
-    """`store[key]`, computed once (store emptied past its bound); an unhashable key (symbolic sizes) is not kept."""
+def memo(store: dict, key, compute, bound: int = _MAX_KEPT):
+    """`store[key]`, computed once (emptied once it holds `bound`); an unhashable key (symbolic sizes) is not kept."""
     try:
         found = store.get(key)
     except TypeError:
         return compute()
     if found is None:
-        if len(store) > _MAX_KEPT:
+        if len(store) >= bound:
             store.clear()
         found = store[key] = compute()
     return found
