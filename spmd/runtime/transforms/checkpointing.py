@@ -4,6 +4,7 @@ bucketed block's as one bucket, as its forward did) and replays the block's layo
 the same as without it."""
 
 import contextlib
+import functools
 
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
@@ -52,10 +53,7 @@ def checkpoint_block(root: nn.Module, block: nn.Module):
         with activated(state), recomputing(state), _bucket_gathered(state, block):
             return block._spmd_body(*args, **kwargs)
 
-    def checkpointed(*args, **kwargs):
-        return checkpoint(run, *args, use_reentrant=False, **kwargs)
-
-    block.forward = checkpointed
+    block.forward = functools.partial(checkpoint, run, use_reentrant=False)
     for m in block.modules():
         setattr(m, CHECKPOINTED_ATTR, True)
 
