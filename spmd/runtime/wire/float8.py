@@ -54,15 +54,12 @@ def gather_members(tensors: list, is_float8: list, mesh, m: int) -> Pending:
     tensor in that dtype, row r being rank r's members back to back (as the plain flat gather gives)."""
     dtype, n = tensors[0].dtype, mesh.size(m)
     with torch.no_grad():
-        scales = scales_for([t for t, f in zip(tensors, is_float8) if f], mesh) if any(is_float8) else None
-        parts, k = [], 0
+        scales = scales_for([t for t, f in zip(tensors, is_float8) if f], mesh) if any(is_float8) else torch.empty(0)
+        parts, scale = [], iter(scales)
         for t, f in zip(tensors, is_float8):
-            if f:
-                codes = (t.float() * scales[k]).clamp_(-FLOAT8_MAX, FLOAT8_MAX).to(torch.float8_e4m3fn)
-                parts.append(codes.reshape(-1).view(torch.uint8))
-                k += 1
-            else:
-                parts.append(t.reshape(-1).view(torch.uint8))
+            if f:  # its e4m3 codes
+                t = (t.float() * next(scale)).clamp_(-FLOAT8_MAX, FLOAT8_MAX).to(torch.float8_e4m3fn)
+            parts.append(t.reshape(-1).view(torch.uint8))
         row = torch.cat(parts)
         with tagged("float8"):
             out = all_gather_single(row, 0, (mesh, m))
@@ -70,15 +67,12 @@ def gather_members(tensors: list, is_float8: list, mesh, m: int) -> Pending:
     return Pending(out, lambda got: _decode(got.view(n, -1), shapes, scales, dtype))
 
 
-def _decode(rows: torch.Tensor, shapes: list, scales, dtype) -> torch.Tensor:
+def _decode(rows: torch.Tensor, shapes: list, scales: torch.Tensor, dtype) -> torch.Tensor:
     """(n, bytes) gathered rows -> (n, values) in `dtype`: codes unscaled, the rest reinterpreted."""
-    size, out, at, k = torch.empty((), dtype=dtype).element_size(), [], 0, 0
+    out, at, scale = [], 0, iter(scales)
     for numel, f in shapes:
-        if f:
-            codes = rows[:, at : at + numel].contiguous().view(torch.float8_e4m3fn)
-            out.append((codes.float() / scales[k]).to(dtype))
-            at, k = at + numel, k + 1
-        else:
-            out.append(rows[:, at : at + numel * size].contiguous().view(dtype))
-            at += numel * size
+        width = numel if f else numel * dtype.itemsize
+        part = rows[:, at : at + width].contiguous()
+        out.append((part.view(torch.float8_e4m3fn).float() / next(scale)).to(dtype) if f else part.view(dtype))
+        at += width
     return torch.cat(out, dim=1)
