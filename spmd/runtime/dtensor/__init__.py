@@ -14,8 +14,5 @@ __all__ = ["install"]
 
 def install() -> None:
     """Registers spmd's DTensor op handlers and strategies, the kept planning and the teardown wait."""
-    detach.install()
-    fused_step.install()
-    strategies.install()
-    planning.install()
-    teardown.install()
+    for module in (detach, fused_step, strategies, planning, teardown):
+        module.install()
