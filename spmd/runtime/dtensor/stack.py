@@ -8,10 +8,7 @@ __all__ = ["suspend_top", "resume", "after_backward"]
 
 def suspend_top(mode):
     """Takes `mode` off the torch-function stack when it is on top and returns it, to `resume`; else None."""
-    if mode is None:
-        return None
-    n = torch._C._len_torch_function_stack()
-    if n == 0 or torch._C._get_function_stack_at(n - 1) is not mode:
+    if mode is None or torch.overrides._get_current_function_mode() is not mode:
         return None
     return torch._C._pop_torch_function_stack()
 
