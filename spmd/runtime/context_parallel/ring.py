@@ -169,16 +169,11 @@ def _wait(pending):
     return recv
 
 
-def _grouped(q, hkv: int):
-    b, h, t, d = q.shape
-    return q.reshape(b, hkv, h // hkv, t, d)
-
-
 class _Ring(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, causal, scale, group, module):
         n, me, t = group.size(), group.rank(), q.shape[2]
-        qg = _grouped(q, k.shape[1])
+        qg = q.unflatten(1, (k.shape[1], -1))  # [b, hkv, g, t, d]
         out = torch.zeros(qg.shape, dtype=torch.float32, device=q.device)
         lse = torch.full(qg.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v])
@@ -206,7 +201,7 @@ class _Ring(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         group, module = ctx.group, ctx.module
         n, me, t = group.size(), group.rank(), q.shape[2]
-        qg, dout = _grouped(q, k.shape[1]), _grouped(grad, k.shape[1]).float()
+        qg, dout = q.unflatten(1, (k.shape[1], -1)), grad.unflatten(1, (k.shape[1], -1)).float()
         delta = (dout * out).sum(-1)
         dq = torch.zeros(qg.shape, dtype=torch.float32, device=q.device)
         kv, arriving, own = torch.stack([k, v]), None, None
