@@ -7,13 +7,11 @@ come back to be summed per token. Backward mirrors each all-to-all; `explain` ta
 import inspect
 
 import torch
-import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 from torch._subclasses.fake_tensor import is_fake
 
 from ...layout.annotate import get_axes
 from ...layout.mesh import mesh_sizes
-from .. import tags
 from .all_to_all import AllToAll, balanced_counts, exchange_counts
 
 __all__ = ["RoutedDispatch"]
@@ -49,18 +47,15 @@ class RoutedDispatch:
         why = "dispatch each (token, choice) to its expert's rank" + note
         rows = AllToAll.apply(x[order // k], recv, send, self.group, self.name, why)
         row_weights = AllToAll.apply(weights.reshape(-1)[order].unsqueeze(1), recv, send, self.group, self.name, why)
-        local = (flat[order] % per_rank).unsqueeze(1)
-        with tags.reason(self.name, why):
-            local = funcol.wait_tensor(funcol.all_to_all_single(local.contiguous(), recv, send, self.group))
+        local = AllToAll.apply((flat[order] % per_rank).unsqueeze(1), recv, send, self.group, self.name, why)
         self.pending.append((order // k, n, send, recv, note, module.__dict__.get("num_experts")))
         module.__dict__["num_experts"] = per_rank  # the module's own routing: its local experts
         return (rows, local, row_weights), {}
 
     def leave(self, module, args, output):
         token, n, send, recv, note, experts = self.pending.pop()
-        if experts is None:  # (not an attribute of the module's own: a class's, or none)
-            del module.__dict__["num_experts"]
-        else:
+        del module.__dict__["num_experts"]
+        if experts is not None:  # (else not an attribute of the module's own: a class's, or none)
             module.__dict__["num_experts"] = experts
         if output.shape[0] == 0:
             # no pair came: tie inputs and experts to the output so this rank's backward still runs the reverse
