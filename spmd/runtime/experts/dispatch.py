@@ -106,7 +106,7 @@ def install_expert_hooks(model: nn.Module, state) -> None:
         if routes_itself(module):
             balanced_grouped_products(module)  # it runs on local tensors (spmd.runtime.local.blocks)
             if mesh_sizes(state.mesh).get("ep", 1) > 1:
-                RoutedDispatch(state, name, module).install()
+                _hook(module, RoutedDispatch(state, name, module), with_kwargs=True)
             continue
         parent_name = name.rpartition(".")[0]
         # mesh dims splitting another dim than `experts` (tp on mlp): outputs and input gradients are partial there
@@ -116,12 +116,14 @@ def install_expert_hooks(model: nn.Module, state) -> None:
             for m, pl in enumerate(p._spmd_compute)
             if pl.is_shard() and pl.dim != 0 and state.mesh.size(m) > 1
         }
-        region = _Region(state, parent_name, split)
-        modules[parent_name].register_forward_pre_hook(region.enter)
-        modules[parent_name].register_forward_hook(region.leave, prepend=True)
-        dispatch = _Dispatch(state, name)
-        module.register_forward_pre_hook(dispatch.enter)
-        module.register_forward_hook(dispatch.leave, prepend=True)
+        _hook(modules[parent_name], _Region(state, parent_name, split))
+        _hook(module, _Dispatch(state, name))
+
+
+def _hook(module: nn.Module, hooks, with_kwargs: bool = False) -> None:
+    """`hooks.enter` and `hooks.leave` around `module`'s forward, inside the hooks registered before them."""
+    module.register_forward_pre_hook(hooks.enter, with_kwargs=with_kwargs)
+    module.register_forward_hook(hooks.leave, prepend=True)
 
 
 class _Region:
@@ -137,13 +139,12 @@ class _Region:
         for a in args:
             if isinstance(a, DTensor):
                 target = tuple(p if p.is_shard() and p.dim == 0 else Replicate() for p in a.placements)
-                layout = layout or (a.device_mesh, target, a.shape)
+                # the output, and the gradient on the way back, are partial over the split dims (reduced after)
+                partial = [Partial() if m in self.split else p for m, p in enumerate(target)]
+                layout = layout or (a.device_mesh, partial, a.shape)
                 why = "bring each rank's tokens whole to its routing"
-                if a.requires_grad:  # the gradient, partial over the split dims, is reduced on the way back
-                    a = move(a, target, self.name, why, grad_placements=grad_layout(a.placements))
-                    a = a.to_local(grad_placements=[Partial() if m in self.split else p for m, p in enumerate(target)])
-                else:
-                    a = move(a, target, self.name, why).to_local()
+                a = move(a, target, self.name, why, grad_placements=grad_layout(a.placements))
+                a = a.to_local(grad_placements=partial)
             local.append(a)
         self.layouts.append(layout)
         return tuple(local)
@@ -152,8 +153,7 @@ class _Region:
         layout = self.layouts.pop()
         if layout is None:
             return output
-        mesh, target, shape = layout
-        placements = [Partial() if m in self.split else p for m, p in enumerate(target)]
+        mesh, placements, shape = layout
         out_shape = shape[:-1] + output.shape[-1:]
         return DTensor.from_local(
             output, mesh, placements, run_check=False, shape=out_shape, stride=contiguous_stride(out_shape)

@@ -21,19 +21,12 @@ class RoutedDispatch:
     """The hooks that send a self-routing expert module's (token, choice) pairs to their experts' ranks."""
 
     def __init__(self, state, name: str, module: nn.Module):
-        self.name, self.module = name, module
+        self.name = name
         self.experts = next(p.shape[0] for p in module.parameters(recurse=False) if "experts" in (get_axes(p) or ()))
         self.ep = mesh_sizes(state.mesh)["ep"]
         self.group = state.mesh.get_group("ep")
         self.signature = inspect.signature(module.forward)
         self.pending: list = []
-
-    def install(self) -> list:
-        """Registers the hooks (after the pass's own: these run inside them); returns the handles."""
-        return [
-            self.module.register_forward_pre_hook(self.enter, with_kwargs=True),
-            self.module.register_forward_hook(self.leave, prepend=True),
-        ]
 
     def enter(self, module, args, kwargs):
         x, index, weights = self.signature.bind(*args, **kwargs).args[:3]
