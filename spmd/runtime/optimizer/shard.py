@@ -197,8 +197,7 @@ def _grads_to_masters(pairs, copy_out: bool, copies=None):
             elif copies is not None and id(p) in copies.master_of:
                 master.grad = copies.copy_now(local_of(slice_onto_shards(g, master.placements)), master)
             else:
-                g = slice_onto_shards(g, master.placements)
-                master.grad = g.to(master.device, master.dtype, copy=copy_out)
+                master.grad = slice_onto_shards(g, master.placements).to(master.device, master.dtype, copy=copy_out)
         p.grad = None
 
 
