@@ -116,14 +116,12 @@ def ring_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=F
     return DTensor.from_local(out, mesh, query.placements, run_check=False)
 
 
-def _blocks(me: int, src: int, t: int, causal: bool):
+def _block(me: int, src: int, t: int, causal: bool):
     """(query rows, key columns, causal) of the attention rank `me` computes on rank `src`'s K/V block."""
-    every, first, second = slice(0, t), slice(0, t // 2), slice(t // 2, t)
-    if not causal:
-        return [(every, every, False)]
-    if src == me:
-        return [(every, every, True)]
-    return [(every, first, False)] if src < me else [(second, every, False)]
+    every = slice(0, t)
+    if not causal or src == me:
+        return every, every, causal
+    return (every, slice(0, t // 2), False) if src < me else (slice(t // 2, t), every, False)
 
 
 def _scores(q, k, causal: bool, scale: float):
@@ -179,13 +177,13 @@ class _Ring(torch.autograd.Function):
         kv = torch.stack([k, v])
         for step in range(n):
             pending = _exchange(kv, group, module, "ring attention: K/V to the next cp rank") if step < n - 1 else None
-            for rows, cols, blk_causal in _blocks(me, (me - step) % n, t, causal):
-                o, l = _attend(qg[..., rows, :], kv[0][..., cols, :], kv[1][..., cols, :], blk_causal, scale)
-                merged = torch.logaddexp(lse[..., rows], l)
-                out[..., rows, :] = (
-                    out[..., rows, :] * (lse[..., rows] - merged).exp()[..., None] + o * (l - merged).exp()[..., None]
-                )
-                lse[..., rows] = merged
+            rows, cols, blk_causal = _block(me, (me - step) % n, t, causal)
+            o, l = _attend(qg[..., rows, :], kv[0][..., cols, :], kv[1][..., cols, :], blk_causal, scale)
+            merged = torch.logaddexp(lse[..., rows], l)
+            out[..., rows, :] = (
+                out[..., rows, :] * (lse[..., rows] - merged).exp()[..., None] + o * (l - merged).exp()[..., None]
+            )
+            lse[..., rows] = merged
             if pending is not None:
                 kv = _wait(pending)
         ctx.save_for_backward(q, k, v, out, lse)
@@ -212,20 +210,20 @@ class _Ring(torch.autograd.Function):
                 else None
             )
             dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
-            for rows, cols, blk_causal in _blocks(me, (me - step) % n, t, ctx.causal):
-                dq_b, dk_b, dv_b = _attend_backward(
-                    qg[..., rows, :],
-                    kv[0][..., cols, :],
-                    kv[1][..., cols, :],
-                    dout[..., rows, :],
-                    delta[..., rows],
-                    lse[..., rows],
-                    blk_causal,
-                    ctx.scale,
-                )
-                dq[..., rows, :] += dq_b
-                dkv[0][..., cols, :] += dk_b
-                dkv[1][..., cols, :] += dv_b
+            rows, cols, blk_causal = _block(me, (me - step) % n, t, ctx.causal)
+            dq_b, dk_b, dv_b = _attend_backward(
+                qg[..., rows, :],
+                kv[0][..., cols, :],
+                kv[1][..., cols, :],
+                dout[..., rows, :],
+                delta[..., rows],
+                lse[..., rows],
+                blk_causal,
+                ctx.scale,
+            )
+            dq[..., rows, :] += dq_b
+            dkv[0][..., cols, :] += dk_b
+            dkv[1][..., cols, :] += dv_b
             if step == 0:
                 own = dkv
             else:
