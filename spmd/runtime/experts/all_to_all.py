@@ -17,15 +17,14 @@ class AllToAll(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, out_splits, in_splits, group, module, why):
-        ctx.splits, ctx.group, ctx.module, ctx.why = (in_splits, out_splits), group, module, why
+        ctx.splits, ctx.group, ctx.module, ctx.why = (in_splits, out_splits), group, module, why  # back: reversed
         with tags.reason(module, why):
             return funcol.wait_tensor(funcol.all_to_all_single(x.contiguous(), out_splits, in_splits, group))
 
     @staticmethod
     def backward(ctx, g):
-        out_splits, in_splits = ctx.splits
         with tags.reason(ctx.module, f"backward of {ctx.why}"):
-            g = funcol.wait_tensor(funcol.all_to_all_single(g.contiguous(), out_splits, in_splits, ctx.group))
+            g = funcol.wait_tensor(funcol.all_to_all_single(g.contiguous(), *ctx.splits, ctx.group))
         return g, None, None, None, None, None
 
 
