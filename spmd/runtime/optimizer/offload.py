@@ -37,9 +37,7 @@ def host_copy(local: torch.Tensor, offload, name: str) -> torch.Tensor:
         return host_tensor(local)
     if isinstance(local, torch._subclasses.FakeTensor):  # explain: nothing to write
         return local.to("cpu", copy=True)
-    out = _file_tensor(directory, f"{name}.master", local)
-    out.copy_(local)
-    return out
+    return _file_tensor(directory, f"{name}.master", local).copy_(local)
 
 
 def file_backed_adam_state(opt: torch.optim.Optimizer, masters, directory: str) -> None:
