@@ -60,8 +60,7 @@ def _capped(members: list, cap: int) -> list:
     """`members` cut in order into runs of at most `cap` parameter bytes (a larger one alone)."""
     runs, size = [[]], 0
     for master, dim in members:
-        local = local_of(getattr(master, MASTER_OF_ATTR))
-        nbytes = local.numel() * local.element_size()
+        nbytes = local_of(getattr(master, MASTER_OF_ATTR)).nbytes
         if runs[-1] and size + nbytes > cap:
             runs.append([])
             size = 0

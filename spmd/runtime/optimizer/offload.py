@@ -26,7 +26,7 @@ def _file_tensor(directory: str, name: str, like: torch.Tensor) -> torch.Tensor:
     path = os.path.join(directory, f"rank{rank:05d}", name)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "wb") as f:  # a fresh file of zeros, sized for the tensor
-        f.truncate(like.numel() * like.element_size())
+        f.truncate(like.nbytes)
     return torch.from_file(path, shared=True, size=like.numel(), dtype=like.dtype).view(like.shape)
 
 
