@@ -116,7 +116,7 @@ def install_expert_hooks(model: nn.Module, state) -> None:
             for m, pl in enumerate(p._spmd_compute)
             if pl.is_shard() and pl.dim != 0 and state.mesh.size(m) > 1
         }
-        _hook(modules[parent_name], _Region(state, parent_name, split))
+        _hook(modules[parent_name], _Region(parent_name, split))
         _hook(module, _Dispatch(state, name))
 
 
@@ -129,8 +129,8 @@ def _hook(module: nn.Module, hooks, with_kwargs: bool = False) -> None:
 class _Region:
     """The routing region: DTensor inputs in as local tensors (batch shards kept), the output back as a DTensor."""
 
-    def __init__(self, state, name: str, split: set[int]):
-        self.state, self.name, self.split = state, name, split
+    def __init__(self, name: str, split: set[int]):
+        self.name, self.split = name, split
         self.layouts: list = []
 
     def enter(self, module, args):
@@ -164,9 +164,9 @@ class _Dispatch:
     """The expert module: its parameters as local tensors, tokens to and from the experts' ranks over ep."""
 
     def __init__(self, state, name: str):
-        self.state, self.name = state, name
+        self.name = name
         mesh = state.mesh
-        self.ep = mesh.size(mesh.mesh_dim_names.index("ep")) if "ep" in mesh.mesh_dim_names else 1
+        self.ep = mesh_sizes(mesh)["ep"]
         self.group = mesh.get_group("ep") if self.ep > 1 else None
         self.batch_dims = {mesh.mesh_dim_names.index(a) for a in state.rules.batch_axes() if a in mesh.mesh_dim_names}
         self.pending: list = []

@@ -23,7 +23,7 @@ class RoutedDispatch:
     def __init__(self, state, name: str, module: nn.Module):
         self.name = name
         self.experts = next(p.shape[0] for p in module.parameters(recurse=False) if "experts" in (get_axes(p) or ()))
-        self.ep = mesh_sizes(state.mesh)["ep"]
+        self.per_rank = self.experts // mesh_sizes(state.mesh)["ep"]  # the experts each rank holds
         self.group = state.mesh.get_group("ep")
         self.signature = inspect.signature(module.forward)
         self.pending: list = []
@@ -31,7 +31,6 @@ class RoutedDispatch:
     def enter(self, module, args, kwargs):
         x, index, weights = self.signature.bind(*args, **kwargs).args[:3]
         n, k = index.shape
-        per_rank = self.experts // self.ep
         flat = index.reshape(-1)
         order = flat.argsort(stable=True)  # the pairs grouped by expert, so by the rank holding it
         balanced = is_fake(flat)  # explain: no data, so the plan takes the routing to be balanced
@@ -40,9 +39,9 @@ class RoutedDispatch:
         why = "dispatch each (token, choice) to its expert's rank" + note
         rows = AllToAll.apply(x[order // k], recv, send, self.group, self.name, why)
         row_weights = AllToAll.apply(weights.reshape(-1)[order].unsqueeze(1), recv, send, self.group, self.name, why)
-        local = AllToAll.apply((flat[order] % per_rank).unsqueeze(1), recv, send, self.group, self.name, why)
+        local = AllToAll.apply((flat[order] % self.per_rank).unsqueeze(1), recv, send, self.group, self.name, why)
         self.pending.append((order // k, n, send, recv, note, module.__dict__.get("num_experts")))
-        module.__dict__["num_experts"] = per_rank  # the module's own routing: its local experts
+        module.__dict__["num_experts"] = self.per_rank  # the module's own routing: its local experts
         return (rows, local, row_weights), {}
 
     def leave(self, module, args, output):
