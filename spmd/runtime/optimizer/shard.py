@@ -180,10 +180,7 @@ def _local_view(p: DTensor, optim) -> torch.Tensor:
 
 def _grads_to_masters(pairs, copy_out: bool, copies=None):
     """Each parameter's reduced gradient onto its master (copied when offloaded), and off the parameter."""
-    copied = {}
-    if copies is not None:
-        copies.side.host_wait()
-        copied = copies.take(pairs)
+    copied = copies.take(pairs) if copies is not None else {}
     for p, master in pairs:
         g = p.grad
         if g is not None:

@@ -140,6 +140,7 @@ class GradientCopies:
 
     def take(self, pairs) -> dict:
         """{id(param): master gradient from backward's copy} for `pairs` whose gradient is unchanged since; used up."""
+        self.side.host_wait()  # every copy issued so far done: the step reads their buffers
         records = [(p, m, self.copied.pop(id(p), None)) for p, m in pairs]
         valid = [
             (p, m, r)
