@@ -151,7 +151,7 @@ def _master(p: DTensor, state) -> DTensor:
         )
     with torch.no_grad():
         local = _local_view(p, optim)
-        local = local.float().clone() if lower else local
+        local = local.float() if lower else local  # (a copy: p is not fp32)
         if state.offload is not None:
             local = host_copy(local, state.offload, p._spmd_name)
         master = nn.Parameter(
