@@ -44,9 +44,7 @@ GATHER_BUCKET_BYTES = int(DEFAULT_BUCKET_MB * 2**20)  # gathered bytes per buffe
 
 
 def _gathered_dims(master, p):
-    """(mesh dim, tensor dim) when `master` is `p`'s layout sharded over one more mesh dim, else None."""
-    if master.device_mesh != p.device_mesh:
-        return None
+    """(mesh dim, tensor dim) when `master` (on `p`'s mesh) is `p`'s layout split over one more mesh dim, else None."""
     differ = [i for i, (a, b) in enumerate(zip(master.placements, p.placements)) if a != b]
     if len(differ) != 1 or not master.placements[differ[0]].is_shard() or not p.placements[differ[0]].is_replicate():
         return None
