@@ -44,14 +44,11 @@ def balanced_routing(model: nn.Module):
         x, counts, *rest = args
         return (x, balanced_counts(x.shape[0], counts.shape[0]), *rest) if is_fake(x) else None
 
-    handles = []
-    for m in expert_modules(model).values():
-        handles += balanced_grouped_products(m) if routes_itself(m) else [m.register_forward_pre_hook(balance)]
-    try:
+    with contextlib.ExitStack() as hooks:  # each hook removed as it closes
+        for m in expert_modules(model).values():
+            for handle in balanced_grouped_products(m) if routes_itself(m) else [m.register_forward_pre_hook(balance)]:
+                hooks.enter_context(handle)
         yield
-    finally:
-        for handle in handles:
-            handle.remove()
 
 
 def check_expert_layout(model: nn.Module, mesh, rules) -> None:
