@@ -4,9 +4,10 @@ A gradient is first sliced onto the shards it already may keep (free); one shard
 the per-parameter path.
 """
 
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor
 
 from .. import collectives, tags
+from ..dtensor.wrap import wrap_local
 from .layouts import reduce_to, slice_onto_shards
 
 __all__ = ["reduce_all_to"]
@@ -21,33 +22,27 @@ def reduce_all_to(grads: list, targets: list, why: str, wire=None) -> list:
     if not flat:
         return out
     mesh = grads[flat[0]].device_mesh
-    locals_ = {i: slice_onto_shards(grads[i], targets[i]) for i in flat}
-    current = {i: list(locals_[i].placements) for i in flat}
-    locals_ = {i: t.to_local() for i, t in locals_.items()}
+    locals_ = {i: slice_onto_shards(grads[i], targets[i]).to_local() for i in flat}
     for m in range(mesh.ndim):
-        members = [i for i in flat if current[i][m].is_partial() and targets[i][m].is_shard()]
+        members = [i for i in flat if grads[i].placements[m].is_partial() and targets[i][m].is_shard()]
         if members:
             with tags.reason("", f"{why} (one reduce-scatter over {mesh.mesh_dim_names[m]})"):
                 dims = [targets[i][m].dim for i in members]
                 pending = collectives.reduce_scatter([locals_[i] for i in members], dims, mesh, m, wire)
                 locals_.update(zip(members, pending.results()))
-            for i in members:
-                current[i][m] = targets[i][m]
-    summed: dict = {}  # the mesh dims a gradient is still summed over -> its members
+    summed: dict = {}  # the mesh dims a gradient is still summed over (partial, not scattered) -> its members
     for i in flat:
-        dims = tuple(m for m in range(mesh.ndim) if current[i][m].is_partial())
+        dims = tuple(
+            m for m, (pl, t) in enumerate(zip(grads[i].placements, targets[i])) if pl.is_partial() and not t.is_shard()
+        )
         if dims:
             summed.setdefault(dims, []).append(i)
     for dims, members in summed.items():
         with tags.reason("", f"{why} (one all-reduce over {'+'.join(mesh.mesh_dim_names[m] for m in dims)})"):
             pending = collectives.all_reduce([locals_[i] for i in members], mesh, dims, wire)
             locals_.update(zip(members, pending.results()))
-        for i in members:
-            for m in dims:
-                current[i][m] = Replicate()
     for i in flat:
-        g = grads[i]
-        out[i] = DTensor.from_local(locals_[i], mesh, targets[i], run_check=False, shape=g.shape, stride=g.stride())
+        out[i] = wrap_local(locals_[i], mesh, targets[i], grads[i].shape, grads[i].stride())
     return out
 
 
