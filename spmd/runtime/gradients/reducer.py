@@ -21,7 +21,7 @@ FIRST_BUCKET_MB = 1.0  # DistributedDataParallel's first bucket (torch.distribut
 
 class _Issued:
     """A buffer in flight: `pending` reduce-scatters over `scatter` (when set), then all-reduces over `summed`;
-    `members` (param, (placements, shape, stride) of its unreduced gradient, block)."""
+    `members` (param, (placements, shape, stride) of its gradient once reduced, block)."""
 
     def __init__(self, key, members, pending, block: str, what: str):
         (self.scatter, self.summed, _), self.members, self.pending = key, members, pending
@@ -75,18 +75,20 @@ class GradientReducer:
         tensors = [local_of(g) for _, g, _ in members]
         for earlier in self.issued:
             earlier.advance(self.mesh, self.wire)
-        with tags.phase("backward"):
-            if scatter is not None:
-                with tags.reason(blocks[0], f"reduce-scatter {what}"):
-                    pending = collectives.reduce_scatter(
-                        tensors, [grads_layout(p)[scatter].dim for p, _, _ in members], self.mesh, scatter, self.wire
-                    )
+        kind = "all-reduce" if scatter is None else "reduce-scatter"
+        with tags.phase("backward"), tags.reason(blocks[0], f"{kind} {what}"):
+            if scatter is None:
+                pending = collectives.all_reduce(tensors, self.mesh, summed, self.wire)
             else:
-                with tags.reason(blocks[0], f"all-reduce {what}"):
-                    pending = collectives.all_reduce(tensors, self.mesh, summed, self.wire)
+                dims = [grads_layout(p)[scatter].dim for p, _, _ in members]
+                pending = collectives.reduce_scatter(tensors, dims, self.mesh, scatter, self.wire)
         self._copy_out(self.issued)  # those issued before: they have had this buffer's backward to travel
-        # only the layouts are kept: each unreduced gradient is freed now, not held to the end of backward
-        members = [(p, (g.placements, g.shape, g.stride()), b) for p, g, b in members]
+        # only the reduced layouts are kept: each unreduced gradient is freed now, not held to the end of backward
+        done = {scatter, *summed}
+        members = [
+            (p, ([grads_layout(p)[m] if m in done else x for m, x in enumerate(g.placements)], g.shape, g.stride()), b)
+            for p, g, b in members
+        ]
         self.issued.append(_Issued(key, members, pending, blocks[0], what))
 
     def _copy_out(self, buffers):
@@ -109,11 +111,7 @@ class GradientReducer:
             self._copy_out(issued)
             self.copies.side.join()  # the copy-out waited for those collectives on its stream
         for buffer in issued:
-            reduced_dims = ([buffer.scatter] if buffer.scatter is not None else []) + list(buffer.summed)
             for (p, (placements, shape, stride), _), reduced in zip(buffer.members, buffer.pending.results()):
-                placements = list(placements)
-                for m in reduced_dims:
-                    placements[m] = grads_layout(p)[m]
                 value = wrap_local(reduced, self.mesh, placements, shape, stride)
                 value = cast(reduce_gradient(value, grads_layout(p), False, False), p.dtype)
                 p.grad = value if p.grad is None else p.grad + value

@@ -164,17 +164,14 @@ class ParamGroup:
         for i, (p, g) in enumerate(zip(self.params, grads)):
             if g is None:
                 continue
-            # in place (no mesh axis splits what `g` came from, nothing held back): nothing to pack
-            in_place = packs and p.grad is None and tuple(g.placements) == grads_layout(p)
-            if packs and state.sync and not held_for_step(p) and not in_place:
+            if packs and state.sync and not held_for_step(p):
                 work[i] = slice_onto_shards(join_unreduced(p, g), grads_layout(p))
                 if self.flat and state.reducer is not None and self._hand_over(p, work[i], state.reducer):
                     del work[i]  # reduced with other blocks' gradients, by the end of backward
                 continue
             where = (module or self.name, p._spmd_name)
             out[i] = reduce_gradient(g, grads_layout(p), held_for_step(p), not state.sync, p, where)
-        if work:
-            self._reduce_flat(work)
+        self._reduce_flat(work)
         for i, g in work.items():
             p = self.params[i]
             out[i] = reduce_gradient(g, grads_layout(p), False, False, p, (self.name, p._spmd_name))
@@ -185,61 +182,54 @@ class ParamGroup:
     def _reduce_flat(self, work: dict) -> None:
         """One reduce-scatter, then one all-reduce, per mesh axis for the partial sums in `work` (in place)."""
         mesh = self.mesh
-        for kind in ("reduce_scatter", "all_reduce"):
+        for kind in ("reduce-scatter", "all-reduce"):
             for m in (m for m in range(mesh.ndim) if mesh.size(m) > 1):
                 members = [
                     i
                     for i, g in work.items()
-                    if _bucketable(g.placements[m], grads_layout(self.params[i])[m], kind, work[i], mesh.size(m))
+                    if _reduction(g.placements[m], grads_layout(self.params[i])[m], g, mesh.size(m)) == kind
                 ]
                 for group in _by_dtype(members, {i: local_of(work[i]) for i in members}):
                     self._reduce_group(work, group, m, kind)
 
     def _hand_over(self, p, g, reducer) -> bool:
         """Gives `g` to the cross-block reducer when one reduce-scatter and/or all-reduces complete it."""
-        storage = grads_layout(p)
-        scatter, summed = [], []
-        for m in range(self.mesh.ndim):
-            n = self.mesh.size(m)
-            if n == 1 or g.placements[m] == storage[m]:
-                continue
-            if _bucketable(g.placements[m], storage[m], "reduce_scatter", g, n):
-                scatter.append(m)
-            elif _bucketable(g.placements[m], storage[m], "all_reduce", g, n):
-                summed.append(m)
-            else:
-                return False
-        if len(scatter) > 1 or not (scatter or summed):
+        storage, mesh = grads_layout(p), self.mesh
+        kinds = {
+            m: _reduction(g.placements[m], storage[m], g, mesh.size(m))
+            for m in range(mesh.ndim)
+            if mesh.size(m) > 1 and g.placements[m] != storage[m]
+        }
+        scatter = [m for m, kind in kinds.items() if kind == "reduce-scatter"]
+        if not kinds or None in kinds.values() or len(scatter) > 1:
             return False
-        reducer.add(p, g, scatter[0] if scatter else None, tuple(summed), self.name)
+        summed = tuple(m for m, kind in kinds.items() if kind == "all-reduce")
+        reducer.add(p, g, scatter[0] if scatter else None, summed, self.name)
         return True
 
     def _reduce_group(self, work: dict, group: list, m: int, kind: str):
         mesh, what = self.mesh, f"gradients of {self.name} ({len(group)} parameters, one buffer)"
         what = what if self.flat else f"gradient of {self.name}"
         tensors = [local_of(work[i]) for i in group]
-        if kind == "reduce_scatter":
-            with tags.reason(self.name, f"reduce-scatter {what}"):
+        with tags.reason(self.name, f"{kind} {what}"):
+            if kind == "reduce-scatter":
                 dims = [grads_layout(self.params[i])[m].dim for i in group]
                 pending = collectives.reduce_scatter(tensors, dims, mesh, m, self.wire)
-        else:
-            with tags.reason(self.name, f"all-reduce {what}"):
+            else:
                 pending = collectives.all_reduce(tensors, mesh, m, self.wire)
         for i, reduced in zip(group, pending.results()):
-            g = work[i]
-            placements = list(g.placements)
-            placements[m] = grads_layout(self.params[i])[m]
-            work[i] = DTensor.from_local(
-                reduced, mesh, tuple(placements), run_check=False, shape=g.shape, stride=g.stride()
-            )
+            g, storage = work[i], grads_layout(self.params[i])
+            placements = [storage[k] if k == m else x for k, x in enumerate(g.placements)]
+            work[i] = wrap_local(reduced, mesh, placements, g.shape, g.stride())
 
 
-def _bucketable(current, storage, kind: str, g, n: int) -> bool:
+def _reduction(current, storage, g, n: int) -> str | None:
+    """The one collective over an axis of `n` ranks that takes `g`'s placement there from `current` to `storage`."""
     if not (current.is_partial() and getattr(current, "reduce_op", "sum") == "sum"):
-        return False
-    if kind == "reduce_scatter":
-        return storage.is_shard() and local_of(g).shape[storage.dim] % n == 0
-    return storage.is_replicate()
+        return None
+    if storage.is_shard():
+        return "reduce-scatter" if local_of(g).shape[storage.dim] % n == 0 else None
+    return "all-reduce" if storage.is_replicate() else None
 
 
 def _by_dtype(members: list, tensors) -> list[list]:
