@@ -39,12 +39,9 @@ class Flat:
         if self.work is not None:
             self.work.wait()
             self.work = None
-        flat, at, pieces = wait(self.out), 0, []
-        for shape in self.shapes:
-            k = shape.numel()
-            pieces.append(flat[at : at + k].view(shape))
-            at += k
-        return pieces
+        sizes = [shape.numel() for shape in self.shapes]  # (an uneven reduce-scatter's padding after them)
+        pieces = wait(self.out)[: sum(sizes)].split(sizes)
+        return [piece.view(shape) for piece, shape in zip(pieces, self.shapes)]
 
 
 def _segment(chunks: list, n: int) -> int:
