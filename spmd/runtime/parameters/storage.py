@@ -15,8 +15,12 @@ __all__ = ["check_param_init", "laid_out_param", "laid_out_buffer"]
 
 def check_param_init(model: nn.Module, param_init) -> None:
     """Refuses a model with meta tensors and no `param_init`, before anything is laid out."""
-    if param_init is None and any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
-        raise _needs_param_init(next(n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta))
+    meta = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if param_init is None and meta:
+        raise ValueError(
+            f"{meta[0]!r} is on the meta device; pass parallelize(..., param_init=fn) with fn(name, tensor) "
+            f"returning its initial value (e.g. the model's initializer()), or build the model on a device"
+        )
 
 
 def laid_out_param(p, name: str, layout, state, param_init) -> nn.Parameter:
@@ -46,18 +50,9 @@ def laid_out_buffer(b: torch.Tensor, name: str, state, param_init):
     return distribute_tensor(_initial_value(b, name, param_init), state.mesh, placements, src_data_rank=None)
 
 
-def _needs_param_init(name: str) -> ValueError:
-    return ValueError(
-        f"{name!r} is on the meta device; pass parallelize(..., param_init=fn) with fn(name, tensor) "
-        f"returning its initial value (e.g. the model's initializer()), or build the model on a device"
-    )
-
-
 def _initial_value(t: torch.Tensor, name: str, param_init) -> torch.Tensor:
     if not t.is_meta:
-        return t.data
-    if param_init is None:
-        raise _needs_param_init(name)
+        return t.data  # (a meta tensor has a param_init: check_param_init refused the model otherwise)
     with torch.no_grad():
         value = param_init(name, t)
     if tuple(value.shape) != tuple(t.shape) or value.is_meta:
