@@ -189,7 +189,7 @@ class ParamGroup:
                     for i, g in work.items()
                     if _reduction(g.placements[m], grads_layout(self.params[i])[m], g, mesh.size(m)) == kind
                 ]
-                for group in _by_dtype(members, {i: local_of(work[i]) for i in members}):
+                for group in _by_dtype(members, work):
                     self._reduce_group(work, group, m, kind)
 
     def _hand_over(self, p, g, reducer) -> bool:
