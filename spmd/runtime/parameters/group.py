@@ -22,7 +22,7 @@ from ..gradients.layouts import (
 from ..wire.float8 import float8_weights, gather_members
 from ..wire.hpz import regather_secondary
 from ..wire.param import gather_on_wire
-from .host import host_params, to_compute, to_host
+from .host import compute_device, host_params
 from .reshard import BODY_COMPILED_ATTR, CHECKPOINTED_ATTR, gathers_in_graph
 
 __all__ = ["ParamGroup", "shard_dims"]
@@ -81,7 +81,11 @@ class ParamGroup:
 
     def _moved(self, state, placements, module: str, why: str = "gather {} to its compute layout", p=None) -> DTensor:
         p = self.params[0] if p is None else p  # (detached to regather in backward)
-        x = to_compute(p, state.param_dtype, state)
+        dtype = state.param_dtype or p.dtype
+        if host_params(state):  # its shard copied to the compute device (a copy: the stored one is never read)
+            x = p.to(compute_device(state.mesh), dtype, copy=True)
+        else:
+            x = p if p.dtype == dtype else p.to(dtype)
         if tuple(x.placements) == tuple(placements):
             return x.view_as(x) if x is p else x
         with tags.reason(module, why.format(self.params[0]._spmd_name)):
@@ -175,8 +179,8 @@ class ParamGroup:
         for i, g in work.items():
             p = self.params[i]
             out[i] = reduce_gradient(g, grads_layout(p), False, False, p, (self.name, p._spmd_name))
-        if host_params(state):
-            return [None if g is None else to_host(g, p, state) for g, p in zip(out, self.params)]
+        if host_params(state):  # in the parameter's dtype, copied to the host where it lives
+            return [None if g is None else g.to(p.device, p.dtype, copy=True) for g, p in zip(out, self.params)]
         return cast_all(out, [p.dtype for p in self.params])
 
     def _reduce_flat(self, work: dict) -> None:

@@ -7,7 +7,7 @@ stored shard and a gradient never stays in the tensor the reduction wrote.
 
 import torch
 
-__all__ = ["PARAMS", "host_params", "compute_device", "to_compute", "to_host", "host_tensor"]
+__all__ = ["PARAMS", "host_params", "compute_device", "host_tensor"]
 
 PARAMS = "params"
 
@@ -27,18 +27,3 @@ def host_tensor(local: torch.Tensor) -> torch.Tensor:
     """A host copy of `local`, pinned when there is a CUDA device (copies to and from it can then overlap)."""
     out = local.to("cpu", copy=True)
     return out.pin_memory() if torch.cuda.is_available() else out
-
-
-def to_compute(p, dtype, state):
-    """`p` as stored, in `dtype` (None: its own), on the compute device under offload="params"; else `p` itself."""
-    dtype = p.dtype if dtype is None else dtype
-    if host_params(state):
-        return p.to(compute_device(state.mesh), dtype, copy=True)
-    return p if p.dtype == dtype else p.to(dtype)
-
-
-def to_host(g, p, state):
-    """Gradient `g` in `p`'s dtype and, under offload="params", copied to the host where `p` lives."""
-    if host_params(state):
-        return g.to(p.device, p.dtype, copy=True)
-    return g.to(p.dtype)
