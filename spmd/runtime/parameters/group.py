@@ -147,12 +147,14 @@ class ParamGroup:
             pending = self.pending_regather or self.issue(dtype, f"regather {self.name} for backward")
             self.pending_regather = None
             with torch.no_grad():
-                values = self.finish(pending)
-            self.regathered = {id(p): v for p, v in zip(self.params, values)}
-            prev = self.prev
-            # (a block under activation checkpointing regathers as it recomputes)
-            checkpointed = prev is not None and getattr(prev.module, CHECKPOINTED_ATTR, False)
-            if prev is not None and prev.regathered is None and prev.pending_regather is None and not checkpointed:
+                self.regathered = {id(p): v for p, v in zip(self.params, self.finish(pending))}
+            prev = self.prev  # (a block under activation checkpointing regathers as it recomputes)
+            if (
+                prev is not None
+                and prev.regathered is None
+                and prev.pending_regather is None
+                and not getattr(prev.module, CHECKPOINTED_ATTR, False)
+            ):
                 prev.pending_regather = prev.issue(dtype, f"regather {prev.name} for backward, prefetched")
         return self.regathered
 
