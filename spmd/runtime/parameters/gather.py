@@ -85,8 +85,11 @@ def gather_block(state, mod, compiling: bool) -> dict | None:
     group.values = group.gather(state)
     if body:
         place_for_graph(mod, group.values)
-    moved = [p for p in group.params if body and moves_data(p.placements, p._spmd_compute, state.mesh)]
-    return {storage_key(group.values[id(p)]): (p, p._spmd_compute, group, None) for p in moved}
+    return {
+        storage_key(group.values[id(p)]): (p, p._spmd_compute, group, None)
+        for p in group.params
+        if body and moves_data(p.placements, p._spmd_compute, state.mesh)
+    }
 
 
 def place_for_graph(block, values: dict) -> None:
