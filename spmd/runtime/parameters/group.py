@@ -214,9 +214,12 @@ class ParamGroup:
         return True
 
     def _reduce_group(self, work: dict, group: list, m: int, kind: str):
-        mesh, what = self.mesh, f"gradients of {self.name} ({len(group)} parameters, one buffer)"
-        what = what if self.flat else f"gradient of {self.name}"
-        tensors = [local_of(work[i]) for i in group]
+        mesh, tensors = self.mesh, [local_of(work[i]) for i in group]
+        what = (
+            f"gradients of {self.name} ({len(group)} parameters, one buffer)"
+            if self.flat
+            else f"gradient of {self.name}"
+        )
         with tags.reason(self.name, f"{kind} {what}"):
             if kind == "reduce-scatter":
                 dims = [grads_layout(self.params[i])[m].dim for i in group]
