@@ -49,7 +49,9 @@ def reduce_gradient(g: DTensor, grads, held: bool, unreduced: bool, p=None, wher
     else:
         g = g if p is None else join_unreduced(p, g)
         target, why = tuple(grads), "to its storage layout"
-    if where is None:  # (reduce_to leaves a gradient already in `target` as it is)
+    if tuple(g.placements) == target:  # (reduce_to would too, after slicing and tagging: every step, per parameter)
+        return g
+    if where is None:
         return reduce_to(g, target)
     with tags.reason(where[0], f"reduce gradient of {where[1]} {why}"):
         return reduce_to(g, target)

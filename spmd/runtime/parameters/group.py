@@ -170,14 +170,17 @@ class ParamGroup:
         for i, (p, g) in enumerate(zip(self.params, grads)):
             if g is None:
                 continue
-            if packs and state.sync and not held_for_step(p):
+            # in place (no mesh axis splits what `g` came from, nothing held back): nothing to pack
+            in_place = packs and p.grad is None and tuple(g.placements) == grads_layout(p)
+            if packs and state.sync and not held_for_step(p) and not in_place:
                 work[i] = slice_onto_shards(join_unreduced(p, g), grads_layout(p))
                 if self.flat and state.reducer is not None and self._hand_over(p, work[i], state.reducer):
                     del work[i]  # reduced with other blocks' gradients, by the end of backward
                 continue
             where = (module or self.name, p._spmd_name)
             out[i] = reduce_gradient(g, grads_layout(p), held_for_step(p), not state.sync, p, where)
-        self._reduce_flat(work)
+        if work:
+            self._reduce_flat(work)
         for i, g in work.items():
             p = self.params[i]
             out[i] = reduce_gradient(g, grads_layout(p), False, False, p, (self.name, p._spmd_name))
