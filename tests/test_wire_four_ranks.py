@@ -463,8 +463,9 @@ def _compiled_blocks_carry_the_wire(n: int, **layout):
     wire (gather_block skipping its group): the bytes differ; the
     recompute's gather not handed to the compiled body (`place_for_graph` left out of _bucket_gathered): the
     checkpoint's recomputed tensors differ from forward's; the recompute's values left in the modules after
-    backward (`release_from_graph` left out of _bucket_gathered: checkpointing stops the recompute before the
-    graph puts the parameters back), which would hold every block's gathered parameters through the step."""
+    backward (`place_for_graph(..., release=True)` left out of _bucket_gathered: checkpointing stops the recompute
+    before the graph puts the parameters back), which would hold every block's gathered parameters through the
+    step."""
     comm = {"params": "int8", "grads": "int8", "block": BLOCK}
     eager = _wire_steps(comm, False, spec=f"fsdp={n}", **layout)
     losses, grads, moved, model = _wire_steps(comm, True, spec=f"fsdp={n}", **layout)

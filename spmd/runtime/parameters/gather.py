@@ -92,18 +92,13 @@ def gather_block(state, mod, compiling: bool) -> dict | None:
     }
 
 
-def place_for_graph(block, values: dict) -> None:
+def place_for_graph(block, values: dict, release: bool = False) -> None:
     """Puts a group's gathered `values` ({id(param): value}) where the modules of `block`'s compiled graph read
-    their parameters (`__dict__`, which the graph takes as inputs: no guard on the block)."""
+    their parameters (`__dict__`, which the graph takes as inputs: no guard on the block). `release`: points those
+    names back at the parameters, as the graph does when it runs to its end (a recompute that checkpointing stops
+    at its last saved tensor never gets there)."""
     for m in block.modules():
-        m.__dict__.update({n: values[id(p)] for n, p in m._parameters.items() if id(p) in values})
-
-
-def release_from_graph(block, values: dict) -> None:
-    """Points the names `place_for_graph` filled back at the parameters, as the graph does when it runs to its
-    end: a recompute that checkpointing stops at its last saved tensor never gets there."""
-    for m in block.modules():
-        m.__dict__.update({n: p for n, p in m._parameters.items() if id(p) in values})
+        m.__dict__.update({n: p if release else values[id(p)] for n, p in m._parameters.items() if id(p) in values})
 
 
 def gather_module_params(state, mod, name: str, param_names, weight_layout, compiling: bool, regather=None):

@@ -12,7 +12,7 @@ from torch.utils.checkpoint import checkpoint
 from ...layout.blocks import find_blocks
 from ..activations.global_view import GlobalView
 from ..local.whole_model import drop_local_model
-from ..parameters.gather import place_for_graph, release_from_graph
+from ..parameters.gather import place_for_graph
 from ..parameters.reshard import BODY_COMPILED_ATTR, CHECKPOINTED_ATTR
 from ..state import STATE_ATTR, Phase, activated
 
@@ -90,5 +90,5 @@ def _bucket_gathered(state, block: nn.Module):
         yield
     finally:
         if body:
-            release_from_graph(block, bucket.values)
+            place_for_graph(block, bucket.values, release=True)
         bucket.values = None
