@@ -133,13 +133,12 @@ class LocalBlock:
         state = self.state
         bucket = state.groups.get(id(self.module))  # None: a layer of the root unit, gathered as the model began
         grad_layouts, regathered = self.facts.get(self.split) or self._facts(bucket)
-        values = {} if bucket is None else bucket.gather(state, grad_layouts)
-        regather = {}
-        for (m, n, p), group in zip(self.members, regathered):
-            local = m.__dict__[n] = self.value(values, p)
-            if group is not None:
-                regather[storage_key(local)] = (p, p._spmd_compute, group, None)
-        self.put_buffers()
+        self.place({} if bucket is None else bucket.gather(state, grad_layouts))
+        regather = {
+            storage_key(m.__dict__[n]): (p, p._spmd_compute, group, None)
+            for (m, n, p), group in zip(self.members, regathered)
+            if group is not None
+        }
         if regather and not getattr(self.module, CHECKPOINTED_ATTR, False):
             self.hooks = reshard_after_forward(regather, state, self.name)
             self.hooks.__enter__()
@@ -176,8 +175,11 @@ class LocalBlock:
         self.facts[split] = (layouts, regathered)
         return layouts, regathered
 
-    def put_buffers(self) -> None:
-        """The modules' own buffers (rotary tables, an embedding's scale) as local tensors."""
+    def place(self, values: dict) -> None:
+        """Each member's local value (`value`) and the modules' own buffers (rotary tables, an embedding's scale) as
+        local tensors, in their modules."""
+        for m, n, p in self.members:
+            m.__dict__[n] = self.value(values, p)
         for m, n, b in self.buffers:
             m.__dict__[n] = b.to_local() if b.requires_grad else local_of(b)
 

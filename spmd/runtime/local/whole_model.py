@@ -54,9 +54,7 @@ class LocalModel(LocalBlock):
             # on one rank no mesh axis splits the batch: each gradient comes back in its compute layout
             values.update(bucket.gather(state, [p._spmd_compute for p in bucket.params]))
             bucket = bucket.next
-        for m, n, p in self.members:
-            m.__dict__[n] = self.value(values, p)
-        self.put_buffers()
+        self.place(values)
         return tuple(to_local(a) for a in args), {k: to_local(v) for k, v in kwargs.items()}
 
     def leave(self, output):
