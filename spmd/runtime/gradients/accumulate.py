@@ -5,11 +5,10 @@ last micro-batch's backward reduces the sums once, in flat buffers (gradients.st
 
 import torch
 
-from .. import tags
 from ..activations.moves import map_tensors
 from ..dtensor.stack import after_backward
 from .layouts import grads_layout, held_for_step
-from .step_reduce import reduce_all_to
+from .step_reduce import reduce_grads
 
 __all__ = ["reduce_after_backward"]
 
@@ -43,12 +42,12 @@ def reduce_accumulated(state) -> None:
         for p in state.compiled_params
         if p.grad is not None and not held_for_step(p) and tuple(p.grad.placements) != grads_layout(p)
     ]
-    dtype = state.reduce_dtype
-    grads = [p.grad if dtype is None else p.grad.to(dtype) for p in params]
-    with tags.phase("backward"):
-        reduced = reduce_all_to(
-            grads, [grads_layout(p) for p in params], "reduce accumulated gradients of compiled blocks", state.wire
-        )
-    for p, g in zip(params, reduced):
-        p.grad = g.to(p.dtype)
+    reduce_grads(
+        params,
+        [grads_layout(p) for p in params],
+        state.reduce_dtype,
+        "backward",
+        "reduce accumulated gradients of compiled blocks",
+        state.wire,
+    )
     state.accumulating = False

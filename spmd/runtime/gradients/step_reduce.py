@@ -10,7 +10,7 @@ from .. import collectives, tags
 from ..dtensor.wrap import wrap_local
 from .layouts import reduce_to, slice_onto_shards
 
-__all__ = ["reduce_all_to"]
+__all__ = ["reduce_all_to", "reduce_grads"]
 
 
 def reduce_all_to(grads: list, targets: list, why: str, wire=None) -> list:
@@ -44,6 +44,15 @@ def reduce_all_to(grads: list, targets: list, why: str, wire=None) -> list:
     for i in flat:
         out[i] = wrap_local(locals_[i], mesh, targets[i], grads[i].shape, grads[i].stride())
     return out
+
+
+def reduce_grads(params: list, targets: list, dtype, phase: str, why: str, wire=None) -> None:
+    """Each `p.grad` reduced to its target layout (`reduce_all_to`) in `dtype` (None: its own), then back in p's."""
+    grads = [p.grad if dtype is None else p.grad.to(dtype) for p in params]
+    with tags.phase(phase):
+        reduced = reduce_all_to(grads, targets, why, wire)
+    for p, g in zip(params, reduced):
+        p.grad = g.to(p.dtype)
 
 
 def _bucketable(g: DTensor, target) -> bool:

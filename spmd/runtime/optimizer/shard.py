@@ -15,7 +15,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from .. import tags
 from ..dtensor.wrap import local_of, wrap_local
 from ..gradients.layouts import HELD_ATTR, grads_layout, held_for_step, optim_layout, slice_onto_shards
-from ..gradients.step_reduce import reduce_all_to
+from ..gradients.step_reduce import reduce_grads
 from ..state import Phase, laid_out_parts
 from .masters import MASTER_OF_ATTR, gather_into_param, gather_updated
 from .offload import file_backed_adam_state, host_copy, nvme_dir, release_pages
@@ -113,13 +113,14 @@ def reduce_gradients(model: nn.Module) -> None:
         for p in part.parameters()
         if p.grad is not None and held_for_step(p) and any(pl.is_partial() for pl in p.grad.placements)
     ]
-    grads = [p.grad if dtype is None else p.grad.to(dtype) for p in held]
-    with tags.phase("optimizer"):
-        reduced = reduce_all_to(
-            grads, [optim_layout(p) for p in held], "reduce gradient buckets into optimizer shards", parts[0][1].wire
-        )
-    for p, g in zip(held, reduced):
-        p.grad = g.to(p.dtype)
+    reduce_grads(
+        held,
+        [optim_layout(p) for p in held],
+        dtype,
+        "optimizer",
+        "reduce gradient buckets into optimizer shards",
+        parts[0][1].wire,
+    )
 
 
 def masters_of(opt: torch.optim.Optimizer) -> dict:
