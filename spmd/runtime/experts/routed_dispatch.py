@@ -36,10 +36,16 @@ class RoutedDispatch:
         balanced = is_fake(flat)  # explain: no data, so the plan takes the routing to be balanced
         counts = balanced_counts(n * k, self.experts) if balanced else torch.bincount(flat, minlength=self.experts)
         _, send, recv, note = exchange_counts(counts, balanced, self.group, self.name, "pairs")
-        why = "dispatch each (token, choice) to its expert's rank" + note
-        rows = AllToAll.apply(x[order // k], recv, send, self.group, self.name, why)
-        row_weights = AllToAll.apply(weights.reshape(-1)[order].unsqueeze(1), recv, send, self.group, self.name, why)
-        local = AllToAll.apply((flat[order] % self.per_rank).unsqueeze(1), recv, send, self.group, self.name, why)
+        rows, row_weights, local = (  # each pair's row, its weight and its expert among the rank's own
+            AllToAll.apply(
+                t, recv, send, self.group, self.name, "dispatch each (token, choice) to its expert's rank" + note
+            )
+            for t in (
+                x[order // k],
+                weights.reshape(-1)[order].unsqueeze(1),
+                (flat[order] % self.per_rank).unsqueeze(1),
+            )
+        )
         self.pending.append((order // k, n, send, recv, note, module.__dict__.get("num_experts")))
         module.__dict__["num_experts"] = self.per_rank  # the module's own routing: its local experts
         return (rows, local, row_weights), {}
