@@ -39,7 +39,8 @@ buckets.py) fails the two-hop gradients; the tp hop of an all-reduce in full pre
 calling dist.all_reduce) fails the fsdp=2,tp=2,sp gradients of the norms; keeping no secondary copy
 (`keep_secondary` returning None) fails the hpZ axes; a group of one reducing through DTensor (`packs =
 self.flat` in group.py's reduce) fails both the bucket=False bytes and gradients; compiling data-only blocks
-whole (their gathers inside the graph) fails the compiled case.
+whole (their gathers inside the graph) fails the compiled case; the wire taking a tensor dim sharded over two
+mesh axes (its own check of the dims, before shard_dims) fails the one-parameter moves.
 """
 
 import math
@@ -328,6 +329,37 @@ def _bytes_match_formula():
         print(f"int8/bf16 gathers {sum(int8) / sum(bf16):.4f}, int4/fp32 reductions {sum(int4) / sum(fp32):.4f}")
 
 
+def _one_parameter_gathers_as_dtensor():
+    """A parameter moving alone on the wire (wire.param) lands where DTensor's redistribute puts it, or is left
+    to it: on a 2 x 2 mesh, a dim sharded over both axes is refused (the outer axis's chunks are not contiguous
+    rows), every move that only un-shards dims of one axis each takes the wire. Each block of 16 values holds a
+    127, so int8 codes are the integers themselves and the two must be equal."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from spmd.runtime.parameters.group import shard_dims
+    from spmd.runtime.wire.param import gather_on_wire
+
+    mesh = spmd.make_mesh({"fsdp": 2, "tp": 2})
+    full = torch.arange(256.0).reshape(16, 16).remainder(201).sub(100)
+    full[:, 0] = full[:, 8] = 127
+    S0, S1, R = Shard(0), Shard(1), Replicate()
+    moves = {
+        ((S0, S0), (R, S0)): False,  # dim 0 over both axes: rows 0-3 and 8-11 are not rank 0's half
+        ((S0, S0), (S0, R)): False,
+        ((S0, S1), (R, S1)): True,
+        ((S0, S1), (R, R)): True,
+        ((S1, S0), (S1, R)): True,
+        ((R, S0), (R, R)): True,
+    }
+    for (storage, target), wired in moves.items():
+        x = distribute_tensor(full, mesh, storage)
+        got = gather_on_wire(x, target, shard_dims(storage, target, mesh), Wire(params="int8", block=BLOCK))
+        assert (got is not None) == wired, f"{storage} -> {target}: on the wire {got is not None}, want {wired}"
+        if got is not None:
+            assert tuple(got.placements) == target
+            assert torch.equal(got.to_local(), x.redistribute(placements=target).to_local()), (storage, target)
+
+
 def _hpz_regathers_inside_its_axis():
     """dp=2,fsdp=2 with parameters sharded over both axes: forward gathers over dp+fsdp either way; with
     hpz="fsdp" every backward regather is over fsdp alone, moving S/2 where the whole group moves 3S/4, and
@@ -532,6 +564,7 @@ def _compiled_tp_blocks_carry_the_wire(spec: str, full: bool = True):
 
 
 def _run_four(rank, world):
+    _one_parameter_gathers_as_dtensor()
     _hpz_regathers_inside_its_axis()
     _bytes_match_formula()
     for spec in ("fsdp=4", "dp=2,fsdp=2"):

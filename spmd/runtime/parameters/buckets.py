@@ -23,7 +23,9 @@ def make_buckets(model, mesh, wire=None) -> tuple[dict, dict]:
             {
                 id(p): p
                 for p in block.parameters()
-                if isinstance(p, DTensor) and not getattr(p, "_spmd_shared", False) and shard_dims(p, mesh) is not None
+                if isinstance(p, DTensor)
+                and not getattr(p, "_spmd_shared", False)
+                and shard_dims(p.placements, p._spmd_compute, mesh) is not None
             }.values()
         )
         if len(params) > 1:
@@ -40,7 +42,7 @@ def make_buckets(model, mesh, wire=None) -> tuple[dict, dict]:
             if isinstance(p, DTensor)
             and id(p) not in by_param
             and not getattr(p, "_spmd_shared", False)
-            and shard_dims(p, mesh) is not None
+            and shard_dims(p.placements, p._spmd_compute, mesh) is not None
         }.values()
     )
     if rest:  # the root unit (FSDP2's): gathered once as the model starts, kept until backward

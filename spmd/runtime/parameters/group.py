@@ -28,10 +28,11 @@ from .reshard import BODY_COMPILED_ATTR, CHECKPOINTED_ATTR, gathers_in_graph
 __all__ = ["ParamGroup", "shard_dims"]
 
 
-def shard_dims(p, mesh) -> dict | None:
-    """{mesh dim: tensor dim} that p's storage shards and its compute layout replicates; None: p moves alone."""
+def shard_dims(storage, compute, mesh) -> dict | None:
+    """{mesh dim: tensor dim} that `storage` shards and `compute` replicates; None: a move that is not only that
+    (a parameter then moves alone)."""
     dims, sharded = {}, set()
-    for m, (s, c) in enumerate(zip(p.placements, p._spmd_compute)):
+    for m, (s, c) in enumerate(zip(storage, compute)):
         if mesh.size(m) == 1:
             continue
         if s.is_shard():
@@ -52,7 +53,7 @@ class ParamGroup:
     def __init__(self, name: str, module, params: list, mesh, flat: bool = True, wire=None):
         self.name, self.module, self.params, self.mesh, self.flat = name, module, params, mesh, flat
         self.wire = wire  # spmd.runtime.wire.Wire: the precision the group's gathers and reductions travel in
-        self.shard_dims = [shard_dims(p, mesh) for p in params] if flat else None
+        self.shard_dims = [shard_dims(p.placements, p._spmd_compute, mesh) for p in params] if flat else None
         assert not flat or all(d is not None for d in self.shard_dims), "flat members must pass shard_dims"
         self.next: ParamGroup | None = None  # the blocks before and after, in forward order
         self.prev: ParamGroup | None = None
@@ -89,7 +90,7 @@ class ParamGroup:
         if tuple(x.placements) == tuple(placements):
             return x.view_as(x) if x is p else x
         with tags.reason(module, why.format(self.params[0]._spmd_name)):
-            moved = gather_on_wire(x, placements, state.wire)
+            moved = gather_on_wire(x, placements, shard_dims(x.placements, placements, self.mesh), state.wire)
             return x.redistribute(placements=placements) if moved is None else moved
 
     def issue(self, dtype, why: str):
