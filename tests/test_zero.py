@@ -21,6 +21,9 @@ fp32 one-process training within BF16_TOL. With `offload="nvme:DIR"` (stage 2 on
 and moments are memory-mapped files under DIR that hold their values, counted by the plan as NVMe bytes,
 and the numbers equal one process; on a wider model the step streams that state, one parameter's resident
 at a time (tests/zero_offload.py). A stage-1 checkpoint loads into stage 3.
+A rules table putting mlp's gradients on fsdp and tp, where tp already splits them, gives one process's gradients
+(through DTensor), and shard_optimizer refuses it as an optimizer map on every rank. Mutations that fail it
+(each tried): the flat groups' reduce-scatter taken onto that dim; the nesting check left per rank.
 """
 
 import collections
@@ -293,7 +296,29 @@ def _uneven_gather():
         assert torch.equal(got, want), want.shape
 
 
+def _two_mesh_axes_on_one_dim(reference):
+    """A rules table putting mlp's gradients (and so its optimizer state) on fsdp and tp, where tp already splits
+    them: a reduce-scatter over fsdp would land tp's chunk's rows, so those gradients reduce through DTensor and
+    equal one process's within TOL. shard_optimizer then refuses the optimizer map on every rank: only ranks
+    whose optimizer chunk lies outside their stored chunk would raise, and the others would wait in backward."""
+    from torch.distributed.tensor import Shard
+
+    mesh = spmd.make_mesh({"fsdp": 2, "tp": 2})
+    rules = spmd.Rules(spmd.Rules.default().compute, grads={"mlp": ("fsdp", "tp")})
+    model = spmd.parallelize(tiny_model(), mesh, rules)
+    tokens, targets = global_batch(0)
+    model(local_slice(tokens, mesh), local_slice(targets, mesh)).backward()
+    assert model.layers[0].feed_forward.w1.weight.grad.placements == (Shard(0), Shard(0))
+    for name, p in model.named_parameters():
+        assert tuple(p.grad.placements) == tuple(p._spmd_grads), name
+        err = norm_rel_err(p.grad.full_tensor(), reference[0][1][name])
+        assert err <= TOL, f"mlp over fsdp and tp: gradient of {name} off by {err:.2e}"
+    with pytest.raises(ValueError, match="not inside its stored shard .* on every rank"):
+        spmd.shard_optimizer(model, torch.optim.SGD(model.parameters(), lr=0.1))
+
+
 def _all_runs(rank, world, plans, bf16_plan, reference, wide, tmp):
+    _two_mesh_axes_on_one_dim(reference)
     _uneven_step_reduction()
     _uneven_gather()
     for (spec, zero, offload), planned in zip(RUNS, plans):

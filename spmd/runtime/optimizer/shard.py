@@ -170,13 +170,24 @@ def _local_view(p: DTensor, optim) -> torch.Tensor:
     want, want_at = compute_local_shape_and_global_offset(p.shape, mesh, optim)
     local = local_of(p)
     for d, (n, at, base, base_n) in enumerate(zip(want, want_at, mine_at, mine)):
-        if at < base or at + n > base + base_n:
+        if at < base or at + n > base + base_n or not _nests(p, optim, d):  # (_nests: the same on every rank)
             raise ValueError(
                 f"{p._spmd_name}: its optimizer shard {optim} is not inside its stored shard "
-                f"{tuple(p.placements)}; the optimizer map may only add sharding to the params map"
+                f"{tuple(p.placements)} on every rank; the optimizer map may only add sharding to the params "
+                f"map, and a tensor dim it splits further must be split first by the mesh axes that store it "
+                f"(in mesh order): split another dim over the added axis (the default: embed over fsdp)"
             )
         local = local.narrow(d, at - base, n)
     return local
+
+
+def _nests(p: DTensor, optim, d: int) -> bool:
+    """Whether tensor dim `d`'s stored mesh axes come first, in mesh order, among the optimizer's: then every
+    rank's optimizer chunk lies inside its stored chunk (DTensor splits by mesh dims in order)."""
+    mesh = p.device_mesh
+    stored = [m for m, x in enumerate(p.placements) if mesh.size(m) > 1 and x.is_shard(d)]
+    split = [m for m, x in enumerate(optim) if mesh.size(m) > 1 and x.is_shard(d)]
+    return split[: len(stored)] == stored
 
 
 def _grads_to_masters(pairs, copy_out: bool, copies=None):

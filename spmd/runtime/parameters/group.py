@@ -194,11 +194,7 @@ class ParamGroup:
         mesh = self.mesh
         for kind in ("reduce-scatter", "all-reduce"):
             for m in (m for m in range(mesh.ndim) if mesh.size(m) > 1):
-                members = [
-                    i
-                    for i, g in work.items()
-                    if _reduction(g.placements[m], grads_layout(self.params[i])[m], g, mesh.size(m)) == kind
-                ]
+                members = [i for i, g in work.items() if _reduction(g, grads_layout(self.params[i]), m, mesh) == kind]
                 for group in _by_dtype(members, work):
                     self._reduce_group(work, group, m, kind)
 
@@ -206,7 +202,7 @@ class ParamGroup:
         """Gives `g` to the cross-block reducer when one reduce-scatter and/or all-reduces complete it."""
         storage, mesh = grads_layout(p), self.mesh
         kinds = {
-            m: _reduction(g.placements[m], storage[m], g, mesh.size(m))
+            m: _reduction(g, storage, m, mesh)
             for m in range(mesh.ndim)
             if mesh.size(m) > 1 and g.placements[m] != storage[m]
         }
@@ -236,12 +232,15 @@ class ParamGroup:
             work[i] = wrap_local(reduced, mesh, placements, g.shape, g.stride())
 
 
-def _reduction(current, storage, g, n: int) -> str | None:
-    """The one collective over an axis of `n` ranks that takes `g`'s placement there from `current` to `storage`."""
+def _reduction(g, target, m: int, mesh) -> str | None:
+    """The one collective over mesh dim `m` that takes `g`'s placement there to `target`'s. Not a reduce-scatter
+    onto a tensor dim an inner mesh dim already splits: its rows would be that axis's chunk's, not DTensor's."""
+    current, storage, n = g.placements[m], target[m], mesh.size(m)
     if not (current.is_partial() and getattr(current, "reduce_op", "sum") == "sum"):
         return None
     if storage.is_shard():
-        return "reduce-scatter" if local_of(g).shape[storage.dim] % n == 0 else None
+        inner = [x for k, x in enumerate(g.placements) if k > m and mesh.size(k) > 1 and x.is_shard(storage.dim)]
+        return "reduce-scatter" if local_of(g).shape[storage.dim] % n == 0 and not inner else None
     return "all-reduce" if storage.is_replicate() else None
 
 
