@@ -237,8 +237,9 @@ MAX_FILES_PER_ROOM = 10  # the dtensor room's: its planning kept per process, th
 # (one classification of a reduction, torch's helpers where they exist, logic done twice merged): 5,100; with
 # the hot paths' early exits kept: 5,113; a compiled graph's values placed and released by one function, the
 # wire's move checked by shard_dims: 5,091; a reduce-scatter refused onto a dim an inner axis splits, an
-# optimizer map checked for nesting the same on every rank: 5,103.
-MAX_RUNTIME_LINES, MAX_IS_COMPILING_FILES, MAX_LOCAL_TENSOR_FILES = 5_103, 1, 3
+# optimizer map checked for nesting the same on every rank: 5,103; local attention only on an even nested
+# split: 5,105.
+MAX_RUNTIME_LINES, MAX_IS_COMPILING_FILES, MAX_LOCAL_TENSOR_FILES = 5_105, 1, 3
 MAX_TRACING_CALLS, MAX_SPMD_ATTRIBUTES, MAX_LONGEST_RUNTIME_FUNCTION = 13, 19, 46
 DTENSOR_INTERNALS = (
     r"\._local_tensor\b",

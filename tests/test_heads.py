@@ -1,6 +1,7 @@
 """Attention heads split whole over tp: a mesh that would hand a rank part of a head is refused with the
 head counts and the sizes that fit, before anything is laid out; a model whose config names no head count
-gets the same diagnosis at the reshape into heads, naming the module."""
+gets the same diagnosis at the reshape into heads, naming the module. Attention with a whole mask runs on local
+tensors only where its batch splits evenly over every axis that splits it."""
 
 import re
 
@@ -142,3 +143,36 @@ def test_a_model_without_head_counts_gets_the_error_at_its_reshape():
         r"\(2, 8, 2, 16\) splits a sharded dim into groups \(heads\)",
     ):
         spmd.explain(model, spmd.Rules.default(), {"tp": 4}, batch_shape=(2, 8))
+
+
+def _masked_attention(rank, world):
+    from torch.distributed.tensor import distribute_tensor
+
+    from spmd.runtime.activations.global_view import _attention
+
+    mesh = spmd.make_mesh({"dp": 2, "fsdp": 2})
+    for batch in (8, 6):  # 6: split 3 / 3 over dp, then 2 / 1 over fsdp
+        torch.manual_seed(0)
+        q, k, v = (torch.randn(batch, 2, 4, 8) for _ in range(3))
+        mask = torch.rand(batch, 1, 4, 4) > 0.3
+        mask[..., 0] = True
+        want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        split = [distribute_tensor(t, mesh, (Shard(0), Shard(0))) for t in (q, k, v)]
+        try:
+            got = _attention(*split, attn_mask=mask)
+        except RuntimeError:  # DTensor's own attention refuses a plain mask: an error on every rank
+            assert batch == 6
+            continue
+        assert got.shape == want.shape, (batch, got.shape)
+        assert torch.allclose(got.full_tensor(), want, rtol=0, atol=1e-6), batch
+
+
+def test_masked_attention_runs_locally_only_on_an_even_split():
+    """Attention with a whole per-row mask, its batch split over dp and fsdp, on 4 processes: split evenly, each
+    rank attends with its rows of the mask and the result equals one process's within 1e-6; split unevenly (6
+    rows: 3 / 3, then 2 / 1) it is not run on local tensors, where each rank's slice of the mask and the
+    output's global shape assume even chunks. Mutation that fails it (tried): checking each mesh axis's size
+    against the whole batch rather than the product of the axes that split it."""
+    from tests.dist_utils import run_distributed
+
+    run_distributed(_masked_attention, 4, timeout_s=120)

@@ -159,11 +159,13 @@ def _split_alike(*ts) -> bool:
         isinstance(t, DTensor) and t.device_mesh == ts[0].device_mesh and t.placements == ts[0].placements for t in ts
     ):
         return False
-    mesh = ts[0].device_mesh
+    mesh, split = ts[0].device_mesh, {}  # tensor dim -> ranks it is split over (nested: each axis splits a chunk)
     for i, p in enumerate(ts[0].placements):
-        if p.is_partial() or (p.is_shard() and (p.dim not in (0, 1) or any(t.shape[p.dim] % mesh.size(i) for t in ts))):
+        if p.is_partial() or (p.is_shard() and p.dim not in (0, 1)):
             return False
-    return True
+        if p.is_shard():
+            split[p.dim] = split.get(p.dim, 1) * mesh.size(i)
+    return not any(t.shape[d] % n for t in ts for d, n in split.items())
 
 
 def _tensors(args, kwargs) -> list:
