@@ -90,7 +90,11 @@ class ParamGroup:
         if tuple(x.placements) == tuple(placements):
             return x.view_as(x) if x is p else x
         with tags.reason(module, why.format(self.params[0]._spmd_name)):
-            moved = gather_on_wire(x, placements, shard_dims(x.placements, placements, self.mesh), state.wire)
+            moved = (  # (no wire, no dims to work out: this runs per parameter and step)
+                None
+                if state.wire is None
+                else gather_on_wire(x, placements, shard_dims(x.placements, placements, self.mesh), state.wire)
+            )
             return x.redistribute(placements=placements) if moved is None else moved
 
     def issue(self, dtype, why: str):
